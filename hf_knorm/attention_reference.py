@@ -1,0 +1,56 @@
+"""A plain reference of the plugin's attention, for tests: the whole score matrix at once, K/V repeated for GQA.
+
+Written independently of ``attention.py`` and of ``Normalization.weights`` (it reads only ``power``, ``constant``
+and ``sqrt_n``), so that the memory-efficient path is checked against a second formulation of the same definition.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .normalizations import Normalization
+
+
+def reference_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: torch.Tensor | None,
+    normalization: Normalization,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference attention in fp32.
+
+    Args:
+        query ``(B, H_q, q, D)``; key, value ``(B, H_kv, kv, D)``; allowed: bool ``(B or 1, 1, q, kv)`` or None (then
+        ``causal`` means a top-left causal mask).
+
+    Returns:
+        ``(output (B, q, H_q, D) in the query dtype, weights (B, H_q, q, kv) fp32)``.
+    """
+    groups = query.shape[1] // key.shape[1]
+    k = key.float().repeat_interleave(groups, dim=1)
+    v = value.float().repeat_interleave(groups, dim=1)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = query.float() @ k.transpose(-1, -2) * scaling
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if allowed is None:
+        q_len, kv_len = scores.shape[-2:]
+        allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device)
+        if causal:
+            allowed = allowed.tril()
+    allowed = allowed.expand_as(scores)
+    if normalization.is_softmax:
+        weights = torch.softmax(torch.where(allowed, scores, float("-inf")), dim=-1)
+        weights = torch.nan_to_num(weights, nan=0.0)  # rows with nothing to attend
+    else:
+        weights = torch.where(allowed, scores, torch.zeros_like(scores)) ** normalization.power
+        if normalization.sqrt_n:
+            weights = weights / allowed.sum(-1, keepdim=True).clamp_min(1).float().sqrt()
+        else:
+            weights = weights / normalization.constant
+    output = (weights @ v).transpose(1, 2).to(query.dtype)
+    return output, weights

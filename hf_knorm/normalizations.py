@@ -1,0 +1,130 @@
+"""Attention normalizations: softmax and the polynomial family ``x^p/c`` of "Rethinking Softmax".
+
+Source: Saratchandran, Zheng, Ji, Zhang, Lucey, "Rethinking Softmax: Self-Attention with Polynomial Activations",
+arXiv 2410.18613. Softmax bounds the Frobenius norm of the attention matrix by sqrt(N); a polynomial phi(s) = s^p / c
+applied elementwise to the scaled scores, with c = sqrt(N), keeps that norm in the same range without normalizing rows.
+
+Semantics chosen here (the paper trained encoders only; causal masks, padding and caches are ours to define):
+
+- s_ij is the model's own score: ``scaling * q_i . k_j`` plus whatever the architecture adds (Gemma2's softcap).
+- ``w_ij = s_ij ** p / c``: no row normalization; an odd power keeps the sign of the score (negative weights are
+  intended by the paper).
+- Masked pairs contribute exactly 0: the score is zeroed *before* the power (phi(0) = 0, and no inf or NaN can come
+  from the power of a large masked value, in the forward or the backward pass).
+- ``c = sqrtN``: ``c_i = sqrt(number of keys query i may attend)``, so a token gets the same constant whether it is
+  computed in a full prefill or decoded alone against a cache; for an unmasked encoder this is the paper's sqrt(N).
+- Scores and weights are computed in fp32 whatever the input dtype.
+
+Accepted spellings (the paper's legend): ``softmax``, ``x/1``, ``x/16``, ``x^3/1``, ``x^3/16`` (``x³/16`` too),
+``x^3/sqrtN``; generally ``x^p/c`` with an integer ``p >= 1`` and a constant ``c > 0`` or ``sqrtN``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+ACCEPTED_FORMS = "softmax, x/1, x/16, x^3/1, x^3/16 (x³/16), x^3/sqrtN, or generally x^p/c with integer p >= 1 and c > 0 or sqrtN"
+PAPER_NORMALIZATIONS = ("softmax", "x/1", "x/16", "x^3/1", "x^3/16", "x^3/sqrtN")
+
+_SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹", "0123456789")
+_POLYNOMIAL = re.compile(r"^x(?:\^(?P<power>[+-]?\d+)|(?P<sup>[⁰¹²³⁴⁵⁶⁷⁸⁹]+))?/(?P<constant>sqrt\(?N\)?|[^/]+)$")
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """One attention normalization.
+
+    Attributes:
+        power: the exponent ``p`` of ``x^p/c``; ``None`` for softmax.
+        constant: the divisor ``c``; ``None`` for softmax and for the sqrtN rule.
+        sqrt_n: divide each row by the square root of its number of attended keys.
+    """
+
+    power: int | None
+    constant: float | None = None
+    sqrt_n: bool = False
+
+    @property
+    def is_softmax(self) -> bool:
+        return self.power is None
+
+    @property
+    def name(self) -> str:
+        """The canonical spelling, e.g. ``"x^3/16"``, ``"x/1"``, ``"x^3/sqrtN"``, ``"softmax"``."""
+        if self.is_softmax:
+            return "softmax"
+        base = "x" if self.power == 1 else f"x^{self.power}"
+        if self.sqrt_n:
+            return f"{base}/sqrtN"
+        constant = int(self.constant) if float(self.constant).is_integer() else self.constant
+        return f"{base}/{constant}"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def weights(self, scores: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        """Turn scores into attention weights.
+
+        Args:
+            scores: fp32 scores, shape ``(..., q, kv)``.
+            allowed: bool mask broadcastable to ``scores`` (True = may attend), or ``None`` for no mask.
+
+        Returns:
+            Weights of the shape of ``scores``; masked pairs are exactly 0, and so is a row with no allowed key.
+        """
+        if self.is_softmax:
+            if allowed is None:
+                return torch.softmax(scores, dim=-1)
+            weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+            # A row with no allowed key (a padded query) is 0/0 in softmax: give it zero weights instead of NaN.
+            return weights.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, 0.0)  # before the power: phi(0) = 0, and no inf/NaN from a masked value
+        weights = scores if self.power == 1 else scores.pow(self.power)
+        if not self.sqrt_n:
+            return weights / self.constant
+        if allowed is None:
+            return weights / math.sqrt(scores.shape[-1])
+        counts = allowed.sum(dim=-1, keepdim=True, dtype=torch.float32).clamp_min(1.0)
+        return weights / counts.sqrt()
+
+
+@lru_cache(maxsize=64)
+def parse_normalization(spelling: str | Normalization) -> Normalization:
+    """Parse a spelling such as ``"x^3/16"`` into a :class:`Normalization`.
+
+    Raises:
+        ValueError: the spelling is not one of the accepted forms (the message lists them).
+    """
+    if isinstance(spelling, Normalization):
+        return spelling
+    if not isinstance(spelling, str):
+        raise ValueError(f"A normalization is a string, got {type(spelling).__name__}. Accepted: {ACCEPTED_FORMS}.")
+    text = spelling.strip().replace(" ", "")
+    if text.lower() == "softmax":
+        return Normalization(power=None)
+    match = _POLYNOMIAL.match(text)
+    if match is None:
+        raise ValueError(f"Unknown normalization {spelling!r}. Accepted: {ACCEPTED_FORMS}.")
+    power_text = match["power"] or (match["sup"] or "1").translate(_SUPERSCRIPTS)
+    power = int(power_text)
+    if power < 1:
+        raise ValueError(f"Normalization {spelling!r}: the power p must be an integer >= 1, got {power}.")
+    constant_text = match["constant"]
+    if constant_text.startswith("sqrt"):
+        return Normalization(power=power, sqrt_n=True)
+    try:
+        constant = float(constant_text)
+    except ValueError:
+        raise ValueError(
+            f"Normalization {spelling!r}: the constant c must be a positive number or sqrtN, got {constant_text!r}. "
+            f"Accepted: {ACCEPTED_FORMS}."
+        ) from None
+    if not (constant > 0 and math.isfinite(constant)):
+        raise ValueError(f"Normalization {spelling!r}: the constant c must be a finite number > 0, got {constant_text}.")
+    return Normalization(power=power, constant=constant)

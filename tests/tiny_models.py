@@ -1,0 +1,88 @@
+"""Tiny random models built from configs, one per registered architecture (no download).
+
+Sizes are small enough for the CPU yet keep what matters: GQA (4 query heads over 2 KV heads where the family allows
+it), sliding windows shorter than the test sequences (mistral, gemma2, gemma3), Gemma2's logit softcapping, QK-norm
+(qwen3, gemma3), fused QKV projections (phi3, gpt2, gpt_neox), partial rotary (gpt_neox, phi3).
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers as tf
+
+VOCAB = 128
+_TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_COMMON = dict(**_TOKENS, vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+
+
+def _decoder_configs() -> dict[str, tf.PreTrainedConfig]:
+    gqa = dict(_COMMON, num_key_value_heads=2, max_position_embeddings=256)
+    return {
+        "llama": tf.LlamaConfig(**gqa),
+        "mistral": tf.MistralConfig(**gqa, sliding_window=5),
+        "qwen2": tf.Qwen2Config(**gqa, attention_bias=True),
+        "qwen3": tf.Qwen3Config(**gqa, head_dim=16),
+        "gemma2": tf.Gemma2Config(
+            **gqa, head_dim=16, sliding_window=5, attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
+            query_pre_attn_scalar=16,
+        ),
+        "gemma3_text": tf.Gemma3TextConfig(
+            **gqa, head_dim=16, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=16,
+        ),
+        "phi3": tf.Phi3Config(**gqa, partial_rotary_factor=0.5),
+        "gpt2": tf.GPT2Config(**_TOKENS, vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256),
+        "gpt_neox": tf.GPTNeoXConfig(
+            **_TOKENS, vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            rotary_pct=0.5, max_position_embeddings=256,
+        ),
+    }
+
+
+DECODER_TYPES = tuple(_decoder_configs())
+ENCODER_TYPES = ("bert", "vit")
+ALL_TYPES = DECODER_TYPES + ENCODER_TYPES
+
+
+def tiny_config(model_type: str) -> tf.PreTrainedConfig:
+    """A fresh tiny config of ``model_type`` (one of ``ALL_TYPES``)."""
+    if model_type == "bert":
+        return tf.BertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=4, max_position_embeddings=256)
+    if model_type == "vit":
+        return tf.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=64, intermediate_size=96,
+                            num_hidden_layers=2, num_attention_heads=4)
+    return _decoder_configs()[model_type]
+
+
+def native_attention(model_type: str) -> str:
+    """Transformers' own attention for the family: sdpa, or eager where sdpa is refused (Gemma2's softcapping)."""
+    return "eager" if model_type == "gemma2" else "sdpa"
+
+
+def tiny_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):
+    """A tiny random model in eval mode: a causal LM for decoders, the base model for bert and vit."""
+    config = tiny_config(model_type)
+    config._attn_implementation = attn_implementation or native_attention(model_type)
+    torch.manual_seed(seed)
+    if model_type == "bert":
+        model = tf.BertModel(config)
+    elif model_type == "vit":
+        model = tf.ViTModel(config)
+    else:
+        model = tf.AutoModelForCausalLM.from_config(config)
+    # Random init leaves attention near-uniform; larger weights make the normalizations tell apart.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2 and "emb" not in name:
+                param.mul_(4.0)
+    return model.to(dtype).eval()
+
+
+def tiny_inputs(model_type: str, batch: int = 2, length: int = 12, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random inputs: ``input_ids`` (+ ``attention_mask``) for text models, ``pixel_values`` for vit."""
+    generator = torch.Generator().manual_seed(seed)
+    if model_type == "vit":
+        return {"pixel_values": torch.randn(batch, 3, 16, 16, generator=generator)}
+    ids = torch.randint(3, VOCAB, (batch, length), generator=generator)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
