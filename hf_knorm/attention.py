@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .normalizations import Normalization, parse_normalization
+from .kv_transform import current_kv_transform
 from .norm_statistics import current_recorder
 
 ATTENTION_NAME = "hf_knorm"
@@ -50,6 +51,9 @@ def hf_knorm_attention(
         ``(output (B, q, H_q, D), weights (B, H_q, q, kv) or None)``; weights only with ``output_attentions=True``.
     """
     normalization = normalization_of(module)
+    transform = current_kv_transform()
+    if transform is not None:
+        key, value = transform(module, key, value)
     recorder = current_recorder()
     frobenius_sq = None
     if recorder is not None:

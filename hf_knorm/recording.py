@@ -1,4 +1,4 @@
-"""``record_norms``: gather per-layer norm statistics from any supported model's forward passes."""
+"""Run a model through the plugin's attention for a while: to record norm statistics or transform K/V."""
 
 from __future__ import annotations
 
@@ -12,11 +12,25 @@ from .patching import patch, patched_normalization, unpatch
 
 
 @contextmanager
+def routed_through_plugin(model: nn.Module):
+    """Inside the block, ``model``'s attention runs through the plugin's function.
+
+    A patched model is left as it is. A model that is not patched is patched with ``softmax`` (the same function as
+    its own attention, tested to fp32 tolerance) and unpatched afterwards, even on error.
+    """
+    temporary = patched_normalization(model) is None
+    if temporary:
+        patch(model, "softmax")
+    try:
+        yield model
+    finally:
+        if temporary:
+            unpatch(model)
+
+
+@contextmanager
 def record_norms(model: nn.Module, keys_values: bool = True, attention: bool = True):
     """Record attention-matrix and K/V channel norms of the forward passes run inside the block.
-
-    A model that is not patched is patched with ``softmax`` for the duration (the same function as its own
-    attention; tested to fp32 tolerance) and unpatched afterwards, even on error.
 
     Example:
         >>> with hf_knorm.record_norms(model) as recorder:
@@ -26,12 +40,6 @@ def record_norms(model: nn.Module, keys_values: bool = True, attention: bool = T
     Yields:
         The :class:`~hf_knorm.norm_statistics.NormRecorder`, one ``LayerNorms`` per attention layer.
     """
-    temporary = patched_normalization(model) is None
-    if temporary:
-        patch(model, "softmax")
-    try:
+    with routed_through_plugin(model):
         with NormRecorder([m for _, m in attention_modules(model)], keys_values, attention) as recorder:
             yield recorder
-    finally:
-        if temporary:
-            unpatch(model)
