@@ -18,6 +18,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .normalizations import Normalization, parse_normalization
+try:  # Transformers' record of the outputs being captured (5.x); absent, only the kwarg is read
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # pragma: no cover
+    _active_collector = None
+
 from .kv_transform import current_kv_transform
 from .norm_statistics import current_recorder
 
@@ -68,12 +73,24 @@ def hf_knorm_attention(
         softcap=kwargs.get("softcap"),
         dropout=dropout if module.training else 0.0,
         causal=bool(kwargs.get("is_causal", getattr(module, "is_causal", False))),
-        return_weights=bool(kwargs.get("output_attentions", False)),
+        return_weights=_attentions_requested(kwargs),
         frobenius_sq=frobenius_sq,
     )
     if recorder is not None:
         recorder.record(module, key, value, attention_mask, frobenius_sq.reshape(query.shape[0], query.shape[1]))
     return output, weights
+
+
+def _attentions_requested(kwargs: dict) -> bool:
+    """Whether the caller records attention weights (``output_attentions=True``).
+
+    Some families (GPT-2) consume ``output_attentions`` before calling the attention function; Transformers'
+    output-capturing context then tells whether attentions are being collected.
+    """
+    if kwargs.get("output_attentions"):
+        return True
+    collected = _active_collector.get() if _active_collector is not None else None
+    return collected is not None and "attentions" in collected
 
 
 def normalization_of(module: torch.nn.Module) -> Normalization:
@@ -121,7 +138,7 @@ def chunked_attention(
         chunk_elements: at most this many scores per chunk.
 
     Returns:
-        ``(output (B, q, H_q, D_v) in the query dtype, weights in fp32 or None)``.
+        ``(output (B, q, H_q, D_v) in the query dtype, weights in fp32 (fp64 for fp64 inputs) or None)``.
     """
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
@@ -135,9 +152,10 @@ def chunked_attention(
         key, value, kv_len = key[:, :, :q_len], value[:, :, :q_len], min(kv_len, q_len)
     allowed, bias = _grouped(allowed, kv_heads, groups, kv_len), _grouped(bias, kv_heads, groups, kv_len)
 
-    # fp32 throughout: q/k/v are linear in N, so the upcast copies are cheap next to the scores.
-    q = query.float().reshape(batch, kv_heads, groups, q_len, head_dim)  # (B, H_kv, G, q, D)
-    k, v = key.float(), value.float()
+    # fp32 (fp64 for fp64 inputs) throughout: q/k/v are linear in N, so upcast copies are cheap next to the scores.
+    compute = torch.promote_types(query.dtype, torch.float32)
+    q = query.to(compute).reshape(batch, kv_heads, groups, q_len, head_dim)  # (B, H_kv, G, q, D)
+    k, v = key.to(compute), value.to(compute)
     rows = max(1, chunk_elements // max(1, batch * q_heads * kv_len))
     use_checkpoint = torch.is_grad_enabled() and not return_weights and any(
         t.requires_grad for t in (query, key, value)
@@ -211,7 +229,7 @@ def _split_mask(mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.T
     if mask is None or mask.dtype == torch.bool:
         return mask, None
     allowed = mask > torch.finfo(mask.dtype).min / 2
-    bias = torch.where(allowed, mask, torch.zeros((), dtype=mask.dtype, device=mask.device)).float()
+    bias = torch.where(allowed, mask, torch.zeros((), dtype=mask.dtype, device=mask.device)).float()  # (.., q, kv)
     return allowed, (bias if bool(bias.any()) else None)
 
 

@@ -21,7 +21,7 @@ def reference_attention(
     softcap: float | None = None,
     causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference attention in fp32.
+    """Reference attention in fp32 (fp64 for fp64 inputs).
 
     Args:
         query ``(B, H_q, q, D)``; key, value ``(B, H_kv, kv, D)``; allowed: bool ``(B or 1, 1, q, kv)`` or None (then
@@ -31,10 +31,11 @@ def reference_attention(
         ``(output (B, q, H_q, D) in the query dtype, weights (B, H_q, q, kv) fp32)``.
     """
     groups = query.shape[1] // key.shape[1]
-    k = key.float().repeat_interleave(groups, dim=1)
-    v = value.float().repeat_interleave(groups, dim=1)
+    compute = torch.promote_types(query.dtype, torch.float32)
+    k = key.to(compute).repeat_interleave(groups, dim=1)
+    v = value.to(compute).repeat_interleave(groups, dim=1)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    scores = query.float() @ k.transpose(-1, -2) * scaling
+    scores = query.to(compute) @ k.transpose(-1, -2) * scaling
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     if allowed is None:
@@ -49,7 +50,7 @@ def reference_attention(
     else:
         weights = torch.where(allowed, scores, torch.zeros_like(scores)) ** normalization.power
         if normalization.sqrt_n:
-            weights = weights / allowed.sum(-1, keepdim=True).clamp_min(1).float().sqrt()
+            weights = weights / allowed.sum(-1, keepdim=True).clamp_min(1).to(compute).sqrt()
         else:
             weights = weights / normalization.constant
     output = (weights @ v).transpose(1, 2).to(query.dtype)

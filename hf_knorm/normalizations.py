@@ -90,7 +90,7 @@ class Normalization:
             return weights / self.constant
         if allowed is None:
             return weights / math.sqrt(scores.shape[-1])
-        counts = allowed.sum(dim=-1, keepdim=True, dtype=torch.float32).clamp_min(1.0)
+        counts = allowed.sum(dim=-1, keepdim=True, dtype=scores.dtype).clamp_min(1.0)
         return weights / counts.sqrt()
 
 
