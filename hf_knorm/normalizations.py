@@ -67,12 +67,13 @@ class Normalization:
     def __str__(self) -> str:
         return self.name
 
-    def weights(self, scores: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    def weights(self, scores: torch.Tensor, allowed: torch.Tensor | None, inplace: bool = False) -> torch.Tensor:
         """Turn scores into attention weights.
 
         Args:
-            scores: fp32 scores, shape ``(..., q, kv)``.
+            scores: fp32 (or fp64) scores, shape ``(..., q, kv)``.
             allowed: bool mask broadcastable to ``scores`` (True = may attend), or ``None`` for no mask.
+            inplace: overwrite ``scores`` (inference only: saves memory traffic; autograd needs the original).
 
         Returns:
             Weights of the shape of ``scores``; masked pairs are exactly 0, and so is a row with no allowed key.
@@ -83,15 +84,18 @@ class Normalization:
             weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
             # A row with no allowed key (a padded query) is 0/0 in softmax: give it zero weights instead of NaN.
             return weights.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)
+        if not inplace:
+            scores = scores.clone()
         if allowed is not None:
-            scores = scores.masked_fill(~allowed, 0.0)  # before the power: phi(0) = 0, and no inf/NaN from a masked value
-        weights = scores if self.power == 1 else scores.pow(self.power)
+            scores.masked_fill_(~allowed, 0.0)  # before the power: phi(0) = 0, and no inf/NaN from a masked value
+        if self.power != 1:
+            scores.pow_(self.power)
         if not self.sqrt_n:
-            return weights / self.constant
+            return scores.div_(self.constant)
         if allowed is None:
-            return weights / math.sqrt(scores.shape[-1])
+            return scores.div_(math.sqrt(scores.shape[-1]))
         counts = allowed.sum(dim=-1, keepdim=True, dtype=scores.dtype).clamp_min(1.0)
-        return weights / counts.sqrt()
+        return scores.div_(counts.sqrt_())
 
 
 @lru_cache(maxsize=64)
