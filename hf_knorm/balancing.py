@@ -30,7 +30,6 @@ composes), so :func:`key_scales` recovers the original basis: ``original key = b
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,6 +37,7 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from .architectures import architecture_of, attention_modules
+from .balance_report import BalanceReport, KVNorms
 from .kv_layouts import KVLayout, kv_layouts
 from .recording import record_norms
 from .version import __version__
@@ -48,74 +48,6 @@ TOLERANCES = {torch.float64: 1e-6, torch.float32: 1e-4, torch.float16: 2e-2, tor
 """Default allowed max |logit change| / max(1, max |logit|), by parameter dtype (fp64 is not tighter than 1e-6:
 Gemma3's norms compute in fp32 even in fp64 models)."""
 VERIFY_TOKENS = 128
-
-
-@dataclass
-class KVNorms:
-    """Per-layer, per-channel L2 norms over the calibration tokens (post-RoPE keys; channel ``h * head_dim + d``).
-
-    Attributes:
-        keys, values: one fp64 ``(H_kv * D,)`` tensor per layer.
-        tokens: calibration tokens per layer.
-    """
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    tokens: int
-
-    def ratios(self) -> torch.Tensor:
-        """``(L,)`` mean key-channel norm / mean value-channel norm per layer."""
-        return torch.stack([k.mean() / v.mean() for k, v in zip(self.keys, self.values)])
-
-
-@dataclass
-class BalanceReport:
-    """What :func:`balance_kv` did: norms before and after (both measured), the scales folded, the check.
-
-    Attributes:
-        mode, alpha: the settings (``alpha`` only for ``"channel"``).
-        before, after: :class:`KVNorms` of the model before and after this balancing.
-        key_scales, value_scales: per layer ``(H_kv, D)`` ``s`` and ``t`` of this call (K' = K/s, V' = V*t).
-        max_logit_change: max |logits after - logits before| on the verification tokens; tolerance: the bound used.
-    """
-
-    mode: str
-    alpha: float | None
-    before: KVNorms
-    after: KVNorms
-    key_scales: list[torch.Tensor]
-    value_scales: list[torch.Tensor]
-    max_logit_change: float
-    tolerance: float
-
-    def plot(self, path: str | Path, layer: int | None = None) -> Path:
-        """The seed figure for one layer (default: the middle one): "Original kv-norm" over "Balanced kv-norm"."""
-        from .plots import plot_kv_norms
-
-        layer = len(self.before.keys) // 2 if layer is None else layer
-        if not 0 <= layer < len(self.before.keys):
-            raise ValueError(f"layer must be in 0..{len(self.before.keys) - 1}, got {layer}.")
-        return plot_kv_norms(self.before.keys[layer], self.before.values[layer], self.after.keys[layer],
-                             self.after.values[layer], path, title=f"layer {layer}, mode={self.mode}")
-
-    def plot_summary(self, path: str | Path) -> Path:
-        """K/V mean-norm ratio per layer, before and after."""
-        from .plots import plot_kv_ratios
-
-        return plot_kv_ratios(self.before.ratios(), self.after.ratios(), path, title=f"mode={self.mode}")
-
-    def to_dict(self) -> dict:
-        """JSON-ready numbers: settings, the check, and per layer the norms, means and ratios before and after."""
-        layers = []
-        for i in range(len(self.before.keys)):
-            entry = {"layer": i}
-            for name, norms in (("before", self.before), ("after", self.after)):
-                k, v = norms.keys[i], norms.values[i]
-                entry[name] = {"key_mean": k.mean().item(), "value_mean": v.mean().item(),
-                               "ratio": (k.mean() / v.mean()).item(), "keys": k.tolist(), "values": v.tolist()}
-            layers.append(entry)
-        return {"mode": self.mode, "alpha": self.alpha, "calibration_tokens": self.before.tokens,
-                "max_logit_change": self.max_logit_change, "tolerance": self.tolerance, "layers": layers}
 
 
 def balance_kv(model: nn.Module, tokenizer, calibration, mode: str = "layer", *, alpha: float = 0.5,
@@ -303,3 +235,16 @@ def _output(model: nn.Module, batch: dict) -> torch.Tensor:
     extra = {"use_cache": False} if architecture_of(model).causal else {}
     out = model(**batch, **extra)
     return (out.logits if getattr(out, "logits", None) is not None else out[0]).double()
+
+
+def kv_norms_job(model_name: str, mode: str, out: str | Path, *, alpha: float = 0.5, layer: int | None = None,
+                 calibration_tokens: int = 4096, progress: bool = True) -> dict[str, Path]:
+    """The ``hf-knorm kv-norms`` job: balance ``model_name`` (``"default"`` or a folder) on Shakespeare's works (the
+    training split) and write the seed figure for ``layer``, the per-layer K/V ratio summary and the numbers (JSON)."""
+    from .data import shakespeare_split
+    from .persistence import load_model
+
+    model, tokenizer = load_model(model_name)
+    texts, _ = shakespeare_split()
+    report = balance_kv(model, tokenizer, texts, mode, alpha=alpha, max_tokens=calibration_tokens, progress=progress)
+    return report.save(out, layer)

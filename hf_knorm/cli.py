@@ -32,6 +32,20 @@ def _build_parser() -> argparse.ArgumentParser:
 
     # --- further subcommands are added below this line, one block each ---
 
+    kv_norms = commands.add_parser(
+        "kv-norms",
+        help="K/V balancing: per-channel key/value norms before and after (TransMLA's 'Original vs. Balanced kv-norm')",
+        description="Balance the model's keys and values exactly (hf_knorm.balance_kv) on Shakespeare's works and write "
+        "the figure for one layer, the K/V mean-norm ratio of every layer before and after, and the numbers as JSON.",
+    )
+    kv_norms.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a checkpoint folder")
+    kv_norms.add_argument("--mode", choices=("layer", "channel"), default="layer", help="one scale per layer or per channel")
+    kv_norms.add_argument("--alpha", type=float, default=0.5, help="migration strength of --mode channel, in (0, 1]")
+    kv_norms.add_argument("--layer", type=int, default=None, help="layer of the figure (default: the middle one)")
+    kv_norms.add_argument("--calibration-tokens", type=int, default=4096, help="calibration tokens (default 4096)")
+    kv_norms.add_argument("--out", type=Path, default=Path("outputs/kv_norms"), help="output folder")
+    kv_norms.set_defaults(run=_run_kv_norms)
+
     return parser
 
 
@@ -39,6 +53,16 @@ def _run_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     run_demo(args.model, args.normalizations.split(","), args.out)
+    return 0
+
+
+def _run_kv_norms(args: argparse.Namespace) -> int:
+    from .balancing import kv_norms_job
+
+    paths = kv_norms_job(args.model, args.mode, args.out, alpha=args.alpha, layer=args.layer,
+                         calibration_tokens=args.calibration_tokens)
+    for name, path in paths.items():
+        print(f"{name}: {path}")
     return 0
 
 
