@@ -69,6 +69,16 @@ def balance_kv(model: nn.Module, tokenizer, calibration, mode: str = "layer", *,
         ValueError: bad settings, unsupported layout, empty or too-short calibration, non-finite activations, or a
             fold that changes the logits beyond the tolerance. The weights are then exactly as they were.
     """
+    training = model.training
+    model.eval()  # calibration and the check must not see dropout
+    try:
+        return _balance_kv(model, tokenizer, calibration, mode, alpha, max_length, max_tokens, min_tokens, tolerance,
+                           progress)
+    finally:
+        model.train(training)
+
+
+def _balance_kv(model, tokenizer, calibration, mode, alpha, max_length, max_tokens, min_tokens, tolerance, progress):
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
     if not 0.0 < alpha <= 1.0:
@@ -132,7 +142,9 @@ def calibration_batches(model: nn.Module, tokenizer, calibration, max_length: in
     """Calibration inputs as a list of single-sequence batches on the model's device (see :func:`balance_kv`)."""
     if isinstance(calibration, (str, Mapping)):
         calibration = [calibration]
-    if not isinstance(calibration, Sequence) or len(calibration) == 0:
+    if not isinstance(calibration, Sequence):
+        raise ValueError(f"calibration must be a list of texts or of input dicts, got {type(calibration).__name__}.")
+    if len(calibration) == 0:
         raise ValueError("calibration is empty: pass a list of texts (a few thousand tokens are plenty).")
     device = next(model.parameters()).device
     if all(isinstance(item, Mapping) for item in calibration):

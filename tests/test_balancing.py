@@ -222,6 +222,22 @@ def test_nan_activations_are_refused():
     _assert_same_state(model, state)
 
 
+def test_training_mode_is_kept_and_dropout_ignored():
+    model = tiny_model("llama", dtype=torch.float64)
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    model.train()
+    assert not torch.equal(_out(model, tiny_inputs("llama")), _out(model, tiny_inputs("llama")))  # dropout is live
+    balance_kv(model, None, _calibration("llama"), mode="channel", progress=False)  # dropout would fail the check
+    assert model.training
+
+
+def test_calibration_must_be_a_list():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="must be a list"):
+        balance_kv(model, None, (t for t in ["a generator"]), progress=False)
+
+
 def test_failed_verification_restores_the_weights():
     model = tiny_model("llama")  # fp32: the fold changes logits by ~1e-6, more than a zero tolerance
     state = _state(model)
