@@ -12,6 +12,8 @@ Importing the package registers the ``"hf_knorm"`` attention and mask functions 
 from .architectures import SUPPORTED_ARCHITECTURES, architecture_of, attention_modules
 from .balancing import BalanceReport, KVNorms, balance_kv, key_scales, value_scales
 from .default_model import DEFAULT_MODEL_HUB_ID, load_default_model
+from .knorm_cache import KNormCache
+from .knorm_pipeline import KNormTextGenerationPipeline, knorm_cache_for, knorm_generate, register_pipeline
 from .normalizations import PAPER_NORMALIZATIONS, Normalization, parse_normalization
 from .norm_statistics import LayerNorms, NormRecorder
 from .patching import patch, patched_normalization, register, unpatch
@@ -20,12 +22,15 @@ from .recording import record_norms
 from .version import __version__
 
 register()
+register_pipeline()
 
 __all__ = [
     "BalanceReport",
     "DEFAULT_MODEL_HUB_ID",
     "PAPER_NORMALIZATIONS",
     "SUPPORTED_ARCHITECTURES",
+    "KNormCache",
+    "KNormTextGenerationPipeline",
     "KVNorms",
     "LayerNorms",
     "NormRecorder",
@@ -36,6 +41,8 @@ __all__ = [
     "balance_kv",
     "from_pretrained",
     "key_scales",
+    "knorm_cache_for",
+    "knorm_generate",
     "load_default_model",
     "load_model",
     "parse_normalization",
