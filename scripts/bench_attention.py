@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hf_knorm.attention import chunked_attention
+from hf_knorm.chunked_attention import chunked_attention
 from hf_knorm.normalizations import parse_normalization
 
 IMPLEMENTATIONS = ("sdpa", "x^3/16", "x^3/sqrtN")

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from hf_knorm.attention import chunked_attention
+from hf_knorm.chunked_attention import chunked_attention
+from hf_knorm.attention import split_mask
 from hf_knorm.attention_reference import reference_attention
 from hf_knorm.normalizations import PAPER_NORMALIZATIONS, parse_normalization
 
@@ -119,7 +120,9 @@ def test_half_precision_computes_the_power_in_fp32(dtype):
     q, k = q * 4, k * 4
     mask = _padded_causal_mask(2, 16, 16, pad=4)
     additive = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)  # eager-style mask
-    out, _ = chunked_attention(q.to(dtype), k.to(dtype), v.to(dtype), additive, normalization)
+    allowed, bias = split_mask(additive)
+    assert bias is None and torch.equal(allowed, mask)
+    out, _ = chunked_attention(q.to(dtype), k.to(dtype), v.to(dtype), allowed, normalization)
     ref, _ = reference_attention(q.to(dtype).double(), k.to(dtype).double(), v.to(dtype).double(), mask, normalization)
     assert out.dtype == dtype and torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
@@ -140,3 +143,35 @@ def test_bad_head_counts_raise():
     q, k, v = _tensors(q_heads=5, kv_heads=2)
     with pytest.raises(ValueError, match="cannot be grouped"):
         chunked_attention(q, k, v, None, parse_normalization("x/1"))
+
+
+@pytest.mark.parametrize("spelling", ["softmax", "x^3/sqrtN", "x/1"])
+def test_all_training_paths_agree(spelling):
+    """Hand-written backward (default), autograd with returned weights, and checkpointed autograd (dropout)."""
+    normalization = parse_normalization(spelling)
+    q, k, v = _tensors(q_len=21, kv_len=21)
+    mask = _padded_causal_mask(2, 21, 21, pad=3)
+    results = []
+    for options in (dict(), dict(return_weights=True)):
+        out, _ = chunked_attention(q, k, v, mask, normalization, softcap=3.0, chunk_elements=200, **options)
+        results.append((out, torch.autograd.grad(out.square().sum(), (q, k, v))))
+    for (out, grads), (ref_out, ref_grads) in zip(results[1:], results[:1]):
+        torch.testing.assert_close(out, ref_out)
+        for grad, ref_grad in zip(grads, ref_grads):
+            torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-9)
+    dropped = []
+    for options in (dict(), dict(return_weights=True)):  # checkpointed vs kept chunks: same dropout masks
+        torch.manual_seed(7)
+        out, _ = chunked_attention(q, k, v, mask, normalization, dropout=0.3, chunk_elements=200, **options)
+        dropped.append((out, torch.autograd.grad(out.square().sum(), (q, k, v))))
+    torch.testing.assert_close(dropped[0][0], dropped[1][0])
+    for grad, ref_grad in zip(dropped[0][1], dropped[1][1]):
+        torch.testing.assert_close(grad, ref_grad)
+    assert not torch.allclose(dropped[0][0], results[0][0])
+
+
+def test_additive_mask_with_biases_is_split():
+    mask = torch.tensor([[0.0, -1.5, torch.finfo(torch.float32).min]]).view(1, 1, 1, 3)
+    allowed, bias = split_mask(mask)
+    assert allowed.tolist() == [[[[True, True, False]]]]
+    assert bias.tolist() == [[[[0.0, -1.5, 0.0]]]]

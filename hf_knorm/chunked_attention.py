@@ -1,0 +1,264 @@
+"""The attention kernel: any normalization, query-row chunks, memory linear in N in the forward and backward pass.
+
+The B x H x N x N scores are never materialized. Queries are processed in row chunks of at most ``chunk_elements``
+scores (every chunk holds whole rows, so softmax needs no running statistics), and keys a chunk cannot attend
+(beyond the causal diagonal, outside a sliding window) are skipped. GQA groups the query heads of each KV head
+instead of repeating K and V.
+
+Training uses :class:`_ChunkedAttention`, a hand-written backward in the FlashAttention style: each chunk's scores
+are recomputed and dQ, dK, dV are accumulated chunk by chunk into preallocated buffers. With attention dropout, or
+when differentiable weights are requested, autograd runs over the chunks instead (recomputed with
+``torch.utils.checkpoint``). ``attention_reference.py`` holds the plain formulation all of this is tested against.
+
+Gradients, with ``s`` the (softcapped) score, ``w = phi(s)`` and ``dW = dO V^T``:
+    polynomial ``phi(s) = s^p / c``:  ``dS = dW * p * s^(p-1) / c`` on allowed pairs, 0 elsewhere;
+    softmax:                          ``dS = w * (dW - rowsum(dO * O))``;
+    softcap ``s = cap * tanh(r / cap)``: ``dR = dS * (1 - tanh^2)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .normalizations import Normalization
+
+DEFAULT_CHUNK_ELEMENTS = 1 << 20  # scores per chunk: 4 MiB in fp32 (larger chunks measured slower on CPU)
+
+
+@dataclass
+class _Plan:
+    """What every chunk shares. Masks are 5-D: ``(B or 1, H_kv or 1, G or 1, q, kv)``."""
+
+    allowed: torch.Tensor | None
+    bias: torch.Tensor | None
+    normalization: Normalization
+    softcap: float | None
+    implicit_causal: bool
+    rows: int
+    q_len: int
+    kv_len: int
+
+    def chunks(self, device):
+        """Yield ``(start, stop, allowed, bias, lo, hi)`` per row chunk; masks cut to the attended keys ``lo:hi``."""
+        for start in range(0, self.q_len, self.rows):
+            stop = min(self.q_len, start + self.rows)
+            if self.allowed is not None:
+                allowed = self.allowed[..., start:stop, :]
+            elif self.implicit_causal:  # top-left causal, built per chunk
+                allowed = (torch.arange(self.kv_len, device=device) <= torch.arange(start, stop, device=device)[:, None])
+                allowed = allowed[None, None, None]
+            else:
+                allowed = None
+            lo, hi = _attended_key_range(allowed, self.kv_len)
+            bias = None if self.bias is None else self.bias[..., start:stop, lo:hi]
+            yield start, stop, None if allowed is None else allowed[..., lo:hi], bias, lo, hi
+
+
+def chunked_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: torch.Tensor | None,
+    normalization: Normalization,
+    *,
+    bias: torch.Tensor | None = None,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+    causal: bool = False,
+    return_weights: bool = False,
+    frobenius_sq: torch.Tensor | None = None,
+    chunk_elements: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention with ``normalization``, processed in query-row chunks.
+
+    Args:
+        query: ``(B, H_q, q, D)``; key ``(B, H_kv, kv, D)``; value ``(B, H_kv, kv, D_v)``; ``H_q % H_kv == 0``.
+        allowed: bool ``(B or 1, 1 or H_q, q, kv)``, True = may attend; ``None`` = no mask, or with ``causal`` (and
+            q > 1) a top-left causal mask with keys cut to q, as in Transformers' sdpa path.
+        normalization: what turns scores into weights.
+        bias: optional additive float scores of the mask's shape (from an additive attention mask).
+        scaling: score scale (default ``D ** -0.5``); softcap: ``tanh`` capping of the scores (Gemma2).
+        dropout: dropout probability on the weights (0 outside training).
+        return_weights: also return the ``(B, H_q, q, kv)`` weights (materializes them).
+        frobenius_sq: optional ``(B, H_kv, G)`` accumulator; receives the squared Frobenius norm of each head's
+            weight matrix (no gradient), without materializing the matrix.
+        chunk_elements: at most this many scores per chunk (default: ``DEFAULT_CHUNK_ELEMENTS``, read at call time).
+
+    Returns:
+        ``(output (B, q, H_q, D_v) in the query dtype, weights or None)``; computed in fp32 (fp64 for fp64 inputs).
+    """
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    if q_heads % kv_heads:
+        raise ValueError(f"{q_heads} query heads cannot be grouped over {kv_heads} key-value heads.")
+    groups = q_heads // kv_heads
+    scaling = head_dim**-0.5 if scaling is None else scaling
+    implicit_causal = allowed is None and causal and q_len > 1
+    if implicit_causal:
+        key, value, kv_len = key[:, :, :q_len], value[:, :, :q_len], min(kv_len, q_len)
+    plan = _Plan(
+        allowed=_grouped(allowed, kv_heads, groups, kv_len),
+        bias=_grouped(bias, kv_heads, groups, kv_len),
+        normalization=normalization,
+        softcap=softcap,
+        implicit_causal=implicit_causal,
+        rows=max(1, (chunk_elements or DEFAULT_CHUNK_ELEMENTS) // max(1, batch * q_heads * kv_len)),
+        q_len=q_len,
+        kv_len=kv_len,
+    )
+    # fp32 (fp64 for fp64 inputs): q/k/v are linear in N, so upcast copies are cheap next to the scores.
+    compute = torch.promote_types(query.dtype, torch.float32)
+    q = (query.to(compute) * scaling).reshape(batch, kv_heads, groups, q_len, head_dim)  # (B, H_kv, G, q, D)
+    k, v = key.to(compute), value.to(compute)
+
+    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    weights = None
+    if not differentiable:
+        output, weights = _forward(q, k, v, plan, query.dtype, return_weights, frobenius_sq)
+    elif dropout == 0.0 and not return_weights:
+        output = _ChunkedAttention.apply(q, k, v, plan, frobenius_sq)
+    else:
+        output, weights = _forward_autograd(q, k, v, plan, dropout, return_weights, frobenius_sq)
+    output = output.reshape(batch, q_len, q_heads, -1).to(query.dtype)  # query head h reads kv head h // G
+    if weights is not None:
+        weights = weights.reshape(batch, q_heads, q_len, kv_len)
+    return output, weights
+
+
+def _forward(q, k, v, plan: _Plan, dtype, return_weights=False, frobenius_sq=None):
+    """Inference: in-place normalization, each chunk written into the ``(B, q, H_kv, G, D_v)`` output."""
+    batch, kv_heads, groups, _, _ = q.shape
+    output = q.new_zeros(batch, plan.q_len, kv_heads, groups, v.shape[-1], dtype=dtype)
+    weight_rows = []
+    for start, stop, allowed, bias, lo, hi in plan.chunks(q.device):
+        scores, _ = _scores(q[:, :, :, start:stop], k[:, :, lo:hi], bias, plan.softcap)
+        weights = plan.normalization.weights(scores, allowed, inplace=True)
+        output[:, start:stop] = _weighted_values(weights, v[:, :, lo:hi]).permute(0, 3, 1, 2, 4)
+        _accumulate(frobenius_sq, weights)
+        if return_weights:
+            weight_rows.append(F.pad(weights, (lo, plan.kv_len - hi)))
+    return output, (torch.cat(weight_rows, dim=3) if return_weights else None)
+
+
+def _forward_autograd(q, k, v, plan: _Plan, dropout, return_weights, frobenius_sq):
+    """Training with dropout or returned weights: autograd through the chunks (recomputed unless weights are kept)."""
+    outputs, weight_rows = [], []
+    for start, stop, allowed, bias, lo, hi in plan.chunks(q.device):
+        args = (q[:, :, :, start:stop], k[:, :, lo:hi], v[:, :, lo:hi], allowed, bias)
+        options = dict(normalization=plan.normalization, softcap=plan.softcap, dropout=dropout)
+        if return_weights:
+            out, weights = _chunk_autograd(*args, **options)
+            weight_rows.append(F.pad(weights, (lo, plan.kv_len - hi)))
+        else:
+            out, weights = checkpoint(_chunk_autograd, *args, **options, use_reentrant=False)
+        _accumulate(frobenius_sq, weights)
+        outputs.append(out.permute(0, 3, 1, 2, 4))  # (B, c, H_kv, G, D_v)
+    return torch.cat(outputs, dim=1), (torch.cat(weight_rows, dim=3) if return_weights else None)
+
+
+def _chunk_autograd(q, k, v, allowed, bias, *, normalization, softcap, dropout):
+    scores, _ = _scores(q, k, bias, softcap)
+    weights = normalization.weights(scores, allowed)
+    if dropout > 0.0:
+        weights = F.dropout(weights, p=dropout, training=True)
+    return _weighted_values(weights, v), weights
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    """Chunked forward, and a backward that recomputes each chunk's scores (no N x N activation is stored)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: _Plan, frobenius_sq):
+        output, _ = _forward(q, k, v, plan, q.dtype, frobenius_sq=frobenius_sq)
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        q, k, v, output = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        normalization = plan.normalization
+        batch, kv_heads, groups, _, dim = q.shape
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for start, stop, allowed, bias, lo, hi in plan.chunks(q.device):
+            rows = groups * (stop - start)
+            q_chunk = q[:, :, :, start:stop]
+            scores, capped = _scores(q_chunk, k[:, :, lo:hi], bias, plan.softcap)
+            weights = normalization.weights(scores, allowed)  # (B, H_kv, G, c, n)
+            grad_out = grad_output[:, start:stop].permute(0, 2, 3, 1, 4)  # (B, H_kv, G, c, D_v)
+            grad_out_rows = grad_out.reshape(batch, kv_heads, rows, -1)
+            dv[:, :, lo:hi] += weights.reshape(batch, kv_heads, rows, -1).transpose(-1, -2) @ grad_out_rows
+            grad_weights = (grad_out_rows @ v[:, :, lo:hi].transpose(-1, -2)).view_as(weights)
+            if normalization.is_softmax:
+                out = output[:, start:stop].permute(0, 2, 3, 1, 4)
+                row_dot = (grad_out * out).sum(dim=-1, keepdim=True)  # rowsum(dW * w) = dO . O
+                grad_scores = weights * (grad_weights - row_dot)
+            else:
+                grad_scores = grad_weights * _power_derivative(scores, allowed, normalization)
+            if capped is not None:
+                grad_scores = grad_scores * (1 - capped.square())
+            grad_scores = grad_scores.reshape(batch, kv_heads, rows, -1)
+            dq[:, :, :, start:stop] = (grad_scores @ k[:, :, lo:hi]).view(batch, kv_heads, groups, -1, dim)
+            dk[:, :, lo:hi] += grad_scores.transpose(-1, -2) @ q_chunk.reshape(batch, kv_heads, rows, dim)
+        return dq, dk, dv, None, None
+
+
+def _power_derivative(scores, allowed, normalization: Normalization) -> torch.Tensor:
+    """``p * s^(p-1) / c`` on allowed pairs and 0 elsewhere (c per row for sqrtN), of the shape of ``scores``."""
+    if normalization.power == 1:
+        return normalization.weights(torch.ones_like(scores), allowed, inplace=True)
+    lower = replace(normalization, power=normalization.power - 1)
+    return lower.weights(scores, allowed).mul_(normalization.power)
+
+
+def _scores(q, k, bias, softcap):
+    """Scores of one chunk: q ``(B, H_kv, G, c, D)`` (scaled), k ``(B, H_kv, n, D)`` -> ``(B, H_kv, G, c, n)``.
+
+    Returns the scores and, with a softcap, ``tanh(raw / cap)`` (the backward needs it).
+    """
+    batch, kv_heads, groups, rows, dim = q.shape
+    scores = (q.reshape(batch, kv_heads, groups * rows, dim) @ k.transpose(-1, -2)).view(batch, kv_heads, groups, rows, -1)
+    capped = None
+    if softcap is not None:
+        capped = torch.tanh(scores / softcap)
+        scores = capped * softcap
+    if bias is not None:
+        scores = scores + bias
+    return scores, capped
+
+
+def _weighted_values(weights, v):
+    """``(B, H_kv, G, c, n) @ (B, H_kv, n, D_v) -> (B, H_kv, G, c, D_v)``."""
+    batch, kv_heads, groups, rows, n = weights.shape
+    return (weights.reshape(batch, kv_heads, groups * rows, n) @ v).view(batch, kv_heads, groups, rows, -1)
+
+
+def _accumulate(frobenius_sq, weights) -> None:
+    if frobenius_sq is not None:
+        frobenius_sq += weights.detach().square().sum(dim=(-2, -1)).to(frobenius_sq.dtype)
+
+
+def _grouped(mask: torch.Tensor | None, kv_heads: int, groups: int, kv_len: int) -> torch.Tensor | None:
+    """``(B, 1 or H_q, q, >=kv)`` -> ``(B, 1 or H_kv, 1 or G, q, kv)``, so one mask serves each group of query heads."""
+    if mask is None:
+        return None
+    mask = mask[..., :kv_len]
+    if mask.shape[1] == 1:
+        return mask.unsqueeze(2)
+    return mask.reshape(mask.shape[0], kv_heads, groups, *mask.shape[2:])
+
+
+def _attended_key_range(allowed: torch.Tensor | None, kv_len: int) -> tuple[int, int]:
+    """The smallest key range ``[lo, hi)`` that holds every key some row of the chunk may attend."""
+    if allowed is None:
+        return 0, kv_len
+    columns = allowed.reshape(-1, allowed.shape[-1]).any(dim=0).nonzero()
+    if columns.numel() == 0:
+        return 0, 0
+    return int(columns[0]), int(columns[-1]) + 1
