@@ -146,12 +146,16 @@ def kv_layouts(model: nn.Module) -> list[KVLayout]:
 
     Raises:
         ValueError: the architecture is unsupported, a projection is missing or has an unexpected shape or type
-            (e.g. a quantized ``nn.Linear`` replacement), or a module is a cross-attention.
+            (e.g. a quantized ``nn.Linear`` replacement), a module is a cross-attention, or layers share projections.
     """
     model_type = architecture_of(model).model_type
     rotary_dim = 0 if model_type in _NO_ROPE else _rotary_dim(model)
     modules = dict(model.named_modules())
-    return [_layout(model_type, name, module, modules, rotary_dim) for name, module in attention_modules(model)]
+    layouts = [_layout(model_type, name, module, modules, rotary_dim) for name, module in attention_modules(model)]
+    ids = [id(p) for layout in layouts for p in layout.parameters()]
+    if len(ids) != len(set(ids)):
+        raise ValueError("Some attention projections are shared between layers; a per-layer fold would scale them twice.")
+    return layouts
 
 
 def _layout(model_type: str, name: str, module: nn.Module, modules: dict, rotary_dim: int) -> KVLayout:

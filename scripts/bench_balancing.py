@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=1024, help="tokens per forward pass")
     parser.add_argument("--calibration-tokens", type=int, default=2048, help="tokens for balancing and for the PCA")
     parser.add_argument("--alpha", type=float, default=0.5, help="migration strength of the channel mode")
+    parser.add_argument("--variants", default="unbalanced,layer,channel", help="comma-separated subset to run")
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_balancing"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -49,13 +50,14 @@ def main() -> None:
     print(f"held-out: {sum(len(w) for w in windows)} tokens in {len(windows)} windows of {args.window}; "
           f"calibration: {args.calibration_tokens} tokens; threads: {torch.get_num_threads()}")
 
-    variants = {"unbalanced": base}
+    wanted = args.variants.split(",")
+    variants = {"unbalanced": base} if "unbalanced" in wanted else {}
     logit_change = {}
-    for mode in ("layer", "channel"):
+    for mode in [m for m in ("layer", "channel") if m in wanted]:
         model = copy.deepcopy(base)
         report = balance_kv(model, tokenizer, train, mode=mode, alpha=args.alpha, max_tokens=args.calibration_tokens)
         logit_change[mode] = report.max_logit_change
-        variants[mode] = model
+        variants[mode if mode == "layer" else f"channel (alpha={args.alpha})"] = model
         ratios = report.before.ratios()
         print(f"{mode}: max |logit change| {report.max_logit_change:.3g} (allowed {report.tolerance:.3g}); K/V mean-norm "
               f"ratio before {ratios.min():.2f}..{ratios.max():.2f}, after {report.after.ratios().min():.3f}.."

@@ -51,6 +51,12 @@ def _change(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1.0)).item()
 
 
+def test_every_registered_architecture_has_a_layout_and_is_tested_here():
+    assert set(ALL_TYPES) == set(hf_knorm.SUPPORTED_ARCHITECTURES)
+    for model_type in ALL_TYPES:
+        assert len(kv_layouts(tiny_model(model_type))) == 2
+
+
 @pytest.mark.parametrize("mode", ["layer", "channel"])
 @pytest.mark.parametrize("model_type", ALL_TYPES)
 def test_fold_is_exact(model_type, mode):
@@ -254,6 +260,10 @@ def test_unsupported_layouts_are_refused():
     with pytest.raises(ValueError, match="k_proj is Sequential"):
         balance_kv(model, None, _calibration("llama"), progress=False)
     _assert_same_state(model, state)
+    shared = tiny_model("llama")
+    shared.model.layers[1].self_attn.q_proj = shared.model.layers[0].self_attn.q_proj
+    with pytest.raises(ValueError, match="shared between layers"):
+        balance_kv(shared, None, _calibration("llama"), progress=False)
     config = tf.OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, ffn_dim=64)
     with pytest.raises(ValueError, match="does not support model_type 'opt'"):
         balance_kv(tf.OPTForCausalLM(config), None, _calibration("llama"), progress=False)
