@@ -148,6 +148,12 @@ def test_generation_equals_masked_full_cache(do_sample, options):
         torch.testing.assert_close(out.logits[:, -1], logits[step + 1], atol=1e-4, rtol=1e-4)
     if not do_sample:
         assert torch.equal(torch.stack(logits[question.shape[1]:], 1).argmax(-1), new)
+    if "layer_ratios" not in options:  # the question in one multi-token forward: its causal mask must hold
+        knorm = KNormCache(0.5, config=model.config, **options)
+        model(input_ids=ids, cache=knorm, use_cache=True)
+        out = model(input_ids=question, cache=knorm, use_cache=True)
+        expected = torch.stack(logits[1:question.shape[1] + 1], dim=1)
+        torch.testing.assert_close(out.logits, expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("model_type", DECODER_TYPES)

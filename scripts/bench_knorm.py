@@ -1,0 +1,129 @@
+"""KNorm KV-cache compression: prefill overhead, per-token decode time and cache bytes, with and without compression.
+
+Everything is measured in one run against the uncompressed ``DynamicCache`` baseline, interleaved (baseline and
+compressed alternate), medians reported:
+
+- prefill: a full forward over an N-token prompt (Paul Graham essays) with a ``DynamicCache`` vs a ``KNormCache``;
+  and, separately, the scoring + eviction step alone (``KNormCache.from_dynamic_cache`` on the filled cache, which is
+  exactly the work KNorm adds to prefill), as a fraction of the prefill;
+- decode: seconds per generated token (single-token forwards) on the full cache vs the compressed caches;
+- bytes: keys + values actually held vs the arithmetic limit ``2 x layers x kv_heads x head_dim x kept x bytes``.
+
+Usage: ``OMP_NUM_THREADS=1 python scripts/bench_knorm.py --lengths 4000,8000 --ratios 0.5,0.75,0.9``
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+import hf_knorm
+from hf_knorm.data import paul_graham_essays
+from hf_knorm.knorm_cache import KNormCache, kept_count
+
+
+def clone(cache) -> DynamicCache:
+    return DynamicCache([(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])
+
+
+@torch.no_grad()
+def decode_time(model, cache, start: int, steps: int) -> float:
+    """Median seconds of one single-token forward on ``cache`` (which it extends by ``steps`` tokens)."""
+    token = torch.tensor([[42]])
+    times = []
+    for step in range(steps):
+        began = time.perf_counter()
+        model(input_ids=token, position_ids=torch.tensor([[start + step]]), cache=cache, use_cache=True)
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def bench_length(model, ids: torch.Tensor, ratios, reps: int, decode_steps: int) -> dict:
+    n = ids.shape[1]
+    prefill = {"dynamic": [], "knorm": []}
+    full = None
+    for rep in range(reps):  # A B, then B A: drift in machine load hits both
+        order = ("dynamic", "knorm") if rep % 2 == 0 else ("knorm", "dynamic")
+        for kind in order:
+            cache = DynamicCache() if kind == "dynamic" else KNormCache(ratios[0])
+            began = time.perf_counter()
+            model(input_ids=ids, cache=cache, use_cache=True)
+            prefill[kind].append(time.perf_counter() - began)
+            if kind == "dynamic":
+                full = cache
+    evict = {}
+    for ratio in ratios:
+        times = []
+        for _ in range(5):
+            began = time.perf_counter()
+            KNormCache.from_dynamic_cache(full, compression_ratio=ratio)
+            times.append(time.perf_counter() - began)
+        evict[ratio] = statistics.median(times)
+    copy_time = statistics.median(_timed(lambda: KNormCache.from_dynamic_cache(full)) for _ in range(5))
+    decode = {r: [] for r in (0.0, *ratios)}
+    for _ in range(2):  # two interleaved rounds
+        for ratio in decode:
+            cache = clone(full) if ratio == 0.0 else KNormCache.from_dynamic_cache(full, compression_ratio=ratio)
+            decode[ratio].append(decode_time(model, cache, n, decode_steps))
+    config = model.config
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size //
+                                                                             config.num_attention_heads) * 4
+    sizes = {}
+    for ratio in (0.0, *ratios):
+        cache = clone(full) if ratio == 0.0 else KNormCache.from_dynamic_cache(full, compression_ratio=ratio)
+        held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+        positions = cache.nbytes(include_positions=True) - held if ratio else 0
+        sizes[ratio] = (held, per_token * kept_count(n, ratio), positions)
+    return dict(n=n, prefill={k: statistics.median(v) for k, v in prefill.items()}, evict=evict,
+                copy=copy_time, decode={k: min(v) for k, v in decode.items()}, sizes=sizes)
+
+
+def _timed(fn) -> float:
+    began = time.perf_counter()
+    fn()
+    return time.perf_counter() - began
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", default="4000,8000")
+    parser.add_argument("--ratios", default="0.5,0.75,0.9")
+    parser.add_argument("--reps", type=int, default=2, help="prefill repetitions per cache kind (interleaved)")
+    parser.add_argument("--decode-steps", type=int, default=16)
+    args = parser.parse_args()
+    ratios = [float(r) for r in args.ratios.split(",")]
+    model, tokenizer = hf_knorm.load_default_model()
+    text = "\n\n".join(paul_graham_essays())
+    all_ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():  # warm-up: first-call overheads stay out of the timings
+        model(input_ids=all_ids[:, :64], cache=DynamicCache(), use_cache=True)
+    print(f"torch threads: {torch.get_num_threads()}; model: SmolLM2-135M-Instruct fp32, sdpa\n")
+    results = [bench_length(model, all_ids[:, :int(n)], ratios, args.reps, args.decode_steps)
+               for n in args.lengths.split(",")]
+    print("| tokens | prefill DynamicCache (s) | prefill KNormCache r=%g (s) | ratio | scoring+eviction alone (ms) "
+          "| of prefill |" % ratios[0])
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        p = r["prefill"]
+        extra = r["evict"][ratios[0]] - r["copy"]
+        print(f"| {r['n']} | {p['dynamic']:.2f} | {p['knorm']:.2f} | {p['knorm'] / p['dynamic']:.3f} | "
+              f"{1000 * r['evict'][ratios[0]]:.1f} (copy alone {1000 * r['copy']:.1f}) | "
+              f"{100 * r['evict'][ratios[0]] / p['dynamic']:.2f}% |")
+    print("\n| tokens | ratio | decode ms/token | vs uncompressed | KV bytes held | arithmetic limit | "
+          "position table |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        base = r["decode"][0.0]
+        for ratio, seconds in r["decode"].items():
+            held, limit, positions = r["sizes"][ratio]
+            print(f"| {r['n']} | {ratio:g} | {1000 * seconds:.1f} | {seconds / base:.3f} | {held:,} | {limit:,} | "
+                  f"{positions:,} |")
+
+
+if __name__ == "__main__":
+    main()
