@@ -54,7 +54,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "(resumable), one heatmap per task and ratio, and summary.md to --out.",
     )
     niah.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a checkpoint folder")
-    niah.add_argument("--ratios", default="0,0.5,0.75,0.9", help="comma-separated compression ratios (0 = uncompressed)")
+    niah.add_argument("--ratios", default="0,0.5,0.75,0.9",
+                      help="comma-separated compression ratios (0 = uncompressed)")
     niah.add_argument("--lengths", default="1000,2000,4000,8000", help="comma-separated context lengths (tokens)")
     niah.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="comma-separated needle depths in [0, 1]")
     niah.add_argument("--seeds", type=int, default=1, help="needle seeds per cell (default 1: ~40 min on 2 CPU cores)")

@@ -147,7 +147,9 @@ class KNormTextGenerationPipeline(Pipeline):
 
     def preprocess(self, context: str, question: str | None = None, chat_template=None, answer_prefix: str = ""):
         if not isinstance(context, str) or not question:
-            raise ValueError("knorm-text-generation takes a context string and a question: pipe(context, question='...').")
+            raise ValueError(
+                "knorm-text-generation takes a context string and a question: pipe(context, question='...')."
+            )
         context_text, question_text = split_prompt(self.tokenizer, context, question, chat_template)
         encode = lambda text: self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         return {"context_ids": encode(context_text), "question_ids": encode(question_text + answer_prefix)}
