@@ -36,6 +36,7 @@ class _Plan:
     allowed: torch.Tensor | None
     bias: torch.Tensor | None
     normalization: Normalization
+    scaling: float
     softcap: float | None
     implicit_causal: bool
     rows: int
@@ -105,6 +106,7 @@ def chunked_attention(
         allowed=_grouped(allowed, kv_heads, groups, kv_len),
         bias=_grouped(bias, kv_heads, groups, kv_len),
         normalization=normalization,
+        scaling=scaling,
         softcap=softcap,
         implicit_causal=implicit_causal,
         rows=max(1, (chunk_elements or DEFAULT_CHUNK_ELEMENTS) // max(1, batch * q_heads * kv_len)),
@@ -113,7 +115,7 @@ def chunked_attention(
     )
     # fp32 (fp64 for fp64 inputs): q/k/v are linear in N, so upcast copies are cheap next to the scores.
     compute = torch.promote_types(query.dtype, torch.float32)
-    q = (query.to(compute) * scaling).reshape(batch, kv_heads, groups, q_len, head_dim)  # (B, H_kv, G, q, D)
+    q = query.to(compute).reshape(batch, kv_heads, groups, q_len, head_dim)  # (B, H_kv, G, q, D): a view
     k, v = key.to(compute), value.to(compute)
 
     differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
@@ -136,7 +138,7 @@ def _forward(q, k, v, plan: _Plan, dtype, return_weights=False, frobenius_sq=Non
     output = q.new_zeros(batch, plan.q_len, kv_heads, groups, v.shape[-1], dtype=dtype)
     weight_rows = []
     for start, stop, allowed, bias, lo, hi in plan.chunks(q.device):
-        scores, _ = _scores(q[:, :, :, start:stop], k[:, :, lo:hi], bias, plan.softcap)
+        scores, _ = _scores(q[:, :, :, start:stop] * plan.scaling, k[:, :, lo:hi], bias, plan.softcap)
         weights = plan.normalization.weights(scores, allowed, inplace=True)
         output[:, start:stop] = _weighted_values(weights, v[:, :, lo:hi]).permute(0, 3, 1, 2, 4)
         _accumulate(frobenius_sq, weights)
@@ -149,7 +151,7 @@ def _forward_autograd(q, k, v, plan: _Plan, dropout, return_weights, frobenius_s
     """Training with dropout or returned weights: autograd through the chunks (recomputed unless weights are kept)."""
     outputs, weight_rows = [], []
     for start, stop, allowed, bias, lo, hi in plan.chunks(q.device):
-        args = (q[:, :, :, start:stop], k[:, :, lo:hi], v[:, :, lo:hi], allowed, bias)
+        args = (q[:, :, :, start:stop] * plan.scaling, k[:, :, lo:hi], v[:, :, lo:hi], allowed, bias)
         options = dict(normalization=plan.normalization, softcap=plan.softcap, dropout=dropout)
         if return_weights:
             out, weights = _chunk_autograd(*args, **options)
@@ -188,7 +190,7 @@ class _ChunkedAttention(torch.autograd.Function):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for start, stop, allowed, bias, lo, hi in plan.chunks(q.device):
             rows = groups * (stop - start)
-            q_chunk = q[:, :, :, start:stop]
+            q_chunk = q[:, :, :, start:stop] * plan.scaling
             scores, capped = _scores(q_chunk, k[:, :, lo:hi], bias, plan.softcap)
             weights = normalization.weights(scores, allowed)  # (B, H_kv, G, c, n)
             grad_out = grad_output[:, start:stop].permute(0, 2, 3, 1, 4)  # (B, H_kv, G, c, D_v)
@@ -204,7 +206,7 @@ class _ChunkedAttention(torch.autograd.Function):
             if capped is not None:
                 grad_scores = grad_scores * (1 - capped.square())
             grad_scores = grad_scores.reshape(batch, kv_heads, rows, -1)
-            dq[:, :, :, start:stop] = (grad_scores @ k[:, :, lo:hi]).view(batch, kv_heads, groups, -1, dim)
+            dq[:, :, :, start:stop] = (grad_scores @ k[:, :, lo:hi]).view(batch, kv_heads, groups, -1, dim) * plan.scaling
             dk[:, :, lo:hi] += grad_scores.transpose(-1, -2) @ q_chunk.reshape(batch, kv_heads, rows, dim)
         return dq, dk, dv, None, None
 
@@ -218,7 +220,7 @@ def _power_derivative(scores, allowed, normalization: Normalization) -> torch.Te
 
 
 def _scores(q, k, bias, softcap):
-    """Scores of one chunk: q ``(B, H_kv, G, c, D)`` (scaled), k ``(B, H_kv, n, D)`` -> ``(B, H_kv, G, c, n)``.
+    """Scores of one chunk: q ``(B, H_kv, G, c, D)`` (already multiplied by the scaling), k ``(B, H_kv, n, D)`` -> ``(B, H_kv, G, c, n)``.
 
     Returns the scores and, with a softcap, ``tanh(raw / cap)`` (the backward needs it).
     """

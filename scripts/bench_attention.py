@@ -80,7 +80,8 @@ def _rss_kib(field: str) -> int:
 
 def memory_in_subprocess(implementation: str, length: int, device: str, dtype: str, backward: bool) -> int:
     """Run :func:`measure_peak_memory` in a fresh process, so earlier cases leave no high-water mark behind."""
-    command = [sys.executable, __file__, "--measure-memory", json.dumps([implementation, length, device, dtype, backward])]
+    command = [sys.executable, __file__, "--threads", str(torch.get_num_threads()),
+               "--measure-memory", json.dumps([implementation, length, device, dtype, backward])]
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     return int(result.stdout.strip().splitlines()[-1])
 
@@ -109,14 +110,19 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: on a shared 2-core machine, multi-threaded ops wait on "
+                        "descheduled threads and the timings measure the load, not the code)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--measure-memory", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure_memory:
+        torch.set_num_threads(args.threads)
         implementation, length, device, dtype, backward = json.loads(args.measure_memory)
         print(measure_peak_memory(implementation, length, device, DTYPES[dtype], backward))
         return
 
+    torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     print(f"device={args.device} dtype={args.dtype} B=1 heads=9 head_dim=64 causal, torch {torch.__version__}, "
           f"threads={torch.get_num_threads()}, median of {args.repeats}")
