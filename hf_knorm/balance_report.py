@@ -52,15 +52,21 @@ class BalanceReport:
     max_logit_change: float
     tolerance: float
 
+    def default_layer(self) -> int:
+        """The layer whose keys dominate its values most before balancing (largest mean-norm ratio)."""
+        return int(self.before.ratios().argmax())
+
     def plot(self, path: str | Path, layer: int | None = None) -> Path:
-        """The seed figure for one layer (default: the middle one): "Original kv-norm" over "Balanced kv-norm"."""
+        """The seed figure for ``layer`` (default: :meth:`default_layer`): "Original kv-norm" over "Balanced kv-norm"."""
         from .plots import plot_kv_norms
 
-        layer = len(self.before.keys) // 2 if layer is None else layer
+        layer = self.default_layer() if layer is None else layer
         if not 0 <= layer < len(self.before.keys):
             raise ValueError(f"layer must be in 0..{len(self.before.keys) - 1}, got {layer}.")
+        before, after = self.before.ratios()[layer].item(), self.after.ratios()[layer].item()
+        title = f"layer {layer}, mode={self.mode}: mean key / mean value norm {before:.2f} -> {after:.2f}"
         return plot_kv_norms(self.before.keys[layer], self.before.values[layer], self.after.keys[layer],
-                             self.after.values[layer], path, title=f"layer {layer}, mode={self.mode}")
+                             self.after.values[layer], path, title=title)
 
     def plot_summary(self, path: str | Path) -> Path:
         """K/V mean-norm ratio per layer, before and after."""
@@ -71,7 +77,7 @@ class BalanceReport:
     def save(self, directory: str | Path, layer: int | None = None) -> dict[str, Path]:
         """Write the seed figure for ``layer``, the per-layer ratio summary and :meth:`to_dict` as JSON into ``directory``."""
         directory = Path(directory)
-        layer = len(self.before.keys) // 2 if layer is None else layer
+        layer = self.default_layer() if layer is None else layer
         paths = {"figure": self.plot(directory / f"kv_norms_layer{layer}_{self.mode}.png", layer),
                  "summary": self.plot_summary(directory / f"kv_ratios_{self.mode}.png"),
                  "json": directory / f"kv_norms_{self.mode}.json"}
