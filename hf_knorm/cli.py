@@ -46,6 +46,25 @@ def _build_parser() -> argparse.ArgumentParser:
     kv_norms.add_argument("--out", type=Path, default=Path("outputs/kv_norms"), help="output folder")
     kv_norms.set_defaults(run=_run_kv_norms)
 
+    niah = commands.add_parser(
+        "niah",
+        help="needle-in-a-haystack and passkey retrieval under KNorm KV-cache compression; heatmaps per ratio",
+        description="Needle-in-a-haystack (Paul Graham essays) and passkey retrieval with the context's KV cache "
+        "compressed by KNorm (kvpress protocol: context compressed, question not). Writes results.json/csv "
+        "(resumable), one heatmap per task and ratio, and summary.md to --out.",
+    )
+    niah.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a checkpoint folder")
+    niah.add_argument("--ratios", default="0,0.5,0.75,0.9",
+                      help="comma-separated compression ratios (0 = uncompressed)")
+    niah.add_argument("--lengths", default="1000,2000,4000,8000", help="comma-separated context lengths (tokens)")
+    niah.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="comma-separated needle depths in [0, 1]")
+    niah.add_argument("--seeds", type=int, default=1, help="needle seeds per cell (default 1: ~40 min on 2 CPU cores)")
+    niah.add_argument("--passkey-seeds", type=int, default=1, help="passkey seeds per cell (default 1; 0 = skip)")
+    niah.add_argument("--no-options", dest="options", action="store_false",
+                      help="skip the extra rows at ratio 0.5 (sinks+window, layers 0-1 kept, authors' protocol)")
+    niah.add_argument("--out", type=Path, default=Path("outputs/niah"), help="output folder (a rerun resumes)")
+    niah.set_defaults(run=_run_niah)
+
     return parser
 
 
@@ -53,6 +72,17 @@ def _run_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     run_demo(args.model, args.normalizations.split(","), args.out)
+    return 0
+
+
+def _run_niah(args: argparse.Namespace) -> int:
+    from .needle import run_niah_job
+
+    def floats(text: str) -> list[float]:
+        return [float(item) for item in text.split(",") if item.strip()]
+
+    run_niah_job(args.model, floats(args.ratios), [int(n) for n in floats(args.lengths)], floats(args.depths),
+                 args.seeds, args.passkey_seeds, args.options, args.out)
     return 0
 
 

@@ -65,3 +65,41 @@ def plot_kv_ratios(ratios_before, ratios_after, path, title: str | None = None):
     plt.close(fig)
     return path
 
+
+# --- KNorm needle-in-a-haystack (issue 4) --------------------------------------------------------------------------
+
+
+def plot_needle_heatmap(lengths, depths, accuracy, path, title: str | None = None):
+    """KNorm's needle-in-a-haystack heatmap: x context length, y needle depth, green found -> red missed.
+
+    Args:
+        lengths: the context lengths (tokens), the columns; depths: needle depths in [0, 1], the rows (0 = top).
+        accuracy: ``accuracy[depth][length]`` in [0, 1], or None for a cell not run (drawn grey).
+        path: the PNG to write; title: e.g. "NIAH, r=0.5 (kvpress protocol)".
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import LinearSegmentedColormap
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    values = np.array([[np.nan if a is None else float(a) for a in row] for row in accuracy], dtype=float)
+    cmap = LinearSegmentedColormap.from_list("missed_found", ["#d7301f", "#fdae61", "#ffffbf", "#a6d96a", "#1a9850"])
+    cmap.set_bad("#bbbbbb")
+    fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 2.5, 0.6 * len(depths) + 1.6))
+    image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
+    for i in range(values.shape[0]):
+        for j in range(values.shape[1]):
+            text = "-" if np.isnan(values[i, j]) else f"{values[i, j]:.2f}"
+            ax.text(j, i, text, ha="center", va="center", fontsize=9)
+    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    ax.set_title(title or "Needle in a haystack")
+    fig.colorbar(image, ax=ax, label="accuracy (exact match)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
