@@ -2,7 +2,8 @@
 
 For each sequence length N: B=1, 9 heads, head_dim 64, causal. Measures forward time (no grad), forward+backward
 time, and the peak memory each adds on top of its inputs (CPU: the process's peak resident set, reset before each
-measurement and taken in a fresh subprocess per case; CUDA: ``torch.cuda.max_memory_allocated``). Times are medians
+measurement and taken in a fresh subprocess per case, with glibc's mmap threshold fixed so that freed blocks go back
+to the system at once; CUDA: ``torch.cuda.max_memory_allocated``). Times are medians
 of interleaved repeats, reported with their ratio to SDPA, which is what the targets are about:
 
 - peak memory linear in N, and at N = 8192 at most 2x SDPA's;
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -82,7 +84,10 @@ def memory_in_subprocess(implementation: str, length: int, device: str, dtype: s
     """Run :func:`measure_peak_memory` in a fresh process, so earlier cases leave no high-water mark behind."""
     command = [sys.executable, __file__, "--threads", str(torch.get_num_threads()),
                "--measure-memory", json.dumps([implementation, length, device, dtype, backward])]
-    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    # A fixed mmap threshold makes glibc return freed blocks at once, so the resident set tracks live tensors
+    # instead of whatever the allocator keeps cached (the same rule for every implementation).
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    result = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     return int(result.stdout.strip().splitlines()[-1])
 
 
