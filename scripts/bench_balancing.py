@@ -98,7 +98,7 @@ def _tables(rows: dict[str, dict[str, float]], names: list[str]) -> str:
             if keep(label):
                 shown = {n: f"{values[n]:.2f}" for n in names}
                 best = min(shown.values(), key=float)
-                unique = list(shown.values()).count(best) == 1
+                unique = len(names) > 1 and list(shown.values()).count(best) == 1
                 cells = [f"**{shown[n]}**" if unique and shown[n] == best else shown[n] for n in names]
                 lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append("")
