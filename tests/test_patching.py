@@ -172,3 +172,20 @@ def test_training_step_runs_and_matches_across_chunk_sizes(monkeypatch):
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert torch.isfinite(grads[0]).all()
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_models(dtype):
+    """Softmax through the plugin tracks the native attention in half precision; x^3/1 stays finite."""
+    model = tiny_model("llama", dtype=dtype)
+    inputs = _padded("llama", tiny_inputs("llama", length=16))
+    with torch.no_grad():
+        native = _output(model, inputs).float()
+        hf_knorm.patch(model, "softmax")
+        ours = _output(model, inputs).float()
+        hf_knorm.unpatch(model)
+        hf_knorm.patch(model, "x^3/1")
+        cubic = _output(model, inputs)
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(ours[real], native[real], rtol=0, atol=0.1)  # half-precision logits of size ~3
+    assert cubic.dtype == dtype and torch.isfinite(cubic).all()
