@@ -282,3 +282,17 @@ def test_default_model_balances_exactly(default_model_and_tokenizer):
     assert torch.allclose(report.after.ratios(), torch.ones(30, dtype=torch.float64), rtol=0.01)
     assert torch.equal(model.generate(**prompt, max_new_tokens=8, do_sample=False), before)
     assert tokenizer.decode(before[0, prompt["input_ids"].shape[1]:]).strip().startswith("Paris")
+
+
+@pytest.mark.slow
+def test_cli_kv_norms_writes_figures_and_json(tmp_path, capsys):
+    from hf_knorm.cli import main
+
+    assert main(["kv-norms", "--mode", "channel", "--calibration-tokens", "64", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "kv_norms_channel.json").read_text())
+    assert data["mode"] == "channel" and data["calibration_tokens"] == 64 and len(data["layers"]) == 30
+    assert len(data["layers"][0]["before"]["keys"]) == 3 * 64
+    figure = tmp_path / "kv_norms_layer0_channel.png"  # layer 0: the most imbalanced layer of SmolLM2-135M
+    assert figure.stat().st_size > 10_000 and (tmp_path / "kv_ratios_channel.png").exists()
+    assert main(["kv-norms", "--mode", "layer", "--layer", "99", "--calibration-tokens", "64", "--out", str(tmp_path)]) == 2
+    assert "layer must be in 0..29" in capsys.readouterr().err
