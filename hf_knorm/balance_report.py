@@ -18,9 +18,12 @@ import torch
 class KVNorms:
     """Per-layer, per-channel L2 norms over the calibration tokens (post-RoPE keys; channel ``h * head_dim + d``).
 
-    Attributes:
-        keys, values: one fp64 ``(H_kv * D,)`` tensor per layer.
-        tokens: calibration tokens per layer.
+    Attributes
+    ----------
+    keys, values : list of torch.Tensor
+        One fp64 ``(H_kv * D,)`` tensor per layer.
+    tokens : int
+        Calibration tokens per layer.
     """
 
     keys: list[torch.Tensor]
@@ -36,11 +39,20 @@ class KVNorms:
 class BalanceReport:
     """What :func:`balance_kv` did: norms before and after (both measured), the scales folded, the check.
 
-    Attributes:
-        mode, alpha: the settings (``alpha`` only for ``"channel"``).
-        before, after: :class:`KVNorms` of the model before and after this balancing.
-        key_scales, value_scales: per layer ``(H_kv, D)`` ``s`` and ``t`` of this call (K' = K/s, V' = V*t).
-        max_logit_change: max |logits after - logits before| on the verification tokens; tolerance: the bound used.
+    Attributes
+    ----------
+    mode : str
+        ``"layer"`` or ``"channel"``.
+    alpha : float or None
+        Migration strength (``"channel"`` only).
+    before, after : KVNorms
+        Norms of the model before and after this balancing, both measured.
+    key_scales, value_scales : list of torch.Tensor
+        Per layer the fp64 ``(H_kv, D)`` ``s`` and ``t`` of this call (K' = K / s, V' = V * t).
+    max_logit_change : float
+        Max |logits after - logits before| on the verification tokens.
+    tolerance : float
+        The bound it had to meet.
     """
 
     mode: str
@@ -57,7 +69,10 @@ class BalanceReport:
         return int(self.before.ratios().argmax())
 
     def plot(self, path: str | Path, layer: int | None = None) -> Path:
-        """The seed figure for ``layer`` (default: :meth:`default_layer`): "Original kv-norm" over "Balanced kv-norm"."""
+        """The seed figure for ``layer`` (default: :meth:`default_layer`).
+
+        Two stacked panels, "Original kv-norm" over "Balanced kv-norm"; x = channel, keys blue, values orange.
+        """
         from .plots import plot_kv_norms
 
         layer = self.default_layer() if layer is None else layer
@@ -75,7 +90,10 @@ class BalanceReport:
         return plot_kv_ratios(self.before.ratios(), self.after.ratios(), path, title=f"mode={self.mode}")
 
     def save(self, directory: str | Path, layer: int | None = None) -> dict[str, Path]:
-        """Write the seed figure for ``layer``, the per-layer ratio summary and :meth:`to_dict` as JSON into ``directory``."""
+        """Write the seed figure for ``layer``, the per-layer ratio summary and :meth:`to_dict` (JSON).
+
+        Returns the paths by kind: ``figure``, ``summary``, ``json``.
+        """
         directory = Path(directory)
         layer = self.default_layer() if layer is None else layer
         paths = {"figure": self.plot(directory / f"kv_norms_layer{layer}_{self.mode}.png", layer),

@@ -55,19 +55,36 @@ def balance_kv(model: nn.Module, tokenizer, calibration, mode: str = "layer", *,
                progress: bool = True) -> BalanceReport:
     """Balance ``model``'s keys and values in place (exact; see the module docstring) and return a report.
 
-    Args:
-        model: a model of a supported architecture (``hf_knorm.SUPPORTED_ARCHITECTURES``), patched or not.
-        tokenizer: tokenizes ``calibration`` texts (``None`` when ``calibration`` holds model inputs).
-        calibration: texts (a string or a list of strings), or a list of input dicts (e.g. ``pixel_values`` for ViT).
-            Texts are cut into windows of ``max_length`` tokens, at most ``max_tokens`` tokens in all.
-        mode: ``"layer"`` or ``"channel"``; alpha: migration strength of ``"channel"``, in (0, 1].
-        min_tokens: fewer calibration tokens is an error.
-        tolerance: allowed max |logit change| relative to max(1, max |logit|); default by dtype (:data:`TOLERANCES`).
-        progress: show a progress bar over calibration batches.
+    Parameters
+    ----------
+    model : nn.Module
+        A model of a supported architecture (``hf_knorm.SUPPORTED_ARCHITECTURES``), patched or not, any dtype.
+    tokenizer
+        Tokenizes ``calibration`` texts; ``None`` when ``calibration`` holds model inputs.
+    calibration : str, list of str, or list of dict
+        Texts, cut into windows of ``max_length`` tokens (at most ``max_tokens`` in all), or input dicts
+        (e.g. ``{"pixel_values": (B, 3, H, W)}`` for ViT), one forward pass each.
+    mode : {"layer", "channel"}
+        One scalar per layer (TransMLA) or per-channel scales.
+    alpha : float
+        Migration strength of ``"channel"``, in (0, 1]; ignored by ``"layer"``.
+    max_length, max_tokens, min_tokens : int
+        Window length, token budget, and the fewest calibration tokens accepted.
+    tolerance : float, optional
+        Allowed max |logit change| relative to max(1, max |logit|); default by dtype (:data:`TOLERANCES`).
+    progress : bool
+        Show a progress bar over calibration batches.
 
-    Raises:
-        ValueError: bad settings, unsupported layout, empty or too-short calibration, non-finite activations, or a
-            fold that changes the logits beyond the tolerance. The weights are then exactly as they were.
+    Returns
+    -------
+    BalanceReport
+        Per-layer ``(H_kv * head_dim,)`` norms before and after (both measured), the scales, the check.
+
+    Raises
+    ------
+    ValueError
+        Bad settings, unsupported layout, empty or too-short calibration, non-finite activations, or a fold that
+        changes the logits beyond the tolerance. The weights are then exactly as they were.
     """
     training = model.training
     model.eval()  # calibration and the check must not see dropout
@@ -101,8 +118,9 @@ def _balance_kv(model, tokenizer, calibration, mode, alpha, max_length, max_toke
             bound = tolerance * max(1.0, reference.abs().max().item())
             if not change <= bound:  # also catches NaN
                 raise ValueError(
-                    f"K/V balancing changed the outputs by {change:.3g} (allowed {bound:.3g}); the weights are restored. "
-                    "The scales may be too extreme for this dtype: balance in fp32, or pass a larger tolerance."
+                    f"K/V balancing changed the outputs by {change:.3g} (allowed {bound:.3g}); the weights are "
+                    "restored. The scales may be too extreme for this dtype: balance in fp32, or pass a larger "
+                    "tolerance."
                 )
             after = measure_kv_norms(model, batches, progress, min_tokens, "after")
         except BaseException:
@@ -116,7 +134,24 @@ def _balance_kv(model, tokenizer, calibration, mode, alpha, max_length, max_toke
 
 def compute_scales(key_norms: torch.Tensor, value_norms: torch.Tensor, layout: KVLayout, mode: str,
                    alpha: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scales ``(s, t)``, each fp64 ``(H_kv, D)``, from one layer's ``(H_kv * D,)`` key and value channel norms."""
+    """Scales of one layer from its channel norms (the rules of the module docstring).
+
+    Parameters
+    ----------
+    key_norms, value_norms : torch.Tensor
+        ``(H_kv * D,)`` L2 norms of the post-RoPE key channels and the value channels.
+    layout : KVLayout
+        The layer (heads, rotary dimension, QK-norm).
+    mode : {"layer", "channel"}
+    alpha : float
+        Migration strength of ``"channel"``.
+
+    Returns
+    -------
+    s, t : torch.Tensor
+        fp64 ``(H_kv, D)`` each: ``K' = K / s``, ``V' = V * t``; ``s`` equal within RoPE pairs (and over heads for
+        QK-norm layouts).
+    """
     shape = (layout.num_kv_heads, layout.head_dim)
     nk, nv = key_norms.double().reshape(shape), value_norms.double().reshape(shape)
     for name, n in (("key", nk), ("value", nv)):
@@ -124,7 +159,8 @@ def compute_scales(key_norms: torch.Tensor, value_norms: torch.Tensor, layout: K
             raise ValueError(f"{layout.name}: the {name} channel norms are not finite and positive; cannot balance.")
     nk, nv = nk.clamp_min(1e-6 * nk.max()), nv.clamp_min(1e-6 * nv.max())  # dead channels: no infinite scales
     if mode == "layer":
-        return torch.full(shape, (nk.mean() / nv.mean()).item(), dtype=torch.float64), torch.ones(shape, dtype=torch.float64)
+        ratio = (nk.mean() / nv.mean()).item()
+        return torch.full(shape, ratio, dtype=torch.float64), torch.ones(shape, dtype=torch.float64)
     pooled = nk.clone()
     half = layout.rotary_dim // 2
     if half:  # RoPE pairs (i, i + R/2) share one scale
@@ -158,8 +194,9 @@ def calibration_batches(model: nn.Module, tokenizer, calibration, max_length: in
             window = ids[start:start + max_length][: max_tokens - total]
             if len(window) == 0:
                 break
-            batches.append({"input_ids": window[None].to(device), "attention_mask": torch.ones_like(window)[None].to(device)})
-            total += len(window)
+            window = window[None].to(device)  # (1, n)
+            batches.append({"input_ids": window, "attention_mask": torch.ones_like(window)})
+            total += window.shape[1]
         if total >= max_tokens:
             break
     if not batches:
@@ -171,8 +208,15 @@ def measure_kv_norms(model: nn.Module, batches: list[dict], progress: bool = Tru
                      label: str = "") -> KVNorms:
     """Per-channel L2 norms of the post-RoPE keys and the values of ``model`` over ``batches``.
 
-    Raises:
-        ValueError: fewer than ``min_tokens`` tokens, or non-finite keys/values in some layer.
+    Returns
+    -------
+    KVNorms
+        One ``(H_kv * D,)`` fp64 key and value norm vector per layer.
+
+    Raises
+    ------
+    ValueError
+        Fewer than ``min_tokens`` tokens, or non-finite keys/values in some layer.
     """
     extra = {"use_cache": False} if architecture_of(model).causal else {}
     with torch.no_grad(), record_norms(model, keys_values=True, attention=False) as recorder:
@@ -199,7 +243,10 @@ def key_scales(config) -> list[torch.Tensor] | None:
 
 
 def value_scales(config) -> list[torch.Tensor] | None:
-    """Per layer, the fp32 ``(H_kv, head_dim)`` ``t`` with ``balanced value = original value * t``; ``None`` if unbalanced."""
+    """Per layer, the fp32 ``(H_kv, head_dim)`` ``t`` with ``balanced value = original value * t``.
+
+    ``None`` for a model that was never balanced; cumulative over repeated balancing.
+    """
     return _scales(config, "value_scale")
 
 
@@ -231,8 +278,10 @@ def _write_record(model: nn.Module, mode: str, alpha: float, scales, previous: d
         value = [torch.tensor(p, dtype=torch.float64) * t for p, t in zip(previous["value_scale"], value)]
         history = list(previous.get("history", [])) + history
     record = {"mode": mode, "alpha": alpha if mode == "channel" else None, "history": history,
-              "convention": "K' = K / key_scale, Q' = Q * key_scale, V' = V * value_scale, o_proj' = o_proj / value_scale",
-              "key_scale": [s.tolist() for s in key], "value_scale": [t.tolist() for t in value], "version": __version__}
+              "convention": "K' = K / key_scale, Q' = Q * key_scale, V' = V * value_scale, "
+                            "o_proj' = o_proj / value_scale",
+              "key_scale": [s.tolist() for s in key], "value_scale": [t.tolist() for t in value],
+              "version": __version__}
     configs = {id(model.config): model.config}
     for _, module in attention_modules(model):
         configs.setdefault(id(module.config), module.config)

@@ -61,12 +61,18 @@ class Slot:
 class KVLayout:
     """The projections of one attention layer that a K/V fold scales (see the module docstring).
 
-    Attributes:
-        name: the attention module's qualified name.
-        num_heads, num_kv_heads, head_dim: ``H_q``, ``H_kv``, ``D``.
-        rotary_dim: channels rotated by RoPE per head (0: no RoPE).
-        qk_norm: query/key slots are per-``d`` norm weights shared by all heads.
-        query, key, value, output: the slots of each channel space.
+    Attributes
+    ----------
+    name : str
+        The attention module's qualified name.
+    num_heads, num_kv_heads, head_dim : int
+        ``H_q``, ``H_kv``, ``D``.
+    rotary_dim : int
+        Channels rotated by RoPE per head (0: no RoPE).
+    qk_norm : bool
+        Query/key slots are ``(D,)`` norm weights shared by all heads.
+    query, key, value, output : list of Slot
+        The slots of each channel space: ``(H_q, D)``, ``(H_kv, D)``, ``(H_kv, D)``, ``(H_q, D)``.
     """
 
     name: str
@@ -111,9 +117,12 @@ class KVLayout:
     def fold(self, key_scale: torch.Tensor, value_scale: torch.Tensor) -> None:
         """K' = K / s, Q' = Q * s (per query head, from its KV head), V' = V * t, ``o_proj`` columns / t.
 
-        Args:
-            key_scale: ``s``, ``(H_kv, D)``; must be equal within each RoPE pair (not checked here).
-            value_scale: ``t``, ``(H_kv, D)``.
+        Parameters
+        ----------
+        key_scale : torch.Tensor
+            ``s``, ``(H_kv, D)``; must be equal within each RoPE pair (not checked here: ``balance_kv`` builds it so).
+        value_scale : torch.Tensor
+            ``t``, ``(H_kv, D)``.
         """
         self.scale_query(expand_to_query_heads(key_scale, self.groups))
         self.scale_key(1.0 / key_scale)
@@ -144,9 +153,11 @@ def expand_to_query_heads(per_kv_head: torch.Tensor, groups: int) -> torch.Tenso
 def kv_layouts(model: nn.Module) -> list[KVLayout]:
     """The :class:`KVLayout` of every attention layer of ``model``, in layer order.
 
-    Raises:
-        ValueError: the architecture is unsupported, a projection is missing or has an unexpected shape or type
-            (e.g. a quantized ``nn.Linear`` replacement), a module is a cross-attention, or layers share projections.
+    Raises
+    ------
+    ValueError
+        The architecture is unsupported, a projection is missing or has an unexpected shape or type (e.g. a
+        quantized ``nn.Linear`` replacement), a module is a cross-attention, or layers share projections.
     """
     model_type = architecture_of(model).model_type
     rotary_dim = 0 if model_type in _NO_ROPE else _rotary_dim(model)
@@ -154,7 +165,8 @@ def kv_layouts(model: nn.Module) -> list[KVLayout]:
     layouts = [_layout(model_type, name, module, modules, rotary_dim) for name, module in attention_modules(model)]
     ids = [id(p) for layout in layouts for p in layout.parameters()]
     if len(ids) != len(set(ids)):
-        raise ValueError("Some attention projections are shared between layers; a per-layer fold would scale them twice.")
+        raise ValueError("Some attention projections are shared between layers; a per-layer fold would scale them "
+                         "twice.")
     return layouts
 
 
@@ -191,7 +203,8 @@ def _layout(model_type: str, name: str, module: nn.Module, modules: dict, rotary
     elif model_type == "gpt_neox":
         d, fused = module.head_size, _linear(module, "query_key_value", name)
         per_head = torch.arange(heads)[:, None] * 3 * d + torch.arange(d)[None, :]  # (H, D): the q rows of each head
-        query, key, value = ([Slot(p, 0, (per_head + i * d).flatten()) for p in _weight_and_bias(fused)] for i in range(3))
+        query, key, value = ([Slot(p, 0, (per_head + i * d).flatten()) for p in _weight_and_bias(fused)]
+                             for i in range(3))
         output, qk_norm = [Slot(_linear(module, "dense", name).weight, 1, torch.arange(heads * d))], False
     elif model_type == "bert":
         d = module.attention_head_size
@@ -202,7 +215,8 @@ def _layout(model_type: str, name: str, module: nn.Module, modules: dict, rotary
         query, key, value = (_rows(_linear(module, n, name), 0, heads * d) for n in ("query", "key", "value"))
         output, qk_norm = [Slot(dense.weight, 1, torch.arange(heads * d))], False
     else:  # registered but without a layout here
-        raise ValueError(f"K/V balancing has no projection layout for model_type {model_type!r}; add one in kv_layouts.py.")
+        raise ValueError(f"K/V balancing has no projection layout for model_type {model_type!r}; "
+                         "add one in kv_layouts.py.")
     if heads % kv_heads:
         raise ValueError(f"{name}: {heads} query heads do not group over {kv_heads} KV heads.")
     if rotary_dim % 2 or rotary_dim > d:

@@ -20,7 +20,17 @@ from tqdm.auto import tqdm
 
 @dataclass(frozen=True)
 class PerplexityResult:
-    """Attributes: perplexity, mean negative log-likelihood (nats/token), scored tokens, windows."""
+    """One evaluation.
+
+    Attributes
+    ----------
+    perplexity : float
+        ``exp(nll)``.
+    nll : float
+        Mean negative log-likelihood, nats per scored token.
+    tokens, windows : int
+        Scored tokens (each window's first token is not scored) and forward passes.
+    """
 
     perplexity: float
     nll: float
@@ -28,16 +38,30 @@ class PerplexityResult:
     windows: int
 
 
-def token_windows(tokenizer, texts: list[str] | str, window: int = 1024, max_tokens: int | None = None) -> list[torch.Tensor]:
-    """Cut the tokenized ``texts`` into ``(window,)`` id tensors (the last partial one is dropped unless it is the only).
+def token_windows(tokenizer, texts: list[str] | str, window: int = 1024,
+                  max_tokens: int | None = None) -> list[torch.Tensor]:
+    """Cut the tokenized ``texts`` into ``(window,)`` id tensors.
 
-    Args:
-        texts: one text or several (their tokens are concatenated in order).
-        window: tokens per window (the model's context must hold it).
-        max_tokens: stop after this many tokens in all (rounded down to whole windows).
+    Parameters
+    ----------
+    tokenizer
+        Any callable returning ``{"input_ids": list[int]}`` for a text (a Transformers tokenizer).
+    texts : str or list of str
+        One text or several; their tokens are concatenated in order.
+    window : int
+        Tokens per window (the model's context must hold it).
+    max_tokens : int, optional
+        Stop after this many tokens in all (rounded down to whole windows).
 
-    Raises:
-        ValueError: no text, a window shorter than 2 tokens, or fewer than 2 tokens in all.
+    Returns
+    -------
+    list of torch.Tensor
+        ``(window,)`` int64 ids each; a trailing partial window is dropped unless it is the only one.
+
+    Raises
+    ------
+    ValueError
+        No text, a window shorter than 2 tokens, or fewer than 2 tokens in all.
     """
     texts = [texts] if isinstance(texts, str) else list(texts)
     if not texts or window < 2:

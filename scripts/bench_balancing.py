@@ -59,9 +59,9 @@ def main() -> None:
         logit_change[mode] = report.max_logit_change
         variants[mode if mode == "layer" else f"channel (alpha={args.alpha})"] = model
         ratios = report.before.ratios()
-        print(f"{mode}: max |logit change| {report.max_logit_change:.3g} (allowed {report.tolerance:.3g}); K/V mean-norm "
-              f"ratio before {ratios.min():.2f}..{ratios.max():.2f}, after {report.after.ratios().min():.3f}.."
-              f"{report.after.ratios().max():.3f}")
+        print(f"{mode}: max |logit change| {report.max_logit_change:.3g} (allowed {report.tolerance:.3g}); "
+              f"K/V mean-norm ratio before {ratios.min():.2f}..{ratios.max():.2f}, "
+              f"after {report.after.ratios().min():.3f}..{report.after.ratios().max():.3f}")
 
     channels = 2 * 3 * 64
     rows: dict[str, dict[str, float]] = {}
@@ -82,7 +82,8 @@ def main() -> None:
     print("\n" + tables)
     (args.out / "tables.md").write_text(tables + "\n")
     (args.out / "results.json").write_text(json.dumps({
-        "eval_tokens": sum(len(w) for w in windows), "window": args.window, "calibration_tokens": args.calibration_tokens,
+        "eval_tokens": sum(len(w) for w in windows), "window": args.window,
+        "calibration_tokens": args.calibration_tokens,
         "alpha": args.alpha, "max_logit_change": logit_change, "perplexity": rows, "seconds": time.time() - start,
     }, indent=2) + "\n")
     print(f"done in {time.time() - start:.0f} s; results in {args.out}")

@@ -1,4 +1,4 @@
-"""K/V balancing is an exact reparametrization: logits and generations unchanged, wrong folds caught, bad inputs refused.
+"""K/V balancing is an exact reparametrization: same logits and generations, wrong folds caught, bad inputs refused.
 
 Tolerances: tiny models run in fp64, where a correct fold changes logits by ~1e-15 relative; we allow 1e-9 (1e-6 for
 gemma3_text, whose RMSNorm computes in fp32 even in an fp64 model). A wrong fold (RoPE pair split, wrong GQA
@@ -209,7 +209,8 @@ def test_report_plot_and_json(tmp_path):
     ],
     ids=["empty", "empty-texts", "too-short", "bad-mode", "bad-alpha"],
 )
-def test_bad_calibration_and_settings_leave_weights_untouched(default_model_and_tokenizer, calibration, kwargs, message):
+def test_bad_calibration_and_settings_leave_weights_untouched(default_model_and_tokenizer, calibration, kwargs,
+                                                              message):
     model, tokenizer = default_model_and_tokenizer
     state = _state(model)
     with pytest.raises(ValueError, match=message):
@@ -294,5 +295,6 @@ def test_cli_kv_norms_writes_figures_and_json(tmp_path, capsys):
     assert len(data["layers"][0]["before"]["keys"]) == 3 * 64
     figure = tmp_path / "kv_norms_layer0_channel.png"  # layer 0: the most imbalanced layer of SmolLM2-135M
     assert figure.stat().st_size > 10_000 and (tmp_path / "kv_ratios_channel.png").exists()
-    assert main(["kv-norms", "--mode", "layer", "--layer", "99", "--calibration-tokens", "64", "--out", str(tmp_path)]) == 2
+    bad_layer = ["kv-norms", "--mode", "layer", "--layer", "99", "--calibration-tokens", "64", "--out", str(tmp_path)]
+    assert main(bad_layer) == 2
     assert "layer must be in 0..29" in capsys.readouterr().err
