@@ -244,7 +244,9 @@ def write_report(records: list[dict], out_dir: Path) -> Path:
         for variant in dict.fromkeys(r["variant"] for r in records if r["task"] == task):
             lengths, depths, grid = accuracy_grid(records, task, variant)
             slug = re.sub(r"[^A-Za-z0-9.=+-]+", "_", variant)
-            title = f"{'Needle in a haystack' if task == 'niah' else 'Passkey'}, KNorm {variant}"
+            seeds = len({r["seed"] for r in records if r["task"] == task and r["variant"] == variant})
+            name = "uncompressed (r=0)" if variant == "r=0" else f"KNorm {variant}"
+            title = f"{'Needle in a haystack' if task == 'niah' else 'Passkey'}, {name}, {seeds} seed(s)/cell"
             plot_needle_heatmap(lengths, depths, grid, out_dir / f"heatmap_{task}_{slug}.png", title=title)
     summary = out_dir / "summary.md"
     summary.write_text("\n".join(parts))

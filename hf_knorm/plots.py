@@ -86,8 +86,9 @@ def plot_needle_heatmap(lengths, depths, accuracy, path, title: str | None = Non
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     values = np.array([[np.nan if a is None else float(a) for a in row] for row in accuracy], dtype=float)
-    cmap = LinearSegmentedColormap.from_list("missed_found", ["#d7301f", "#fdae61", "#ffffbf", "#a6d96a", "#1a9850"])
-    cmap.set_bad("#bbbbbb")
+    cmap = LinearSegmentedColormap.from_list(
+        "missed_found", ["#d7301f", "#fdae61", "#ffffbf", "#a6d96a", "#1a9850"]
+    ).with_extremes(bad="#bbbbbb")
     fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 2.5, 0.6 * len(depths) + 1.6))
     image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
     for i in range(values.shape[0]):
