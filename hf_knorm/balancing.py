@@ -30,7 +30,6 @@ composes), so :func:`key_scales` recovers the original basis: ``original key = b
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -296,16 +295,3 @@ def _output(model: nn.Module, batch: dict) -> torch.Tensor:
     extra = {"use_cache": False} if architecture_of(model).causal else {}
     out = model(**batch, **extra)
     return (out.logits if getattr(out, "logits", None) is not None else out[0]).double()
-
-
-def kv_norms_job(model_name: str, mode: str, out: str | Path, *, alpha: float = 0.5, layer: int | None = None,
-                 calibration_tokens: int = 4096, progress: bool = True) -> dict[str, Path]:
-    """The ``hf-knorm kv-norms`` job: balance ``model_name`` (``"default"`` or a folder) on Shakespeare's works (the
-    training split) and write the seed figure for ``layer``, the per-layer K/V ratio summary and the numbers (JSON)."""
-    from .data import shakespeare_split
-    from .persistence import load_model
-
-    model, tokenizer = load_model(model_name)
-    texts, _ = shakespeare_split()
-    report = balance_kv(model, tokenizer, texts, mode, alpha=alpha, max_tokens=calibration_tokens, progress=progress)
-    return report.save(out, layer)

@@ -24,7 +24,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Patch the model with each normalization in turn and print its next-token predictions and its "
         "perplexity on a built-in text; writes demo.json to --out.",
     )
-    demo.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a checkpoint folder")
+    _add_model_argument(demo)
     demo.add_argument("--normalizations", default="softmax,x/1,x/16,x^3/1,x^3/16,x^3/sqrtN",
                       help="comma-separated normalizations (default: the paper's legend plus x^3/sqrtN)")
     demo.add_argument("--out", type=Path, default=Path("outputs/demo"), help="output folder")
@@ -38,7 +38,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Balance the model's keys and values exactly (hf_knorm.balance_kv) on Shakespeare's works and write "
         "the figure for one layer, the K/V mean-norm ratio of every layer before and after, and the numbers as JSON.",
     )
-    kv_norms.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a checkpoint folder")
+    _add_model_argument(kv_norms)
     kv_norms.add_argument("--mode", choices=("layer", "channel"), default="layer", help="one scale per layer or per channel")
     kv_norms.add_argument("--alpha", type=float, default=0.5, help="migration strength of --mode channel, in (0, 1]")
     kv_norms.add_argument("--layer", type=int, default=None, help="layer of the figure (default: the one with the largest K/V norm ratio)")
@@ -53,7 +53,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "compressed by KNorm (kvpress protocol: context compressed, question not). Writes results.json/csv "
         "(resumable), one heatmap per task and ratio, and summary.md to --out.",
     )
-    niah.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a checkpoint folder")
+    _add_model_argument(niah)
     niah.add_argument("--ratios", default="0,0.5,0.75,0.9",
                       help="comma-separated compression ratios (0 = uncompressed)")
     niah.add_argument("--lengths", default="1000,2000,4000,8000", help="comma-separated context lengths (tokens)")
@@ -66,6 +66,10 @@ def _build_parser() -> argparse.ArgumentParser:
     niah.set_defaults(run=_run_niah)
 
     return parser
+
+
+def _add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a checkpoint folder")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -87,11 +91,17 @@ def _run_niah(args: argparse.Namespace) -> int:
 
 
 def _run_kv_norms(args: argparse.Namespace) -> int:
-    from .balancing import kv_norms_job
+    from .balancing import balance_kv
+    from .data import shakespeare_split
+    from .persistence import load_model
 
-    paths = kv_norms_job(args.model, args.mode, args.out, alpha=args.alpha, layer=args.layer,
-                         calibration_tokens=args.calibration_tokens)
-    for name, path in paths.items():
+    model, tokenizer = load_model(args.model)
+    layers = model.config.num_hidden_layers
+    if args.layer is not None and not 0 <= args.layer < layers:  # checked before the minute of calibration
+        raise ValueError(f"--layer {args.layer} is out of range: the model has layers 0..{layers - 1}.")
+    texts, _ = shakespeare_split()  # calibrate on the training split; Hamlet and the sonnets stay held out
+    report = balance_kv(model, tokenizer, texts, args.mode, alpha=args.alpha, max_tokens=args.calibration_tokens)
+    for name, path in report.save(args.out, args.layer).items():
         print(f"{name}: {path}")
     return 0
 

@@ -110,7 +110,6 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|")
     for r in results:
         p = r["prefill"]
-        extra = r["evict"][ratios[0]] - r["copy"]
         print(f"| {r['n']} | {p['dynamic']:.2f} | {p['knorm']:.2f} | {p['knorm'] / p['dynamic']:.3f} | "
               f"{1000 * r['evict'][ratios[0]]:.1f} (copy alone {1000 * r['copy']:.1f}) | "
               f"{100 * r['evict'][ratios[0]] / p['dynamic']:.2f}% |")

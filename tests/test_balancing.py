@@ -297,4 +297,4 @@ def test_cli_kv_norms_writes_figures_and_json(tmp_path, capsys):
     assert figure.stat().st_size > 10_000 and (tmp_path / "kv_ratios_channel.png").exists()
     bad_layer = ["kv-norms", "--mode", "layer", "--layer", "99", "--calibration-tokens", "64", "--out", str(tmp_path)]
     assert main(bad_layer) == 2
-    assert "layer must be in 0..29" in capsys.readouterr().err
+    assert "--layer 99 is out of range: the model has layers 0..29" in capsys.readouterr().err
