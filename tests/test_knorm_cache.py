@@ -197,16 +197,13 @@ def test_key_scales_score_in_the_given_basis():
 
 
 def test_balanced_model_original_basis_recovers_unbalanced_ranking():
-    balancing = pytest.importorskip("hf_knorm.balancing")
-    if not hasattr(balancing, "balance_kv") or not hasattr(balancing, "key_scales"):
-        pytest.skip("K/V balancing is not available yet")
     model = knorm_model("llama")
     ids = tiny_inputs("llama", batch=1, length=PROMPT)["input_ids"]
     unbalanced = KNormCache(0.5, config=model.config)
     model(input_ids=ids, cache=unbalanced, use_cache=True)
     balanced = copy.deepcopy(model)
     calibration = [tiny_inputs("llama", batch=1, length=64, seed=s) for s in range(2)]
-    balancing.balance_kv(balanced, None, calibration, mode="channel", progress=False, min_tokens=1)
+    hf_knorm.balance_kv(balanced, None, calibration, mode="channel", progress=False, min_tokens=1)
     original = hf_knorm.knorm_cache_for(balanced, score_basis="original", compression_ratio=0.5)
     cached = hf_knorm.knorm_cache_for(balanced, score_basis="cached", compression_ratio=0.5)
     balanced(input_ids=ids, cache=original, use_cache=True)
