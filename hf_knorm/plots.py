@@ -1,13 +1,18 @@
-"""Figures (matplotlib, Agg backend: no display needed). One function per figure; each writes a PNG and returns its path."""
+"""Figures. One function per figure; each writes a PNG and returns its path.
+
+Figures are built with ``matplotlib.figure.Figure`` rather than ``pyplot``: no display is needed, and the user's
+pyplot backend (a notebook's inline one, say) is left alone.
+"""
 
 from __future__ import annotations
 
-import matplotlib
+from pathlib import Path
 
-matplotlib.use("Agg")
+import numpy as np
+from matplotlib.figure import Figure
 
 
-# --- K/V balancing (issue 3) ---------------------------------------------------------------------------------------
+# --- K/V balancing ------------------------------------------------------------------------------------------------
 
 
 def plot_kv_norms(keys_before, values_before, keys_after, values_after, path, title: str | None = None):
@@ -17,13 +22,11 @@ def plot_kv_norms(keys_before, values_before, keys_after, values_after, path, ti
         keys_before, values_before, keys_after, values_after: ``(C,)`` norms, ``C = H_kv * head_dim``.
         path: the PNG to write; title: an optional suptitle.
     """
-    import matplotlib.pyplot as plt
-    import numpy as np
-    from pathlib import Path
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    fig = Figure(figsize=(10, 6))
+    axes = fig.subplots(2, 1, sharex=True)
     for ax, keys, values, name in ((axes[0], keys_before, values_before, "Original kv-norm"),
                                    (axes[1], keys_after, values_after, "Balanced kv-norm")):
         keys, values = np.asarray(keys, dtype=float), np.asarray(values, dtype=float)
@@ -39,19 +42,16 @@ def plot_kv_norms(keys_before, values_before, keys_after, values_after, path, ti
         fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
 def plot_kv_ratios(ratios_before, ratios_after, path, title: str | None = None):
     """Per layer, mean key-channel norm / mean value-channel norm, before and after balancing (log y)."""
-    import matplotlib.pyplot as plt
-    import numpy as np
-    from pathlib import Path
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(8, 3.5))
+    fig = Figure(figsize=(8, 3.5))
+    ax = fig.subplots()
     layers = np.arange(len(ratios_before))
     ax.plot(layers, np.asarray(ratios_before, dtype=float), "o-", color="tab:red", label="original")
     ax.plot(layers, np.asarray(ratios_after, dtype=float), "s-", color="tab:green", label="balanced")
@@ -63,11 +63,10 @@ def plot_kv_ratios(ratios_before, ratios_after, path, title: str | None = None):
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
-# --- KNorm needle-in-a-haystack (issue 4) --------------------------------------------------------------------------
+# --- KNorm needle-in-a-haystack -----------------------------------------------------------------------------------
 
 
 def plot_needle_heatmap(lengths, depths, accuracy, path, title: str | None = None):
@@ -78,10 +77,7 @@ def plot_needle_heatmap(lengths, depths, accuracy, path, title: str | None = Non
         accuracy: ``accuracy[depth][length]`` in [0, 1], or None for a cell not run (drawn grey).
         path: the PNG to write; title: e.g. "NIAH, r=0.5 (kvpress protocol)".
     """
-    import matplotlib.pyplot as plt
-    import numpy as np
     from matplotlib.colors import LinearSegmentedColormap
-    from pathlib import Path
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,7 +85,8 @@ def plot_needle_heatmap(lengths, depths, accuracy, path, title: str | None = Non
     cmap = LinearSegmentedColormap.from_list(
         "missed_found", ["#d7301f", "#fdae61", "#ffffbf", "#a6d96a", "#1a9850"]
     ).with_extremes(bad="#bbbbbb")
-    fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 2.5, 0.6 * len(depths) + 1.6))
+    fig = Figure(figsize=(1.2 * len(lengths) + 2.5, 0.6 * len(depths) + 1.6))
+    ax = fig.subplots()
     image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
     for i in range(values.shape[0]):
         for j in range(values.shape[1]):
@@ -103,5 +100,4 @@ def plot_needle_heatmap(lengths, depths, accuracy, path, title: str | None = Non
     fig.colorbar(image, ax=ax, label="accuracy (exact match)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
