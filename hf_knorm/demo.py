@@ -60,6 +60,8 @@ def run_demo(model_name: str, normalizations: list[str], out_dir: Path) -> list[
     for row in rows:
         cells = "  |  ".join(repr(c) for c in row["continuations"])
         print(f"{row['normalization']:<{width}}  {row['perplexity']:>12.4g}  {cells}")
+    print("\nThe model was trained with softmax: softmax through the plugin reproduces it; the polynomial normalizations "
+          "change its function and need fine-tuning before their text means anything.")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "demo.json").write_text(json.dumps({"model": model_name, "prompts": PROMPTS, "rows": rows}, indent=2))
