@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .data import SAMPLE_TEXT
+from .normalizations import parse_normalization
 from .patching import patch, unpatch
 from .persistence import load_model
 
@@ -50,11 +51,12 @@ def evaluate_normalization(model, tokenizer, normalization: str | None, new_toke
 
 def run_demo(model_name: str, normalizations: list[str], out_dir: Path) -> list[dict]:
     """Evaluate the model natively and under each normalization; print a table and write ``demo.json``."""
+    normalizations = [parse_normalization(name).name for name in normalizations]  # bad spellings fail before loading
     model, tokenizer = load_model(model_name)
     print(f"Model: {model_name} ({model.config.model_type}, {model.config.num_hidden_layers} layers). "
           f"Perplexity on a {len(tokenizer(SAMPLE_TEXT)['input_ids'])}-token sample text; greedy continuations.")
     rows = [evaluate_normalization(model, tokenizer, None)]
-    rows += [evaluate_normalization(model, tokenizer, name.strip()) for name in normalizations]
+    rows += [evaluate_normalization(model, tokenizer, name) for name in normalizations]
     width = max(len(row["normalization"]) for row in rows)
     print(f"\n{'normalization':<{width}}  {'perplexity':>12}  " + "  |  ".join(f"{p!r}" for p in PROMPTS))
     for row in rows:
