@@ -15,19 +15,11 @@ from __future__ import annotations
 import torch
 from transformers import Pipeline
 
+from .balancing import key_scales
 from .knorm_cache import KNormCache
 
 CACHE_OPTIONS = ("compression_ratio", "budget", "sink_tokens", "recent_window", "layer_ratios", "decoding_budget")
 SCORE_BASES = ("cached", "original")
-
-
-def model_key_scales(model) -> list[torch.Tensor] | None:
-    """The K/V-balancing key scales of ``model`` (``hf_knorm.balancing.key_scales``), or None if unbalanced."""
-    try:
-        from .balancing import key_scales
-    except ImportError:  # balancing not available in this build
-        return None
-    return key_scales(model.config)
 
 
 def knorm_cache_for(model, score_basis: str = "cached", **options) -> KNormCache:
@@ -46,7 +38,7 @@ def knorm_cache_for(model, score_basis: str = "cached", **options) -> KNormCache
     """
     if score_basis not in SCORE_BASES:
         raise ValueError(f"score_basis must be one of {SCORE_BASES}, got {score_basis!r}.")
-    scales = model_key_scales(model) if score_basis == "original" else None
+    scales = key_scales(model.config) if score_basis == "original" else None
     return KNormCache(config=model.config, key_scales=scales, **options)
 
 

@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from .balancing import key_scales
 from .knorm_cache import KNormCache
-from .knorm_pipeline import generate_after, model_key_scales, split_prompt
+from .knorm_pipeline import generate_after, split_prompt
 
 CITIES = ("Paris", "Tokyo", "Nairobi", "Lima", "Oslo", "Cairo", "Sydney", "Toronto", "Mumbai", "Madrid", "Seoul",
           "Dublin", "Lisbon", "Santiago", "Hanoi", "Vienna", "Prague", "Manila", "Bogota", "Helsinki")
@@ -131,7 +132,7 @@ def answer_cell(model, tokenizer, sample: dict, variants: list[Variant], max_new
     generate = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     answers, with_question = {}, None
     for variant in variants:
-        scales = model_key_scales(model) if variant.score_basis == "original" else None
+        scales = key_scales(model.config) if variant.score_basis == "original" else None
         if variant.protocol == "kvpress":
             cache = KNormCache.from_dynamic_cache(full, key_scales=scales, **variant.options)
             new = generate_after(model, cache, context_ids, question_ids, **generate)[0]
@@ -259,7 +260,7 @@ def run_niah_job(model_name: str, ratios, lengths, depths, seeds: int, passkey_s
     from .persistence import load_model
 
     model, tokenizer = load_model(model_name)
-    balanced = model_key_scales(model) is not None
+    balanced = key_scales(model.config) is not None
     variants = ratio_variants(ratios) + (option_variants(0.5, balanced=balanced) if options else [])
     tasks = tuple(task for task, n in (("niah", seeds), ("passkey", passkey_seeds)) if n > 0)
     records = run_needle(model, tokenizer, out_dir, tasks=tasks, variants=variants, lengths=lengths, depths=depths,
