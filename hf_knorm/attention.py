@@ -72,7 +72,7 @@ def hf_knorm_attention(
         frobenius_sq=frobenius_sq,
     )
     if recorder is not None:
-        recorder.record(module, key, value, attention_mask, frobenius_sq.reshape(query.shape[0], query.shape[1]))
+        recorder.record(module, key, value, allowed, frobenius_sq.reshape(query.shape[0], query.shape[1]))
     return output, weights
 
 

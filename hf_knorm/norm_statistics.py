@@ -86,8 +86,12 @@ class NormRecorder:
     def __exit__(self, *exc) -> None:
         _ACTIVE.reset(self._token)
 
-    def record(self, module, key, value, attention_mask, frobenius) -> None:
-        """Called by the attention function. Shapes: key/value ``(B, H_kv, kv, D)``, frobenius_sq ``(B, H_q)``."""
+    def record(self, module, key, value, allowed, frobenius) -> None:
+        """Called by the attention function.
+
+        Shapes: key/value ``(B, H_kv, kv, D)``; allowed: bool ``(B or 1, 1 or H_q, q, kv)`` or None; frobenius
+        ``(B, H_q)``.
+        """
         index = self._index.get(id(module))
         if index is None:
             raise RuntimeError(f"{type(module).__name__} is not one of the layers this NormRecorder was built for.")
@@ -96,7 +100,7 @@ class NormRecorder:
             layer.frobenius.append(frobenius.detach().sqrt().cpu())
         if not self.keys_values:
             return
-        valid = real_key_tokens(attention_mask, key.shape[0], key.shape[2], key.device)  # (B, kv)
+        valid = real_key_tokens(allowed, key.shape[0], key.shape[2], key.device)  # (B, kv)
         weights = valid.to(torch.float64)[:, None, :, None]
         key_sq = (key.detach().double().square() * weights).sum(dim=(0, 2)).flatten().cpu()  # (H_kv * D,)
         value_sq = (value.detach().double().square() * weights).sum(dim=(0, 2)).flatten().cpu()
@@ -105,10 +109,8 @@ class NormRecorder:
         layer.tokens += int(valid.sum())
 
 
-def real_key_tokens(attention_mask: torch.Tensor | None, batch: int, kv_len: int, device) -> torch.Tensor:
+def real_key_tokens(allowed: torch.Tensor | None, batch: int, kv_len: int, device) -> torch.Tensor:
     """``(B, kv)`` bool: key positions some query may attend (padding keys are attended by none)."""
-    if attention_mask is None:
+    if allowed is None:
         return torch.ones(batch, kv_len, dtype=torch.bool, device=device)
-    allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask > torch.finfo(attention_mask.dtype).min / 2
-    allowed = allowed[..., :kv_len].any(dim=-2).any(dim=1)  # (B or 1, kv)
-    return allowed.expand(batch, kv_len)
+    return allowed[..., :kv_len].any(dim=-2).any(dim=1).expand(batch, kv_len)
