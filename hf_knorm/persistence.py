@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from .attention import ATTENTION_NAME
 from .normalizations import parse_normalization
-from .patching import SECTION, patch, patched_normalization
+from .patching import SECTION, patched_normalization
 from .version import __version__
 
 
@@ -72,11 +72,11 @@ def from_pretrained(path: str | os.PathLike, model_class=None, **kwargs) -> nn.M
         architectures = getattr(config, "architectures", None) or []
         model_class = getattr(transformers, architectures[0], None) if architectures else None
         model_class = model_class or transformers.AutoModel
-    model = model_class.from_pretrained(path, **kwargs)
-    if normalization is not None and patched_normalization(model) != normalization:
-        patch(model, normalization)
+    model = model_class.from_pretrained(path, **kwargs)  # config.json's attn_implementation selects "hf_knorm"
     if normalization is not None:
-        model.config.attn_implementation = ATTENTION_NAME
+        if model.config._attn_implementation != ATTENTION_NAME:  # a config.json that lost the marker
+            model.set_attn_implementation(ATTENTION_NAME)
+        model.config.attn_implementation = ATTENTION_NAME  # the marker patch() sets, so a re-save keeps it
     return model
 
 

@@ -87,3 +87,15 @@ def test_corrupt_saved_normalization_is_reported(tmp_path):
 def test_missing_folder_is_reported():
     with pytest.raises(FileNotFoundError, match="No model folder"):
         hf_knorm.load_model("/nonexistent/model")
+
+
+def test_hf_knorm_loader_repairs_a_config_that_lost_the_marker(tmp_path):
+    model = hf_knorm.patch(tiny_model("llama"), "x^3/16")
+    hf_knorm.save_pretrained(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["attn_implementation"]  # e.g. re-saved by plain save_pretrained right after a plain load
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = hf_knorm.from_pretrained(tmp_path).eval()
+    assert loaded.config._attn_implementation == "hf_knorm"
+    inputs = tiny_inputs("llama")
+    assert torch.equal(_logits(loaded, inputs), _logits(model, inputs))
