@@ -21,6 +21,7 @@ demo: $(STAMP)
 	$(VENV)/bin/hf-knorm demo --out outputs/demo
 
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -ra
 
 bench: $(STAMP)

@@ -9,16 +9,17 @@
 Importing the package registers the ``"hf_knorm"`` attention and mask functions with Transformers; nothing else.
 """
 
-from .architectures import SUPPORTED_ARCHITECTURES, architecture_of, attention_modules
-from .balancing import BalanceReport, KVNorms, balance_kv, key_scales, value_scales
-from .default_model import DEFAULT_MODEL_HUB_ID, load_default_model
-from .knorm_cache import KNormCache
-from .knorm_pipeline import KNormTextGenerationPipeline, knorm_cache_for, knorm_generate, register_pipeline
-from .normalizations import PAPER_NORMALIZATIONS, Normalization, parse_normalization
-from .norm_statistics import LayerNorms, NormRecorder
-from .patching import patch, patched_normalization, register, unpatch
-from .persistence import from_pretrained, load_model, save_pretrained
-from .recording import record_norms
+from .assets.default_model import DEFAULT_MODEL_HUB_ID, load_default_model
+from .attention.normalizations import PAPER_NORMALIZATIONS, Normalization, parse_normalization
+from .attention.registration import register
+from .balancing.balance import BalanceReport, KVNorms, balance_kv, key_scales, value_scales
+from .knorm.cache import KNormCache
+from .knorm.pipeline import KNormTextGenerationPipeline, knorm_cache_for, knorm_generate, register_pipeline
+from .models.architectures import SUPPORTED_ARCHITECTURES, architecture_of, attention_modules
+from .models.patching import patch, patched_normalization, unpatch
+from .models.persistence import from_pretrained, load_model, save_pretrained
+from .norms.recording import record_norms
+from .norms.statistics import LayerNorms, NormRecorder
 from .version import __version__
 
 register()

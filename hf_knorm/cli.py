@@ -80,7 +80,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_niah(args: argparse.Namespace) -> int:
-    from .needle import run_niah_job
+    from .evaluation.needle import run_niah_job
 
     def floats(text: str) -> list[float]:
         return [float(item) for item in text.split(",") if item.strip()]
@@ -91,9 +91,9 @@ def _run_niah(args: argparse.Namespace) -> int:
 
 
 def _run_kv_norms(args: argparse.Namespace) -> int:
-    from .balancing import balance_kv
-    from .data import shakespeare_split
-    from .persistence import load_model
+    from .assets.texts import shakespeare_split
+    from .balancing.balance import balance_kv
+    from .models.persistence import load_model
 
     model, tokenizer = load_model(args.model)
     layers = model.config.num_hidden_layers

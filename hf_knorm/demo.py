@@ -1,7 +1,7 @@
 """The main job of ``make demo``: the default model under each normalization, side by side.
 
 For each normalization the model is patched (then unpatched), and we report its greedy next tokens on a few prompts
-and its perplexity on :data:`hf_knorm.data.SAMPLE_TEXT` (teacher forcing, one forward pass). A pretrained model was
+and its perplexity on :data:`hf_knorm.assets.texts.SAMPLE_TEXT` (teacher forcing, one forward pass). A pretrained model was
 trained with softmax, so the polynomial normalizations are expected to degrade it sharply until it is fine-tuned:
 the demo shows by how much, and that softmax through the plugin reproduces the model exactly.
 """
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from .data import SAMPLE_TEXT
-from .normalizations import parse_normalization
-from .patching import patch, unpatch
-from .persistence import load_model
+from .assets.texts import SAMPLE_TEXT
+from .attention.normalizations import parse_normalization
+from .models.patching import patch, unpatch
+from .models.persistence import load_model
 
 PROMPTS = ("The capital of France is", "Water freezes at a temperature of", "The opposite of hot is")
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-
 # --- K/V balancing ------------------------------------------------------------------------------------------------
 
 

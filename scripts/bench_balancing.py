@@ -2,7 +2,7 @@
 
 For the default model (SmolLM2-135M-Instruct, fp32) unbalanced, balanced per ``layer`` and per ``channel``, the
 teacher-forced perplexity on held-out Shakespeare (Hamlet, then the Sonnets; never used for calibration) when
-attention reads compressed K/V (``hf_knorm.kv_codecs`` through ``KVTransform``):
+attention reads compressed K/V (``hf_knorm.balancing.codecs`` through ``KVTransform``):
 
 1. joint low-rank [K; V] per layer, rank 25/50/75% of the 2 * H_kv * head_dim channels (PCA fitted per model on the
    calibration text);
@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 
 import hf_knorm
-from hf_knorm.balancing import balance_kv, calibration_batches
-from hf_knorm.data import shakespeare_split
-from hf_knorm.kv_codecs import JointLowRank, per_token_groups, shared_absmax_fp8
-from hf_knorm.kv_transform import KVTransform
-from hf_knorm.perplexity import perplexity_of_windows, token_windows
-from hf_knorm.recording import routed_through_plugin
+from hf_knorm.assets.texts import shakespeare_split
+from hf_knorm.attention.taps import KVTransform
+from hf_knorm.balancing.balance import balance_kv, calibration_batches
+from hf_knorm.balancing.codecs import JointLowRank, per_token_groups, shared_absmax_fp8
+from hf_knorm.evaluation.perplexity import perplexity_of_windows, token_windows
+from hf_knorm.norms.recording import routed_through_plugin
 
 
 def main() -> None:

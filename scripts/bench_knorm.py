@@ -22,8 +22,8 @@ import torch
 from transformers import DynamicCache
 
 import hf_knorm
-from hf_knorm.data import paul_graham_essays
-from hf_knorm.knorm_cache import KNormCache, kept_count
+from hf_knorm.assets.texts import paul_graham_essays
+from hf_knorm.knorm.cache import KNormCache, kept_count
 
 
 def clone(cache) -> DynamicCache:

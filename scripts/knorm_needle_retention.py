@@ -16,9 +16,9 @@ import torch
 from transformers import DynamicCache
 
 import hf_knorm
-from hf_knorm.knorm_cache import KNormCache
-from hf_knorm.knorm_pipeline import split_prompt
-from hf_knorm.needle import haystack, make_sample
+from hf_knorm.evaluation.needle import haystack, make_sample
+from hf_knorm.knorm.cache import KNormCache
+from hf_knorm.knorm.pipeline import split_prompt
 
 
 @torch.no_grad()

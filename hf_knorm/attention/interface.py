@@ -1,0 +1,111 @@
+"""The plugin's attention function, as Transformers' ``AttentionInterface`` calls it.
+
+Registered under the name ``"hf_knorm"`` (see ``patching.py``). Each model reads its normalization from its own config
+(``config.hf_knorm["normalization"]``), so two models in one process can use different normalizations. The math is in
+``chunked_attention.py``; this module adapts Transformers' arguments to it (mask forms, kwargs, output recording) and
+reports to an active norm recorder or K/V transform.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Transformers' record of the outputs being captured (5.x); absent, only the kwarg is read
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # pragma: no cover
+    _active_collector = None
+
+from .kernel import chunked_attention
+from .normalizations import Normalization, parse_normalization
+from .taps import current_kv_transform, current_recorder
+
+ATTENTION_NAME = "hf_knorm"
+
+
+def hf_knorm_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``AttentionInterface`` entry point.
+
+    Args:
+        module: the calling attention module (reads ``module.config.hf_knorm``, ``is_causal``, ``training``).
+        query: ``(B, H_q, q, D)``.
+        key, value: ``(B, H_kv, kv, D)``, rotated and concatenated with the cache, not repeated for GQA.
+        attention_mask: bool ``(B or 1, 1, q, kv)`` (True = attend) from the mask function registered with it,
+            an additive float mask of that shape (e.g. a user's 4-D mask), or ``None``.
+        scaling: score scale (default ``D ** -0.5``).
+        dropout: attention dropout probability, applied to the weights when ``module.training``.
+        **kwargs: ``softcap`` (Gemma2), ``output_attentions``, ``is_causal``; others are ignored.
+
+    Returns:
+        ``(output (B, q, H_q, D), weights (B, H_q, q, kv) or None)``; weights only when attentions are recorded.
+    """
+    normalization = normalization_of(module)
+    transform = current_kv_transform()
+    if transform is not None:
+        key, value = transform(module, key, value)
+    recorder = current_recorder()
+    frobenius_sq = None
+    if recorder is not None:
+        frobenius_sq = query.new_zeros(query.shape[0], key.shape[1], query.shape[1] // key.shape[1], dtype=torch.float32)
+    allowed, bias = split_mask(attention_mask)
+    output, weights = chunked_attention(
+        query,
+        key,
+        value,
+        allowed,
+        normalization,
+        bias=bias,
+        scaling=scaling,
+        softcap=kwargs.get("softcap"),
+        dropout=dropout if module.training else 0.0,
+        causal=bool(kwargs.get("is_causal", getattr(module, "is_causal", False))),
+        return_weights=_attentions_requested(kwargs),
+        frobenius_sq=frobenius_sq,
+    )
+    if recorder is not None:
+        recorder.record(module, key, value, allowed, frobenius_sq.reshape(query.shape[0], query.shape[1]))
+    return output, weights
+
+
+def _attentions_requested(kwargs: dict) -> bool:
+    """Whether the caller records attention weights (``output_attentions=True``).
+
+    Some families (GPT-2) consume ``output_attentions`` before calling the attention function; Transformers'
+    output-capturing context then tells whether attentions are being collected.
+    """
+    if kwargs.get("output_attentions"):
+        return True
+    collected = _active_collector.get() if _active_collector is not None else None
+    return collected is not None and "attentions" in collected
+
+
+def normalization_of(module: torch.nn.Module) -> Normalization:
+    """The normalization a patched model's config selects for ``module``."""
+    section = getattr(module.config, "hf_knorm", None) or {}
+    spelling = section.get("normalization")
+    if spelling is None:
+        raise RuntimeError(
+            f"{type(module).__name__} runs attn_implementation='{ATTENTION_NAME}' but its config has no hf_knorm "
+            "normalization. Call hf_knorm.patch(model, normalization=...) or load the model with hf_knorm.from_pretrained."
+        )
+    # A model loaded with plain from_pretrained lacks the serialized marker that patch() sets: restore it, so that
+    # saving this model again can never produce a checkpoint that loads silently as softmax.
+    module.config.__dict__.setdefault("attn_implementation", ATTENTION_NAME)
+    return parse_normalization(spelling)
+
+
+def split_mask(mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Return (bool allowed mask, additive float bias or None) from a bool or an additive float mask."""
+    if mask is None or mask.dtype == torch.bool:
+        return mask, None
+    allowed = mask > torch.finfo(mask.dtype).min / 2
+    bias = torch.where(allowed, mask, torch.zeros((), dtype=mask.dtype, device=mask.device)).float()
+    return allowed, (bias if bool(bias.any()) else None)

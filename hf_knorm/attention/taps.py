@@ -1,0 +1,69 @@
+"""Taps: the two context-local hooks the plugin's attention function reads on every call.
+
+- A **norm recorder** (any object with ``record(module, key, value, allowed, frobenius_sq)``, in practice
+  :class:`hf_knorm.norms.statistics.NormRecorder`): the attention computes the squared Frobenius norm of each
+  attention matrix as it goes and hands it, with the K/V it attended, to the active recorder.
+- A **K/V transform** (``with KVTransform(fn):``): the attention replaces the ``key`` and ``value`` it receives by
+  ``fn(module, key, value)`` before attending. Shapes: ``(B, H_kv, kv, D)`` in and out. This is how a perplexity
+  evaluation makes attention really read quantized or low-rank K/V in a single forward pass (Transformers' own
+  ``QuantizedCache`` hands attention the unquantized states at prefill).
+
+Both live here, below everything that uses them, so that the attention never imports the layers built on it. The
+model must be routed through the plugin: :func:`hf_knorm.norms.recording.routed_through_plugin` does it for a model
+that is not patched.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+TransformFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class Recorder(Protocol):
+    """What the attention function reports to: see :meth:`hf_knorm.norms.statistics.NormRecorder.record`."""
+
+    def record(self, module, key, value, allowed, frobenius_sq) -> None: ...
+
+
+_TRANSFORM: contextvars.ContextVar[TransformFn | None] = contextvars.ContextVar("hf_knorm_kv_transform", default=None)
+_RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("hf_knorm_recorder", default=None)
+
+
+def current_kv_transform() -> TransformFn | None:
+    """The K/V transform active in this context, if any."""
+    return _TRANSFORM.get()
+
+
+def current_recorder() -> Recorder | None:
+    """The norm recorder active in this context, if any."""
+    return _RECORDER.get()
+
+
+def activate_recorder(recorder: Recorder) -> contextvars.Token:
+    """Make ``recorder`` the active one; returns the token :func:`deactivate_recorder` takes."""
+    return _RECORDER.set(recorder)
+
+
+def deactivate_recorder(token: contextvars.Token) -> None:
+    """Restore the recorder that was active before :func:`activate_recorder` returned ``token``."""
+    _RECORDER.reset(token)
+
+
+class KVTransform:
+    """Context manager activating ``fn(module, key, value) -> (key, value)`` for the plugin's attention calls."""
+
+    def __init__(self, fn: TransformFn):
+        self.fn = fn
+        self._token = None
+
+    def __enter__(self) -> KVTransform:
+        self._token = _TRANSFORM.set(self.fn)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _TRANSFORM.reset(self._token)

@@ -1,0 +1,163 @@
+"""KNorm compression in one call: ``knorm_generate`` and the ``knorm-text-generation`` pipeline (arXiv 2406.11430).
+
+The pipeline follows kvpress's ``kv-press-text-generation`` convention: the *context* is prefilled and compressed,
+the *question* is then appended uncompressed on top of the compressed cache and the answer is decoded from it, so a
+needle test measures retrieval from a compressed context. With a chat template (the default when the tokenizer has
+one) the user turn is ``context + "\\n\\n" + question``; the split falls just before ``"\\n\\n" + question``, so the
+template's prefix belongs to the (compressed) context and its suffix (end of turn, assistant header) to the question.
+
+The authors' own protocol differs (question processed on the uncompressed pass, layers 0-1 uncompressed; see
+REFERENCE.md); ``layer_ratios={0: 0.0, 1: 0.0}`` reproduces the layer part.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Pipeline
+
+from ..balancing.balance import key_scales
+from .cache import KNormCache
+
+CACHE_OPTIONS = ("compression_ratio", "budget", "sink_tokens", "recent_window", "layer_ratios", "decoding_budget")
+SCORE_BASES = ("cached", "original")
+
+
+def knorm_cache_for(model, score_basis: str = "cached", **options) -> KNormCache:
+    """A :class:`KNormCache` for ``model``: its config (validation, sliding layers) and, if asked, its key scales.
+
+    Args:
+        model (PreTrainedModel): A supported decoder (``hf_knorm.SUPPORTED_ARCHITECTURES``), patched or not, balanced or
+            not.
+        score_basis ({"cached", "original"}): ``"cached"`` scores the keys as cached (the paper's method).
+            ``"original"`` scores ``||k * s||``: for a model balanced per channel (keys ``k / s``) the norm the
+            unbalanced model would have had; for an unbalanced or per-layer-balanced model both give the same kept
+            tokens.
+        **options: :class:`KNormCache` options (``compression_ratio``, ``budget``, ``sink_tokens``, ...).
+    """
+    if score_basis not in SCORE_BASES:
+        raise ValueError(f"score_basis must be one of {SCORE_BASES}, got {score_basis!r}.")
+    scales = key_scales(model.config) if score_basis == "original" else None
+    return KNormCache(config=model.config, key_scales=scales, **options)
+
+
+def check_unpadded(attention_mask: torch.Tensor | None) -> None:
+    """Raise if ``attention_mask`` (B, n) contains padding: KNorm eviction breaks the padding-mask bookkeeping."""
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError(
+            "KNorm compression does not support padded batches (eviction breaks the padding mask). Generate one "
+            "sequence at a time, or batch prompts of equal length without padding."
+        )
+
+
+@torch.no_grad()
+def knorm_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                   score_basis: str = "cached", **kwargs) -> torch.Tensor:
+    """``model.generate`` with the prompt's KV cache compressed by KNorm.
+
+    Args:
+        model (PreTrainedModel): A supported decoder-only model.
+        input_ids (torch.Tensor): (B, n) prompt ids, unpadded.
+        attention_mask (torch.Tensor, optional): (B, n); must be all ones.
+        score_basis ({"cached", "original"}): See :func:`knorm_cache_for`.
+        **kwargs: :class:`KNormCache` options (``compression_ratio``, ``budget``, ``sink_tokens``, ``recent_window``,
+            ``layer_ratios``, ``decoding_budget``); everything else goes to ``model.generate`` (``max_new_tokens``,
+            ``do_sample``, ...).
+
+    Returns:
+        torch.Tensor: (B, n + new) the sequences, as ``model.generate`` returns them.
+    """
+    if "cache" in kwargs or "past_key_values" in kwargs:
+        raise ValueError("knorm_generate builds its own KNormCache; pass cache options instead of a cache.")
+    check_unpadded(attention_mask)
+    options = {name: kwargs.pop(name) for name in CACHE_OPTIONS if name in kwargs}
+    cache = knorm_cache_for(model, score_basis=score_basis, **options)
+    return model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **kwargs)
+
+
+@torch.no_grad()
+def append_tokens(model, cache: KNormCache, input_ids: torch.Tensor) -> None:
+    """Run (B, m) new tokens through ``model`` onto ``cache`` (uncompressed): in one forward if every layer stores
+    the same count, else one token per forward (per-layer ratios; see ``KNormCache.is_uniform``)."""
+    if input_ids.shape[1] == 0:
+        return
+    steps = [input_ids] if cache.is_uniform() else list(input_ids.split(1, dim=1))
+    for step in steps:
+        model(input_ids=step, cache=cache, use_cache=True)
+
+
+def generate_after(model, cache: KNormCache, context_ids: torch.Tensor, new_ids: torch.Tensor, **generate_kwargs):
+    """Append ``new_ids`` (B, m >= 1) to a cache holding ``context_ids`` (B, n) and generate; returns the new tokens.
+
+    With a uniform cache ``generate`` feeds ``new_ids`` itself; otherwise all but the last are fed one by one first.
+    """
+    if not cache.is_uniform():
+        append_tokens(model, cache, new_ids[:, :-1])
+    ids = torch.cat([context_ids, new_ids], dim=1)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, **generate_kwargs)
+    return out[:, ids.shape[1]:]
+
+
+def split_prompt(tokenizer, context: str, question: str, chat_template: bool | None = None) -> tuple[str, str]:
+    """Split the prompt into (context text, question text); the first is compressed, the second is not."""
+    if chat_template is None:
+        chat_template = getattr(tokenizer, "chat_template", None) is not None
+    if not chat_template:
+        return context, "\n\n" + question + "\n"
+    suffix = "\n\n" + question
+    full = tokenizer.apply_chat_template([{"role": "user", "content": context + suffix}], tokenize=False,
+                                         add_generation_prompt=True)
+    cut = full.rindex(suffix)
+    return full[:cut], full[cut:]
+
+
+class KNormTextGenerationPipeline(Pipeline):
+    """``pipeline("knorm-text-generation", model=..., tokenizer=...)``: answer a question about a compressed context.
+
+    Call: ``pipe(context, question=..., compression_ratio=0.5, max_new_tokens=16)`` -> ``{"answer": str}``. Other
+    keywords: the :class:`KNormCache` options, ``score_basis``, ``chat_template`` (default: use the tokenizer's),
+    ``answer_prefix`` (text the answer starts with, kept out of the answer), and ``model.generate`` arguments
+    (``do_sample``, ``temperature``, ...). Batch size 1 (each context has its own cache).
+    """
+
+    _pipeline_calls_generate = True
+
+    def _sanitize_parameters(self, question=None, chat_template=None, answer_prefix="", score_basis="cached", **kwargs):
+        preprocess = dict(question=question, chat_template=chat_template, answer_prefix=answer_prefix)
+        cache_options = {name: kwargs.pop(name) for name in CACHE_OPTIONS if name in kwargs}
+        forward = dict(cache_options=cache_options, score_basis=score_basis, generate_kwargs=kwargs)
+        return preprocess, forward, {}
+
+    def preprocess(self, context: str, question: str | None = None, chat_template=None, answer_prefix: str = ""):
+        if not isinstance(context, str) or not question:
+            raise ValueError(
+                "knorm-text-generation takes a context string and a question: pipe(context, question='...')."
+            )
+        context_text, question_text = split_prompt(self.tokenizer, context, question, chat_template)
+        encode = lambda text: self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        return {"context_ids": encode(context_text), "question_ids": encode(question_text + answer_prefix)}
+
+    def _forward(self, inputs, cache_options, score_basis, generate_kwargs):
+        context_ids = inputs["context_ids"].to(self.model.device)
+        question_ids = inputs["question_ids"].to(self.model.device)
+        cache = knorm_cache_for(self.model, score_basis=score_basis, **cache_options)
+        self.model(input_ids=context_ids, cache=cache, use_cache=True)  # prefill: the context is compressed here
+        kwargs = dict(generate_kwargs)
+        if self.tokenizer.pad_token_id is None and "pad_token_id" not in kwargs:
+            kwargs["pad_token_id"] = self.tokenizer.eos_token_id
+        new_ids = generate_after(self.model, cache, context_ids, question_ids, **kwargs)
+        return {"new_ids": new_ids[0], "stored_tokens": cache.stored_tokens()}
+
+    def postprocess(self, outputs):
+        answer = self.tokenizer.decode(outputs["new_ids"], skip_special_tokens=True)
+        return {"answer": answer.strip()}
+
+
+def register_pipeline() -> None:
+    """Register the ``knorm-text-generation`` task with Transformers (done on ``import hf_knorm``)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.pipelines import PIPELINE_REGISTRY
+
+    if "knorm-text-generation" not in PIPELINE_REGISTRY.supported_tasks:
+        PIPELINE_REGISTRY.register_pipeline(
+            "knorm-text-generation", pipeline_class=KNormTextGenerationPipeline, pt_model=AutoModelForCausalLM
+        )

@@ -1,0 +1,91 @@
+"""One-call patching: route a model's attention through the plugin with a chosen normalization, and undo it.
+
+The model *instance* is patched, never a class: its config gets a ``hf_knorm`` section (normalization, the
+attention implementation it had, plugin version) and its attention implementation is switched to ``"hf_knorm"``,
+the function :mod:`hf_knorm.attention.registration` registers with Transformers' ``AttentionInterface``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch.nn as nn
+
+from ..attention.interface import ATTENTION_NAME
+from ..attention.normalizations import Normalization, parse_normalization
+from ..version import __version__
+from .architectures import architecture_of, attention_modules
+
+SECTION = "hf_knorm"
+
+
+def patch(model: nn.Module, normalization: str | Normalization = "softmax") -> nn.Module:
+    """Replace softmax in ``model``'s attention by ``normalization``; returns the same model.
+
+    Args:
+        model: a Transformers model of a supported architecture (``hf_knorm.SUPPORTED_ARCHITECTURES``).
+        normalization: ``"softmax"``, ``"x/1"``, ``"x/16"``, ``"x^3/1"``, ``"x^3/16"``, ``"x^3/sqrtN"`` or ``"x^p/c"``.
+
+    Raises:
+        ValueError: unsupported architecture, unknown normalization, or a model already patched with a different
+            normalization (call :func:`unpatch` first). Patching again with the same one warns and does nothing.
+    """
+    architecture_of(model)
+    normalization = parse_normalization(normalization)
+    current = patched_normalization(model)
+    if current is not None:
+        if current == normalization.name:
+            warnings.warn(f"The model is already patched with {current}; nothing to do.", stacklevel=2)
+            return model
+        raise ValueError(
+            f"The model is already patched with {current}. Call hf_knorm.unpatch(model) before patching it with "
+            f"{normalization.name}: normalizations are not stacked."
+        )
+    original = model.config._attn_implementation
+    for config in _configs(model):
+        section = dict(getattr(config, SECTION, None) or {})
+        section.update(normalization=normalization.name, original_attn_implementation=original, version=__version__)
+        setattr(config, SECTION, section)
+        # Transformers does not serialize `_attn_implementation`; a plain `attn_implementation` attribute is saved
+        # in config.json and read back by from_pretrained, which then fails loudly if hf_knorm is not imported
+        # instead of loading the model silently as softmax.
+        config.attn_implementation = ATTENTION_NAME
+    model.set_attn_implementation(ATTENTION_NAME)
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Give ``model`` back its own attention implementation exactly; returns the same model.
+
+    Raises:
+        ValueError: the model is not patched.
+    """
+    current = patched_normalization(model)
+    if current is None:
+        raise ValueError("The model is not patched by hf_knorm; there is nothing to undo.")
+    original = model.config.hf_knorm.get("original_attn_implementation") or "sdpa"
+    model.set_attn_implementation(original)
+    for config in _configs(model):
+        section = dict(getattr(config, SECTION, None) or {})
+        for key in ("normalization", "original_attn_implementation"):
+            section.pop(key, None)
+        if set(section) <= {"version"}:
+            config.__dict__.pop(SECTION, None)
+        else:
+            setattr(config, SECTION, section)
+        config.__dict__.pop("attn_implementation", None)
+    return model
+
+
+def patched_normalization(model: nn.Module) -> str | None:
+    """The normalization ``model`` is patched with (canonical spelling), or ``None``."""
+    section = getattr(model.config, SECTION, None) or {}
+    return section.get("normalization")
+
+
+def _configs(model: nn.Module) -> list:
+    """The model's config and every distinct config its attention modules read."""
+    configs = {id(model.config): model.config}
+    for _, module in attention_modules(model):
+        configs.setdefault(id(module.config), module.config)
+    return list(configs.values())

@@ -1,0 +1,38 @@
+"""Teacher-forced perplexity in windows equals Transformers' own loss."""
+
+import math
+
+import pytest
+import torch
+from tiny_models import VOCAB, tiny_model
+
+from hf_knorm.evaluation.perplexity import perplexity, perplexity_of_windows, token_windows
+
+
+class _CharTokenizer:
+    """One token per character (ids 3..VOCAB-1), enough to test windowing."""
+
+    def __call__(self, text):
+        return {"input_ids": [3 + ord(c) % (VOCAB - 3) for c in text]}
+
+
+def test_windows_cover_the_tokens_in_order():
+    windows = token_windows(_CharTokenizer(), ["abcdefgh", "ijklmnop"], window=5)
+    assert [len(w) for w in windows] == [5, 5, 5]  # 16 tokens: the partial last window is dropped
+    assert windows[1][0].item() == 3 + ord("f") % (VOCAB - 3)
+    assert len(token_windows(_CharTokenizer(), "abcdefgh", window=5, max_tokens=5)) == 1
+    assert len(token_windows(_CharTokenizer(), "abc", window=5)[0]) == 3  # a single short window is kept
+    with pytest.raises(ValueError):
+        token_windows(_CharTokenizer(), ["a"], window=5)
+
+
+def test_matches_transformers_loss():
+    model = tiny_model("llama")
+    windows = [torch.randint(3, VOCAB, (17,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    result = perplexity_of_windows(model, windows, progress=False)
+    with torch.no_grad():
+        losses = [model(input_ids=w[None], labels=w[None]).loss.item() for w in windows]
+    assert result.tokens == 3 * 16 and result.windows == 3
+    assert result.nll == pytest.approx(sum(losses) / 3, rel=1e-5)
+    assert result.perplexity == pytest.approx(math.exp(result.nll))
+    assert perplexity(model, _CharTokenizer(), "hello world, hello", window=8, progress=False).windows == 2

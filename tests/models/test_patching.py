@@ -1,0 +1,191 @@
+"""Patching every registered family: softmax equals Transformers' own attention; guards; unpatch restores."""
+
+import copy
+
+import pytest
+import torch
+import transformers as tf
+from tiny_models import ALL_TYPES, DECODER_TYPES, tiny_config, tiny_inputs, tiny_model
+
+import hf_knorm
+
+
+def _output(model, inputs, **kwargs):
+    out = model(**inputs, **kwargs)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def _padded(model_type, inputs):
+    """Right padding for encoders, left padding for decoders: the second row loses its first/last 4 tokens."""
+    if "attention_mask" in inputs:
+        inputs = dict(inputs, attention_mask=inputs["attention_mask"].clone())
+        if model_type in DECODER_TYPES:
+            inputs["attention_mask"][1, :4] = 0
+            inputs["position_ids"] = (inputs["attention_mask"].cumsum(-1) - 1).clamp_min(0)
+        else:
+            inputs["attention_mask"][1, -4:] = 0
+    return inputs
+
+
+@pytest.mark.parametrize("model_type", ALL_TYPES)
+@pytest.mark.parametrize("padding", [False, True], ids=["full", "padded"])
+def test_softmax_through_the_plugin_equals_the_native_attention(model_type, padding):
+    model = tiny_model(model_type)
+    inputs = tiny_inputs(model_type, length=16)
+    if padding:
+        inputs = _padded(model_type, inputs)
+    with torch.no_grad():
+        native = _output(model, inputs)
+        hf_knorm.patch(model, "softmax")
+        ours = _output(model, inputs)
+    real = inputs.get("attention_mask", torch.ones(native.shape[:2])).bool()
+    torch.testing.assert_close(ours[real], native[real], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ALL_TYPES)
+def test_softmax_gradients_equal_the_native_attention(model_type):
+    native_model = tiny_model(model_type)
+    patched = hf_knorm.patch(copy.deepcopy(native_model), "softmax")
+    inputs = tiny_inputs(model_type, length=10)
+    grads = []
+    for model in (native_model, patched):
+        model.zero_grad()
+        _output(model, inputs).square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gpt2", "bert"])
+def test_output_attentions_returns_post_normalization_weights(model_type):
+    model = hf_knorm.patch(tiny_model(model_type), "x^3/16")
+    inputs = _padded(model_type, tiny_inputs(model_type, length=8))
+    with torch.no_grad():
+        out = model(**inputs, output_attentions=True)
+    weights = out.attentions[0]
+    assert weights.shape == (2, 4, 8, 8)
+    mask = inputs["attention_mask"].bool()
+    # masked keys get exactly zero weight; polynomial rows are not normalized
+    assert (weights[1][..., ~mask[1]] == 0).all()
+    assert not torch.allclose(weights[0].sum(-1), torch.ones(4, 8))
+
+
+def test_output_attentions_softmax_equals_eager():
+    eager = tiny_model("llama", attn_implementation="eager")
+    patched = hf_knorm.patch(copy.deepcopy(eager), "softmax")
+    inputs = tiny_inputs("llama", length=8)
+    with torch.no_grad():
+        expected = eager(**inputs, output_attentions=True).attentions
+        ours = patched(**inputs, output_attentions=True).attentions
+    for layer_expected, layer_ours in zip(expected, ours):
+        torch.testing.assert_close(layer_ours, layer_expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", ALL_TYPES)
+def test_unpatch_restores_exactly(model_type):
+    model = tiny_model(model_type)
+    inputs = tiny_inputs(model_type)
+    original_config = model.config.to_dict()
+    with torch.no_grad():
+        before = _output(model, inputs)
+        hf_knorm.patch(model, "x^3/16")
+        during = _output(model, inputs)
+        hf_knorm.unpatch(model)
+        after = _output(model, inputs)
+    assert not torch.allclose(before, during)
+    assert torch.equal(before, after)
+    assert model.config._attn_implementation == tiny_model(model_type).config._attn_implementation
+    assert model.config.to_dict() == original_config
+
+
+def test_patching_twice():
+    model = hf_knorm.patch(tiny_model("llama"), "x/16")
+    inputs = tiny_inputs("llama")
+    with torch.no_grad():
+        once = _output(model, inputs)
+        with pytest.warns(UserWarning, match="already patched with x/16"):
+            hf_knorm.patch(model, "x/16")
+        assert torch.equal(_output(model, inputs), once)
+    with pytest.raises(ValueError, match=r"already patched with x/16.*unpatch"):
+        hf_knorm.patch(model, "x^3/16")
+    hf_knorm.unpatch(model)
+    hf_knorm.patch(model, "x^3/16")
+    assert hf_knorm.patched_normalization(model) == "x^3/16"
+
+
+def test_unpatching_an_unpatched_model_raises():
+    with pytest.raises(ValueError, match="not patched"):
+        hf_knorm.unpatch(tiny_model("llama"))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        tf.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4),
+        tf.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=4),
+    ],
+    ids=["falcon", "bloom"],
+)
+def test_unsupported_architecture_names_the_supported_ones(config):
+    model = tf.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"does not support model_type .*Supported: bert, gemma2"):
+        hf_knorm.patch(model, "x^3/16")
+
+
+def test_unknown_normalization_leaves_the_model_untouched():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="Unknown normalization"):
+        hf_knorm.patch(model, "cubic")
+    assert hf_knorm.patched_normalization(model) is None and model.config._attn_implementation == "sdpa"
+
+
+def test_patch_is_per_instance():
+    first, second = tiny_model("llama"), tiny_model("llama")
+    hf_knorm.patch(first, "x^3/16")
+    hf_knorm.patch(second, "x/1")
+    inputs = tiny_inputs("llama")
+    with torch.no_grad():
+        a, b = _output(first, inputs), _output(second, inputs)
+    assert not torch.allclose(a, b)
+    assert tiny_model("llama").config._attn_implementation == "sdpa"
+
+
+def test_every_registered_architecture_has_a_tiny_model():
+    assert set(hf_knorm.SUPPORTED_ARCHITECTURES) == set(ALL_TYPES)
+    for model_type in ALL_TYPES:
+        assert tiny_config(model_type).model_type == model_type
+        assert hf_knorm.attention_modules(tiny_model(model_type))
+
+
+def test_training_step_runs_and_matches_across_chunk_sizes(monkeypatch):
+    """A training step's gradients do not depend on how the rows are chunked (40 rows in 1 chunk or in 8)."""
+    from hf_knorm.attention import kernel
+
+    model = hf_knorm.patch(tiny_model("mistral"), "x^3/16").train()
+    inputs = tiny_inputs("mistral", length=40)
+    grads = []
+    for chunk_elements in (1 << 20, 2 * 4 * 5 * 40):
+        monkeypatch.setattr(kernel, "DEFAULT_CHUNK_ELEMENTS", chunk_elements)
+        model.zero_grad()
+        model(**inputs, labels=inputs["input_ids"]).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert torch.isfinite(grads[0]).all()
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_models(dtype):
+    """Softmax through the plugin tracks the native attention in half precision; x^3/1 stays finite."""
+    model = tiny_model("llama", dtype=dtype)
+    inputs = _padded("llama", tiny_inputs("llama", length=16))
+    with torch.no_grad():
+        native = _output(model, inputs).float()
+        hf_knorm.patch(model, "softmax")
+        ours = _output(model, inputs).float()
+        hf_knorm.unpatch(model)
+        hf_knorm.patch(model, "x^3/1")
+        cubic = _output(model, inputs)
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(ours[real], native[real], rtol=0, atol=0.1)  # half-precision logits of size ~3
+    assert cubic.dtype == dtype and torch.isfinite(cubic).all()
