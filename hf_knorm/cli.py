@@ -65,6 +65,22 @@ def _build_parser() -> argparse.ArgumentParser:
     niah.add_argument("--out", type=Path, default=Path("outputs/niah"), help="output folder (a rerun resumes)")
     niah.set_defaults(run=_run_niah)
 
+    push = commands.add_parser(
+        "push",
+        help="push a saved model folder to the Hugging Face Hub with its model card, in one commit",
+        description="Push MODEL_DIR (saved by hf_knorm.save_pretrained or Transformers) to REPO_ID: every file, the "
+        "model card rendered for REPO_ID (text written outside its generated block is kept), in one commit. "
+        "The token comes from --token, else HF_TOKEN, else `hf auth login`.",
+    )
+    push.add_argument("model_dir", type=Path, metavar="MODEL_DIR", help="the saved model folder")
+    push.add_argument("repo_id", metavar="REPO_ID", help="namespace/name on the Hub (created if missing)")
+    push.add_argument("--private", action="store_true", help="create the repo private (an existing repo keeps its visibility)")
+    push.add_argument("--token", default=None, help="a Hugging Face write token (default: HF_TOKEN or the saved login)")
+    push.add_argument("--commit-message", default=None, help="the commit message (default: what is pushed)")
+    push.add_argument("--no-tokenizer", action="store_true",
+                      help="push a causal LM whose folder has no tokenizer (refused otherwise)")
+    push.set_defaults(run=_run_push)
+
     return parser
 
 
@@ -103,6 +119,15 @@ def _run_kv_norms(args: argparse.Namespace) -> int:
     report = balance_kv(model, tokenizer, texts, args.mode, alpha=args.alpha, max_tokens=args.calibration_tokens)
     for name, path in report.save(args.out, args.layer).items():
         print(f"{name}: {path}")
+    return 0
+
+
+def _run_push(args: argparse.Namespace) -> int:
+    from .hub.push import push_folder
+
+    commit = push_folder(args.model_dir, args.repo_id, private=args.private or None, token=args.token,
+                         commit_message=args.commit_message, without_tokenizer=args.no_tokenizer)
+    print(f"pushed {args.model_dir} to {args.repo_id}: {commit.commit_url}")
     return 0
 
 

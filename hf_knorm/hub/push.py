@@ -186,20 +186,26 @@ class _stage:
         return self
 
     def __exit__(self, kind, error, traceback):
-        if error is None or not isinstance(error, (HTTPError, OSError, ValueError)):
+        if error is None:
             return False
-        step = self.step or _commit_step(error)
+        cause = error  # huggingface_hub wraps a failed LFS upload in a RuntimeError: find the HTTP error
+        while cause is not None and not isinstance(cause, (HTTPError, OSError, ValueError)):
+            cause = cause.__cause__
+        if cause is None:
+            return False
+        step = self.step or _commit_step(cause)
         if self.before_commit:
             outcome = "Nothing was uploaded."
-            if getattr(getattr(error, "response", None), "status_code", None) in (401, 403):
-                outcome = (f"The Hub refused the token: check that it has write access to "
-                           f"{self.repo_id.split('/')[0]}. " + outcome)
         else:
             held = f"the {len(self.remote)} files it had before" if self.remote else "no files, as before"
             outcome = (f"Nothing was committed: the push is a single commit, so {self.repo_id} still holds {held}. "
                        f"Not in the repo: {', '.join(self.names)}. Large files already sent to storage belong to no "
                        "commit; running the same push again sends only what the Hub does not have yet.")
-        raise HubPushError(f"Pushing to {self.repo_id} failed while {step}: {_describe(error)}. {outcome}") from error
+        if getattr(getattr(cause, "response", None), "status_code", None) in (401, 403):
+            outcome = (f"The Hub refused the token: check that it is valid and has write access to "
+                       f"{self.repo_id.split('/')[0]}. {outcome}")
+        detail = _describe(cause) if cause is error else f"{error} ({_describe(cause)})"
+        raise HubPushError(f"Pushing to {self.repo_id} failed while {step}: {detail}. {outcome}") from error
 
 
 def _commit_step(error: Exception) -> str:
@@ -218,6 +224,9 @@ def _commit_step(error: Exception) -> str:
 
 
 def _describe(error: Exception) -> str:
+    """``"<status> <server's message>"`` for an HTTP error, else the error's first line."""
     status = getattr(getattr(error, "response", None), "status_code", None)
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return f"{status} {text}" if status and not text.startswith(str(status)) else text
+    message = (getattr(error, "server_message", None) or "").strip()
+    if not message:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"{status} {message}" if status else message

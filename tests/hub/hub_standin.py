@@ -135,6 +135,9 @@ def _handler(hub: HubStandIn):
             with hub._lock:
                 hub.requests.append((self.command, path))
             body = self._body() if self.command in ("POST", "PUT") else b""
+            sent = self.headers.get("Authorization")
+            if sent is not None and sent != f"Bearer {hub.token}":  # the Hub refuses a wrong token on every call
+                return self._error(401, "Invalid credentials in Authorization header")
             for pattern, method in routes:
                 match = re.fullmatch(pattern, path)
                 if match:
@@ -162,6 +165,8 @@ def _handler(hub: HubStandIn):
         # ------------------------------------------------------------------ endpoints
         def _repo(self, repo: str) -> Repo | None:
             found = hub.repos.get(repo)
+            if found is not None and found.private and self.headers.get("Authorization") is None:
+                found = None  # the Hub answers a private repo without a token as if it did not exist
             if found is None:
                 self._error(404, f"Repository Not Found for url: {self.path}.", "RepoNotFound")
             return found

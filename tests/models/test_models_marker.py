@@ -1,0 +1,60 @@
+"""The persistence gap: a model loaded with plain from_pretrained and saved straight away keeps its normalization."""
+
+import json
+
+import pytest
+import torch
+import transformers as tf
+from tiny_models import tiny_inputs, tiny_model
+
+import hf_knorm
+from hf_knorm.models.marker import keep_marker_on_save
+
+
+def _logits(model, inputs):
+    with torch.no_grad():
+        out = model(**inputs)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+@pytest.mark.parametrize("model_type, auto", [("llama", tf.AutoModelForCausalLM), ("gemma2", tf.AutoModelForCausalLM),
+                                              ("bert", tf.AutoModel)])
+def test_plain_load_then_plain_save_before_any_forward_keeps_the_marker(tmp_path, model_type, auto):
+    model = hf_knorm.patch(tiny_model(model_type), "x^3/16")
+    hf_knorm.save_pretrained(model, tmp_path / "a")
+    loaded = auto.from_pretrained(tmp_path / "a")  # Transformers' own load: no plugin call on this instance
+    assert "attn_implementation" not in loaded.config.__dict__  # the state that used to lose the marker
+    loaded.save_pretrained(tmp_path / "b")  # Transformers' own save, no forward pass in between
+    saved = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert saved["attn_implementation"] == "hf_knorm"
+    assert saved["hf_knorm"]["normalization"] == "x^3/16"
+    again = auto.from_pretrained(tmp_path / "b").eval()  # still the polynomial, not softmax
+    assert again.config._attn_implementation == "hf_knorm"
+    inputs = tiny_inputs(model_type)
+    assert torch.equal(_logits(again, inputs), _logits(model.eval(), inputs))
+
+
+def test_a_config_alone_keeps_the_marker(tmp_path):
+    hf_knorm.save_pretrained(hf_knorm.patch(tiny_model("qwen2"), "x/16"), tmp_path / "a")
+    config = tf.AutoConfig.from_pretrained(tmp_path / "a")
+    assert json.loads(config.to_json_string())["attn_implementation"] == "hf_knorm"
+    config.save_pretrained(tmp_path / "b")
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["attn_implementation"] == "hf_knorm"
+
+
+def test_other_implementations_serialize_as_before(tmp_path):
+    for implementation in ("sdpa", "eager"):
+        model = tiny_model("llama", attn_implementation=implementation)
+        model.save_pretrained(tmp_path / implementation)
+        saved = json.loads((tmp_path / implementation / "config.json").read_text())
+        assert "attn_implementation" not in saved and "hf_knorm" not in saved
+    unpatched = hf_knorm.unpatch(hf_knorm.patch(tiny_model("llama"), "x/16"))
+    assert "attn_implementation" not in json.loads(unpatched.config.to_json_string())
+
+
+def test_the_hook_is_installed_once():
+    before = tf.PreTrainedConfig._remove_keys_not_serialized
+    keep_marker_on_save()
+    keep_marker_on_save()
+    assert tf.PreTrainedConfig._remove_keys_not_serialized is before
+    assert before.__wrapped__.__qualname__ == "PreTrainedConfig._remove_keys_not_serialized"
