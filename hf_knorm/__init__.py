@@ -15,6 +15,7 @@ from .attention.normalizations import PAPER_NORMALIZATIONS, Normalization, parse
 from .attention.registration import register
 from .balancing.balance import BalanceReport, KVNorms, balance_kv, key_scales, value_scales
 from .knorm.cache import KNormCache
+from .knorm.defaults import knorm_defaults, set_knorm_defaults
 from .knorm.pipeline import KNormTextGenerationPipeline, knorm_cache_for, knorm_generate, register_pipeline
 from .models.marker import keep_marker_on_save
 from .models.architectures import SUPPORTED_ARCHITECTURES, architecture_of, attention_modules
@@ -48,6 +49,7 @@ __all__ = [
     "from_pretrained",
     "key_scales",
     "knorm_cache_for",
+    "knorm_defaults",
     "knorm_generate",
     "load_default_model",
     "load_model",
@@ -59,6 +61,7 @@ __all__ = [
     "record_norms",
     "register",
     "save_pretrained",
+    "set_knorm_defaults",
     "unpatch",
     "value_scales",
 ]

@@ -17,12 +17,10 @@ from transformers import Pipeline
 
 from ..balancing.balance import key_scales
 from .cache import KNormCache
-
-CACHE_OPTIONS = ("compression_ratio", "budget", "sink_tokens", "recent_window", "layer_ratios", "decoding_budget")
-SCORE_BASES = ("cached", "original")
+from .defaults import CACHE_OPTIONS, SCORE_BASES, merged_options
 
 
-def knorm_cache_for(model, score_basis: str = "cached", **options) -> KNormCache:
+def knorm_cache_for(model, score_basis: str | None = None, **options) -> KNormCache:
     """A :class:`KNormCache` for ``model``: its config (validation, sliding layers) and, if asked, its key scales.
 
     Args:
@@ -32,8 +30,11 @@ def knorm_cache_for(model, score_basis: str = "cached", **options) -> KNormCache
             ``"original"`` scores ``||k * s||``: for a model balanced per channel (keys ``k / s``) the norm the
             unbalanced model would have had; for an unbalanced or per-layer-balanced model both give the same kept
             tokens.
-        **options: :class:`KNormCache` options (``compression_ratio``, ``budget``, ``sink_tokens``, ...).
+            Default: the model's recorded default (:func:`hf_knorm.set_knorm_defaults`), else ``"cached"``.
+        **options: :class:`KNormCache` options (``compression_ratio``, ``budget``, ``sink_tokens``, ...), over the
+            model's recorded defaults (a passed ratio or budget replaces the recorded sizing as a whole).
     """
+    score_basis, options = merged_options(model.config, score_basis, options)
     if score_basis not in SCORE_BASES:
         raise ValueError(f"score_basis must be one of {SCORE_BASES}, got {score_basis!r}.")
     scales = key_scales(model.config) if score_basis == "original" else None
@@ -51,7 +52,7 @@ def check_unpadded(attention_mask: torch.Tensor | None) -> None:
 
 @torch.no_grad()
 def knorm_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                   score_basis: str = "cached", **kwargs) -> torch.Tensor:
+                   score_basis: str | None = None, **kwargs) -> torch.Tensor:
     """``model.generate`` with the prompt's KV cache compressed by KNorm.
 
     Args:
@@ -121,7 +122,7 @@ class KNormTextGenerationPipeline(Pipeline):
 
     _pipeline_calls_generate = True
 
-    def _sanitize_parameters(self, question=None, chat_template=None, answer_prefix="", score_basis="cached", **kwargs):
+    def _sanitize_parameters(self, question=None, chat_template=None, answer_prefix="", score_basis=None, **kwargs):
         preprocess = dict(question=question, chat_template=chat_template, answer_prefix=answer_prefix)
         cache_options = {name: kwargs.pop(name) for name in CACHE_OPTIONS if name in kwargs}
         forward = dict(cache_options=cache_options, score_basis=score_basis, generate_kwargs=kwargs)

@@ -199,3 +199,13 @@ def test_bad_measurement_inputs_are_refused_before_writing(tmp_path):
     with pytest.raises(TypeError, match="BalanceReport"):
         hf_knorm.save_pretrained(model, tmp_path / "a", balance_report={"mode": "layer"})
     assert not (tmp_path / "a").exists()
+
+
+def test_a_plain_model_with_knorm_defaults_is_not_called_unmodified(tmp_path):
+    model = tiny_model("llama")
+    hf_knorm.set_knorm_defaults(model, compression_ratio=0.5)
+    hf_knorm.save_pretrained(model, tmp_path, tokenizer=tiny_tokenizer(), repo_id=REPO)
+    card = _card(tmp_path)
+    assert card.data.library_name == "transformers"
+    assert "**Loads with plain Transformers.** hf_knorm recorded KNorm cache defaults" in _first_lines(card)
+    assert "Unmodified" not in card.text and "`compression_ratio=0.5`" in card.text
