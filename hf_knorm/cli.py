@@ -74,8 +74,10 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     push.add_argument("model_dir", type=Path, metavar="MODEL_DIR", help="the saved model folder")
     push.add_argument("repo_id", metavar="REPO_ID", help="namespace/name on the Hub (created if missing)")
-    push.add_argument("--private", action="store_true", help="create the repo private (an existing repo keeps its visibility)")
-    push.add_argument("--token", default=None, help="a Hugging Face write token (default: HF_TOKEN or the saved login)")
+    push.add_argument("--private", action="store_true",
+                      help="create the repo private (an existing repo keeps its visibility)")
+    push.add_argument("--token", default=None,
+                      help="a Hugging Face write token (default: HF_TOKEN, else the saved login)")
     push.add_argument("--commit-message", default=None, help="the commit message (default: what is pushed)")
     push.add_argument("--no-tokenizer", action="store_true",
                       help="push a causal LM whose folder has no tokenizer (refused otherwise)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import tempfile
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi
@@ -111,9 +112,9 @@ def _push(folder: Path, repo_id: str, token: str, private: bool | None, commit_m
     names = sorted(set(files) | {CARD_FILE})
     local_card = (folder / CARD_FILE).read_text() if (folder / CARD_FILE).is_file() else None
     render_card(folder, repo_id, local_card)  # a card that cannot be rendered fails here, before any request
-    with _stage(repo_id, "creating the repo", names, before_commit=True):
+    with _failures_reported(repo_id, names, "creating the repo"):
         api.create_repo(repo_id, private=private, exist_ok=True)
-    with _stage(repo_id, "reading the repo's files", names, before_commit=True):
+    with _failures_reported(repo_id, names, "reading the repo's files"):
         remote = {sibling.rfilename for sibling in api.repo_info(repo_id).siblings or []}
         remote_card = _download_card(api, repo_id) if CARD_FILE in remote else None
     previous = local_card if local_card and _user_wrote(local_card) else (remote_card or local_card)
@@ -142,7 +143,7 @@ def _push(folder: Path, repo_id: str, token: str, private: bool | None, commit_m
     deleted = [op.path_in_repo for op in operations if isinstance(op, CommitOperationDelete)]
     if deleted:
         description += ". Removed stale weight files: " + ", ".join(deleted)
-    with _stage(repo_id, None, names, before_commit=False, remote=remote):
+    with _failures_reported(repo_id, names, remote=remote):
         return api.create_commit(repo_id, operations, commit_message=message, commit_description=description)
 
 
@@ -167,7 +168,8 @@ def _user_wrote(card_text: str) -> bool:
 
 
 def _lost_marker(config: dict) -> bool:
-    return bool((config.get("hf_knorm") or {}).get("normalization")) and config.get("attn_implementation") != ATTENTION_NAME
+    normalization = (config.get("hf_knorm") or {}).get("normalization")
+    return normalization is not None and config.get("attn_implementation") != ATTENTION_NAME
 
 
 def _is_weight_file(path: str) -> bool:
@@ -175,37 +177,33 @@ def _is_weight_file(path: str) -> bool:
     return name.endswith(WEIGHT_SUFFIXES) or name in WEIGHT_INDEXES or name in WEIGHT_FILES
 
 
-class _stage:
-    """Turns a failure of one push step into a :class:`HubPushError` that says what reached the repo."""
+@contextmanager
+def _failures_reported(repo_id: str, names: list[str], step: str | None = None, remote: set[str] | None = None):
+    """Turn a failed push step into a :class:`HubPushError` that says what reached the repo.
 
-    def __init__(self, repo_id: str, step: str | None, names: list[str], before_commit: bool,
-                 remote: set[str] | None = None):
-        self.repo_id, self.step, self.names, self.before_commit, self.remote = repo_id, step, names, before_commit, remote
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, traceback):
-        if error is None:
-            return False
-        cause = error  # huggingface_hub wraps a failed LFS upload in a RuntimeError: find the HTTP error
+    ``remote`` (the repo's files before the commit) is given for the commit step, ``None`` for the steps before it.
+    """
+    try:
+        yield
+    except Exception as error:
+        cause = error  # huggingface_hub wraps a failed LFS upload in a RuntimeError: find the HTTP error under it
         while cause is not None and not isinstance(cause, (HTTPError, OSError, ValueError)):
             cause = cause.__cause__
         if cause is None:
-            return False
-        step = self.step or _commit_step(cause)
-        if self.before_commit:
+            raise
+        if remote is None:
             outcome = "Nothing was uploaded."
         else:
-            held = f"the {len(self.remote)} files it had before" if self.remote else "no files, as before"
-            outcome = (f"Nothing was committed: the push is a single commit, so {self.repo_id} still holds {held}. "
-                       f"Not in the repo: {', '.join(self.names)}. Large files already sent to storage belong to no "
+            held = f"the {len(remote)} files it had before" if remote else "no files, as before"
+            outcome = (f"Nothing was committed: the push is a single commit, so {repo_id} still holds {held}. "
+                       f"Not in the repo: {', '.join(names)}. Large files already sent to storage belong to no "
                        "commit; running the same push again sends only what the Hub does not have yet.")
         if getattr(getattr(cause, "response", None), "status_code", None) in (401, 403):
             outcome = (f"The Hub refused the token: check that it is valid and has write access to "
-                       f"{self.repo_id.split('/')[0]}. {outcome}")
+                       f"{repo_id.split('/')[0]}. {outcome}")
         detail = _describe(cause) if cause is error else f"{error} ({_describe(cause)})"
-        raise HubPushError(f"Pushing to {self.repo_id} failed while {step}: {detail}. {outcome}") from error
+        step = step or _commit_step(cause)
+        raise HubPushError(f"Pushing to {repo_id} failed while {step}: {detail}. {outcome}") from error
 
 
 def _commit_step(error: Exception) -> str:
