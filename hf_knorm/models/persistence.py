@@ -4,7 +4,11 @@ Transformers strips ``attn_implementation`` from saved configs; a saved ``x^3/16
 softmax. ``patch`` therefore stores the settings in the config's ``hf_knorm`` section (with the plugin version) and a
 plain ``attn_implementation: "hf_knorm"`` entry that ``from_pretrained`` reads back. With ``hf_knorm`` imported, plain
 ``AutoModel*.from_pretrained`` loads the model correctly; without it, loading fails with Transformers' error naming
-``attn_implementation="hf_knorm"`` (the fix: ``import hf_knorm``). It never loads as softmax.
+``attn_implementation="hf_knorm"`` (the fix: ``import hf_knorm``). It never loads as softmax. Transformers' own
+``save_pretrained`` / ``push_to_hub`` keep the marker too, also right after a plain load (see :mod:`.marker`).
+
+:func:`save_pretrained` here writes the weights and the config; the public ``hf_knorm.save_pretrained``
+(:mod:`hf_knorm.hub.saving`) calls it and adds the tokenizer and the model card.
 """
 
 from __future__ import annotations
