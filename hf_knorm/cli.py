@@ -83,6 +83,60 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="push a causal LM whose folder has no tokenizer (refused otherwise)")
     push.set_defaults(run=_run_push)
 
+    finetune = commands.add_parser(
+        "finetune",
+        help="fine-tune a causal LM with a normalization on any text dataset; per-layer norms logged while it trains",
+        description="Fine-tune the model (default: SmolLM2-135M-Instruct) with --normalization on a text dataset: "
+        "an embedded corpus (shakespeare, paul-graham), local files (.txt, .json/.jsonl, .csv, .parquet) or a "
+        "datasets name, packed into blocks. Per-layer attention and K/V norms go to TensorBoard and norms.jsonl; "
+        "checkpoints to --out, which ends with the model saved so that it reloads with its normalization. Bad input "
+        "is refused before training starts.",
+    )
+    _add_model_argument(finetune)
+    finetune.add_argument("--dataset", default="shakespeare",
+                          help="shakespeare | paul-graham | local file(s), comma-separated | a datasets name")
+    finetune.add_argument("--text-column", default="text", help="the column holding the text (default: text)")
+    finetune.add_argument("--split", default="train", help="the split to read (default: train)")
+    finetune.add_argument("--normalization", default="x^3/16", help="attention normalization (default x^3/16)")
+    finetune.add_argument("--balance", choices=("layer", "channel"), default=None,
+                          help="balance keys and values (exact) before fine-tuning")
+    finetune.add_argument("--block-size", type=int, default=256, help="tokens per example (default 256)")
+    finetune.add_argument("--batch-size", type=int, default=4, help="examples per device and step (default 4)")
+    finetune.add_argument("--gradient-accumulation-steps", type=int, default=1, help="micro-batches per step")
+    finetune.add_argument("--max-steps", type=int, default=200, help="optimizer steps (default 200)")
+    finetune.add_argument("--learning-rate", type=float, default=5e-5, help="peak learning rate (default 5e-5)")
+    finetune.add_argument("--logging-steps", type=int, default=10, help="log loss and norms every N steps")
+    finetune.add_argument("--save-steps", type=int, default=50, help="checkpoint every N steps")
+    finetune.add_argument("--max-blocks", type=int, default=None, help="use at most N blocks of the dataset")
+    finetune.add_argument("--seed", type=int, default=0, help="random seed")
+    finetune.add_argument("--no-tensorboard", dest="tensorboard", action="store_false", help="no TensorBoard logs")
+    finetune.add_argument("--keep-going-on-nonfinite", dest="stop_on_nonfinite", action="store_false",
+                          help="do not stop at the first non-finite loss")
+    finetune.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    finetune.add_argument("--out", type=Path, default=Path("outputs/finetune"), help="run folder")
+    finetune.set_defaults(run=_run_finetune)
+
+    attention_norms = commands.add_parser(
+        "attention-norms",
+        help="the 'attention norms across 12 layers' figure: one 12-layer ViT per normalization on 8x8 digits",
+        description="Train the same 12-layer ViT (ViT-Tiny width, patches of 2 on scikit-learn's 8x8 digits) once per "
+        "normalization, same seed and data, logging per-layer norms; then draw the 3 x 4 panel figure (log y, one "
+        "line per normalization). Runs already finished in --out are not trained again.",
+    )
+    attention_norms.add_argument("--normalizations", default=",".join(("softmax", "x/1", "x/16", "x^3/1", "x^3/16")),
+                                 help="comma-separated normalizations (default: the paper's legend)")
+    attention_norms.add_argument("--epochs", type=float, default=20, help="epochs per run (default 20; paper: 200)")
+    attention_norms.add_argument("--layers", type=int, default=12, help="transformer layers (default 12)")
+    attention_norms.add_argument("--hidden", type=int, default=192, help="width (default 192, ViT-Tiny)")
+    attention_norms.add_argument("--heads", type=int, default=3, help="attention heads (default 3, ViT-Tiny)")
+    attention_norms.add_argument("--batch-size", type=int, default=64, help="images per step (default 64)")
+    attention_norms.add_argument("--learning-rate", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    attention_norms.add_argument("--logging-steps", type=int, default=5, help="norms every N steps (default 5)")
+    attention_norms.add_argument("--max-steps", type=int, default=-1, help="stop each run after N steps (-1: epochs)")
+    attention_norms.add_argument("--seed", type=int, default=0, help="seed of the weights, the split and the order")
+    attention_norms.add_argument("--out", type=Path, default=Path("outputs/attention_norms"), help="output folder")
+    attention_norms.set_defaults(run=_run_attention_norms)
+
     return parser
 
 
@@ -130,6 +184,37 @@ def _run_push(args: argparse.Namespace) -> int:
     commit = push_folder(args.model_dir, args.repo_id, private=args.private or None, token=args.token,
                          commit_message=args.commit_message, without_tokenizer=args.no_tokenizer)
     print(f"pushed {args.model_dir} to {args.repo_id}: {commit.commit_url}")
+    return 0
+
+
+def _run_finetune(args: argparse.Namespace) -> int:
+    from .training.finetune import FinetuneSettings, run_finetune
+
+    settings = FinetuneSettings(
+        dataset=args.dataset, out=str(args.out), model=args.model, normalization=args.normalization,
+        balance=args.balance, text_column=args.text_column, split=args.split, block_size=args.block_size,
+        batch_size=args.batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        max_steps=args.max_steps, learning_rate=args.learning_rate, logging_steps=args.logging_steps,
+        save_steps=args.save_steps, max_blocks=args.max_blocks, seed=args.seed,
+        report_to=("tensorboard",) if args.tensorboard else (), stop_on_nonfinite_loss=args.stop_on_nonfinite,
+        resume=args.resume,
+    )
+    summary = run_finetune(settings)
+    print(f"model ({summary['normalization']}): {args.out}; norms: {args.out / 'norms.jsonl'}; "
+          f"TensorBoard: tensorboard --logdir {args.out}")
+    return 0
+
+
+def _run_attention_norms(args: argparse.Namespace) -> int:
+    from .training.attention_norms import AttentionNormsSettings, run_attention_norms
+
+    settings = AttentionNormsSettings(
+        out=str(args.out), normalizations=tuple(n.strip() for n in args.normalizations.split(",") if n.strip()),
+        epochs=args.epochs, layers=args.layers, hidden=args.hidden, heads=args.heads, batch_size=args.batch_size,
+        learning_rate=args.learning_rate, logging_steps=args.logging_steps, max_steps=args.max_steps, seed=args.seed,
+    )
+    summary = run_attention_norms(settings)
+    print(f"figure: {summary['figure']}")
     return 0
 
 

@@ -100,3 +100,61 @@ def plot_needle_heatmap(lengths, depths, accuracy, path, title: str | None = Non
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
+
+
+# --- Norms during training ----------------------------------------------------------------------------------------
+
+
+def plot_layer_curves(runs, path, ylabel: str = "||A||_F", xlabel: str = "step", title: str | None = None):
+    """The "attention norms across layers" figure: one panel per layer, one line per run, log y.
+
+    Args:
+        runs: a list of ``(label, x, values)``: ``x`` the ``(T,)`` steps or epochs of the run's logging steps, and
+            ``values`` a ``(L, T)`` array, one row per layer (NaN/inf where the statistic was not finite). Where a
+            layer's values stop being finite, the line ends with an ``x`` marker at its last finite value (at the
+            panel's top when none was finite).
+        path: the PNG to write; ylabel, xlabel, title: axis labels and the suptitle.
+
+    Returns:
+        The path written. Panels sit in rows of 4 (3 x 4 for 12 layers).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    layers = max(np.asarray(values).shape[0] for _, _, values in runs)
+    columns = min(4, layers)
+    rows = -(-layers // columns)
+    fig = Figure(figsize=(3.6 * columns, 2.7 * rows + 0.6))
+    axes = np.atleast_1d(fig.subplots(rows, columns, sharex=True, squeeze=False)).ravel()
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray"]
+    for number, (label, x, values) in enumerate(runs):
+        x, values = np.asarray(x, dtype=float), np.asarray(values, dtype=float)
+        color = colors[number % len(colors)]
+        for layer in range(values.shape[0]):
+            ax, y = axes[layer], values[layer]
+            finite = np.isfinite(y) & (y > 0)
+            ax.plot(x[finite], y[finite], color=color, lw=1.2, label=label if layer == 0 else None)
+            broken = np.flatnonzero(~np.isfinite(y))
+            if broken.size:
+                before = np.flatnonzero(finite[: broken[0]])
+                if before.size:
+                    ax.plot([x[broken[0]]], [y[before[-1]]], "x", color=color, ms=8, mew=2)
+                else:  # nothing finite to stand on: mark at the top edge
+                    ax.plot([x[broken[0]]], [1.0], "x", color=color, ms=8, mew=2,
+                            transform=ax.get_xaxis_transform(), clip_on=False)
+    for layer, ax in enumerate(axes):
+        if layer >= layers:
+            ax.set_visible(False)
+            continue
+        ax.set_yscale("log")
+        ax.set_title(f"Layer {layer + 1}", fontsize=10)
+        ax.grid(True, which="major", alpha=0.3)
+        if layer % columns == 0:
+            ax.set_ylabel(ylabel)
+        if layer >= layers - columns:
+            ax.set_xlabel(xlabel)
+    fig.legend(loc="lower center", ncol=len(runs), frameon=False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=110)
+    return path

@@ -1,0 +1,2 @@
+"""Training: NormLoggerCallback (per-layer norms while a Trainer trains), the norm history and its figure, fine-tuning
+on any text dataset, and the attention-norms figure job. May import balancing/, norms/, models/ and below."""

@@ -1,0 +1,187 @@
+"""The fine-tuning job behind ``hf-knorm finetune``: a causal LM, a normalization, any text dataset, norms logged.
+
+Steps, in order (everything that can be wrong with the input is checked before the model is loaded):
+
+1. the normalization, the data source and the run folder are checked (an unknown normalization, a missing file,
+   checkpoints already in ``out`` without ``resume``, ``resume`` without checkpoints);
+2. the model's config and tokenizer are read: a block size above the model's maximum is refused;
+3. the dataset is loaded and packed into blocks (a missing text column, an empty dataset, too few tokens);
+4. the model is loaded; with ``balance`` its keys and values are balanced first (exact, on the first training
+   texts); then it is patched with the normalization (``softmax`` keeps the model's own attention);
+5. a Transformers ``Trainer`` trains it with :class:`~hf_knorm.training.callback.NormLoggerCallback` and the
+   TensorBoard integration, saving checkpoints (``resume`` continues from the last one);
+6. the run folder ends with the model saved by :func:`hf_knorm.save_pretrained` (it reloads with its
+   normalization), its tokenizer, ``norms.jsonl`` and ``finetune.json`` (settings and outcome).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from transformers.trainer_utils import get_last_checkpoint
+
+from ..attention.normalizations import parse_normalization
+from ..models.architectures import architecture_of
+from .text_data import load_text_dataset, local_files, model_max_length, pack_dataset
+
+
+@dataclass
+class FinetuneSettings:
+    """What ``hf-knorm finetune`` runs (each field is a command-line flag).
+
+    Attributes:
+        dataset: ``shakespeare``, ``paul-graham``, local file(s) or a ``datasets`` name.
+        out: the run folder (checkpoints, TensorBoard logs, ``norms.jsonl``, the final model).
+        model: ``"default"`` (SmolLM2-135M-Instruct, embedded) or a checkpoint folder of a causal LM.
+        normalization: the attention normalization to train with.
+        balance: ``"layer"`` or ``"channel"`` to balance K/V first, or ``None``.
+        text_column, split: where the text is.
+        block_size: tokens per example; batch_size, gradient_accumulation_steps: per optimizer step.
+        max_steps, learning_rate, warmup_steps, weight_decay, seed: the optimization.
+        logging_steps: norms (and loss) every this many steps; save_steps: a checkpoint every this many.
+        max_blocks: use at most this many blocks of the dataset.
+        report_to: Trainer integrations (default TensorBoard).
+        stop_on_nonfinite_loss: stop at the first optimizer step with a non-finite loss.
+        resume: continue from the last checkpoint in ``out``.
+    """
+
+    dataset: str = "shakespeare"
+    out: str = "outputs/finetune"
+    model: str = "default"
+    normalization: str = "x^3/16"
+    balance: str | None = None
+    text_column: str = "text"
+    split: str = "train"
+    block_size: int = 256
+    batch_size: int = 4
+    gradient_accumulation_steps: int = 1
+    max_steps: int = 200
+    learning_rate: float = 5e-5
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    seed: int = 0
+    logging_steps: int = 10
+    save_steps: int = 50
+    max_blocks: int | None = None
+    report_to: tuple[str, ...] = ("tensorboard",)
+    stop_on_nonfinite_loss: bool = True
+    resume: bool = False
+
+
+def check_settings(settings: FinetuneSettings) -> Path | None:
+    """The checks that need neither the model nor the data; returns the checkpoint to resume from (or ``None``).
+
+    Raises:
+        ValueError: unknown normalization or balance mode, non-positive sizes, a run folder in the wrong state.
+        FileNotFoundError: a missing data file or model folder.
+    """
+    parse_normalization(settings.normalization)
+    if settings.balance not in (None, "layer", "channel"):
+        raise ValueError(f"balance must be 'layer' or 'channel', not {settings.balance!r}.")
+    for name in ("block_size", "batch_size", "gradient_accumulation_steps", "max_steps", "logging_steps", "save_steps"):
+        if getattr(settings, name) < 1:
+            raise ValueError(f"{name} must be at least 1, not {getattr(settings, name)}.")
+    local_files(settings.dataset)
+    if settings.model != "default" and not Path(settings.model).is_dir():
+        raise FileNotFoundError(f"No model folder at {settings.model!r}; pass 'default' or a checkpoint folder.")
+    if "tensorboard" in settings.report_to:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise ValueError("report_to tensorboard needs the tensorboard package: pip install tensorboard") from None
+    out = Path(settings.out)
+    last = get_last_checkpoint(str(out)) if out.is_dir() else None
+    if settings.resume and last is None:
+        raise ValueError(f"--resume: no checkpoint-* folder in {out} to resume from.")
+    if not settings.resume and last is not None:
+        raise ValueError(f"{out} already holds {Path(last).name}: pass --resume to continue it, or another --out.")
+    return Path(last) if last else None
+
+
+def run_finetune(settings: FinetuneSettings) -> dict:
+    """Fine-tune as ``settings`` say (see the module docstring); returns what ``finetune.json`` records.
+
+    Raises:
+        ValueError, FileNotFoundError: bad input, always before the first training step.
+    """
+    import transformers
+
+    from ..models.patching import patch, patched_normalization, unpatch
+    from ..models.persistence import from_pretrained, save_pretrained
+    from .callback import NormLoggerCallback
+
+    checkpoint = check_settings(settings)
+    normalization = parse_normalization(settings.normalization).name
+    model_dir = _model_dir(settings.model)
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    spec = architecture_of(config)
+    if not spec.causal:
+        raise ValueError(f"finetune trains causal language models; {model_dir} is a {spec.model_type} encoder.")
+    maximum = model_max_length(config)
+    if maximum is not None and settings.block_size > maximum:
+        raise ValueError(f"--block-size {settings.block_size} is above the model's maximum of {maximum} positions.")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    texts = load_text_dataset(settings.dataset, settings.text_column, settings.split)
+    train = pack_dataset(texts, tokenizer, settings.block_size, settings.text_column, settings.max_blocks)
+
+    model = from_pretrained(model_dir, model_class=transformers.AutoModelForCausalLM)
+    if patched_normalization(model) not in (None, normalization):
+        unpatch(model)
+    if settings.balance:
+        from ..balancing.balance import balance_kv
+
+        calibration = [text for text in texts[:64][settings.text_column] if text.strip()]
+        report = balance_kv(model, tokenizer, calibration, settings.balance, progress=False)
+        print(f"K/V balanced ({settings.balance}): max |logit change| {report.max_logit_change:.2e}")
+    if normalization != "softmax" and patched_normalization(model) is None:
+        patch(model, normalization)
+    model.train()
+
+    args = transformers.TrainingArguments(
+        output_dir=str(settings.out),
+        max_steps=settings.max_steps,
+        per_device_train_batch_size=settings.batch_size,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        learning_rate=settings.learning_rate,
+        warmup_steps=settings.warmup_steps,
+        weight_decay=settings.weight_decay,
+        logging_steps=settings.logging_steps,
+        save_steps=settings.save_steps,
+        save_total_limit=2,
+        report_to=list(settings.report_to) or "none",
+        seed=settings.seed,
+        data_seed=settings.seed,
+    )
+    callback = NormLoggerCallback(stop_on_nonfinite_loss=settings.stop_on_nonfinite_loss)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=train,
+                                   data_collator=transformers.default_data_collator, callbacks=[callback])
+    output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+
+    save_pretrained(model, settings.out)
+    tokenizer.save_pretrained(settings.out)
+    summary = {
+        "settings": {**asdict(settings), "report_to": list(settings.report_to)},
+        "model_dir": str(model_dir),
+        "normalization": normalization,
+        "blocks": len(train),
+        "global_step": trainer.state.global_step,
+        "train_loss": output.training_loss,
+        "first_nonfinite": callback.first_nonfinite,
+        "stopped_at_step": callback.stopped_at_step,
+    }
+    summary_path = Path(settings.out) / "finetune.json"
+    partial = summary_path.with_name(summary_path.name + ".partial")
+    partial.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    os.replace(partial, summary_path)
+    return summary
+
+
+def _model_dir(model: str) -> Path:
+    if model == "default":
+        from ..assets.default_model import default_model_dir
+
+        return default_model_dir()
+    return Path(model)
