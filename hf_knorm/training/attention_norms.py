@@ -121,6 +121,7 @@ def train_digits_vit(normalization: str, run_dir: Path, settings: AttentionNorms
         data_seed=settings.seed,
         disable_tqdm=True,
         dataloader_drop_last=True,
+        dataloader_pin_memory=False,
     )
     callback = NormLoggerCallback()
     trainer = transformers.Trainer(model=model, args=args, train_dataset=train, callbacks=[callback],
@@ -150,9 +151,9 @@ def name_is_polynomial(normalization: str) -> bool:
 
 
 def summary_table(results: list[dict]) -> str:
-    """A Markdown table: per normalization, held-out accuracy, the final ||A||_F range over layers, time."""
-    lines = ["| normalization | held-out accuracy | final ||A||_F, min-max over layers | first non-finite | time |",
-             "|---|---|---|---|---|"]
+    """A Markdown table: per normalization, held-out accuracy, the final ``||A||_F`` range over layers, time."""
+    lines = ["| normalization | held-out accuracy | final Frobenius norm of A, min - max over layers | first non-finite "
+             "| time |", "|---|---|---|---|---|"]
     for result in results:
         finals = [value for value in result["final_attn_fro"] if math.isfinite(value)]
         span = f"{min(finals):.3g} - {max(finals):.3g}" if finals else "non-finite"

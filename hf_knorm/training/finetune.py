@@ -7,7 +7,7 @@ Steps, in order (everything that can be wrong with the input is checked before t
 2. the model's config and tokenizer are read: a block size above the model's maximum is refused;
 3. the dataset is loaded and packed into blocks (a missing text column, an empty dataset, too few tokens);
 4. the model is loaded; with ``balance`` its keys and values are balanced first (exact, on the first training
-   texts); then it is patched with the normalization (``softmax`` keeps the model's own attention);
+   texts; not again on resume, whose checkpoint holds the balanced weights); then it is patched with the normalization (``softmax`` keeps the model's own attention);
 5. a Transformers ``Trainer`` trains it with :class:`~hf_knorm.training.callback.NormLoggerCallback` and the
    TensorBoard integration, saving checkpoints (``resume`` continues from the last one);
 6. the run folder ends with the model saved by :func:`hf_knorm.save_pretrained` (it reloads with its
@@ -107,6 +107,7 @@ def run_finetune(settings: FinetuneSettings) -> dict:
     Raises:
         ValueError, FileNotFoundError: bad input, always before the first training step.
     """
+    import torch
     import transformers
 
     from ..models.patching import patch, patched_normalization, unpatch
@@ -130,7 +131,7 @@ def run_finetune(settings: FinetuneSettings) -> dict:
     model = from_pretrained(model_dir, model_class=transformers.AutoModelForCausalLM)
     if patched_normalization(model) not in (None, normalization):
         unpatch(model)
-    if settings.balance:
+    if settings.balance and checkpoint is None:  # a resumed run loads the balanced, trained weights
         from ..balancing.balance import balance_kv
 
         calibration = [text for text in texts[:64][settings.text_column] if text.strip()]
@@ -154,6 +155,7 @@ def run_finetune(settings: FinetuneSettings) -> dict:
         report_to=list(settings.report_to) or "none",
         seed=settings.seed,
         data_seed=settings.seed,
+        dataloader_pin_memory=torch.cuda.is_available(),
     )
     callback = NormLoggerCallback(stop_on_nonfinite_loss=settings.stop_on_nonfinite_loss)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=train,

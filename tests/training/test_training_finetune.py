@@ -1,0 +1,109 @@
+"""hf-knorm finetune: any text source, bad input refused before training, a run folder that reloads and resumes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from training_helpers import char_tokenizer, history_lines, lm
+
+import hf_knorm
+from hf_knorm.assets.texts import SAMPLE_TEXT
+from hf_knorm.cli import main
+from hf_knorm.training.text_data import load_text_dataset, pack_dataset
+
+
+@pytest.fixture(scope="module")
+def tiny_lm_dir(tmp_path_factory):
+    """A tiny llama (max 256 positions) with a character tokenizer, saved as a checkpoint folder."""
+    folder = tmp_path_factory.mktemp("tiny_lm")
+    lm().save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "lighthouse.txt"
+    path.write_text((SAMPLE_TEXT + "\n") * 8)
+    return path
+
+
+def _finetune(*flags, model, out) -> int:
+    return main(["finetune", "--model", str(model), "--out", str(out), "--block-size", "32", *flags])
+
+
+def test_local_files_of_each_kind_load_their_text(tmp_path):
+    import pandas as pd
+
+    rows = ["first text", "second text"]
+    (tmp_path / "a.txt").write_text("\n".join(rows) + "\n")
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": r, "id": i}) + "\n" for i, r in enumerate(rows)))
+    (tmp_path / "a.json").write_text(json.dumps([{"text": r} for r in rows]))
+    pd.DataFrame({"text": rows, "n": [1, 2]}).to_csv(tmp_path / "a.csv", index=False)
+    pd.DataFrame({"body": rows}).to_parquet(tmp_path / "a.parquet")
+    for name, column in (("a.txt", "text"), ("a.jsonl", "text"), ("a.json", "text"), ("a.csv", "text"),
+                         ("a.parquet", "body")):
+        assert load_text_dataset(str(tmp_path / name), column)[column] == rows, name
+    both = load_text_dataset(f"{tmp_path / 'a.txt'},{tmp_path / 'a.txt'}")
+    assert both["text"] == rows + rows
+
+
+def test_packing_cuts_blocks_with_end_of_text_between_texts(tmp_path):
+    (tmp_path / "a.txt").write_text("abcde\nfghij\n")
+    packed = pack_dataset(load_text_dataset(str(tmp_path / "a.txt")), char_tokenizer(), block_size=4)
+    tokenizer = char_tokenizer()
+    assert ["".join(tokenizer.convert_ids_to_tokens(row)) for row in packed["input_ids"]] == ["abcd", "e</s>fg", "hij</s>"]
+    assert packed["labels"] == packed["input_ids"]
+    with pytest.raises(ValueError, match="12 tokens, fewer than one block of 64"):
+        pack_dataset(load_text_dataset(str(tmp_path / "a.txt")), tokenizer, block_size=64)
+
+
+BAD_INPUTS = {
+    "missing file": (["--dataset", "{tmp}/nowhere.jsonl"], "No such file: .*nowhere.jsonl"),
+    "no text column": (["--dataset", "{tmp}/table.csv"], "has no column 'text'; columns found: title, body"),
+    "empty dataset": (["--dataset", "{tmp}/blank.jsonl"], "is empty"),
+    "block size above the model's maximum": (["--dataset", "{tmp}/ok.txt", "--block-size", "512"],
+                                             "--block-size 512 is above the model's maximum of 256"),
+    "unknown normalization": (["--dataset", "{tmp}/ok.txt", "--normalization", "x^2.5/3"], "x\\^p/c"),
+    "too few tokens": (["--dataset", "{tmp}/short.txt"], "fewer than one block of 32"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_stops_with_its_message_before_training(tmp_path, tiny_lm_dir, capsys, case):
+    (tmp_path / "table.csv").write_text("title,body\na,b\n")
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n{"text": "  "}\n')
+    (tmp_path / "ok.txt").write_text(SAMPLE_TEXT + "\n")
+    (tmp_path / "short.txt").write_text("too short\n")
+    flags, message = BAD_INPUTS[case]
+    out = tmp_path / "run"
+    assert _finetune(*[f.format(tmp=tmp_path) for f in flags], model=tiny_lm_dir, out=out) == 2
+    error = capsys.readouterr().err
+    assert "hf-knorm finetune: error: " in error
+    assert __import__("re").search(message, error), error
+    assert not (out / "norms.jsonl").exists() and not list(out.glob("checkpoint-*"))
+
+
+def test_finetune_logs_norms_checkpoints_reloads_and_resumes(tmp_path, tiny_lm_dir, text_file):
+    out = tmp_path / "run"
+    flags = ["--dataset", str(text_file), "--normalization", "x^3/16", "--balance", "layer", "--logging-steps", "2",
+             "--save-steps", "2", "--batch-size", "2"]
+    assert _finetune(*flags, "--max-steps", "4", model=tiny_lm_dir, out=out) == 0
+    assert [line["step"] for line in history_lines(out / "norms.jsonl")] == [2, 4]
+    assert list((out / "runs").glob("*/events.out.tfevents.*"))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    model = hf_knorm.from_pretrained(out)  # the run folder is the model, with its normalization
+    assert hf_knorm.patched_normalization(model) == "x^3/16"
+    summary = json.loads((out / "finetune.json").read_text())
+    assert summary["global_step"] == 4 and summary["normalization"] == "x^3/16"
+
+    assert _finetune(*flags, "--max-steps", "4", model=tiny_lm_dir, out=out) == 2  # would overwrite: refused
+    assert _finetune(*flags, "--max-steps", "6", "--resume", model=tiny_lm_dir, out=out) == 0
+    assert [line["step"] for line in history_lines(out / "norms.jsonl")] == [2, 4, 6]
+    assert json.loads((out / "finetune.json").read_text())["global_step"] == 6
+
+
+def test_resume_without_a_checkpoint_is_refused(tmp_path, tiny_lm_dir, text_file, capsys):
+    assert _finetune("--dataset", str(text_file), "--resume", model=tiny_lm_dir, out=tmp_path / "new") == 2
+    assert "no checkpoint-* folder" in capsys.readouterr().err
