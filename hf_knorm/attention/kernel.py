@@ -87,7 +87,7 @@ def chunked_attention(
         dropout: dropout probability on the weights (0 outside training).
         return_weights: also return the ``(B, H_q, q, kv)`` weights (materializes them).
         frobenius_sq: optional ``(B, H_kv, G)`` accumulator; receives the squared Frobenius norm of each head's
-            weight matrix (no gradient), without materializing the matrix.
+            weight matrix (before dropout; no gradient), without materializing the matrix.
         chunk_elements: at most this many scores per chunk (default: ``DEFAULT_CHUNK_ELEMENTS``, read at call time).
 
     Returns:
@@ -154,21 +154,21 @@ def _forward_autograd(q, k, v, plan: _Plan, dropout, return_weights, frobenius_s
         args = (q[:, :, :, start:stop] * plan.scaling, k[:, :, lo:hi], v[:, :, lo:hi], allowed, bias)
         options = dict(normalization=plan.normalization, softcap=plan.softcap, dropout=dropout)
         if return_weights:
-            out, weights = _chunk_autograd(*args, **options)
+            out, weights, normalized = _chunk_autograd(*args, **options)
             weight_rows.append(F.pad(weights, (lo, plan.kv_len - hi)))
         else:
-            out, weights = checkpoint(_chunk_autograd, *args, **options, use_reentrant=False)
-        _accumulate(frobenius_sq, weights)
+            out, weights, normalized = checkpoint(_chunk_autograd, *args, **options, use_reentrant=False)
+        _accumulate(frobenius_sq, normalized)  # the attention matrix itself, before dropout
         outputs.append(out.permute(0, 3, 1, 2, 4))  # (B, c, H_kv, G, D_v)
     return torch.cat(outputs, dim=1), (torch.cat(weight_rows, dim=3) if return_weights else None)
 
 
 def _chunk_autograd(q, k, v, allowed, bias, *, normalization, softcap, dropout):
+    """Returns ``(output, weights after dropout, weights before dropout)`` of one chunk."""
     scores, _ = _scores(q, k, bias, softcap)
-    weights = normalization.weights(scores, allowed)
-    if dropout > 0.0:
-        weights = F.dropout(weights, p=dropout, training=True)
-    return _weighted_values(weights, v), weights
+    normalized = normalization.weights(scores, allowed)
+    weights = F.dropout(normalized, p=dropout, training=True) if dropout > 0.0 else normalized
+    return _weighted_values(weights, v), weights, normalized
 
 
 class _ChunkedAttention(torch.autograd.Function):
