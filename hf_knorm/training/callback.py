@@ -160,7 +160,7 @@ class NormLoggerCallback(TrainerCallback):
             layers = self._recorder.finish()  # all processes reach this step: the reduction is collective
             self._pending = (state.global_step, layers)
             control.should_log = True
-            self._note_nonfinite(state.global_step, layers)
+            self._note_nonfinite(state.global_step, layers, state.is_world_process_zero)
         if self.stop_on_nonfinite_loss:
             self._check_loss(state, control)
 
@@ -219,16 +219,17 @@ class NormLoggerCallback(TrainerCallback):
             record["nonfinite"] = nonfinite
         self._history.append(record)
 
-    def _note_nonfinite(self, step: int, layers: list[dict[str, float]]) -> None:
+    def _note_nonfinite(self, step: int, layers: list[dict[str, float]], main_process: bool) -> None:
         if self.first_nonfinite is not None:
             return
         nonfinite = _nonfinite_keys(layers)
         if nonfinite:
             self.first_nonfinite = (step, nonfinite[0])
-            logger.warning(
-                f"NormLoggerCallback: first non-finite attention statistic at step {step}: {nonfinite[0]} "
-                f"({len(nonfinite)} non-finite values at this step). They are logged as NaN/inf."
-            )
+            if main_process:
+                logger.warning(
+                    f"NormLoggerCallback: first non-finite attention statistic at step {step}: {nonfinite[0]} "
+                    f"({len(nonfinite)} non-finite values at this step). They are logged as NaN/inf."
+                )
 
     def _watch_loss(self, module, args, output) -> None:
         loss = output.get("loss") if hasattr(output, "get") else None
@@ -249,7 +250,8 @@ class NormLoggerCallback(TrainerCallback):
         if not bool(finite):
             self.stopped_at_step = state.global_step
             control.should_training_stop = True
-            logger.warning(f"NormLoggerCallback: non-finite loss at step {state.global_step}; stopping training.")
+            if state.is_world_process_zero:
+                logger.warning(f"NormLoggerCallback: non-finite loss at step {state.global_step}; stopping training.")
 
     def _run_before_integrations(self) -> bool:
         """Move this callback to the front of the Trainer's callback list; False if the list cannot be found.

@@ -115,8 +115,9 @@ class StepNormRecorder:
 
         tokens = real_key_tokens(allowed, batch, kv_len, key.device)  # (B, kv)
         weights = tokens.to(dtype)[:, None, :]  # (B, 1, kv)
-        key_norms = key.detach().to(dtype).norm(dim=-1)  # (B, H_kv, kv)
-        value_norms = value.detach().to(dtype).norm(dim=-1)
+        compute = torch.promote_types(key.dtype, torch.float32)  # per-vector norms in fp32, sums in fp64
+        key_norms = key.detach().to(compute).norm(dim=-1).to(dtype)  # (B, H_kv, kv)
+        value_norms = value.detach().to(compute).norm(dim=-1).to(dtype)
         zero = fro.new_zeros(())
         sums = torch.stack([
             torch.where(counted, fro, zero).sum(),
