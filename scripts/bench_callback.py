@@ -36,8 +36,8 @@ class StepClock(tf.TrainerCallback):
 
 
 def build_model(settings, normalization: str | None):
-    config = tf.LlamaConfig(vocab_size=settings.vocab, hidden_size=settings.hidden, intermediate_size=4 * settings.hidden,
-                            num_hidden_layers=settings.layers, num_attention_heads=settings.heads,
+    config = tf.LlamaConfig(vocab_size=settings.vocab, hidden_size=settings.hidden,
+                            intermediate_size=4 * settings.hidden, num_hidden_layers=settings.layers, num_attention_heads=settings.heads,
                             num_key_value_heads=settings.heads // 2, max_position_embeddings=settings.block)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)

@@ -11,7 +11,8 @@ sequence has N = 17 tokens, so sqrt(N) would be 4.1.
 
 Each run folder holds ``norms.jsonl`` and ``result.json`` (held-out accuracy, time); a run whose ``result.json``
 exists is not trained again, so an interrupted job resumes run by run. ``summary.json`` and ``summary.md`` gather
-the runs; ``attention_norms.png`` is the figure.
+the runs (accuracy, time, and per layer each normalization's median ``||A||_F`` over the second half of training,
+with their order); ``attention_norms.png`` is the figure.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..attention.normalizations import parse_normalization
+from .history import read_norm_history
 from .norm_figure import plot_norm_history
 
 FIGURE_NORMALIZATIONS = ("softmax", "x/1", "x/16", "x^3/1", "x^3/16")
@@ -82,9 +84,10 @@ def run_attention_norms(settings: AttentionNormsSettings) -> dict:
         [out / run_slug(name) for name in names], out / "attention_norms.png", statistic="attn_fro", labels=names,
         x="epoch", title=f"Attention-matrix Frobenius norm per layer, {settings.layers}-layer ViT on 8x8 digits",
     )
-    summary = {"settings": asdict(settings), "figure": str(figure), "runs": results}
+    medians = late_medians({name: read_norm_history(out / run_slug(name)) for name in names})
+    summary = {"settings": asdict(settings), "figure": str(figure), "runs": results, "late_medians": medians}
     _write_json(out / "summary.json", summary)
-    (out / "summary.md").write_text(summary_table(results) + "\n")
+    (out / "summary.md").write_text(summary_table(results) + "\n\n" + ordering_table(medians) + "\n")
     return summary
 
 
@@ -96,7 +99,6 @@ def train_digits_vit(normalization: str, run_dir: Path, settings: AttentionNorms
     from ..models.patching import patch
     from .callback import NormLoggerCallback
     from .digits_vit import accuracy, digits_splits, digits_vit_config
-    from .history import read_norm_history
 
     train, test = digits_splits(settings.seed)
     transformers.set_seed(settings.seed)  # the same initial weights for every normalization
@@ -152,14 +154,42 @@ def name_is_polynomial(normalization: str) -> bool:
 
 def summary_table(results: list[dict]) -> str:
     """A Markdown table: per normalization, held-out accuracy, the final ``||A||_F`` range over layers, time."""
-    lines = ["| normalization | held-out accuracy | final Frobenius norm of A, min - max over layers | first non-finite "
-             "| time |", "|---|---|---|---|---|"]
+    lines = ["| normalization | held-out accuracy | final Frobenius norm of A, min - max over layers "
+             "| first non-finite | time |", "|---|---|---|---|---|"]
     for result in results:
         finals = [value for value in result["final_attn_fro"] if math.isfinite(value)]
         span = f"{min(finals):.3g} - {max(finals):.3g}" if finals else "non-finite"
         first = result["first_nonfinite"]
         lines.append(f"| {result['normalization']} | {result['test_accuracy']:.3f} | {span} | "
                      f"{'step %s, %s' % tuple(first) if first else '-'} | {result['seconds']:.0f} s |")
+    return "\n".join(lines)
+
+
+def late_medians(histories: dict[str, list[dict]], statistic: str = "attn_fro") -> list[dict[str, float]]:
+    """Per layer, each run's median ``statistic`` over the second half of its logging steps (NaN when none is finite).
+
+    The second half leaves out the early transients; a run that went non-finite has NaN from there on.
+    """
+    layers = max(len(history[0]["layers"]) for history in histories.values() if history)
+    medians = []
+    for layer in range(layers):
+        row = {}
+        for name, history in histories.items():
+            late = [record["layers"][layer][statistic] for record in history[len(history) // 2:]]
+            finite = sorted(value for value in late if math.isfinite(value))
+            row[name] = finite[len(finite) // 2] if finite and len(finite) == len(late) else math.nan
+        medians.append(row)
+    return medians
+
+
+def ordering_table(medians: list[dict[str, float]]) -> str:
+    """A Markdown table: per layer, each normalization's late median ``||A||_F`` and their order, largest first."""
+    names = list(medians[0])
+    lines = ["| layer | " + " | ".join(names) + " | order, largest first |", "|---" * (len(names) + 2) + "|"]
+    for layer, row in enumerate(medians, start=1):
+        order = sorted((name for name in names if math.isfinite(row[name])), key=lambda name: -row[name])
+        cells = " | ".join(f"{row[name]:.3g}" if math.isfinite(row[name]) else "non-finite" for name in names)
+        lines.append(f"| {layer} | {cells} | {' > '.join(order)} |")
     return "\n".join(lines)
 
 

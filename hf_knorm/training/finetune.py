@@ -7,7 +7,8 @@ Steps, in order (everything that can be wrong with the input is checked before t
 2. the model's config and tokenizer are read: a block size above the model's maximum is refused;
 3. the dataset is loaded and packed into blocks (a missing text column, an empty dataset, too few tokens);
 4. the model is loaded; with ``balance`` its keys and values are balanced first (exact, on the first training
-   texts; not again on resume, whose checkpoint holds the balanced weights); then it is patched with the normalization (``softmax`` keeps the model's own attention);
+   texts; not again on resume, whose checkpoint holds the balanced weights); then it is patched with the
+   normalization (``softmax`` keeps the model's own attention);
 5. a Transformers ``Trainer`` trains it with :class:`~hf_knorm.training.callback.NormLoggerCallback` and the
    TensorBoard integration, saving checkpoints (``resume`` continues from the last one);
 6. the run folder ends with the model saved by :func:`hf_knorm.save_pretrained` (it reloads with its

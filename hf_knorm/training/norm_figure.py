@@ -51,7 +51,8 @@ def plot_norm_history(runs, path, statistic: str = "attn_fro", labels=None, x: s
         if not history:
             raise ValueError(f"The norm history {history_path(run)} has no logging step yet.")
     if labels is None:
-        labels = [history[-1].get("normalization") or history_path(run).parent.name for run, history in zip(runs, histories)]
+        labels = [history[-1].get("normalization") or history_path(run).parent.name
+                  for run, history in zip(runs, histories)]
         if len(set(labels)) < len(labels):
             labels = [f"{label} ({history_path(run).parent.name})" for label, run in zip(labels, runs)]
     curves = []

@@ -31,7 +31,9 @@ def test_figure_job_at_toy_size(tmp_path, capsys):
     assert (tmp_path / "attention_norms.png").read_bytes()[:4] == b"\x89PNG"
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [run["normalization"] for run in summary["runs"]] == ["softmax", "x^3/16"]
-    assert "| x^3/16 |" in (tmp_path / "summary.md").read_text()
+    table = (tmp_path / "summary.md").read_text()
+    assert "| x^3/16 |" in table and "| 2 | " in table and "order, largest first" in table
+    assert len(summary["late_medians"]) == 2 and set(summary["late_medians"][0]) == {"softmax", "x^3/16"}
     capsys.readouterr()
     assert main(flags) == 0  # finished runs are kept, not trained again
     assert capsys.readouterr().out.count("already trained") == 2

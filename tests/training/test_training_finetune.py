@@ -53,7 +53,8 @@ def test_packing_cuts_blocks_with_end_of_text_between_texts(tmp_path):
     (tmp_path / "a.txt").write_text("abcde\nfghij\n")
     packed = pack_dataset(load_text_dataset(str(tmp_path / "a.txt")), char_tokenizer(), block_size=4)
     tokenizer = char_tokenizer()
-    assert ["".join(tokenizer.convert_ids_to_tokens(row)) for row in packed["input_ids"]] == ["abcd", "e</s>fg", "hij</s>"]
+    blocks = ["".join(tokenizer.convert_ids_to_tokens(row)) for row in packed["input_ids"]]
+    assert blocks == ["abcd", "e</s>fg", "hij</s>"]
     assert packed["labels"] == packed["input_ids"]
     with pytest.raises(ValueError, match="12 tokens, fewer than one block of 64"):
         pack_dataset(load_text_dataset(str(tmp_path / "a.txt")), tokenizer, block_size=64)
