@@ -11,8 +11,10 @@ Steps, in order (everything that can be wrong with the input is checked before t
    normalization (``softmax`` keeps the model's own attention);
 5. a Transformers ``Trainer`` trains it with :class:`~hf_knorm.training.callback.NormLoggerCallback` and the
    TensorBoard integration, saving checkpoints (``resume`` continues from the last one);
-6. the run folder ends with the model saved by :func:`hf_knorm.save_pretrained` (it reloads with its
-   normalization), its tokenizer, ``norms.jsonl`` and ``finetune.json`` (settings and outcome).
+6. the run folder ends with the model saved so that it reloads with its normalization
+   (:func:`hf_knorm.models.persistence.save_pretrained`), its tokenizer, ``norms.jsonl``, ``norms.png`` (the
+   per-layer figure, which ``hf_knorm.push_to_hub(..., norm_history=...)`` can put on the model card) and
+   ``finetune.json`` (settings and outcome).
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ def run_finetune(settings: FinetuneSettings) -> dict:
     from ..models.patching import patch, patched_normalization, unpatch
     from ..models.persistence import from_pretrained, save_pretrained
     from .callback import NormLoggerCallback
+    from .history import HISTORY_FILE
+    from .norm_figure import plot_norm_history
 
     checkpoint = check_settings(settings)
     normalization = parse_normalization(settings.normalization).name
@@ -163,8 +167,6 @@ def run_finetune(settings: FinetuneSettings) -> dict:
                                    data_collator=transformers.default_data_collator, callbacks=[callback])
     output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
 
-    save_pretrained(model, settings.out)
-    tokenizer.save_pretrained(settings.out)
     summary = {
         "settings": {**asdict(settings), "report_to": list(settings.report_to)},
         "model_dir": str(model_dir),
@@ -175,6 +177,15 @@ def run_finetune(settings: FinetuneSettings) -> dict:
         "first_nonfinite": callback.first_nonfinite,
         "stopped_at_step": callback.stopped_at_step,
     }
+    if not trainer.is_world_process_zero():  # under torchrun, one process writes the run folder
+        return summary
+    save_pretrained(model, settings.out)
+    tokenizer.save_pretrained(settings.out)
+    history = Path(settings.out) / HISTORY_FILE
+    if history.is_file() and history.stat().st_size > 0:  # at least one logging step
+        summary["norms_figure"] = str(plot_norm_history(
+            settings.out, Path(settings.out) / "norms.png", title=f"||A||_F per layer, fine-tuning with {normalization}"
+        ))
     summary_path = Path(settings.out) / "finetune.json"
     partial = summary_path.with_name(summary_path.name + ".partial")
     partial.write_text(json.dumps(summary, indent=2, default=str) + "\n")

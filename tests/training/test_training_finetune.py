@@ -93,6 +93,7 @@ def test_finetune_logs_norms_checkpoints_reloads_and_resumes(tmp_path, tiny_lm_d
     assert _finetune(*flags, "--max-steps", "4", model=tiny_lm_dir, out=out) == 0
     assert [line["step"] for line in history_lines(out / "norms.jsonl")] == [2, 4]
     assert list((out / "runs").glob("*/events.out.tfevents.*"))
+    assert (out / "norms.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     model = hf_knorm.from_pretrained(out)  # the run folder is the model, with its normalization
     assert hf_knorm.patched_normalization(model) == "x^3/16"
