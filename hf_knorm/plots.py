@@ -84,7 +84,7 @@ def plot_needle_heatmap(lengths, depths, accuracy, path, title: str | None = Non
     cmap = LinearSegmentedColormap.from_list(
         "missed_found", ["#d7301f", "#fdae61", "#ffffbf", "#a6d96a", "#1a9850"]
     ).with_extremes(bad="#bbbbbb")
-    fig = Figure(figsize=(1.2 * len(lengths) + 2.5, 0.6 * len(depths) + 1.6))
+    fig = Figure(figsize=(max(5.5, 1.2 * len(lengths) + 2.5), 0.6 * len(depths) + 1.6))  # wide enough for the title
     ax = fig.subplots()
     image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
     for i in range(values.shape[0]):
@@ -152,9 +152,11 @@ def plot_layer_curves(runs, path, ylabel: str = "||A||_F", xlabel: str = "step",
             ax.set_ylabel(ylabel)
         if layer >= layers - columns:
             ax.set_xlabel(xlabel)
+    height = fig.get_figheight()
     fig.legend(loc="lower center", ncol=len(runs), frameon=False)
     if title:
         fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    # Leave fixed room (in inches) for the legend below and the title above, whatever the number of layer rows.
+    fig.tight_layout(rect=(0, 0.45 / height, 1, 1 - (0.4 if title else 0.0) / height))
     fig.savefig(path, dpi=110)
     return path

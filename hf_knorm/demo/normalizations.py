@@ -1,4 +1,4 @@
-"""The main job of ``make demo``: the default model under each normalization, side by side.
+"""Demo step 1: the default model under each normalization, side by side.
 
 For each normalization the model is patched (then unpatched), and we report its greedy next tokens on a few prompts
 and its perplexity on :data:`hf_knorm.assets.texts.SAMPLE_TEXT` (teacher forcing, one forward pass). A pretrained model was
@@ -8,17 +8,13 @@ the demo shows by how much, and that softmax through the plugin reproduces the m
 
 from __future__ import annotations
 
-import json
 import math
 import time
-from pathlib import Path
 
 import torch
 
-from .assets.texts import SAMPLE_TEXT
-from .attention.normalizations import parse_normalization
-from .models.patching import patch, unpatch
-from .models.persistence import load_model
+from ..assets.texts import SAMPLE_TEXT
+from ..models.patching import patch, unpatch
 
 PROMPTS = ("The capital of France is", "Water freezes at a temperature of", "The opposite of hot is")
 
@@ -49,23 +45,18 @@ def evaluate_normalization(model, tokenizer, normalization: str | None, new_toke
     }
 
 
-def run_demo(model_name: str, normalizations: list[str], out_dir: Path) -> list[dict]:
-    """Evaluate the model natively and under each normalization; print a table and write ``demo.json``."""
-    normalizations = [parse_normalization(name).name for name in normalizations]  # bad spellings fail before loading
-    model, tokenizer = load_model(model_name)
-    print(f"Model: {model_name} ({model.config.model_type}, {model.config.num_hidden_layers} layers). "
-          f"Perplexity on a {len(tokenizer(SAMPLE_TEXT)['input_ids'])}-token sample text; greedy continuations.")
-    rows = [evaluate_normalization(model, tokenizer, None)]
-    rows += [evaluate_normalization(model, tokenizer, name) for name in normalizations]
+def compare_normalizations(model, tokenizer, normalizations: list[str], new_tokens: int = 4) -> list[dict]:
+    """The model natively, then under each normalization (patched, evaluated, unpatched); one row each."""
+    rows = [evaluate_normalization(model, tokenizer, None, new_tokens)]
+    rows += [evaluate_normalization(model, tokenizer, name, new_tokens) for name in normalizations]
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """The rows as a fixed-width text table: normalization, perplexity, one greedy continuation per prompt."""
     width = max(len(row["normalization"]) for row in rows)
-    print(f"\n{'normalization':<{width}}  {'perplexity':>12}  " + "  |  ".join(f"{p!r}" for p in PROMPTS))
+    lines = [f"{'normalization':<{width}}  {'perplexity':>12}  " + "  |  ".join(f"{p!r}" for p in PROMPTS)]
     for row in rows:
         cells = "  |  ".join(repr(c) for c in row["continuations"])
-        print(f"{row['normalization']:<{width}}  {row['perplexity']:>12.4g}  {cells}")
-    print("\nThe model was trained with softmax: softmax through the plugin reproduces it; the polynomial normalizations "
-          "change its function and need fine-tuning before their text means anything.")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "demo.json").write_text(json.dumps({"model": model_name, "prompts": PROMPTS, "rows": rows}, indent=2))
-    print(f"\nWrote {out_dir / 'demo.json'}")
-    return rows
+        lines.append(f"{row['normalization']:<{width}}  {row['perplexity']:>12.4g}  {cells}")
+    return "\n".join(lines)

@@ -1,0 +1,50 @@
+"""How big each demo step is: the defaults (about 10 minutes on a 2-core CPU) and ``--fast`` (the test suite's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """Sizes of the demo's steps.
+
+    Attributes:
+        normalizations: step 1, the normalizations compared with the model's own attention.
+        balance_mode: step 2, ``"layer"`` (TransMLA's Balanced Key-Value) or ``"channel"``.
+        calibration_tokens: step 2, calibration tokens for the K/V norms.
+        niah_lengths, niah_depths: step 3, the needle-in-a-haystack grid (context tokens x needle depth).
+        niah_ratio: step 3, the KNorm compression ratio compared with the uncompressed cache.
+        train_normalization: step 4, the normalization fine-tuned with the norm callback.
+        train_steps, train_block_size, train_batch_size, logging_steps: step 4, the fine-tuning run.
+    """
+
+    normalizations: tuple[str, ...] = ("softmax", "x/1", "x/16", "x^3/1", "x^3/16", "x^3/sqrtN")
+    balance_mode: str = "layer"
+    calibration_tokens: int = 4096
+    niah_lengths: tuple[int, ...] = (1000, 2000, 4000)
+    niah_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    niah_ratio: float = 0.5
+    train_normalization: str = "x^3/16"
+    train_steps: int = 60
+    train_block_size: int = 128
+    train_batch_size: int = 4
+    logging_steps: int = 5
+
+    @classmethod
+    def fast(cls) -> DemoSettings:
+        """Every step shrunk to seconds, for the test suite (``--fast``)."""
+        return cls(normalizations=("softmax", "x^3/16"), calibration_tokens=256, niah_lengths=(300,),
+                   niah_depths=(0.5,), train_steps=4, train_block_size=64, train_batch_size=2, logging_steps=2)
+
+    def with_overrides(self, **overrides) -> DemoSettings:
+        """A copy with the given fields replaced; ``None`` values are ignored (flags the user did not set)."""
+        names = {f.name for f in fields(self)}
+        unknown = set(overrides) - names
+        if unknown:
+            raise ValueError(f"Unknown demo settings {sorted(unknown)}; known: {sorted(names)}.")
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    def as_dict(self) -> dict:
+        """The settings as plain values (for the report and ``demo.json``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,0 +1,185 @@
+"""The demo's steps, one function each: run one capability on the model, return the report's :class:`Section`.
+
+Each step calls the library exactly as a user would (``patch``, ``balance_kv``, ``KNormCache`` through the needle
+harness, ``Trainer`` with ``NormLoggerCallback``, ``save_pretrained`` with the card), writes its files under its own
+folder of the demo's output, and leaves the model it was given as it found it.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from ..assets.texts import SAMPLE_TEXT, shakespeare_split
+from ..balancing.balance import balance_kv
+from ..evaluation.needle import ratio_variants, run_needle, summary_table, write_report
+from ..hub.push import push_folder
+from ..hub.saving import CARD_FILE, save_pretrained
+from ..models.persistence import load_model
+from ..training.finetune import FinetuneSettings, run_finetune
+from ..training.history import read_norm_history
+from .normalizations import PROMPTS, compare_normalizations, format_table
+from .report import Section, Table
+from .settings import DemoSettings
+
+
+def normalizations_step(model, tokenizer, settings: DemoSettings, out_dir: Path) -> tuple[Section, list[dict]]:
+    """Step 1: perplexity and greedy continuations under each normalization, the model's own attention first."""
+    started = time.perf_counter()
+    rows = compare_normalizations(model, tokenizer, list(settings.normalizations))
+    print(format_table(rows))
+    table = Table(["normalization", "perplexity", *(repr(p) for p in PROMPTS)],
+                  [[r["normalization"], r["perplexity"], *r["continuations"]] for r in rows],
+                  caption=f"Perplexity on a {len(tokenizer(SAMPLE_TEXT)['input_ids'])}-token text, greedy next tokens")
+    section = Section(
+        "Attention normalizations side by side",
+        "Look at the first two rows: softmax through the plugin reproduces the model's own attention (same perplexity, "
+        "same tokens); the polynomial rows change the function of a model trained with softmax, which is why step 4 "
+        "fine-tunes one.",
+        tables=[table],
+        settings={"normalizations": ", ".join(settings.normalizations)},
+        seconds=time.perf_counter() - started,
+    )
+    return section, rows
+
+
+def balancing_step(model, tokenizer, settings: DemoSettings, out_dir: Path) -> tuple[Section, dict]:
+    """Step 2: K/V balancing of a copy of the model; the "Original vs. Balanced kv-norm" figure and per-layer ratios."""
+    started = time.perf_counter()
+    balanced = copy.deepcopy(model)
+    texts, _ = shakespeare_split()  # calibrate on the training split; Hamlet and the sonnets stay held out
+    report = balance_kv(balanced, tokenizer, texts, settings.balance_mode, max_tokens=settings.calibration_tokens)
+    del balanced
+    paths = report.save(out_dir)
+    numbers = report.to_dict()
+    layer = report.default_layer()
+    layers = numbers["layers"]
+    table = Table(["layer", *(str(entry["layer"]) for entry in layers)],
+                  [["before", *(round(entry["before"]["ratio"], 2) for entry in layers)],
+                   ["after", *(round(entry["after"]["ratio"], 2) for entry in layers)]],
+                  caption="Mean key norm over mean value norm, per layer")
+    section = Section(
+        "K/V balancing",
+        f"Look at the top panel of the first figure: in layer {layer} the keys (blue) dwarf the values (orange); "
+        "below, "
+        f"after the exact fold into the weights, both share one scale, and the model's logits moved by at most "
+        f"{report.max_logit_change:.1e}.",
+        figures=[(paths["figure"], f"Original vs. balanced per-channel K/V norms, layer {layer}"),
+                 (paths["summary"], "Key/value mean-norm ratio of every layer, before and after")],
+        tables=[table],
+        settings={"mode": settings.balance_mode, "calibration_tokens": report.before.tokens},
+        seconds=time.perf_counter() - started,
+    )
+    return section, numbers
+
+
+def knorm_step(model, tokenizer, settings: DemoSettings, out_dir: Path) -> tuple[Section, str]:
+    """Step 3: needle-in-a-haystack with the uncompressed cache and with KNorm; heatmaps and the accuracy table."""
+    started = time.perf_counter()
+    if out_dir.exists():  # the harness resumes from its results file: a demo run starts from a clean grid
+        shutil.rmtree(out_dir)
+    ratio = settings.niah_ratio
+    records = run_needle(model, tokenizer, out_dir, tasks=("niah",), variants=ratio_variants((0.0, ratio)),
+                         lengths=settings.niah_lengths, depths=settings.niah_depths, seeds=1)
+    write_report(records, out_dir)
+    table_md = summary_table(records, "niah")
+    section = Section(
+        "KNorm KV-cache compression",
+        f"Compare the two heatmaps (green = needle found): with {ratio:.0%} of the cached keys evicted by largest L2 "
+        "norm, the small default model loses needles it finds uncompressed; BENCHMARKS.md measures why and how far.",
+        figures=[(out_dir / "heatmap_niah_r=0.png", "Uncompressed cache"),
+                 (out_dir / f"heatmap_niah_r={ratio:g}.png", f"KNorm, compression ratio {ratio:g}")],
+        tables=[_markdown_table(table_md, "Needle found (%), by context length")],
+        settings={"lengths": settings.niah_lengths, "depths": settings.niah_depths, "ratio": ratio, "seeds": 1},
+        seconds=time.perf_counter() - started,
+    )
+    return section, table_md
+
+
+def training_step(model_name: str, settings: DemoSettings, out_dir: Path) -> tuple[Section, dict]:
+    """Step 4: fine-tune with a polynomial normalization, NormLoggerCallback and TensorBoard; the per-layer figure."""
+    started = time.perf_counter()
+    if out_dir.exists():  # a demo run is a fresh run, never a resumed one
+        shutil.rmtree(out_dir)
+    run = FinetuneSettings(
+        dataset="shakespeare", out=str(out_dir), model=model_name, normalization=settings.train_normalization,
+        block_size=settings.train_block_size, batch_size=settings.train_batch_size, max_steps=settings.train_steps,
+        warmup_steps=min(10, settings.train_steps // 4), logging_steps=settings.logging_steps,
+        save_steps=settings.train_steps + 1, max_blocks=settings.train_steps * settings.train_batch_size,
+    )
+    summary = run_finetune(run)
+    history = read_norm_history(out_dir)
+    figure = Path(summary["norms_figure"])  # the run's own per-layer figure (finetune draws it)
+    first, last = history[0], history[-1]
+    every = max(1, len(first["layers"]) // 6)
+    rows = [[f"Layer {i + 1}: ||A||_F (mean over batch and heads)", first["layers"][i]["attn_fro"],
+             last["layers"][i]["attn_fro"]] for i in range(0, len(first["layers"]), every)]
+    rows.append(["training loss", first.get("loss") or "-", last.get("loss") or "-"])
+    table = Table(["", f"step {first['step']}", f"step {last['step']}"], rows,
+                  caption="From norms.jsonl (every layer is in the figure; a few are listed here)")
+    section = Section(
+        "Fine-tuning with the norm callback",
+        f"Each panel is one layer: the Frobenius norm of its attention matrix at every logging step of a fine-tuning "
+        f"run with {summary['normalization']}, logged by NormLoggerCallback from the training forward passes into "
+        "TensorBoard, the Trainer's log history and norms.jsonl.",
+        figures=[(figure, "Per-layer attention-matrix norm over training (log scale)")],
+        tables=[table],
+        text=f"tensorboard --logdir {out_dir}\n{out_dir / 'norms.jsonl'}  ({len(history)} logging steps)",
+        settings={"normalization": summary["normalization"], "steps": summary["global_step"],
+                  "block_size": settings.train_block_size, "batch_size": settings.train_batch_size,
+                  "data": "Shakespeare (embedded)"},
+        seconds=time.perf_counter() - started,
+    )
+    return section, {**summary, "history": str(out_dir / "norms.jsonl"), "figure": str(figure)}
+
+
+def sharing_step(training: dict, out_dir: Path, push_to: str | None = None,
+                 token: str | None = None) -> tuple[Section, dict]:
+    """Step 5: save the fine-tuned model with its card as a push would send it; reload it and compare; push if asked.
+
+    The folder written is exactly what :func:`hf_knorm.push_to_hub` uploads (weights, config with the plugin's
+    settings, tokenizer, ``README.md`` card, the card's figure); ``push_to`` uploads it in one commit.
+    """
+    started = time.perf_counter()
+    run_dir = Path(training["settings"]["out"])
+    model, tokenizer = load_model(str(run_dir))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    folder = save_pretrained(model, out_dir, tokenizer=tokenizer, repo_id=push_to, norm_history=training["figure"])
+    reloaded, _ = load_model(str(folder))
+    batch = tokenizer(SAMPLE_TEXT, return_tensors="pt")
+    with torch.no_grad():
+        same_logits = bool(torch.equal(model(**batch).logits, reloaded(**batch).logits))
+    commit_url = None
+    if push_to:
+        commit_url = push_folder(folder, push_to, token=token).commit_url
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    card_head = "\n".join((folder / CARD_FILE).read_text().splitlines()[:40])
+    table = Table(["file", "bytes"], [[str(p.relative_to(folder)), p.stat().st_size] for p in files],
+                  caption=f"{folder}: what a push sends")
+    look_at = (f"The folder holds what push_to_hub sends: the weights, a config that carries "
+               f"{training['normalization']}, the tokenizer and the model card below; reloaded with "
+               f"hf_knorm.from_pretrained it gives {'identical' if same_logits else 'DIFFERENT'} logits.")
+    if commit_url:
+        look_at += f" Pushed: {commit_url}."
+    section = Section(
+        "Saving the model with its card" + (" and pushing it" if push_to else ""),
+        look_at,
+        tables=[table],
+        text=card_head,
+        settings={"repo_id": push_to or "(not pushed; --push-to REPO_ID pushes)"},
+        seconds=time.perf_counter() - started,
+    )
+    return section, {"folder": str(folder), "same_logits_after_reload": same_logits, "commit_url": commit_url,
+                     "files": [str(p.relative_to(folder)) for p in files]}
+
+
+def _markdown_table(markdown: str, caption: str) -> Table:
+    """A :class:`Table` from a pipe-delimited markdown table (header, separator, rows)."""
+    lines = [line.strip().strip("|").split("|") for line in markdown.strip().splitlines()]
+    header, rows = [c.strip() for c in lines[0]], [[c.strip() for c in line] for line in lines[2:]]
+    return Table(header, rows, caption=caption)

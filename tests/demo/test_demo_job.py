@@ -1,0 +1,65 @@
+"""The main job (`make demo`), end to end through the CLI with `--fast`, on the real default model."""
+
+import json
+import math
+
+import pytest
+
+import hf_knorm
+from hf_knorm.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+def test_every_step_ran_and_recorded_its_results(fast_demo):
+    record = json.loads((fast_demo / "demo.json").read_text())
+    assert list(record["steps"]) == ["normalizations", "balancing", "knorm", "training", "sharing"]
+    assert len(record["timings_s"]) == 5 and record["total_s"] > 0
+
+    native, softmax, cubic = record["steps"]["normalizations"]
+    assert [native["normalization"], softmax["normalization"], cubic["normalization"]] == \
+        ["native (sdpa)", "softmax", "x^3/16"]
+    assert math.isclose(softmax["perplexity"], native["perplexity"], rel_tol=1e-4)
+    assert softmax["continuations"] == native["continuations"]
+    assert native["continuations"][0].startswith(" Paris")
+
+    balancing = record["steps"]["balancing"]
+    assert balancing["max_logit_change"] <= balancing["tolerance"]
+    assert all(abs(layer["after"]["ratio"] - 1) < 1e-3 for layer in balancing["layers"])
+
+    assert "r=0.5" in record["steps"]["knorm"] and "r=0" in record["steps"]["knorm"]
+
+    training = record["steps"]["training"]
+    assert training["normalization"] == "x^3/16" and training["global_step"] == 4
+    history = (fast_demo / "training" / "norms.jsonl").read_text().splitlines()
+    assert len(history) == 2  # logging every 2 of 4 steps
+    assert list((fast_demo / "training" / "runs").rglob("events.out.tfevents.*"))
+
+    sharing = record["steps"]["sharing"]
+    assert sharing["same_logits_after_reload"] is True and sharing["commit_url"] is None
+    assert {"config.json", "README.md", "model.safetensors", "tokenizer.json"} <= set(sharing["files"])
+
+
+def test_the_saved_model_loads_back_with_its_normalization_and_card(fast_demo):
+    folder = fast_demo / "model"
+    model = hf_knorm.from_pretrained(folder)
+    assert hf_knorm.patched_normalization(model) == "x^3/16"
+    card = (folder / "README.md").read_text()
+    assert "pip install hf_knorm" in card.split("---", 2)[2][:2000]
+    assert "x^3/16" in card
+
+
+def test_the_report_has_every_section_and_embeds_its_images(fast_demo):
+    page = (fast_demo / "report.html").read_text()
+    for title in ("Attention normalizations side by side", "K/V balancing", "KNorm KV-cache compression",
+                  "Fine-tuning with the norm callback", "Saving the model with its card"):
+        assert title in page
+    assert page.count('<p class="look">') == 5
+    assert page.count('src="data:image/png;base64,') >= 5
+    assert 'src="http' not in page and '<link rel="stylesheet"' not in page  # self-contained: nothing to fetch
+
+
+def test_demo_reports_a_bad_normalization_before_loading_the_model(tmp_path, capsys):
+    assert main(["demo", "--fast", "--normalizations", "x^0/1", "--out", str(tmp_path)]) == 2
+    assert "power p must be an integer >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "report.html").exists()
