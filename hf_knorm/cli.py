@@ -26,7 +26,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "balancing and its figure, (3) a needle-in-a-haystack grid with and without KNorm, (4) a short fine-tuning run "
         "with NormLoggerCallback and TensorBoard, (5) the fine-tuned model saved with its model card exactly as "
         "push_to_hub would send it. Writes report.html (self-contained), demo.json and each step's files to --out. "
-        "About 10 minutes on a 2-core CPU at the defaults; --fast shrinks every step to seconds.",
+        "Minutes on a 2-core CPU at the defaults (BENCHMARKS.md); --fast shrinks every step to seconds.",
     )
     _add_model_argument(demo)
     demo.add_argument("--out", type=Path, default=Path("outputs/demo"), help="output folder")
@@ -35,11 +35,11 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="step 1: comma-separated normalizations (default: softmax,x/1,x/16,x^3/1,x^3/16,x^3/sqrtN)")
     demo.add_argument("--balance-mode", choices=("layer", "channel"), default=None, help="step 2 (default: layer)")
     demo.add_argument("--calibration-tokens", type=int, default=None, help="step 2 (default 4096)")
-    demo.add_argument("--niah-lengths", default=None, help="step 3: comma-separated context lengths (default 1000,2000,4000)")
+    demo.add_argument("--niah-lengths", default=None, help="step 3: comma-separated context lengths (default 1000,2000)")
     demo.add_argument("--niah-depths", default=None, help="step 3: comma-separated needle depths (default 0,0.25,0.5,0.75,1)")
     demo.add_argument("--niah-ratio", type=float, default=None, help="step 3: KNorm compression ratio (default 0.5)")
     demo.add_argument("--train-normalization", default=None, help="step 4: normalization to fine-tune (default x^3/16)")
-    demo.add_argument("--train-steps", type=int, default=None, help="step 4: optimizer steps (default 60)")
+    demo.add_argument("--train-steps", type=int, default=None, help="step 4: optimizer steps (default 30)")
     demo.add_argument("--push-to", default=None, metavar="REPO_ID",
                       help="step 5: also push the fine-tuned model and its card to this Hub repo (needs a token)")
     demo.add_argument("--token", default=None, help="Hub token for --push-to (default: HF_TOKEN or the saved login)")

@@ -1,4 +1,5 @@
-"""How big each demo step is: the defaults (about 10 minutes on a 2-core CPU) and ``--fast`` (the test suite's)."""
+"""How big each demo step is: the defaults (minutes on a 2-core CPU; BENCHMARKS.md has the measured time) and
+``--fast`` (the test suite's)."""
 
 from __future__ import annotations
 
@@ -16,20 +17,22 @@ class DemoSettings:
         niah_lengths, niah_depths: step 3, the needle-in-a-haystack grid (context tokens x needle depth).
         niah_ratio: step 3, the KNorm compression ratio compared with the uncompressed cache.
         train_normalization: step 4, the normalization fine-tuned with the norm callback.
-        train_steps, train_block_size, train_batch_size, logging_steps: step 4, the fine-tuning run.
+        train_steps, train_block_size, train_batch_size, train_learning_rate, logging_steps: step 4, the
+            fine-tuning run.
     """
 
     normalizations: tuple[str, ...] = ("softmax", "x/1", "x/16", "x^3/1", "x^3/16", "x^3/sqrtN")
     balance_mode: str = "layer"
     calibration_tokens: int = 4096
-    niah_lengths: tuple[int, ...] = (1000, 2000, 4000)
+    niah_lengths: tuple[int, ...] = (1000, 2000)
     niah_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     niah_ratio: float = 0.5
     train_normalization: str = "x^3/16"
-    train_steps: int = 60
+    train_steps: int = 30
     train_block_size: int = 128
     train_batch_size: int = 4
-    logging_steps: int = 5
+    train_learning_rate: float = 2e-4
+    logging_steps: int = 3
 
     @classmethod
     def fast(cls) -> DemoSettings:

@@ -108,6 +108,7 @@ def training_step(model_name: str, settings: DemoSettings, out_dir: Path) -> tup
     run = FinetuneSettings(
         dataset="shakespeare", out=str(out_dir), model=model_name, normalization=settings.train_normalization,
         block_size=settings.train_block_size, batch_size=settings.train_batch_size, max_steps=settings.train_steps,
+        learning_rate=settings.train_learning_rate,
         warmup_steps=min(10, settings.train_steps // 4), logging_steps=settings.logging_steps,
         save_steps=settings.train_steps + 1, max_blocks=settings.train_steps * settings.train_batch_size,
     )
