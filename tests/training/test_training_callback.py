@@ -107,9 +107,10 @@ def test_polynomial_norms_differ_from_softmax(tmp_path):
 
 def test_reading_an_unpatched_model_leaves_its_training_unchanged(tmp_path):
     # SGD: Adam would amplify fp32 rounding differences on weights whose gradient is ~0
-    plain = _train(lm(), lm_data(), tmp_path / "plain", [], logging_steps=1, optim="sgd", learning_rate=0.1)
+    plain = _train(lm(), lm_data(), tmp_path / "plain", [], logging_steps=1, max_steps=4, optim="sgd",
+                   learning_rate=0.1)
     logged = _train(lm(), lm_data(), tmp_path / "logged", [hf_knorm.NormLoggerCallback()], logging_steps=1,
-                    optim="sgd", learning_rate=0.1)
+                    max_steps=4, optim="sgd", learning_rate=0.1)
     losses = [entry["loss"] for entry in plain.state.log_history if "loss" in entry]
     assert [entry["loss"] for entry in _norm_entries(logged)] == pytest.approx(losses, rel=1e-5)
     for a, b in zip(plain.model.parameters(), logged.model.parameters()):
