@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from ..attention.normalizations import parse_normalization
+from ..hub.checks import check_repo_id, resolve_token
 from ..models.persistence import load_model
 from ..version import __version__
 from .report import write_report
@@ -30,11 +31,15 @@ def run_demo(model_name: str, out_dir: str | Path, settings: DemoSettings | None
         token: the Hub token for ``push_to`` (default: the one ``huggingface_hub`` finds).
 
     Raises:
-        ValueError: a bad normalization or setting, found before the model is loaded.
+        ValueError: a bad normalization or setting, an invalid ``push_to`` or no token for it, all found before the
+            model is loaded.
     """
     settings = settings or DemoSettings()
-    for name in (*settings.normalizations, settings.train_normalization):  # bad spellings fail before loading
+    for name in (*settings.normalizations, settings.train_normalization):  # bad input fails before any work
         parse_normalization(name)
+    if push_to is not None:
+        check_repo_id(push_to)
+        token = resolve_token(token)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

@@ -63,3 +63,19 @@ def test_demo_reports_a_bad_normalization_before_loading_the_model(tmp_path, cap
     assert main(["demo", "--fast", "--normalizations", "x^0/1", "--out", str(tmp_path)]) == 2
     assert "power p must be an integer >= 1" in capsys.readouterr().err
     assert not (tmp_path / "report.html").exists()
+
+
+def test_demo_refuses_a_push_without_a_token_before_any_work(tmp_path, capsys, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no_token_file"))  # no saved login either
+    assert main(["demo", "--fast", "--push-to", "alice/demo", "--out", str(tmp_path / "out")]) == 2
+    assert "No Hugging Face token" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_demo_refuses_an_invalid_repo_id(tmp_path, capsys):
+    assert main(["demo", "--fast", "--push-to", "not a repo", "--token", "x", "--out", str(tmp_path)]) == 2
+    assert "Invalid repo id" in capsys.readouterr().err
