@@ -35,8 +35,8 @@ FIGURE_NORMALIZATIONS = ("softmax", "x/1", "x/16", "x^3/1", "x^3/16")
 class AttentionNormsSettings:
     """Settings of the figure job (each is a command-line flag).
 
-    Defaults (one run took 127-138 s on an otherwise idle 2-core CPU, so about 11 minutes for all five; the complete
-    job measured 30 minutes on a shared one, BENCHMARKS.md): ViT-Tiny's 12 layers, width 192 and 3 heads; 20 epochs of batches of 64 (the paper: 200 epochs, by
+    Defaults (all five runs and the figure: 11 min 53 s on a quiet 2-core CPU, BENCHMARKS.md): ViT-Tiny's 12
+    layers, width 192 and 3 heads; 20 epochs of batches of 64 (the paper: 200 epochs, by
     ``epochs``); AdamW, learning rate 1e-3 with 5% warmup and cosine decay, weight decay 0.05, gradient clipping
     at 1.0 (Transformers' default), norms logged every 5 steps (about 4.6 times per epoch).
     """
