@@ -63,22 +63,31 @@ def ratio_variants(ratios) -> list[Variant]:
 
 
 def parse_score_spec(spec: str) -> dict:
-    """Cache options of one ``--scores`` entry: a score name, optionally with protections, e.g. ``"key_diff"``,
-    ``"recent+sinks4"`` (StreamingLLM), ``"key_diff+sinks4+window64"``.
+    """Cache options of one ``--scores`` entry: a score name, optionally with protections or a pooling window, e.g.
+    ``"key_diff"``, ``"recent+sinks4"`` (StreamingLLM), ``"kv_diff+sinks4+window64"``, ``"key_diff+pool5"``.
 
     Raises:
         ValueError: A malformed entry or an unknown score (the message lists the accepted names).
     """
+    import dataclasses
+
     from ..knorm.scores import resolve_score
 
     name, *extras = spec.strip().split("+")
-    resolve_score(name)  # an unknown name raises here, listing the accepted ones
+    score = resolve_score(name)  # an unknown name raises here, listing the accepted ones
     options = {"score": name}
     for extra in extras:
-        match = re.fullmatch(r"(sinks|window)(\d+)", extra)
+        match = re.fullmatch(r"(sinks|window|pool)(\d+)", extra)
         if not match:
-            raise ValueError(f"Bad score entry {spec!r}: after the name, only '+sinksK' and '+windowW' are accepted.")
-        options["sink_tokens" if match.group(1) == "sinks" else "recent_window"] = int(match.group(2))
+            raise ValueError(f"Bad score entry {spec!r}: after the name, only '+sinksK', '+windowW' and '+poolP' are "
+                             "accepted.")
+        kind, value = match.group(1), int(match.group(2))
+        if kind == "pool":
+            if "pool" not in {f.name for f in dataclasses.fields(score)}:
+                raise ValueError(f"Bad score entry {spec!r}: {name} has no pooling window.")
+            options["score"] = dataclasses.replace(score, pool=value)
+        else:
+            options["sink_tokens" if kind == "sinks" else "recent_window"] = value
     return options
 
 

@@ -12,8 +12,8 @@ tokens whose post-RoPE key has the lowest L2 norm are kept (same count for every
 differ between heads), in their original order. Later tokens are appended uncompressed.
 
 Which tokens a layer keeps is decided by a score (``score=``, :mod:`hf_knorm.knorm.scores`): ``"key_norm"``, the
-paper's, by default; others (``"value_over_key"``, ``"key_diff"``, the baselines ``"recent"`` and ``"random"``) need
-no attention weights either.
+paper's, by default; others (``"value_over_key"``, ``"key_diff"``, ``"kv_diff"``, the baselines ``"recent"`` and
+``"random"``) need no attention weights either.
 
 Options (all off by default): ``budget`` (keep a token count instead of a ratio), ``sink_tokens`` and
 ``recent_window`` (never evict the first k / last w tokens; they count towards the kept number), ``layer_ratios``
@@ -142,7 +142,8 @@ class KNormCache(Cache):
             a ``DynamicCache``).
         score (str or score object): What decides which tokens are kept: a name of
             :data:`hf_knorm.knorm.scores.SCORES` (``"key_norm"``, the paper's, the default; ``"value_over_key"``,
-            ``"key_diff"``, ``"recent"``, ``"random"``) or a score instance (e.g. ``Random(seed=3)``).
+            ``"key_diff"``, ``"kv_diff"``, ``"recent"``, ``"random"``) or a score instance (e.g. ``Random(seed=3)``,
+            ``KeyDiff(pool=5)``).
         budget (int, optional): Keep this many prompt tokens per head instead of using the ratio (must not exceed the
             prompt length).
         sink_tokens (int): Never evict the first ``sink_tokens`` tokens (attention sinks). Default 0.

@@ -16,23 +16,41 @@ import torch
 from transformers import DynamicCache
 
 
-def reference_importance(score: str, k: torch.Tensor, v: torch.Tensor, draws: torch.Tensor | None = None) -> list[float]:
+def reference_importance(score: str, k: torch.Tensor, v: torch.Tensor, draws: torch.Tensor | None = None,
+                         pool: int = 1) -> list[float]:
     """Importance (higher = kept) of each token of one head, token by token, as :mod:`hf_knorm.knorm.scores` defines it.
 
     Args:
-        score (str): ``"key_norm"``, ``"value_over_key"``, ``"key_diff"``, ``"recent"`` or ``"random"``.
+        score (str): ``"key_norm"``, ``"value_over_key"``, ``"key_diff"``, ``"kv_diff"``, ``"recent"`` or
+            ``"random"``.
         k, v (torch.Tensor): (n, D) fp32 keys and values of the head.
         draws (torch.Tensor, optional): (n,) the uniform draws of ``"random"`` for this head.
+        pool (int): The window of ``key_diff`` / ``kv_diff`` (odd).
     """
     n = k.shape[0]
     norm = lambda x: float(torch.linalg.vector_norm(x))
+
+    def distinct(x):  # -cos(x_i, mean of the unit vectors)
+        anchor = sum(x[i] / norm(x[i]) for i in range(n)) / n
+        return [-float(x[i] @ anchor) / (norm(x[i]) * norm(anchor)) for i in range(n)]
+
+    def standardized(xs):
+        mean = sum(xs) / n
+        std = math.sqrt(sum((x - mean) ** 2 for x in xs) / n)
+        return [(x - mean) / max(std, 1e-12) for x in xs]
+
+    def window_mean(xs):
+        half = pool // 2
+        return [sum(xs[max(0, i - half):i + half + 1]) / len(xs[max(0, i - half):i + half + 1]) for i in range(n)]
+
     if score == "key_norm":
         return [-norm(k[i]) for i in range(n)]
     if score == "value_over_key":
         return [norm(v[i]) / norm(k[i]) for i in range(n)]
     if score == "key_diff":
-        anchor = sum(k[i] / norm(k[i]) for i in range(n)) / n
-        return [-float(k[i] @ anchor) / (norm(k[i]) * norm(anchor)) for i in range(n)]
+        return window_mean(distinct(k))
+    if score == "kv_diff":
+        return window_mean([a + b for a, b in zip(standardized(distinct(k)), standardized(distinct(v)))])
     if score == "recent":
         return [float(i) for i in range(n)]
     if score == "random":
@@ -49,7 +67,7 @@ def reference_kept_indices(
     *,
     values: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
-    score: str = "key_norm",
+    score="key_norm",
     layer_idx: int = 0,
     seed: int = 0,
 ) -> torch.Tensor:
@@ -62,13 +80,17 @@ def reference_kept_indices(
         key_scale (torch.Tensor, optional): (H_kv, D): score ``k * s`` instead of ``k`` (``||k * s||`` for key_norm).
         values (torch.Tensor, optional): (B, H_kv, n, D) values; needed by value-based scores.
         value_scale (torch.Tensor, optional): (H_kv, D): score ``v / t`` instead of ``v``.
-        score (str): See :func:`reference_importance`; ``layer_idx`` and ``seed`` seed ``"random"``'s draws.
+        score (str or score object): A name (see :func:`reference_importance`) or a score instance, whose ``pool`` and
+            ``seed`` are read; ``layer_idx`` and ``seed`` seed ``"random"``'s draws.
 
     Returns:
         torch.Tensor: (B, H_kv, k) int64 positions, increasing along the last axis.
     """
     batch, heads, n, _ = keys.shape
     keep = max(n - math.floor(round(ratio * n, 6)), min(n, 1), min(n, sink_tokens + recent_window))
+    pool = getattr(score, "pool", {"kv_diff": 5}.get(score, 1))
+    seed = getattr(score, "seed", seed)
+    score = getattr(score, "name", score)
     draws = None
     if score == "random":  # the same draws as hf_knorm.knorm.scores.Random: one generator per (seed, layer)
         draws = torch.rand((batch, heads, n), generator=torch.Generator().manual_seed(seed * 1_000_003 + layer_idx))
@@ -82,7 +104,7 @@ def reference_kept_indices(
             v = values[b, h].detach().float() if values is not None else torch.zeros_like(k)
             if value_scale is not None:
                 v = v / value_scale[h].float()
-            importance = reference_importance(score, k, v, None if draws is None else draws[b, h])
+            importance = reference_importance(score, k, v, None if draws is None else draws[b, h], pool)
             protected = [i < sink_tokens or i >= n - recent_window for i in range(n)]
             order = sorted(range(n), key=lambda i: (not protected[i], -importance[i]))
             per_head.append(sorted(order[:keep]))

@@ -57,6 +57,29 @@ class ValueOverKey:
         return values.float().norm(dim=-1) / keys.float().norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
 
 
+def distinctiveness(states: torch.Tensor) -> torch.Tensor:
+    """``-cos(x, a)`` per token, ``a`` the mean of the head's unit vectors: (B, H_kv, S, D) -> (B, H_kv, S) fp32."""
+    states = states.float()
+    anchor = F.normalize(states, p=2, dim=-1).mean(dim=-2, keepdim=True)  # (B, H_kv, 1, D)
+    return -F.cosine_similarity(states, anchor, dim=-1)
+
+
+def pooled(importance: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Mean of each token's importance and its neighbours', over a centred window of ``kernel`` (odd) stored tokens
+    (cut at the ends): (B, H_kv, S) -> (B, H_kv, S). SnapKV's pooling (Li et al., arXiv 2404.14469), so that a kept
+    token tends to keep its neighbours."""
+    if kernel == 1:
+        return importance
+    batch, heads, length = importance.shape
+    flat = importance.reshape(batch * heads, 1, length)
+    return F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=False).reshape(importance.shape)
+
+
+def _check_pool(pool) -> None:
+    if not isinstance(pool, int) or pool < 1 or pool % 2 == 0:
+        raise ValueError(f"pool must be an odd integer >= 1 (a centred window of tokens), got {pool!r}.")
+
+
 @dataclass(frozen=True)
 class KeyDiff:
     """Keep the keys least similar to the head's mean direction: importance ``-cos(k, a)``, ``a`` the mean of the
@@ -65,14 +88,47 @@ class KeyDiff:
     KeyDiff (Park et al., "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference in
     Resource-Constrained Environments", arXiv 2504.15364; kvpress ``KeyDiffPress``): distinctive keys are the ones
     queries can single out; the many near-duplicate keys of filler text are interchangeable.
+
+    Args:
+        pool (int): Odd window over which the score is averaged (:func:`pooled`); 1 (the default) is KeyDiff as
+            published.
     """
 
     name: ClassVar[str] = "key_diff"
+    pool: int = 1
+
+    def __post_init__(self):
+        _check_pool(self.pool)
 
     def __call__(self, keys, values, positions, layer_idx):
-        keys = keys.float()
-        anchor = F.normalize(keys, p=2, dim=-1).mean(dim=-2, keepdim=True)  # (B, H_kv, 1, D)
-        return -F.cosine_similarity(keys, anchor, dim=-1)
+        return pooled(distinctiveness(keys), self.pool)
+
+
+@dataclass(frozen=True)
+class KVDiff:
+    """Keep tokens whose key **and** value stand out from the head's mean directions, with their neighbours:
+    importance = pooled(z(key distinctiveness) + z(value distinctiveness)), ``z`` standardizing over the head's tokens.
+
+    KeyDiff's score (arXiv 2504.15364) applied to the values as well (what a token writes, as VATP, arXiv 2406.12335,
+    argues), each standardized so neither dominates, then averaged over a centred window of ``pool`` tokens as SnapKV
+    (arXiv 2404.14469) pools its attention scores: retrieval needs the tokens around a distinctive one (the "magic
+    number for Paris is" before the digits), which a per-token score scatters away. Measured in BENCHMARKS.md.
+
+    Args:
+        pool (int): Odd window of the average (:func:`pooled`), default 5.
+    """
+
+    name: ClassVar[str] = "kv_diff"
+    pool: int = 5
+
+    def __post_init__(self):
+        _check_pool(self.pool)
+
+    def __call__(self, keys, values, positions, layer_idx):
+        def standardized(x):
+            return (x - x.mean(-1, keepdim=True)) / x.std(-1, correction=0, keepdim=True).clamp_min(1e-12)
+
+        return pooled(standardized(distinctiveness(keys)) + standardized(distinctiveness(values)), self.pool)
 
 
 @dataclass(frozen=True)
@@ -103,7 +159,7 @@ class Random:
         return torch.rand(keys.shape[:-1], generator=generator).to(keys.device)
 
 
-SCORES: dict[str, type] = {cls.name: cls for cls in (KeyNorm, ValueOverKey, KeyDiff, Recent, Random)}
+SCORES: dict[str, type] = {cls.name: cls for cls in (KeyNorm, ValueOverKey, KeyDiff, KVDiff, Recent, Random)}
 """Every score by name; ``KNormCache(score=name)`` builds it with its default hyperparameters."""
 
 

@@ -13,7 +13,7 @@ import hf_knorm
 from hf_knorm.evaluation.needle import parse_score_spec, score_variants
 from hf_knorm.knorm.cache import KNormCache, KNormLayer, kept_count
 from hf_knorm.knorm.reference import reference_generate, reference_kept_indices
-from hf_knorm.knorm.scores import SCORES, KeyDiff, KeyNorm, Random, Recent, resolve_score
+from hf_knorm.knorm.scores import SCORES, KeyDiff, KeyNorm, KVDiff, Random, Recent, resolve_score
 
 PROMPT, NEW = 24, 6
 NO_EOS = 10**6
@@ -44,7 +44,7 @@ def greedy(model, ids, cache, new=NEW):
 
 
 def test_registry_lists_every_score_once():
-    assert SCORE_NAMES == ("key_norm", "value_over_key", "key_diff", "recent", "random")
+    assert SCORE_NAMES == ("key_norm", "value_over_key", "key_diff", "kv_diff", "recent", "random")
     for name, cls in SCORES.items():
         assert cls.name == name and cls.__doc__ and ("arXiv" in cls.__doc__ or "kvpress" in cls.__doc__)
     assert isinstance(KNormCache().score, KeyNorm)  # the paper's score stays the default
@@ -67,6 +67,31 @@ def test_kept_positions_match_reference(model_type, score):
             assert torch.equal(cache.kept_positions(index), expected), f"layer {index}"
             checked += 1
     assert checked >= (0 if model_type == "mistral" else 1)  # mistral's tiny config: every layer is a sliding window
+
+
+@pytest.mark.parametrize("score", [KeyDiff(pool=3), KVDiff(pool=1), KVDiff(pool=7)], ids=repr)
+def test_pooling_windows_match_reference(score):
+    model = scored_model("llama")
+    ids = tiny_inputs("llama", batch=2, length=PROMPT)["input_ids"]
+    full = model(input_ids=ids, cache=DynamicCache(), use_cache=True).cache
+    cache = KNormCache(0.5, score=score, config=model.config)
+    model(input_ids=ids, cache=cache, use_cache=True)
+    for index in range(2):
+        expected = reference_kept_indices(full.layers[index].keys, 0.5, values=full.layers[index].values,
+                                          score=score, layer_idx=index)
+        assert torch.equal(cache.kept_positions(index), expected)
+    unpooled = KNormCache(0.5, score=KeyDiff(), config=model.config)
+    model(input_ids=ids, cache=unpooled, use_cache=True)
+    if isinstance(score, KeyDiff):  # the window changes what is kept
+        assert not torch.equal(unpooled.kept_positions(0), cache.kept_positions(0))
+
+
+@pytest.mark.parametrize("pool", [0, 2, -1, 1.0])
+def test_pool_must_be_odd(pool):
+    with pytest.raises(ValueError, match="odd integer"):
+        KeyDiff(pool=pool)
+    with pytest.raises(ValueError, match="odd integer"):
+        KVDiff(pool=pool)
 
 
 @pytest.mark.parametrize("score", NEW_SCORES)
@@ -171,6 +196,11 @@ def test_score_specs_of_the_command_line():
         parse_score_spec("norm")
     with pytest.raises(ValueError, match=r"\+sinksK"):
         parse_score_spec("key_diff+sink4")
+    assert parse_score_spec("key_diff+pool5+sinks4") == {"score": KeyDiff(pool=5), "sink_tokens": 4}
+    with pytest.raises(ValueError, match="no pooling window"):
+        parse_score_spec("recent+pool5")
+    with pytest.raises(ValueError, match="odd integer"):
+        parse_score_spec("kv_diff+pool4")
     variants = score_variants([0, 0.5], ["key_norm", "key_diff+sinks4"])
     assert [v.name for v in variants] == ["r=0", "r=0.5", "r=0.5 key_diff+sinks4"]
     assert variants[0].options == {"compression_ratio": 0.0}
@@ -197,7 +227,7 @@ def test_balanced_model_original_basis_keeps_what_the_unbalanced_model_keeps():
         unbalanced = kept(model, score)
         assert all(torch.equal(a, b) for a, b in zip(kept(balanced, score, "original"), unbalanced)), score
         changed = any(not torch.equal(a, b) for a, b in zip(kept(balanced, score, "cached"), unbalanced))
-        assert changed == (score in ("key_norm", "value_over_key", "key_diff")), score
+        assert changed == (score in ("key_norm", "value_over_key", "key_diff", "kv_diff")), score
 
 
 def test_layer_balancing_changes_no_ranking():
