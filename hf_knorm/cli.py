@@ -71,6 +71,11 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_model_argument(niah)
     niah.add_argument("--ratios", default="0,0.5,0.75,0.9",
                       help="comma-separated compression ratios (0 = uncompressed)")
+    niah.add_argument("--scores", default="key_norm",
+                      help="comma-separated eviction scores, one row per ratio and score: key_norm (the paper's, the "
+                      "default), value_over_key, key_diff, kv_diff, recent, random; append +sinksK / +windowW to "
+                      "protect the first K / last W tokens (e.g. recent+sinks4 is StreamingLLM, "
+                      "kv_diff+sinks4+window64), +poolP to set the window of key_diff / kv_diff")
     niah.add_argument("--lengths", default="1000,2000,4000,8000", help="comma-separated context lengths (tokens)")
     niah.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="comma-separated needle depths in [0, 1]")
     niah.add_argument("--seeds", type=int, default=1, help="needle seeds per cell (default 1: ~40 min on 2 CPU cores)")
@@ -185,7 +190,7 @@ def _run_niah(args: argparse.Namespace) -> int:
     from .evaluation.needle import run_niah_job
 
     run_niah_job(args.model, _items(args.ratios, float), _items(args.lengths, int), _items(args.depths, float),
-                 args.seeds, args.passkey_seeds, args.options, args.out)
+                 args.seeds, args.passkey_seeds, args.options, args.out, scores=list(_items(args.scores, str)))
     return 0
 
 

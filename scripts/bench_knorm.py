@@ -7,9 +7,12 @@ compressed alternate), medians reported:
   and, separately, the scoring + eviction step alone (``KNormCache.from_dynamic_cache`` on the filled cache, which is
   exactly the work KNorm adds to prefill), as a fraction of the prefill;
 - decode: seconds per generated token (single-token forwards) on the full cache vs the compressed caches;
-- bytes: keys + values actually held vs the arithmetic limit ``2 x layers x kv_heads x head_dim x kept x bytes``.
+- bytes: keys + values actually held vs the arithmetic limit ``2 x layers x kv_heads x head_dim x kept x bytes``;
+- with ``--scores``: the scoring + eviction time and the decode time of each eviction score at the first ratio, against
+  ``key_norm`` in the same run (interleaved rounds, score order rotated each round).
 
 Usage: ``OMP_NUM_THREADS=1 python scripts/bench_knorm.py --lengths 4000,8000 --ratios 0.5,0.75,0.9``
+       ``OMP_NUM_THREADS=1 python scripts/bench_knorm.py --lengths 4000,8000 --ratios 0.5 --scores key_norm,key_diff``
 """
 
 from __future__ import annotations
@@ -83,6 +86,31 @@ def bench_length(model, ids: torch.Tensor, ratios, reps: int, decode_steps: int)
                 copy=copy_time, decode={k: min(v) for k, v in decode.items()}, sizes=sizes)
 
 
+@torch.no_grad()
+def bench_scores(model, ids: torch.Tensor, ratio: float, specs: list[str], rounds: int, decode_steps: int) -> dict:
+    """Per ``--scores`` entry at ``ratio``: median scoring + eviction time (``from_dynamic_cache``, 5 per round) and
+    the best per-round median decode time; rounds interleave the entries (order rotated) so drifting load hits all."""
+    from hf_knorm.evaluation.needle import parse_score_spec
+
+    n = ids.shape[1]
+    began = time.perf_counter()
+    full = model(input_ids=ids, cache=DynamicCache(), use_cache=True).cache
+    prefill = time.perf_counter() - began
+    options = {spec: parse_score_spec(spec) for spec in specs}
+    evict = {spec: [] for spec in specs}
+    decode = {spec: [] for spec in specs}
+    for round_ in range(rounds):
+        order = specs[round_ % len(specs):] + specs[:round_ % len(specs)]
+        for spec in order:
+            for _ in range(5):
+                evict[spec].append(_timed(lambda: KNormCache.from_dynamic_cache(full, compression_ratio=ratio,
+                                                                                **options[spec])))
+            cache = KNormCache.from_dynamic_cache(full, compression_ratio=ratio, **options[spec])
+            decode[spec].append(decode_time(model, cache, n, decode_steps))
+    return dict(n=n, prefill=prefill, evict={k: statistics.median(v) for k, v in evict.items()},
+                decode={k: min(v) for k, v in decode.items()})
+
+
 def _timed(fn) -> float:
     began = time.perf_counter()
     fn()
@@ -95,6 +123,10 @@ def main() -> None:
     parser.add_argument("--ratios", default="0.5,0.75,0.9")
     parser.add_argument("--reps", type=int, default=2, help="prefill repetitions per cache kind (interleaved)")
     parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--scores", default=None,
+                        help="compare eviction scores at the first ratio instead (entries as in hf-knorm niah --scores; "
+                        "the first is the baseline, e.g. key_norm,key_diff+sinks4+window64)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the --scores comparison")
     args = parser.parse_args()
     ratios = [float(r) for r in args.ratios.split(",")]
     model, tokenizer = hf_knorm.load_default_model()
@@ -103,6 +135,19 @@ def main() -> None:
     with torch.no_grad():  # warm-up: first-call overheads stay out of the timings
         model(input_ids=all_ids[:, :64], cache=DynamicCache(), use_cache=True)
     print(f"torch threads: {torch.get_num_threads()}; model: SmolLM2-135M-Instruct fp32, sdpa\n")
+    if args.scores:
+        specs = [s.strip() for s in args.scores.split(",") if s.strip()]
+        print(f"| tokens | score (r={ratios[0]:g}) | scoring + eviction (ms) | of prefill | vs {specs[0]} | "
+              f"decode ms/token | vs {specs[0]} |")
+        print("|---:|---|---:|---:|---:|---:|---:|")
+        for n in args.lengths.split(","):
+            r = bench_scores(model, all_ids[:, :int(n)], ratios[0], specs, args.rounds, args.decode_steps)
+            base_evict, base_decode = r["evict"][specs[0]], r["decode"][specs[0]]
+            for spec in specs:
+                e, d = r["evict"][spec], r["decode"][spec]
+                print(f"| {r['n']} | {spec} | {1000 * e:.1f} | {100 * e / r['prefill']:.2f}% | {e / base_evict:.2f} | "
+                      f"{1000 * d:.1f} | {d / base_decode:.3f} |", flush=True)
+        return
     results = [bench_length(model, all_ids[:, :int(n)], ratios, args.reps, args.decode_steps)
                for n in args.lengths.split(",")]
     print("| tokens | prefill DynamicCache (s) | prefill KNormCache r=%g (s) | ratio | scoring+eviction alone (ms) "

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from ..balancing.balance import key_scales
+from ..balancing.balance import key_scales, value_scales
 from ..knorm.cache import KNormCache
 from ..knorm.pipeline import generate_after, split_prompt
 
@@ -60,6 +60,50 @@ class Variant:
 def ratio_variants(ratios) -> list[Variant]:
     """Plain KNorm at each ratio (0 = the uncompressed model)."""
     return [Variant(f"r={r:g}", {"compression_ratio": float(r)}) for r in ratios]
+
+
+def parse_score_spec(spec: str) -> dict:
+    """Cache options of one ``--scores`` entry: a score name, optionally with protections or a pooling window, e.g.
+    ``"key_diff"``, ``"recent+sinks4"`` (StreamingLLM), ``"kv_diff+sinks4+window64"``, ``"key_diff+pool5"``.
+
+    Raises:
+        ValueError: A malformed entry or an unknown score (the message lists the accepted names).
+    """
+    import dataclasses
+
+    from ..knorm.scores import resolve_score
+
+    name, *extras = spec.strip().split("+")
+    score = resolve_score(name)  # an unknown name raises here, listing the accepted ones
+    options = {"score": name}
+    for extra in extras:
+        match = re.fullmatch(r"(sinks|window|pool)(\d+)", extra)
+        if not match:
+            raise ValueError(f"Bad score entry {spec!r}: after the name, only '+sinksK', '+windowW' and '+poolP' are "
+                             "accepted.")
+        kind, value = match.group(1), int(match.group(2))
+        if kind == "pool":
+            if "pool" not in {f.name for f in dataclasses.fields(score)}:
+                raise ValueError(f"Bad score entry {spec!r}: {name} has no pooling window.")
+            options["score"] = dataclasses.replace(score, pool=value)
+        else:
+            options["sink_tokens" if kind == "sinks" else "recent_window"] = value
+    return options
+
+
+def score_variants(ratios, specs) -> list[Variant]:
+    """One row per ratio and score entry (see :func:`parse_score_spec`); ratio 0 is the uncompressed model, once.
+
+    Row names: ``r=<ratio>`` for plain ``key_norm`` (the names of :func:`ratio_variants`), else ``r=<ratio> <entry>``.
+    """
+    variants = []
+    for ratio in ratios:
+        for spec in ([specs[0]] if float(ratio) == 0 else specs):
+            options = parse_score_spec(spec)
+            plain = options == {"score": "key_norm"} or float(ratio) == 0
+            name = f"r={float(ratio):g}" + ("" if plain else f" {spec.strip()}")
+            variants.append(Variant(name, {"compression_ratio": float(ratio), **({} if float(ratio) == 0 else options)}))
+    return variants
 
 
 def option_variants(ratio: float = 0.5, balanced: bool = False) -> list[Variant]:
@@ -132,16 +176,18 @@ def answer_cell(model, tokenizer, sample: dict, variants: list[Variant], max_new
     generate = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     answers, with_question = {}, None
     for variant in variants:
-        scales = key_scales(model.config) if variant.score_basis == "original" else None
+        original = variant.score_basis == "original"
+        scales = dict(key_scales=key_scales(model.config) if original else None,
+                      value_scales=value_scales(model.config) if original else None)
         if variant.protocol == "kvpress":
-            cache = KNormCache.from_dynamic_cache(full, key_scales=scales, **variant.options)
+            cache = KNormCache.from_dynamic_cache(full, **scales, **variant.options)
             new = generate_after(model, cache, context_ids, question_ids, **generate)[0]
         elif variant.protocol == "authors":
             if with_question is None:  # question on the uncompressed pass; its last logits give the first token
                 step_cache = DynamicCache([(layer.keys, layer.values) for layer in full.layers])
                 step = model(input_ids=question_ids, cache=step_cache, use_cache=True)
                 with_question = (step.cache, step.logits[:, -1].argmax(-1, keepdim=True))
-            cache = KNormCache.from_dynamic_cache(with_question[0], key_scales=scales, **variant.options)
+            cache = KNormCache.from_dynamic_cache(with_question[0], **scales, **variant.options)
             first = with_question[1]
             rest = generate_after(model, cache, ids, first, **{**generate, "max_new_tokens": max_new_tokens - 1})
             new = torch.cat([first[0], rest[0]])
@@ -244,7 +290,7 @@ def write_report(records: list[dict], out_dir: Path) -> Path:
             lengths, depths, grid = accuracy_grid(records, task, variant)
             slug = re.sub(r"[^A-Za-z0-9.=+-]+", "_", variant)
             seeds = len({r["seed"] for r in records if r["task"] == task and r["variant"] == variant})
-            name = "uncompressed (r=0)" if variant == "r=0" else f"KNorm {variant}"
+            name = "uncompressed (r=0)" if variant == "r=0" else f"KNormCache {variant}"
             title = f"{'Needle in a haystack' if task == 'niah' else 'Passkey'}, {name}, {seeds} seed(s)/cell"
             plot_needle_heatmap(lengths, depths, grid, out_dir / f"heatmap_{task}_{slug}.png", title=title)
     summary = out_dir / "summary.md"
@@ -253,13 +299,18 @@ def write_report(records: list[dict], out_dir: Path) -> Path:
 
 
 def run_niah_job(model_name: str, ratios, lengths, depths, seeds: int, passkey_seeds: int, options: bool,
-                 out_dir: Path) -> Path:
-    """The ``hf-knorm niah`` job: load the model, run NIAH and passkey grids, write results, heatmaps, summary."""
+                 out_dir: Path, scores=("key_norm",)) -> Path:
+    """The ``hf-knorm niah`` job: load the model, run NIAH and passkey grids, write results, heatmaps, summary.
+
+    ``scores``: the ``--scores`` entries (:func:`parse_score_spec`), one row per ratio and entry; checked before the
+    model is loaded.
+    """
     from ..models.persistence import load_model
 
+    variants = score_variants(ratios, list(scores))
     model, tokenizer = load_model(model_name)
     balanced = key_scales(model.config) is not None
-    variants = ratio_variants(ratios) + (option_variants(0.5, balanced=balanced) if options else [])
+    variants += option_variants(0.5, balanced=balanced) if options else []
     tasks = tuple(task for task, n in (("niah", seeds), ("passkey", passkey_seeds)) if n > 0)
     records = run_needle(model, tokenizer, out_dir, tasks=tasks, variants=variants, lengths=lengths, depths=depths,
                          seeds={"niah": seeds, "passkey": passkey_seeds})

@@ -4,7 +4,8 @@ The texts are tokenized, joined (each text's tokens after the previous one's) an
 ``window`` tokens; each window is one forward pass with no cache and no context from the previous window, and every
 token of a window but the first is scored. Perplexity = exp(total NLL / scored tokens). Run it inside
 ``KVTransform`` and ``routed_through_plugin`` to score a model whose attention reads transformed (compressed) K/V,
-or inside ``hf_knorm.patch`` for another normalization.
+or inside ``hf_knorm.patch`` for another normalization. :func:`perplexity_after_compression` scores continuations read
+through a compressed KNorm cache instead.
 """
 
 from __future__ import annotations
@@ -91,3 +92,49 @@ def perplexity(model: nn.Module, tokenizer, texts: list[str] | str, window: int 
                progress: bool = True) -> PerplexityResult:
     """Teacher-forced perplexity of ``model`` on ``texts`` (see :func:`token_windows` and the module docstring)."""
     return perplexity_of_windows(model, token_windows(tokenizer, texts, window, max_tokens), progress)
+
+
+@torch.no_grad()
+def perplexity_after_compression(model: nn.Module, windows: list[torch.Tensor], context: int,
+                                 variants: dict[str, dict], progress: bool = True) -> dict[str, PerplexityResult]:
+    """Teacher-forced perplexity of each window's continuation read through a compressed KV cache of its beginning.
+
+    Per window (``(n,)`` ids, ``n > context + 1``): the first ``context`` tokens are prefilled **once** into a full
+    cache; for each variant that cache is compressed (``KNormCache.from_dynamic_cache(full, **options)``, exactly what
+    a ``KNormCache`` prefill stores) and the remaining ``n - context`` tokens are run over it teacher-forced, uncompressed
+    (in one forward, or one token per forward for a cache whose layers hold different counts). Scored: every token
+    predicted through the compressed cache, i.e. tokens ``context + 1 .. n - 1`` (token ``context`` is predicted by the
+    exact prefill and is the same for every variant). ``{}`` (ratio 0) is the uncompressed model.
+
+    Args:
+        variants (dict): Row name -> :class:`~hf_knorm.KNormCache` options (``compression_ratio``, ``score``, ...).
+
+    Returns:
+        dict: Row name -> :class:`PerplexityResult` over all windows.
+    """
+    from transformers import DynamicCache
+
+    from ..knorm.cache import KNormCache
+
+    device = next(model.parameters()).device
+    totals = {name: [0.0, 0] for name in variants}
+    for ids in tqdm(windows, desc="perplexity after compression", disable=not progress, leave=False):
+        if ids.shape[0] < context + 2:
+            raise ValueError(f"A window of {ids.shape[0]} tokens leaves nothing to score after {context} of context.")
+        ids = ids.to(device)[None]  # (1, n)
+        full = model(input_ids=ids[:, :context], cache=DynamicCache(), use_cache=True).cache
+        continuation = ids[:, context:]  # (1, m)
+        for name, options in variants.items():
+            cache = KNormCache.from_dynamic_cache(full, **options)
+            if cache.is_uniform():
+                logits = model(input_ids=continuation, cache=cache, use_cache=True).logits  # (1, m, V)
+            else:
+                logits = torch.cat([model(input_ids=continuation[:, i:i + 1], cache=cache, use_cache=True).logits
+                                    for i in range(continuation.shape[1])], dim=1)
+            nll = F.cross_entropy(logits[0, :-1].float(), continuation[0, 1:], reduction="sum")
+            if not torch.isfinite(nll):
+                raise ValueError(f"{name}: non-finite loss after compression.")
+            totals[name][0] += nll.item()
+            totals[name][1] += continuation.shape[1] - 1
+    return {name: PerplexityResult(math.exp(total / count), total / count, count, len(windows))
+            for name, (total, count) in totals.items()}

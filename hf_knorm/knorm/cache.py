@@ -11,12 +11,16 @@ attends the prompt in full, so it is exact; then, per layer and per KV head, onl
 tokens whose post-RoPE key has the lowest L2 norm are kept (same count for every head of a layer, positions may
 differ between heads), in their original order. Later tokens are appended uncompressed.
 
+Which tokens a layer keeps is decided by a score (``score=``, :mod:`hf_knorm.knorm.scores`): ``"key_norm"``, the
+paper's, by default; others (``"value_over_key"``, ``"key_diff"``, ``"kv_diff"``, the baselines ``"recent"`` and
+``"random"``) need no attention weights either.
+
 Options (all off by default): ``budget`` (keep a token count instead of a ratio), ``sink_tokens`` and
 ``recent_window`` (never evict the first k / last w tokens; they count towards the kept number), ``layer_ratios``
 (per-layer ratios; the authors' code leaves layers 0-1 uncompressed: ``layer_ratios={0: 0.0, 1: 0.0}``),
 ``decoding_budget`` (keep at most that many tokens per head during decoding too: bounded memory), ``key_scales``
 (score ``||k * s||`` instead of ``||k||``: for a K/V-balanced model, whose keys are ``k_original / s``, this scores in
-the original basis).
+the original basis) and ``value_scales`` (the same for values, ``v_original = v / t``, read by value-based scores).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+
+from .scores import resolve_score
 
 
 def kept_count(prompt_length: int, ratio: float) -> int:
@@ -83,7 +89,7 @@ class KNormLayer(DynamicLayer):
         if self.cache.decoding_budget is not None:
             keep = min(keep, self.cache.decoding_budget)
         if keep < full_keys.shape[-2]:
-            scores = self.cache.scores(full_keys, full_positions, self.layer_idx, self.cumulative_length)
+            scores = self.cache.scores(full_keys, full_values, full_positions, self.layer_idx, self.cumulative_length)
             index = scores.topk(keep, dim=-1, largest=False).indices.sort(dim=-1).values  # (B, H_kv, keep)
             self.keys = full_keys.gather(2, index[..., None].expand(-1, -1, -1, full_keys.shape[-1]))
             self.values = full_values.gather(2, index[..., None].expand(-1, -1, -1, full_values.shape[-1]))
@@ -128,11 +134,16 @@ class KNormLayer(DynamicLayer):
 
 
 class KNormCache(Cache):
-    """KV cache that keeps, per layer and KV head, the prompt tokens with the lowest key L2 norm (arXiv 2406.11430).
+    """KV cache that keeps, per layer and KV head, the prompt tokens with the lowest key L2 norm (arXiv 2406.11430),
+    or the highest importance under another query-agnostic ``score``.
 
     Args:
         compression_ratio (float): Fraction of the prompt to evict, in [0, 1). ``0`` keeps everything (bit-identical to
             a ``DynamicCache``).
+        score (str or score object): What decides which tokens are kept: a name of
+            :data:`hf_knorm.knorm.scores.SCORES` (``"key_norm"``, the paper's, the default; ``"value_over_key"``,
+            ``"key_diff"``, ``"kv_diff"``, ``"recent"``, ``"random"``) or a score instance (e.g. ``Random(seed=3)``,
+            ``KeyDiff(pool=5)``).
         budget (int, optional): Keep this many prompt tokens per head instead of using the ratio (must not exceed the
             prompt length).
         sink_tokens (int): Never evict the first ``sink_tokens`` tokens (attention sinks). Default 0.
@@ -145,6 +156,8 @@ class KNormCache(Cache):
         key_scales (list of torch.Tensor, optional): Per layer a (H_kv, head_dim) tensor ``s``; the score becomes ``||k
             * s||``. For a K/V-balanced model (whose keys are ``k_original / s``) this scores in the original basis;
             ``None`` scores the cached keys as they are.
+        value_scales (list of torch.Tensor, optional): Per layer a (H_kv, head_dim) tensor ``t``; scores see ``v / t``
+            (a balanced model's values are ``v_original * t``). Only value-based scores read values.
         config (PreTrainedConfig, optional): The model's config. With it the cache checks that the model is a supported
             decoder and gives sliding-window layers (Mistral, Gemma 2/3) Transformers' own sliding layer, uncompressed.
             **Pass it for models with sliding-window layers**; without it every layer is a KNorm layer.
@@ -167,8 +180,11 @@ class KNormCache(Cache):
         layer_ratios: Sequence[float] | Mapping[int, float] | None = None,
         decoding_budget: int | None = None,
         key_scales: Sequence[torch.Tensor] | None = None,
+        value_scales: Sequence[torch.Tensor] | None = None,
+        score="key_norm",
         config=None,
     ):
+        self.score = resolve_score(score)
         _check_ratio("compression_ratio", compression_ratio)
         if isinstance(layer_ratios, Mapping):
             layer_ratios = dict(layer_ratios)
@@ -193,6 +209,7 @@ class KNormCache(Cache):
         self.sink_tokens, self.recent_window = sink_tokens, recent_window
         self.layer_ratios, self.decoding_budget = layer_ratios or {}, decoding_budget
         self.key_scales = None if key_scales is None else list(key_scales)
+        self.value_scales = None if value_scales is None else list(value_scales)
         self._mask_stored: int | None = None  # the stored count the current step's mask was built for
         layers = []
         if config is not None:
@@ -219,8 +236,10 @@ class KNormCache(Cache):
                 layers.append(DynamicSlidingWindowLayer(**kwargs))  # a window is already bounded: left uncompressed
             else:
                 raise ValueError(f"KNormCache does not support layers of type {kind!r} (layer {index}).")
-        if self.key_scales is not None and len(self.key_scales) != len(layers):
-            raise ValueError(f"key_scales has {len(self.key_scales)} entries; the model has {len(layers)} layers.")
+        for name in ("key_scales", "value_scales"):
+            scales = getattr(self, name)
+            if scales is not None and len(scales) != len(layers):
+                raise ValueError(f"{name} has {len(scales)} entries; the model has {len(layers)} layers.")
         for layer in self.layer_ratios:
             if not 0 <= layer < len(layers):
                 raise ValueError(f"layer_ratios names layer {layer}; the model has layers 0..{len(layers) - 1}.")
@@ -277,23 +296,35 @@ class KNormCache(Cache):
         protected = min(prompt_length, self.sink_tokens + self.recent_window)
         return max(keep, protected)
 
-    def scores(self, keys: torch.Tensor, positions: torch.Tensor, layer_idx: int, length: int) -> torch.Tensor:
-        """Eviction scores (B, H_kv, S) of keys (B, H_kv, S, D): the key L2 norm, low = kept; protected = -inf."""
-        if self.key_scales is not None:
-            if layer_idx >= len(self.key_scales):
-                raise ValueError(f"key_scales has {len(self.key_scales)} entries; layer {layer_idx} has none.")
-            scale = self.key_scales[layer_idx]
-            if scale.shape != keys.shape[1:2] + keys.shape[3:]:
-                raise ValueError(
-                    f"key_scales[{layer_idx}] has shape {tuple(scale.shape)}; the layer's keys need "
-                    f"(H_kv, head_dim) = {tuple(keys.shape[1:2] + keys.shape[3:])}."
-                )
+    def scores(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, layer_idx: int,
+               length: int) -> torch.Tensor:
+        """Eviction order (B, H_kv, S) of one layer's keys and values (B, H_kv, S, D): the negated importance of
+        ``self.score`` (for ``key_norm`` the key L2 norm), low = kept; protected tokens -inf."""
+        scale = self._scale("key_scales", layer_idx, keys)
+        if scale is not None:
             keys = keys * scale.to(keys)[None, :, None, :]
-        scores = keys.float().norm(dim=-1)
+        scale = self._scale("value_scales", layer_idx, values)
+        if scale is not None:
+            values = values / scale.to(values)[None, :, None, :]
+        scores = -self.score(keys, values, positions, layer_idx)
         protected = positions < self.sink_tokens
         if self.recent_window:
             protected |= positions >= length - self.recent_window
         return scores.masked_fill(protected, float("-inf"))
+
+    def _scale(self, name: str, layer_idx: int, states: torch.Tensor) -> torch.Tensor | None:
+        scales = getattr(self, name)
+        if scales is None:
+            return None
+        if layer_idx >= len(scales):
+            raise ValueError(f"{name} has {len(scales)} entries; layer {layer_idx} has none.")
+        scale = scales[layer_idx]
+        if scale.shape != states.shape[1:2] + states.shape[3:]:
+            raise ValueError(
+                f"{name}[{layer_idx}] has shape {tuple(scale.shape)}; the layer's states need "
+                f"(H_kv, head_dim) = {tuple(states.shape[1:2] + states.shape[3:])}."
+            )
+        return scale
 
     @staticmethod
     def _check_positions(kwargs: dict, start: int, q_len: int) -> None:

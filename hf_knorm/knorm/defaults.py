@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from .cache import KNormCache
 
-CACHE_OPTIONS = ("compression_ratio", "budget", "sink_tokens", "recent_window", "layer_ratios", "decoding_budget")
+CACHE_OPTIONS = ("compression_ratio", "budget", "sink_tokens", "recent_window", "layer_ratios", "decoding_budget",
+                 "score")
 SIZING_OPTIONS = ("compression_ratio", "budget", "layer_ratios")
 SCORE_BASES = ("cached", "original")
 RECORD_KEY = "knorm"
@@ -24,7 +25,7 @@ def set_knorm_defaults(model, **options) -> dict:
     Args:
         model: a supported decoder.
         **options: :class:`KNormCache` options (``compression_ratio``, ``budget``, ``sink_tokens``,
-            ``recent_window``, ``layer_ratios``, ``decoding_budget``) and ``score_basis``.
+            ``recent_window``, ``layer_ratios``, ``decoding_budget``, ``score``) and ``score_basis``.
 
     Raises:
         ValueError: an unknown option, a value :class:`KNormCache` refuses, or a model without a KV cache.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers import Pipeline
 
-from ..balancing.balance import key_scales
+from ..balancing.balance import key_scales, value_scales
 from .cache import KNormCache
 from .defaults import CACHE_OPTIONS, SCORE_BASES, merged_options
 
@@ -26,19 +26,21 @@ def knorm_cache_for(model, score_basis: str | None = None, **options) -> KNormCa
     Args:
         model (PreTrainedModel): A supported decoder (``hf_knorm.SUPPORTED_ARCHITECTURES``), patched or not, balanced or
             not.
-        score_basis ({"cached", "original"}): ``"cached"`` scores the keys as cached (the paper's method).
-            ``"original"`` scores ``||k * s||``: for a model balanced per channel (keys ``k / s``) the norm the
-            unbalanced model would have had; for an unbalanced or per-layer-balanced model both give the same kept
-            tokens.
-            Default: the model's recorded default (:func:`hf_knorm.set_knorm_defaults`), else ``"cached"``.
-        **options: :class:`KNormCache` options (``compression_ratio``, ``budget``, ``sink_tokens``, ...), over the
-            model's recorded defaults (a passed ratio or budget replaces the recorded sizing as a whole).
+        score_basis ({"cached", "original"}): ``"cached"`` scores the keys and values as cached (the paper's method).
+            ``"original"`` scores ``k * s`` and ``v / t``: for a model balanced per channel (keys ``k / s``, values
+            ``v * t``) the keys and values the unbalanced model would have had, so every score keeps the tokens the
+            unbalanced model would keep. For an unbalanced model both are the same; per-layer balancing (one scalar
+            per layer) changes no score's ranking either. Default: the model's recorded default
+            (:func:`hf_knorm.set_knorm_defaults`), else ``"cached"``.
+        **options: :class:`KNormCache` options (``compression_ratio``, ``score``, ``budget``, ``sink_tokens``, ...),
+            over the model's recorded defaults (a passed ratio or budget replaces the recorded sizing as a whole).
     """
     score_basis, options = merged_options(model.config, score_basis, options)
     if score_basis not in SCORE_BASES:
         raise ValueError(f"score_basis must be one of {SCORE_BASES}, got {score_basis!r}.")
-    scales = key_scales(model.config) if score_basis == "original" else None
-    return KNormCache(config=model.config, key_scales=scales, **options)
+    original = score_basis == "original"
+    return KNormCache(config=model.config, key_scales=key_scales(model.config) if original else None,
+                      value_scales=value_scales(model.config) if original else None, **options)
 
 
 def check_unpadded(attention_mask: torch.Tensor | None) -> None:
@@ -60,8 +62,8 @@ def knorm_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
         input_ids (torch.Tensor): (B, n) prompt ids, unpadded.
         attention_mask (torch.Tensor, optional): (B, n); must be all ones.
         score_basis ({"cached", "original"}): See :func:`knorm_cache_for`.
-        **kwargs: :class:`KNormCache` options (``compression_ratio``, ``budget``, ``sink_tokens``, ``recent_window``,
-            ``layer_ratios``, ``decoding_budget``); everything else goes to ``model.generate`` (``max_new_tokens``,
+        **kwargs: :class:`KNormCache` options (``compression_ratio``, ``score``, ``budget``, ``sink_tokens``,
+            ``recent_window``, ``layer_ratios``, ``decoding_budget``); everything else goes to ``model.generate`` (``max_new_tokens``,
             ``do_sample``, ...).
 
     Returns:

@@ -36,3 +36,31 @@ def test_matches_transformers_loss():
     assert result.nll == pytest.approx(sum(losses) / 3, rel=1e-5)
     assert result.perplexity == pytest.approx(math.exp(result.nll))
     assert perplexity(model, _CharTokenizer(), "hello world, hello", window=8, progress=False).windows == 2
+
+
+def test_perplexity_after_compression():
+    from hf_knorm.evaluation.perplexity import perplexity_after_compression
+    from hf_knorm.knorm.cache import KNormCache
+
+    model = tiny_model("llama")
+    windows = [torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    variants = {"full": {}, "half": {"compression_ratio": 0.5, "score": "key_diff"},
+                "layer0 kept": {"compression_ratio": 0.5, "layer_ratios": {0: 0.0}}}
+    results = perplexity_after_compression(model, windows, context=12, variants=variants, progress=False)
+    assert all(r.tokens == 2 * 7 and r.windows == 2 for r in results.values())
+    with torch.no_grad():  # ratio 0: the plain model's loss on the continuation's tokens 13..19
+        logits = [model(input_ids=w[None]).logits[0, 12:-1] for w in windows]
+        nll = sum(torch.nn.functional.cross_entropy(l, w[13:], reduction="sum").item() for l, w in zip(logits, windows))
+        # a compressed variant equals prefilling a KNormCache and teacher-forcing the continuation over it
+        direct = 0.0
+        for w in windows:
+            cache = KNormCache(0.5, score="key_diff", config=model.config)
+            model(input_ids=w[None, :12], cache=cache, use_cache=True)
+            out = model(input_ids=w[None, 12:], cache=cache, use_cache=True).logits[0, :-1]
+            direct += torch.nn.functional.cross_entropy(out, w[13:], reduction="sum").item()
+    assert results["full"].nll == pytest.approx(nll / 14, rel=1e-5)
+    assert results["half"].nll == pytest.approx(direct / 14, rel=1e-5)
+    assert results["half"].nll != pytest.approx(results["full"].nll, rel=1e-4)
+    assert math.isfinite(results["layer0 kept"].nll)
+    with pytest.raises(ValueError, match="nothing to score"):
+        perplexity_after_compression(model, windows, context=19, variants=variants, progress=False)
