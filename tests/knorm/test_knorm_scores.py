@@ -6,7 +6,8 @@ import copy
 
 import pytest
 import torch
-from tiny_models import DECODER_TYPES, tiny_inputs, tiny_model
+from knorm_helpers import NEW, PROMPT, greedy, knorm_model
+from tiny_models import DECODER_TYPES, tiny_inputs
 from transformers import DynamicCache
 
 import hf_knorm
@@ -15,8 +16,6 @@ from hf_knorm.knorm.cache import KNormCache, KNormLayer, kept_count
 from hf_knorm.knorm.reference import reference_generate, reference_kept_indices
 from hf_knorm.knorm.scores import SCORES, KeyDiff, KeyNorm, KVDiff, Random, Recent, resolve_score
 
-PROMPT, NEW = 24, 6
-NO_EOS = 10**6
 SCORE_NAMES = tuple(SCORES)
 NEW_SCORES = tuple(name for name in SCORE_NAMES if name != "key_norm")
 
@@ -25,22 +24,6 @@ NEW_SCORES = tuple(name for name in SCORE_NAMES if name != "key_norm")
 def _no_grad():
     with torch.no_grad():
         yield
-
-
-def scored_model(model_type: str):
-    """A tiny model whose keys differ in norm between tokens (QK-norm models: non-uniform k_norm weights)."""
-    model = tiny_model(model_type)
-    for name, param in model.named_parameters():
-        if name.endswith("k_norm.weight"):
-            param.copy_(torch.linspace(0.2, 3.0, param.numel()).reshape(param.shape))
-    return model
-
-
-def greedy(model, ids, cache, new=NEW):
-    config = copy.deepcopy(model.generation_config)
-    config.update(eos_token_id=NO_EOS, pad_token_id=0, max_new_tokens=new, do_sample=False, output_logits=True,
-                  return_dict_in_generate=True)
-    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, generation_config=config)
 
 
 def test_registry_lists_every_score_once():
@@ -54,7 +37,7 @@ def test_registry_lists_every_score_once():
 @pytest.mark.parametrize("score", SCORE_NAMES)
 @pytest.mark.parametrize("model_type", DECODER_TYPES)
 def test_kept_positions_match_reference(model_type, score):
-    model = scored_model(model_type)
+    model = knorm_model(model_type)
     ids = tiny_inputs(model_type, batch=2, length=PROMPT)["input_ids"]
     full = model(input_ids=ids, cache=DynamicCache(config=model.config), use_cache=True).cache
     cache = KNormCache(0.5, score=score, config=model.config)
@@ -71,7 +54,7 @@ def test_kept_positions_match_reference(model_type, score):
 
 @pytest.mark.parametrize("score", [KeyDiff(pool=3), KVDiff(pool=1), KVDiff(pool=7)], ids=repr)
 def test_pooling_windows_match_reference(score):
-    model = scored_model("llama")
+    model = knorm_model("llama")
     ids = tiny_inputs("llama", batch=2, length=PROMPT)["input_ids"]
     full = model(input_ids=ids, cache=DynamicCache(), use_cache=True).cache
     cache = KNormCache(0.5, score=score, config=model.config)
@@ -97,7 +80,7 @@ def test_pool_must_be_odd(pool):
 @pytest.mark.parametrize("score", NEW_SCORES)
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "phi3", "gpt2", "gpt_neox"])
 def test_generation_matches_reference(model_type, score):
-    model = scored_model(model_type)
+    model = knorm_model(model_type)
     ids = tiny_inputs(model_type, batch=2, length=PROMPT)["input_ids"]
     out = greedy(model, ids, KNormCache(0.5, score=score, config=model.config))
     tokens, logits, _ = reference_generate(model, ids, 0.5, NEW, score=score)
@@ -108,7 +91,7 @@ def test_generation_matches_reference(model_type, score):
 
 def test_scores_keep_different_tokens():
     """The scores are not aliases of one another: on one prompt every pair keeps a different set somewhere."""
-    model = scored_model("llama")
+    model = knorm_model("llama")
     ids = tiny_inputs("llama", batch=2, length=PROMPT)["input_ids"]
     kept = {}
     for score in SCORE_NAMES:
@@ -121,7 +104,7 @@ def test_scores_keep_different_tokens():
 
 
 def test_recent_with_sinks_is_streaming_llm():
-    model = scored_model("llama")
+    model = knorm_model("llama")
     ids = tiny_inputs("llama", batch=1, length=PROMPT)["input_ids"]
     cache = KNormCache(0.5, score="recent", sink_tokens=4, config=model.config)
     model(input_ids=ids, cache=cache, use_cache=True)
@@ -132,7 +115,7 @@ def test_recent_with_sinks_is_streaming_llm():
 
 
 def test_random_is_seeded():
-    model = scored_model("llama")
+    model = knorm_model("llama")
     ids = tiny_inputs("llama", batch=1, length=PROMPT)["input_ids"]
 
     def kept(score):
@@ -152,7 +135,7 @@ def test_random_is_seeded():
 
 @pytest.mark.parametrize("score", NEW_SCORES)
 def test_protections_and_decoding_budget_apply_to_every_score(score):
-    model = scored_model("llama")
+    model = knorm_model("llama")
     ids = tiny_inputs("llama", batch=1, length=PROMPT)["input_ids"]
     cache = KNormCache(budget=10, sink_tokens=2, recent_window=3, decoding_budget=8, score=score, config=model.config)
     out = greedy(model, ids, cache, new=10)
@@ -167,7 +150,7 @@ def test_protections_and_decoding_budget_apply_to_every_score(score):
 @pytest.mark.parametrize("score", SCORE_NAMES)
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "gpt2"])
 def test_ratio_zero_is_bit_identical_for_every_score(model_type, score):
-    model = scored_model(model_type)
+    model = knorm_model(model_type)
     ids = tiny_inputs(model_type, batch=2, length=PROMPT)["input_ids"]
     plain = greedy(model, ids, DynamicCache(config=model.config))
     knorm = greedy(model, ids, KNormCache(0.0, score=score, config=model.config))
@@ -184,7 +167,7 @@ def test_bad_score_name_lists_the_accepted_ones():
     with pytest.raises(ValueError, match="score instance"):
         KNormCache(0.5, score=42)
     with pytest.raises(ValueError, match="key_diff"):
-        hf_knorm.knorm_cache_for(scored_model("llama"), compression_ratio=0.5, score="keydiff")
+        hf_knorm.knorm_cache_for(knorm_model("llama"), compression_ratio=0.5, score="keydiff")
     assert isinstance(resolve_score(KeyDiff()), KeyDiff) and isinstance(resolve_score("recent"), Recent)
 
 
@@ -211,7 +194,7 @@ def test_score_specs_of_the_command_line():
 def test_balanced_model_original_basis_keeps_what_the_unbalanced_model_keeps():
     """Per-channel balancing stores ``k / s`` and ``v * t``: scored in the original basis every score keeps exactly the
     unbalanced model's tokens; scored as cached, the scores that read key directions or value norms keep others."""
-    model = scored_model("llama")
+    model = knorm_model("llama")
     ids = tiny_inputs("llama", batch=1, length=PROMPT)["input_ids"]
     balanced = copy.deepcopy(model)
     calibration = [tiny_inputs("llama", batch=1, length=64, seed=s) for s in range(2)]
@@ -231,7 +214,7 @@ def test_balanced_model_original_basis_keeps_what_the_unbalanced_model_keeps():
 
 
 def test_layer_balancing_changes_no_ranking():
-    model = scored_model("llama")
+    model = knorm_model("llama")
     ids = tiny_inputs("llama", batch=1, length=PROMPT)["input_ids"]
     balanced = copy.deepcopy(model)
     calibration = [tiny_inputs("llama", batch=1, length=64, seed=s) for s in range(2)]
@@ -244,7 +227,7 @@ def test_layer_balancing_changes_no_ranking():
 
 
 def test_value_scales_are_checked():
-    model = scored_model("llama")
+    model = knorm_model("llama")
     ids = tiny_inputs("llama", batch=1, length=PROMPT)["input_ids"]
     with pytest.raises(ValueError, match="value_scales has 1"):
         KNormCache(0.5, value_scales=[torch.ones(2, 16)], config=model.config)
