@@ -68,6 +68,25 @@ def plot_kv_ratios(ratios_before, ratios_after, path, title: str | None = None):
 # --- KNorm needle-in-a-haystack -----------------------------------------------------------------------------------
 
 
+NEEDLE_COLORS = ["#d7301f", "#fdae61", "#ffffbf", "#a6d96a", "#1a9850"]  # missed (red) -> found (green)
+
+
+def _draw_needle_panel(ax, lengths, depths, accuracy, fontsize: int = 9):
+    """One needle heatmap on ``ax`` (x length, y depth, a cell's accuracy written in it); returns the image."""
+    from matplotlib.colors import LinearSegmentedColormap
+
+    values = np.array([[np.nan if a is None else float(a) for a in row] for row in accuracy], dtype=float)
+    cmap = LinearSegmentedColormap.from_list("missed_found", NEEDLE_COLORS).with_extremes(bad="#bbbbbb")
+    image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
+    for i in range(values.shape[0]):
+        for j in range(values.shape[1]):
+            text = "-" if np.isnan(values[i, j]) else f"{values[i, j]:.2f}"
+            ax.text(j, i, text, ha="center", va="center", fontsize=fontsize)
+    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
+    return image
+
+
 def plot_needle_heatmap(lengths, depths, accuracy, path, title: str | None = None):
     """KNorm's needle-in-a-haystack heatmap: x context length, y needle depth, green found -> red missed.
 
@@ -76,29 +95,53 @@ def plot_needle_heatmap(lengths, depths, accuracy, path, title: str | None = Non
         accuracy: ``accuracy[depth][length]`` in [0, 1], or None for a cell not run (drawn grey).
         path: the PNG to write; title: e.g. "NIAH, r=0.5 (kvpress protocol)".
     """
-    from matplotlib.colors import LinearSegmentedColormap
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    values = np.array([[np.nan if a is None else float(a) for a in row] for row in accuracy], dtype=float)
-    cmap = LinearSegmentedColormap.from_list(
-        "missed_found", ["#d7301f", "#fdae61", "#ffffbf", "#a6d96a", "#1a9850"]
-    ).with_extremes(bad="#bbbbbb")
     fig = Figure(figsize=(max(5.5, 1.2 * len(lengths) + 2.5), 0.6 * len(depths) + 1.6))  # wide enough for the title
     ax = fig.subplots()
-    image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
-    for i in range(values.shape[0]):
-        for j in range(values.shape[1]):
-            text = "-" if np.isnan(values[i, j]) else f"{values[i, j]:.2f}"
-            ax.text(j, i, text, ha="center", va="center", fontsize=9)
-    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
-    ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
+    image = _draw_needle_panel(ax, lengths, depths, accuracy)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
     ax.set_title(title or "Needle in a haystack")
     fig.colorbar(image, ax=ax, label="accuracy (exact match)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return path
+
+
+def plot_needle_heatmap_grid(panels, path, title: str | None = None):
+    """Needle heatmaps side by side: one row per entry of ``panels``, one column per entry of each row.
+
+    Args:
+        panels: ``{row label: {column label: (lengths, depths, accuracy)}}`` (``accuracy`` as in
+            :func:`plot_needle_heatmap`); e.g. rows = eviction scores, columns = compression ratios.
+        path: the PNG to write; title: the figure's title.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    columns = list(dict.fromkeys(column for row in panels.values() for column in row))
+    fig = Figure(figsize=(2.6 * len(columns) + 1.8, 2.0 * len(panels) + 1.0), layout="constrained")
+    axes = np.atleast_2d(fig.subplots(len(panels), len(columns), squeeze=False))
+    image = None
+    for i, (row, cells) in enumerate(panels.items()):
+        for j, column in enumerate(columns):
+            ax = axes[i, j]
+            if column not in cells:
+                ax.set_axis_off()
+                continue
+            image = _draw_needle_panel(ax, *cells[column], fontsize=7)
+            ax.tick_params(labelsize=7)
+            if i == 0:
+                ax.set_title(column, fontsize=10)
+            if j == 0:
+                ax.set_ylabel(f"{row}\ndepth", fontsize=9)
+            if i == len(panels) - 1:
+                ax.set_xlabel("context length (tokens)", fontsize=8)
+    if title:
+        fig.suptitle(title)
+    if image is not None:
+        fig.colorbar(image, ax=axes.ravel().tolist(), label="accuracy (exact match)", shrink=0.6)
+    fig.savefig(path, dpi=110)
     return path
 
 

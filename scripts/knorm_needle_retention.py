@@ -3,9 +3,11 @@
 Builds the NIAH sample of ``hf-knorm niah`` (1000 tokens, depth 0.5, seed 0), prefills it once and, for each ratio,
 prints per layer the number of KV heads (of 3) that keep all 7 digit tokens of the needle, and the fraction of
 (head, digit) pairs kept. Exact copying of a 7-digit number needs the digits' keys; KNorm keeps a token only if its
-key norm is among the lowest of its head.
+key norm is among the lowest of its head. ``--scores`` repeats the count for other eviction scores
+(``hf-knorm niah --scores`` entries) and ends with a one-line summary per score and ratio.
 
 Usage: ``OMP_NUM_THREADS=1 python scripts/knorm_needle_retention.py --ratios 0.25,0.5``
+       ``OMP_NUM_THREADS=1 python scripts/knorm_needle_retention.py --ratios 0.5 --scores key_norm,kv_diff``
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from transformers import DynamicCache
 
 import hf_knorm
-from hf_knorm.evaluation.needle import haystack, make_sample
+from hf_knorm.evaluation.needle import haystack, make_sample, parse_score_spec
 from hf_knorm.knorm.cache import KNormCache
 from hf_knorm.knorm.pipeline import split_prompt
 
@@ -28,6 +30,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=1000)
     parser.add_argument("--depth", type=float, default=0.5)
     parser.add_argument("--rank-layers", default="5,23", help="layers whose digit-key norm percentiles to print")
+    parser.add_argument("--scores", default="key_norm", help="comma-separated eviction scores (default key_norm)")
     args = parser.parse_args()
     model, tokenizer = hf_knorm.load_default_model()
     sample = make_sample("niah", tokenizer, haystack("niah", tokenizer), args.length, args.depth, seed=0)
@@ -43,17 +46,23 @@ def main() -> None:
         percentile = norms.argsort(-1).argsort(-1).float() / (n - 1)
         print(f"layer {layer}: norm percentile of the digit keys, per head:",
               [[round(float(percentile[h, d]), 2) for d in digits] for h in range(norms.shape[0])])
-    for ratio in (float(r) for r in args.ratios.split(",")):
-        cache = KNormCache.from_dynamic_cache(full, compression_ratio=ratio)
-        heads_all, fractions = [], []
-        for layer in range(len(cache.layers)):
-            positions = cache.kept_positions(layer)[0]  # (H_kv, kept)
-            kept = torch.stack([(positions == d).any(-1) for d in digits], dim=-1)  # (H_kv, 7)
-            heads_all.append(int(kept.all(-1).sum()))
-            fractions.append(round(float(kept.float().mean()), 2))
-        print(f"r={ratio:g}: heads keeping all digits, per layer: {heads_all}")
-        print(f"r={ratio:g}: fraction of digit tokens kept, per layer: {fractions}")
-
+    summary = []
+    for spec in (entry.strip() for entry in args.scores.split(",") if entry.strip()):
+        for ratio in (float(r) for r in args.ratios.split(",")):
+            cache = KNormCache.from_dynamic_cache(full, compression_ratio=ratio, **parse_score_spec(spec))
+            heads_all, fractions = [], []
+            for layer in range(len(cache.layers)):
+                positions = cache.kept_positions(layer)[0]  # (H_kv, kept)
+                kept = torch.stack([(positions == d).any(-1) for d in digits], dim=-1)  # (H_kv, 7)
+                heads_all.append(int(kept.all(-1).sum()))
+                fractions.append(round(float(kept.float().mean()), 2))
+            print(f"{spec} r={ratio:g}: heads keeping all digits, per layer: {heads_all}")
+            print(f"{spec} r={ratio:g}: fraction of digit tokens kept, per layer: {fractions}")
+            summary.append(f"| {spec} | {ratio:g} | {sum(h > 0 for h in heads_all)} of {len(heads_all)} | "
+                           f"{sum(heads_all)} of {kept.shape[0] * len(heads_all)} | {sum(fractions) / len(fractions):.2f} |")
+    print("\n| score | ratio | layers with a head keeping all digits | heads keeping all digits | "
+          "digit tokens kept (mean) |\n|---|---:|---:|---:|---:|")
+    print("\n".join(summary))
 
 if __name__ == "__main__":
     main()

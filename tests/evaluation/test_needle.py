@@ -122,3 +122,17 @@ def test_niah_command_line():
     args = _build_parser().parse_args(["niah", "--ratios", "0,0.5", "--lengths", "1000", "--seeds", "3",
                                        "--no-options", "--out", "x"])
     assert args.command == "niah" and args.seeds == 3 and args.options is False and args.ratios == "0,0.5"
+
+
+def test_heatmap_grid_draws_one_panel_per_row_and_column(tmp_path):
+    from matplotlib.image import imread
+
+    from hf_knorm.plots import plot_needle_heatmap_grid
+
+    grid = ([1000, 2000], [0.0, 1.0], [[1.0, 0.5], [None, 0.0]])  # a cell not run is drawn grey
+    panels = {"key_norm": {"r=0.5": grid, "r=0.75": grid}, "kv_diff": {"r=0.5": grid}}  # kv_diff at 0.75 missing
+    path = plot_needle_heatmap_grid(panels, tmp_path / "grid.png", title="scores")
+    height, width, _ = imread(path).shape
+    assert width > height  # two columns of panels side by side, two rows
+    one_row = plot_needle_heatmap_grid({"key_norm": panels["key_norm"]}, tmp_path / "row.png")
+    assert imread(one_row).shape[0] < height
