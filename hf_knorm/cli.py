@@ -38,6 +38,8 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--niah-lengths", default=None, help="step 3: comma-separated context lengths (default 1000,2000)")
     demo.add_argument("--niah-depths", default=None, help="step 3: comma-separated needle depths (default 0,0.25,0.5,0.75,1)")
     demo.add_argument("--niah-ratio", type=float, default=None, help="step 3: KNorm compression ratio (default 0.5)")
+    demo.add_argument("--niah-score", default=None,
+                      help="step 3: eviction score shown beside the paper's key_norm (default kv_diff, the recommended)")
     demo.add_argument("--train-normalization", default=None, help="step 4: normalization to fine-tune (default x^3/16)")
     demo.add_argument("--train-steps", type=int, default=None, help="step 4: optimizer steps (default 30)")
     demo.add_argument("--push-to", default=None, metavar="REPO_ID",
@@ -73,7 +75,7 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="comma-separated compression ratios (0 = uncompressed)")
     niah.add_argument("--scores", default="key_norm",
                       help="comma-separated eviction scores, one row per ratio and score: key_norm (the paper's, the "
-                      "default), value_over_key, key_diff, kv_diff, recent, random; append +sinksK / +windowW to "
+                      "default), kv_diff (the recommended one), value_over_key, key_diff, recent, random; append +sinksK / +windowW to "
                       "protect the first K / last W tokens (e.g. recent+sinks4 is StreamingLLM, "
                       "kv_diff+sinks4+window64), +poolP to set the window of key_diff / kv_diff")
     niah.add_argument("--lengths", default="1000,2000,4000,8000", help="comma-separated context lengths (tokens)")
@@ -172,7 +174,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     settings = base.with_overrides(
         normalizations=_items(args.normalizations, str), balance_mode=args.balance_mode,
         calibration_tokens=args.calibration_tokens, niah_lengths=_items(args.niah_lengths, int),
-        niah_depths=_items(args.niah_depths, float), niah_ratio=args.niah_ratio,
+        niah_depths=_items(args.niah_depths, float), niah_ratio=args.niah_ratio, niah_score=args.niah_score,
         train_normalization=args.train_normalization, train_steps=args.train_steps,
     )
     run_demo(args.model, args.out, settings, push_to=args.push_to, token=args.token)

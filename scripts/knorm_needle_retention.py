@@ -59,7 +59,8 @@ def main() -> None:
             print(f"{spec} r={ratio:g}: heads keeping all digits, per layer: {heads_all}")
             print(f"{spec} r={ratio:g}: fraction of digit tokens kept, per layer: {fractions}")
             summary.append(f"| {spec} | {ratio:g} | {sum(h > 0 for h in heads_all)} of {len(heads_all)} | "
-                           f"{sum(heads_all)} of {kept.shape[0] * len(heads_all)} | {sum(fractions) / len(fractions):.2f} |")
+                           f"{sum(heads_all)} of {kept.shape[0] * len(heads_all)} | "
+                           f"{sum(fractions) / len(fractions):.2f} |")
     print("\n| score | ratio | layers with a head keeping all digits | heads keeping all digits | "
           "digit tokens kept (mean) |\n|---|---:|---:|---:|---:|")
     print("\n".join(summary))

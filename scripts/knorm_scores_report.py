@@ -50,12 +50,13 @@ def task_tables(records: list[dict], task: str, focus: float) -> str:
     lines = [f"{task}: accuracy (%) over {cells} cells ({len(lengths)} lengths x depths x {seeds} seeds)", "",
              "| score | " + " | ".join(f"r={r:g}" for r in ratios) + " |", "|---|" + "---:|" * len(ratios)]
     base = percent(by_row.get("uncompressed", {}).get(0.0, []))
-    lines.append(f"| uncompressed (r=0) | " + " | ".join(base for _ in ratios) + " |")
+    lines.append("| uncompressed (r=0) | " + " | ".join(base for _ in ratios) + " |")
     for score, per_ratio in by_row.items():
         if score != "uncompressed":
             lines.append(f"| {score} | " + " | ".join(percent(per_ratio.get(r, [])) for r in ratios) + " |")
     lines += ["", f"{task} at r={focus:g}, per context length:", "",
-              "| score | " + " | ".join(f"{n} tok" for n in lengths) + " | all |", "|---|" + "---:|" * (len(lengths) + 1)]
+              "| score | " + " | ".join(f"{n} tok" for n in lengths) + " | all |",
+              "|---|" + "---:|" * (len(lengths) + 1)]
     for score, per_ratio in by_row.items():
         selected = per_ratio.get(0.0 if score == "uncompressed" else focus, [])
         if selected:

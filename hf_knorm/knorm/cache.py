@@ -12,8 +12,9 @@ tokens whose post-RoPE key has the lowest L2 norm are kept (same count for every
 differ between heads), in their original order. Later tokens are appended uncompressed.
 
 Which tokens a layer keeps is decided by a score (``score=``, :mod:`hf_knorm.knorm.scores`): ``"key_norm"``, the
-paper's, by default; others (``"value_over_key"``, ``"key_diff"``, ``"kv_diff"``, the baselines ``"recent"`` and
-``"random"``) need no attention weights either.
+paper's, by default; others need no attention weights either: ``"kv_diff"`` (recommended: it keeps the needle that
+``key_norm`` loses on the default model, BENCHMARKS.md "Eviction scores"), ``"key_diff"``, ``"value_over_key"`` and
+the baselines ``"recent"`` and ``"random"``.
 
 Options (all off by default): ``budget`` (keep a token count instead of a ratio), ``sink_tokens`` and
 ``recent_window`` (never evict the first k / last w tokens; they count towards the kept number), ``layer_ratios``

@@ -112,7 +112,9 @@ class KVDiff:
     KeyDiff's score (arXiv 2504.15364) applied to the values as well (what a token writes, as VATP, arXiv 2406.12335,
     argues), each standardized so neither dominates, then averaged over a centred window of ``pool`` tokens as SnapKV
     (arXiv 2404.14469) pools its attention scores: retrieval needs the tokens around a distinctive one (the "magic
-    number for Paris is" before the digits), which a per-token score scatters away. Measured in BENCHMARKS.md.
+    number for Paris is" before the digits), which a per-token score scatters away. The recommended score: the best of
+    these on the default model's needle and passkey tests, perplexity within 2% of uncompressed at ratio 0.5
+    (BENCHMARKS.md, "Eviction scores").
 
     Args:
         pool (int): Odd window of the average (:func:`pooled`), default 5.

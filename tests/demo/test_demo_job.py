@@ -27,7 +27,8 @@ def test_every_step_ran_and_recorded_its_results(fast_demo):
     assert balancing["max_logit_change"] <= balancing["tolerance"]
     assert all(abs(layer["after"]["ratio"] - 1) < 1e-3 for layer in balancing["layers"])
 
-    assert "r=0.5" in record["steps"]["knorm"] and "r=0" in record["steps"]["knorm"]
+    assert all(f"| {row} |" in record["steps"]["knorm"] for row in ("r=0", "r=0.5", "r=0.5 kv_diff"))
+    assert (fast_demo / "knorm" / "heatmap_niah_r=0.5_kv_diff.png").exists()
 
     training = record["steps"]["training"]
     assert training["normalization"] == "x^3/16" and training["global_step"] == 4
@@ -63,6 +64,17 @@ def test_demo_reports_a_bad_normalization_before_loading_the_model(tmp_path, cap
     assert main(["demo", "--fast", "--normalizations", "x^0/1", "--out", str(tmp_path)]) == 2
     assert "power p must be an integer >= 1" in capsys.readouterr().err
     assert not (tmp_path / "report.html").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--niah-score", "attention"], "Unknown score 'attention'; accepted: key_norm, value_over_key"),
+    (["--niah-score", "key_norm"], "choose another score"),
+    (["--niah-ratio", "0"], "niah_ratio must be in (0, 1)"),
+])
+def test_demo_reports_bad_needle_settings_before_any_work(tmp_path, capsys, flags, message):
+    assert main(["demo", "--fast", *flags, "--out", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_demo_refuses_a_push_without_a_token_before_any_work(tmp_path, capsys, monkeypatch):
