@@ -40,28 +40,35 @@ _FRO, _FRO_SQRTN, _MATRICES, _KEY, _VALUE, _KV_VECTORS = range(6)
 _FRO_MAX, _FRO_SQRTN_MAX = range(2)
 
 
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass (gradient checkpointing recomputes the forward there)."""
-    return torch._C._current_graph_task_id() != -1
-
-
 class StepNormRecorder:
     """Accumulates the per-layer statistics of the forward passes run while it is active.
 
+    Each layer counts at most once per forward pass of ``model``: a forward pre-hook on ``model`` (installed by
+    :meth:`start`, removed by :meth:`stop`) numbers its forward passes, and a layer that reports again within the
+    same one is not counted. Gradient checkpointing recomputes a layer's forward during the backward pass, where no
+    new forward pass of the model has begun, so the recomputation is not counted twice (reentrant and non-reentrant
+    checkpointing alike). A model that runs one attention module several times per forward pass (shared layers) is
+    therefore counted once per pass.
+
     Args:
-        layers: the attention modules in layer order (``hf_knorm.models.architectures.attention_modules``).
+        model: the model whose forward passes are recorded (the Trainer's ``model``; called through ``__call__``).
+        layers: its attention modules in layer order (``hf_knorm.models.architectures.attention_modules``).
 
     Example:
-        >>> recorder = StepNormRecorder([m for _, m in attention_modules(model)])
+        >>> recorder = StepNormRecorder(model, [m for _, m in attention_modules(model)])
         >>> recorder.start()
         >>> model(**batch)          # routed through the plugin (patched, or ``routed_through_plugin``)
         >>> recorder.stop()
         >>> recorder.finish()[3]["attn_fro"]
     """
 
-    def __init__(self, layers: list[torch.nn.Module]):
+    def __init__(self, model: torch.nn.Module, layers: list[torch.nn.Module]):
+        self._model = model
         self._index = {id(module): i for i, module in enumerate(layers)}
         self.num_layers = len(layers)
+        self._forwards = 0  # forward passes of the model since start()
+        self._reported_in = [-1] * self.num_layers  # the forward pass each layer last reported in
+        self._forward_hook = None
         self._sums: torch.Tensor | None = None  # (L, 6)
         self._maxes: torch.Tensor | None = None  # (L, 2)
         self._token = None
@@ -75,6 +82,9 @@ class StepNormRecorder:
         if self.active:
             raise RuntimeError("This StepNormRecorder is already active.")
         self._sums = self._maxes = None
+        self._forwards = 0
+        self._reported_in = [-1] * self.num_layers
+        self._forward_hook = self._model.register_forward_pre_hook(self._count_forward)
         self._token = activate_recorder(self)
 
     def stop(self) -> None:
@@ -82,6 +92,12 @@ class StepNormRecorder:
         if self.active:
             deactivate_recorder(self._token)
             self._token = None
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
+
+    def _count_forward(self, module, args) -> None:
+        self._forwards += 1
 
     def record(self, module, key, value, allowed, frobenius_sq) -> None:
         """Called by the attention function, once per layer and forward pass.
@@ -93,11 +109,12 @@ class StepNormRecorder:
                 query rows are then the ``kv`` tokens: a training forward pass, self-attention without a cache).
             frobenius_sq: ``(B, H_q)`` squared Frobenius norms of the attention matrices.
         """
-        if _in_backward():  # gradient checkpointing recomputing the forward: already counted
-            return
         index = self._index.get(id(module))
         if index is None:
             raise RuntimeError(f"{type(module).__name__} is not one of the layers this StepNormRecorder was built for.")
+        if self._reported_in[index] == self._forwards:  # gradient checkpointing recomputing it: already counted
+            return
+        self._reported_in[index] = self._forwards
         batch, heads = frobenius_sq.shape
         kv_len = key.shape[2]
         dtype = torch.float32 if key.device.type == "mps" else torch.float64

@@ -117,7 +117,8 @@ def test_reading_an_unpatched_model_leaves_its_training_unchanged(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_gradient_checkpointing_does_not_count_a_forward_twice(tmp_path, monkeypatch):
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_gradient_checkpointing_does_not_count_a_forward_twice(tmp_path, monkeypatch, reentrant):
     from hf_knorm.training.step_norms import StepNormRecorder
 
     counted = []  # attention matrices per layer that each logging step summed
@@ -129,7 +130,7 @@ def test_gradient_checkpointing_does_not_count_a_forward_twice(tmp_path, monkeyp
 
     monkeypatch.setattr(StepNormRecorder, "finish", spy)
     model = lm("x^3/16")
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
     _train(model, lm_data(), tmp_path, [hf_knorm.NormLoggerCallback()], max_steps=2)
     assert counted == [[4 * 4, 4 * 4]]  # batch 4 x 4 heads, once per layer: not again in the backward recompute
 
