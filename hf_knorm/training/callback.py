@@ -7,14 +7,15 @@ from inside the attention of the forward passes the Trainer runs anyway (no seco
 How the scalars reach every ``report_to`` integration
     The Trainer calls ``on_log`` on its callbacks in list order, and user callbacks come after the integrations
     (TensorBoard, W&B, MLflow, ...): a value a callback adds to ``logs`` in its own ``on_log`` normally reaches
-    none of them. This callback therefore moves itself to the front of the Trainer's callback list when the
-    Trainer is built (``on_init_end``) and again when training starts; its ``on_log`` then adds the norms to the
-    ``logs`` dict before any integration sees it, and also to the ``state.log_history`` entry the Trainer has just
-    appended. The list lives in the Trainer's ``CallbackHandler``, which passes itself to no callback; the callback
-    finds it as the caller of its event method. If it cannot (a future Transformers), it warns and the norms reach
-    ``log_history`` and ``norms.jsonl`` only. The console printer (progress bar or ``PrinterCallback``) would print
-    the whole dict, seven numbers per layer, at every logging step: unless ``console=True``, a small companion
-    callback placed just before it takes the norm keys out of ``logs`` (``state.log_history`` keeps them).
+    none of them, and Transformers offers no public way to run earlier. When training starts (``on_train_begin``)
+    this callback therefore moves itself to the front of the Trainer's callback list
+    (:func:`hf_knorm.compat.run_callback_first`, the workaround, documented and tested there); its ``on_log`` then
+    adds the norms to the ``logs`` dict before any integration sees it, and also to the ``state.log_history`` entry
+    the Trainer has just appended. If the list cannot be found (a future Transformers), it warns and the norms reach
+    ``log_history`` and ``norms.jsonl`` only (:attr:`NormLoggerCallback.reaches_integrations` is ``False``). The
+    console printer (progress bar or ``PrinterCallback``) would print the whole dict, seven numbers per layer, at
+    every logging step: unless ``console=True``, a small companion callback placed just before it takes the norm
+    keys out of ``logs`` (``state.log_history`` keeps them).
 
 Which forward passes count
     The recorder is switched on in ``on_step_begin`` of a step that will log and off in ``on_step_end``; on every
@@ -44,15 +45,15 @@ Divergence
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 
 import torch
 import torch.distributed as dist
+import transformers
 from transformers import TrainerCallback
-from transformers.trainer_callback import CallbackHandler
 from transformers.utils import logging
 
+from ..compat import run_callback_first
 from ..models.architectures import attention_modules
 from ..models.patching import patch, patched_normalization, unpatch
 from .history import HISTORY_FILE, NormHistory
@@ -105,17 +106,17 @@ class NormLoggerCallback(TrainerCallback):
         self._pending: tuple[int, list[dict[str, float]]] | None = None
         self._loss_hook = None
         self._loss_finite: torch.Tensor | None = None
+        self._console_filter = None if console else _HideFromConsole(self)
 
     # --- Trainer events ------------------------------------------------------------------------------------------
 
-    def on_init_end(self, args, state, control, **kwargs):
-        self._run_before_integrations()
-
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if not self._run_before_integrations():
+        self.reaches_integrations = run_callback_first(self, console_filter=self._console_filter)
+        if not self.reaches_integrations:
             warnings.warn(
-                "NormLoggerCallback could not reach the Trainer's callback list to run before the report_to "
-                "integrations: the norms will be in state.log_history and norms.jsonl, not in TensorBoard/W&B.",
+                f"NormLoggerCallback could not reach the Trainer's callback list to run before the report_to "
+                f"integrations (Transformers {transformers.__version__}; please report it to hf_knorm): the norms will "
+                f"be in state.log_history and norms.jsonl, not in TensorBoard/W&B.",
                 stacklevel=2,
             )
         self._end_step(model)  # a previous train() that raised during a logging step
@@ -133,7 +134,7 @@ class NormLoggerCallback(TrainerCallback):
                 "NormLoggerCallback does not support torch.nn.DataParallel (several GPUs in one process); launch one "
                 "process per GPU with torchrun (DistributedDataParallel)."
             )
-        self._recorder = StepNormRecorder([module for _, module in modules])
+        self._recorder = StepNormRecorder(model, [module for _, module in modules])
         self._normalization = patched_normalization(model) or "softmax"
         self._pending = None
         self._history = None
@@ -253,38 +254,13 @@ class NormLoggerCallback(TrainerCallback):
             if state.is_world_process_zero:
                 logger.warning(f"NormLoggerCallback: non-finite loss at step {state.global_step}; stopping training.")
 
-    def _run_before_integrations(self) -> bool:
-        """Move this callback to the front of the Trainer's callback list; False if the list cannot be found.
-
-        Called from a callback event: the caller is ``CallbackHandler.call_event``, which iterates over the list.
-        Removing this callback from index ``k`` and inserting it at 0 leaves every later callback at its index,
-        so the iteration in progress still visits each of them exactly once.
-        """
-        frame = sys._getframe(1)
-        for _ in range(6):
-            frame = frame.f_back
-            if frame is None:
-                break
-            handler = frame.f_locals.get("self")
-            if isinstance(handler, CallbackHandler):
-                callbacks = handler.callbacks
-                if callbacks and callbacks[0] is not self and self in callbacks:
-                    callbacks.remove(self)
-                    callbacks.insert(0, self)
-                if not self.console and not any(getattr(c, "owner", None) is self for c in callbacks):
-                    printers = [i for i, c in enumerate(callbacks) if type(c).__name__ in _CONSOLE_PRINTERS]
-                    if printers:  # always after this callback's index: the iteration visits it once
-                        callbacks.insert(printers[0], _HideFromConsole(self))
-                self.reaches_integrations = True
-                return True
-        return False
-
-
-_CONSOLE_PRINTERS = ("ProgressCallback", "PrinterCallback", "NotebookProgressCallback")
-
 
 class _HideFromConsole(TrainerCallback):
-    """Placed just before the Trainer's console printer: removes the norm scalars from the ``logs`` it prints."""
+    """Placed just before the Trainer's console printer: removes the norm scalars from the ``logs`` it prints.
+
+    Only the console loses them: every callback before it, the integrations included, has read them, and
+    ``state.log_history`` keeps them.
+    """
 
     def __init__(self, owner: NormLoggerCallback):
         self.owner = owner

@@ -1,0 +1,96 @@
+"""Every reach of hf_knorm into Transformers beyond its public extension points, in one module.
+
+The rule: the package uses what Transformers offers plugins (``AttentionInterface``, ``AttentionMaskInterface``,
+cache layers, ``TrainerCallback`` events, config attributes, the pipeline registry); where no public point exists,
+the workaround lives here, in its own section, with a docstring that names the Transformers behaviour it works
+around and the versions it was checked on, and a test in the compatibility suite (``pytest -m compat``, run on every
+supported Transformers version) that fails loudly the day it stops working.
+
+This module sits at the bottom of the package's layers: it imports Transformers and torch, nothing of hf_knorm.
+"""
+
+# =====================================================================================================================
+# Trainer callback order: a callback's on_log before the report_to integrations (NormLoggerCallback)
+# =====================================================================================================================
+
+import gc
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import CallbackHandler, PrinterCallback, ProgressCallback
+
+# Matched by name: transformers.utils.notebook imports IPython.
+_CONSOLE_PRINTER_NAMES = ("NotebookProgressCallback",)
+
+
+def run_callback_first(callback: TrainerCallback, console_filter: TrainerCallback | None = None) -> bool:
+    """Put ``callback`` first in the callback list of every Trainer that holds it; ``False`` if none does.
+
+    Works around: the ``Trainer`` calls each event on its callbacks in list order, and builds that list as
+    ``DefaultFlowCallback``, then the ``report_to`` integrations (``TensorBoardCallback``, ``WandbCallback``, ...),
+    then the user's ``callbacks=``, then the console printer (``Trainer.__init__``). ``Trainer.log`` passes one
+    ``logs`` dict to ``on_log`` of each in turn, so a value a user callback adds to ``logs`` reaches no integration.
+    No public way places a callback before the integrations: ``callbacks=`` and ``Trainer.add_callback`` append, and
+    no event receives the Trainer or its ``CallbackHandler``.
+
+    How: the handler is found as what it is, the ``CallbackHandler`` whose ``callbacks`` list holds ``callback``,
+    through the garbage collector's referrer lists (:func:`gc.get_referrers`: the lists that hold the callback, then
+    the objects that hold those lists). This depends only on the handler keeping its callbacks in a plain list
+    attribute named ``callbacks`` (its documented role), not on who calls the event (a call-stack walk breaks with
+    each refactor of the training loop and with Trainer subclasses such as TRL's). Each search costs two or three
+    passes over the objects Python tracks (about 0.1 s each with a model loaded), once per ``train()``. The list is
+    replaced by a reordered copy, never changed in place: an event iterating over the old list at that moment
+    finishes over it unchanged.
+
+    Args:
+        callback: the callback to run first.
+        console_filter: a callback to place just before the console printer (``ProgressCallback``,
+            ``PrinterCallback``, ``NotebookProgressCallback``), e.g. one that takes keys out of ``logs`` before they
+            are printed; added once. Not placed when the Trainer has no console printer.
+
+    Returns:
+        Whether at least one Trainer's list holds ``callback`` (and now starts with it).
+
+    Checked on: Transformers 5.24 (``CallbackHandler.callbacks``; ``call_event`` iterates over it).
+    Test: ``tests/training/test_training_callback_order.py`` (``compat``): a 3-step ``Trainer`` with
+    ``report_to=["tensorboard"]`` whose event file must hold the norm scalars, with the callback's "could not reach"
+    warning turned into an error; the reordering during an event in progress; the handler found with and without a
+    materialized ``__dict__``.
+    """
+    handlers = _handlers_holding(callback)
+    for handler in handlers:
+        current = handler.callbacks
+        ordered = [callback] + [c for c in current if c is not callback and c is not console_filter]
+        if console_filter is not None:
+            printer = next((i for i, c in enumerate(ordered) if _is_console_printer(c)), None)
+            if printer is not None:
+                ordered.insert(printer, console_filter)
+        if len(ordered) != len(current) or any(a is not b for a, b in zip(ordered, current)):
+            handler.callbacks = ordered
+    return bool(handlers)
+
+
+def _handlers_holding(callback: TrainerCallback) -> list[CallbackHandler]:
+    """Every ``CallbackHandler`` whose ``callbacks`` list holds ``callback`` (by identity)."""
+    lists = [holder for holder in gc.get_referrers(callback)
+             if type(holder) is list and any(item is callback for item in holder)]
+    if not lists:
+        return []
+    handlers, attribute_dicts = [], []
+    for owner in gc.get_referrers(*lists):
+        if issubclass(type(owner), CallbackHandler):
+            handlers.append(owner)
+        elif type(owner) is dict and any(owner.get("callbacks") is holder for holder in lists):
+            attribute_dicts.append(owner)  # the handler's __dict__, where Python has materialized one
+    if attribute_dicts:
+        handlers += [owner for owner in gc.get_referrers(*attribute_dicts) if issubclass(type(owner), CallbackHandler)]
+    found, seen = [], set()
+    for handler in handlers:
+        if id(handler) not in seen and any(holder is getattr(handler, "callbacks", None) for holder in lists):
+            seen.add(id(handler))
+            found.append(handler)
+    return found
+
+
+def _is_console_printer(callback: TrainerCallback) -> bool:
+    printers = (ProgressCallback, PrinterCallback)
+    return isinstance(callback, printers) or type(callback).__name__ in _CONSOLE_PRINTER_NAMES
