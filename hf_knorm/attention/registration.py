@@ -1,11 +1,18 @@
 """Registration of the plugin's attention under the name ``"hf_knorm"`` with Transformers.
 
-Two registrations, both class-wide and idempotent (done on ``import hf_knorm``): the attention function with
-``AttentionInterface``, and a mask function under the same name with ``AttentionMaskInterface``: without it
-Transformers hands a custom attention no mask at all. The mask function is Transformers' ``sdpa_mask`` with its
-shortcuts disabled, so the attention always receives the explicit bool mask (causal, padding, sliding window) and
-never ``None`` in place of "causal". Which model uses the function is decided per instance by
-:func:`hf_knorm.patch`.
+Three registrations, all class-wide and idempotent (done on ``import hf_knorm``):
+
+- the attention function with ``AttentionInterface``;
+- a mask function under the same name with ``AttentionMaskInterface`` (without it Transformers hands a custom
+  attention no mask at all). It is Transformers' ``sdpa_mask`` with its shortcuts disabled, so the attention always
+  receives the explicit bool mask (causal, padding, sliding window) and never ``None`` in place of "causal";
+- the name as one that saved configs keep: every config whose ``hf_knorm`` section names a normalization (what
+  :func:`hf_knorm.patch` writes, and what a patched model's saved config brings back on load) saves
+  ``"attn_implementation": "hf_knorm"`` into ``config.json``, whichever path saves it. This is the one place the
+  marker is written (Transformers drops that key; the workaround is
+  :func:`hf_knorm.compat.keep_attn_implementation_on_save`).
+
+Which model uses the function is decided per instance by :func:`hf_knorm.patch`.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..compat import keep_attn_implementation_on_save
 from .interface import ATTENTION_NAME, hf_knorm_attention
 
 
@@ -23,6 +31,14 @@ def explicit_bool_mask(*args, **kwargs):
 
 
 def register() -> None:
-    """Register the attention and mask functions under ``"hf_knorm"`` (idempotent; done on ``import hf_knorm``)."""
+    """Register the attention and mask functions under ``"hf_knorm"``, a name saved configs keep (idempotent; done on
+    ``import hf_knorm``)."""
     AttentionInterface.register(ATTENTION_NAME, hf_knorm_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, explicit_bool_mask)
+    keep_attn_implementation_on_save(ATTENTION_NAME, names_a_normalization)
+
+
+def names_a_normalization(config: dict) -> bool:
+    """Whether a serialized config's ``hf_knorm`` section names a normalization (the model runs the plugin)."""
+    section = config.get(ATTENTION_NAME)
+    return isinstance(section, dict) and section.get("normalization") is not None

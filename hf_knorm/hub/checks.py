@@ -12,6 +12,8 @@ from pathlib import Path
 from huggingface_hub import get_token
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+from ..attention.interface import ATTENTION_NAME
+
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -70,7 +72,8 @@ def check_saved_model(folder) -> tuple[Path, dict]:
 
     Raises:
         FileNotFoundError: no such folder.
-        ValueError: no config, no ``model_type``, or missing weights / shards.
+        ValueError: no config, no ``model_type``, a config with an hf_knorm normalization but without its
+            ``attn_implementation`` marker (it would load as softmax), or missing weights / shards.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -85,6 +88,14 @@ def check_saved_model(folder) -> tuple[Path, dict]:
         raise ValueError(f"{config_path} is not valid JSON ({error}).") from None
     if "model_type" not in config:
         raise ValueError(f"{config_path} has no model_type: it is not a Transformers model config ({how}).")
+    normalization = (config.get("hf_knorm") or {}).get("normalization")
+    if normalization is not None and config.get("attn_implementation") != ATTENTION_NAME:
+        raise ValueError(
+            f"{config_path} names the hf_knorm normalization {normalization} but lacks \"attn_implementation\": "
+            f"\"hf_knorm\" (an earlier hf_knorm could lose it): loaded from the Hub with plain from_pretrained it "
+            "would run softmax. Save it again before pushing: hf_knorm.save_pretrained("
+            "hf_knorm.from_pretrained(folder), new_folder, tokenizer=tokenizer) writes it."
+        )
     if any((folder / name).is_file() for name in WEIGHT_FILES):
         return folder, config
     for index in WEIGHT_INDEXES:

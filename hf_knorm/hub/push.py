@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import json
 import tempfile
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi
 from huggingface_hub.errors import HTTPError
 
-from ..attention.interface import ATTENTION_NAME
 from ..version import __version__
 from .card import BEGIN, END, render_card
 from .checks import (
@@ -84,8 +82,7 @@ def push_folder(model_dir, repo_id: str, *, private: bool | None = None, token: 
                 commit_message: str | None = None, without_tokenizer: bool = False) -> CommitInfo:
     """Push a folder saved by :func:`hf_knorm.save_pretrained` (or by Transformers) in one commit; ``hf-knorm push``.
 
-    The card is rendered again for ``repo_id`` from the folder's config and card inputs. A ``config.json`` of a
-    patched model that lost its ``attn_implementation`` marker is pushed with it restored (the folder is left as is).
+    The card is rendered again for ``repo_id`` from the folder's config and card inputs.
 
     Args:
         model_dir: the saved folder.
@@ -93,8 +90,8 @@ def push_folder(model_dir, repo_id: str, *, private: bool | None = None, token: 
         without_tokenizer: push a causal LM whose folder has no tokenizer files.
 
     Raises:
-        FileNotFoundError, ValueError: not a saved model folder, invalid repo id, no token, no tokenizer (before
-            anything is sent).
+        FileNotFoundError, ValueError: not a saved model folder (or a ``config.json`` of a patched model that lost
+            its ``attn_implementation`` marker), invalid repo id, no token, no tokenizer (before anything is sent).
         HubPushError: as in :func:`push_to_hub`.
     """
     folder, config = check_saved_model(model_dir)
@@ -125,15 +122,7 @@ def _push(folder: Path, repo_id: str, token: str, private: bool | None, commit_m
     for name in files:
         if name == CARD_FILE:
             continue
-        if name == "config.json" and _lost_marker(config):
-            warnings.warn(f"{folder / 'config.json'} has an hf_knorm normalization but lost its attn_implementation "
-                          "marker; the pushed copy has it back (re-save the folder with hf_knorm.save_pretrained to "
-                          "repair it there too).", stacklevel=3)
-            config["attn_implementation"] = ATTENTION_NAME
-            content = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
-            operations.append(CommitOperationAdd(path_in_repo=name, path_or_fileobj=content))
-        else:
-            operations.append(CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name)))
+        operations.append(CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name)))
     operations.append(CommitOperationAdd(path_in_repo=CARD_FILE, path_or_fileobj=str(card).encode()))
 
     normalization = (config.get("hf_knorm") or {}).get("normalization")
@@ -165,11 +154,6 @@ def _user_wrote(card_text: str) -> bool:
     own_tags = {tag for tag in metadata.get("tags") or [] if tag == "hf-knorm" or tag == "kv-balancing"
                 or tag.startswith("normalization-")}
     return bool(lines) or bool(set(metadata) - OWNED_METADATA) or set(metadata.get("tags") or []) != own_tags
-
-
-def _lost_marker(config: dict) -> bool:
-    normalization = (config.get("hf_knorm") or {}).get("normalization")
-    return normalization is not None and config.get("attn_implementation") != ATTENTION_NAME
 
 
 def _is_weight_file(path: str) -> bool:

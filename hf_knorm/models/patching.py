@@ -2,7 +2,9 @@
 
 The model *instance* is patched, never a class: its config gets a ``hf_knorm`` section (normalization, the
 attention implementation it had, plugin version) and its attention implementation is switched to ``"hf_knorm"``,
-the function :mod:`hf_knorm.attention.registration` registers with Transformers' ``AttentionInterface``.
+the function :mod:`hf_knorm.attention.registration` registers with Transformers' ``AttentionInterface``. Saving such a
+config writes ``"attn_implementation": "hf_knorm"`` into ``config.json`` (the registration makes every save path do
+so), which ``from_pretrained`` reads back.
 """
 
 from __future__ import annotations
@@ -46,10 +48,6 @@ def patch(model: nn.Module, normalization: str | Normalization = "softmax") -> n
         section = dict(getattr(config, SECTION, None) or {})
         section.update(normalization=normalization.name, original_attn_implementation=original, version=__version__)
         setattr(config, SECTION, section)
-        # Transformers does not serialize `_attn_implementation`; a plain `attn_implementation` attribute is saved
-        # in config.json and read back by from_pretrained, which then fails loudly if hf_knorm is not imported
-        # instead of loading the model silently as softmax.
-        config.attn_implementation = ATTENTION_NAME
     model.set_attn_implementation(ATTENTION_NAME)
     return model
 
@@ -73,7 +71,6 @@ def unpatch(model: nn.Module) -> nn.Module:
             config.__dict__.pop(SECTION, None)
         else:
             setattr(config, SECTION, section)
-        config.__dict__.pop("attn_implementation", None)
     return model
 
 

@@ -1,11 +1,14 @@
 """Saving and loading patched models so that the normalization always comes back.
 
 Transformers strips ``attn_implementation`` from saved configs; a saved ``x^3/16`` model would load silently as
-softmax. ``patch`` therefore stores the settings in the config's ``hf_knorm`` section (with the plugin version) and a
-plain ``attn_implementation: "hf_knorm"`` entry that ``from_pretrained`` reads back. With ``hf_knorm`` imported, plain
+softmax. ``patch`` therefore stores the settings in the config's ``hf_knorm`` section (with the plugin version), and
+every save of a config with that section (Transformers' own ``save_pretrained`` / ``push_to_hub`` included, also
+right after a plain load) writes ``"attn_implementation": "hf_knorm"`` beside it, which ``from_pretrained`` reads
+back (the one writer of that marker: :mod:`hf_knorm.attention.registration`). With ``hf_knorm`` imported, plain
 ``AutoModel*.from_pretrained`` loads the model correctly; without it, loading fails with Transformers' error naming
-``attn_implementation="hf_knorm"`` (the fix: ``import hf_knorm``). It never loads as softmax. Transformers' own
-``save_pretrained`` / ``push_to_hub`` keep the marker too, also right after a plain load (see :mod:`.marker`).
+``attn_implementation="hf_knorm"`` (the fix: ``import hf_knorm``). It never loads as softmax.
+:func:`from_pretrained` here reads the section itself, so a checkpoint whose ``config.json`` lost the marker (saved
+by an earlier hf_knorm) loads with its normalization too.
 
 :func:`save_pretrained` here writes the weights and the config; the public ``hf_knorm.save_pretrained``
 (:mod:`hf_knorm.hub.saving`) calls it and adds the tokenizer and the model card.
@@ -13,7 +16,6 @@ plain ``attn_implementation: "hf_knorm"`` entry that ``from_pretrained`` reads b
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from pathlib import Path
@@ -24,23 +26,17 @@ import torch.nn as nn
 from ..attention.interface import ATTENTION_NAME
 from ..attention.normalizations import parse_normalization
 from ..version import __version__
-from .patching import SECTION, patched_normalization
+from .patching import SECTION
 
 
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwargs) -> Path:
-    """``model.save_pretrained`` that guarantees the hf_knorm settings are in the saved ``config.json``.
+    """``model.save_pretrained``: the weights and ``config.json``, with the hf_knorm section and its marker.
 
     Returns:
         The folder written.
     """
     save_directory = Path(save_directory)
     model.save_pretrained(save_directory, **kwargs)
-    normalization = patched_normalization(model)
-    config_path = save_directory / "config.json"
-    saved = json.loads(config_path.read_text())
-    if normalization is not None and saved.get("attn_implementation") != ATTENTION_NAME:
-        saved["attn_implementation"] = ATTENTION_NAME
-        _write_json_atomically(config_path, saved)
     return save_directory
 
 
@@ -72,16 +68,12 @@ def from_pretrained(path: str | os.PathLike, model_class=None, **kwargs) -> nn.M
         saved_version = section.get("version")
         if saved_version and saved_version.split(".")[0] != __version__.split(".")[0]:
             warnings.warn(f"{path} was saved by hf_knorm {saved_version}; this is {__version__}.", stacklevel=2)
+        kwargs["attn_implementation"] = ATTENTION_NAME  # also for a config.json that lost the marker
     if model_class is None:
         architectures = getattr(config, "architectures", None) or []
         model_class = getattr(transformers, architectures[0], None) if architectures else None
         model_class = model_class or transformers.AutoModel
-    model = model_class.from_pretrained(path, **kwargs)  # config.json's attn_implementation selects "hf_knorm"
-    if normalization is not None:
-        if model.config._attn_implementation != ATTENTION_NAME:  # a config.json that lost the marker
-            model.set_attn_implementation(ATTENTION_NAME)
-        model.config.attn_implementation = ATTENTION_NAME  # the marker patch() sets, so a re-save keeps it
-    return model
+    return model_class.from_pretrained(path, **kwargs)
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, **kwargs):
@@ -106,9 +98,3 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, **kwargs):
         )
     model = from_pretrained(name_or_path, dtype=dtype, **kwargs).eval()
     return model, AutoTokenizer.from_pretrained(name_or_path)
-
-
-def _write_json_atomically(path: Path, data: dict) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(partial, path)

@@ -193,15 +193,19 @@ def test_push_folder_keeps_the_local_text_the_user_wrote(hub, tmp_path):
     assert "Written before the second push." in _card(hub).text
 
 
-def test_push_folder_restores_a_lost_marker_in_the_pushed_copy(hub, tmp_path):
+def test_push_folder_refuses_a_config_that_lost_its_marker_and_says_how_to_resave(hub, tmp_path):
     folder = hf_knorm.save_pretrained(_patched(), tmp_path / "saved", tokenizer=tiny_tokenizer())
     config = json.loads((folder / "config.json").read_text())
-    del config["attn_implementation"]  # as a pre-fix plain re-save left it
+    del config["attn_implementation"]  # as a plain re-save by an earlier hf_knorm left it
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.warns(UserWarning, match="lost its attn_implementation marker"):
+    with pytest.raises(ValueError, match=r"names the hf_knorm normalization x\^3/16 but lacks \"attn_implementation\".*"
+                                         r"would run softmax.*hf_knorm.save_pretrained\(hf_knorm.from_pretrained"):
         hf_knorm.push_folder(folder, REPO)
+    assert hub.requests == []  # refused before anything was sent
+    resaved = hf_knorm.save_pretrained(hf_knorm.from_pretrained(folder), tmp_path / "resaved",
+                                       tokenizer=tiny_tokenizer())  # the fix the message gives
+    hf_knorm.push_folder(resaved, REPO)
     assert _config(hub)["attn_implementation"] == "hf_knorm"
-    assert "attn_implementation" not in json.loads((folder / "config.json").read_text())  # folder left as is
 
 
 def test_push_folder_refuses_what_is_not_a_saved_model(hub, tmp_path):
@@ -231,4 +235,4 @@ def test_push_folder_of_a_causal_lm_without_tokenizer(hub, tmp_path):
         warnings.simplefilter("always")
         hf_knorm.push_folder(folder, REPO, without_tokenizer=True)
     assert len(hub.commits) == 1
-    assert not [w for w in caught if "marker" in str(w.message)]  # an intact config is pushed as it is
+    assert not [w for w in caught if "marker" in str(w.message)]

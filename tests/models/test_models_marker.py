@@ -1,4 +1,8 @@
-"""The persistence gap: a model loaded with plain from_pretrained and saved straight away keeps its normalization."""
+"""The persistence gap: a model loaded with plain from_pretrained and saved straight away keeps its normalization.
+
+Compatibility suite: the marker is kept by a workaround (hf_knorm.compat.keep_attn_implementation_on_save) that these
+tests catch failing on any supported Transformers version.
+"""
 
 import json
 
@@ -8,7 +12,10 @@ import transformers as tf
 from tiny_models import tiny_inputs, tiny_model
 
 import hf_knorm
-from hf_knorm.models.marker import keep_marker_on_save
+from hf_knorm.attention.registration import names_a_normalization
+from hf_knorm.compat import keep_attn_implementation_on_save
+
+pytestmark = pytest.mark.compat
 
 
 def _logits(model, inputs):
@@ -52,9 +59,31 @@ def test_other_implementations_serialize_as_before(tmp_path):
     assert "attn_implementation" not in json.loads(unpatched.config.to_json_string())
 
 
-def test_the_hook_is_installed_once():
+def test_a_model_patched_then_switched_to_another_implementation_keeps_the_marker(tmp_path):
+    """The marker follows the hf_knorm section, not the implementation the model happens to run at save time."""
+    model = hf_knorm.patch(tiny_model("llama"), "x^3/16")
+    model.set_attn_implementation("eager")  # e.g. to read attention weights for a while
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["attn_implementation"] == "hf_knorm"
+    assert tf.AutoModelForCausalLM.from_pretrained(tmp_path).config._attn_implementation == "hf_knorm"
+
+
+def test_the_wrap_writes_the_name_for_the_configs_it_accepts(monkeypatch):
+    from hf_knorm import compat
+
+    monkeypatch.setattr(compat, "_KEPT_IMPLEMENTATIONS", dict(compat._KEPT_IMPLEMENTATIONS))
+    keep_attn_implementation_on_save("my_attention", lambda d: "my_section" in d)
+    config = tf.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    assert "attn_implementation" not in config.to_dict()
+    config.my_section = {"on": True}
+    for serialized in (config.to_dict(), config.to_diff_dict(), json.loads(config.to_json_string())):
+        assert serialized["attn_implementation"] == "my_attention"
+        assert "_attn_implementation_internal" not in serialized  # Transformers' own removal still runs
+
+
+def test_the_wrap_is_installed_once():
     before = tf.PreTrainedConfig._remove_keys_not_serialized
-    keep_marker_on_save()
-    keep_marker_on_save()
+    keep_attn_implementation_on_save("hf_knorm", names_a_normalization)
+    keep_attn_implementation_on_save("hf_knorm", names_a_normalization)
     assert tf.PreTrainedConfig._remove_keys_not_serialized is before
     assert before.__wrapped__.__qualname__ == "PreTrainedConfig._remove_keys_not_serialized"
