@@ -1,9 +1,12 @@
 """Fixtures of the Hub tests: the loopback stand-in wired into huggingface_hub, a tiny tokenizer, fresh processes.
 
 ``hub`` points huggingface_hub at a :class:`HubStandIn` for one test (in-process: its endpoint constants, Xet off so
-uploads take the LFS path the stand-in speaks, a token in ``HF_TOKEN``, an empty token file and cache) and refuses
-every connection outside the loopback interface. :func:`fresh_env` gives a subprocess the same world through its
-environment (``HF_ENDPOINT`` and the rest), with the same guard installed as ``sitecustomize``.
+uploads take the LFS path the stand-in speaks, telemetry off as in :func:`fresh_env`, a token in ``HF_TOKEN``, an
+empty token file and cache) and refuses every connection outside the loopback interface. With telemetry off,
+huggingface_hub sends only the requests of the API calls made (with it on, building the user agent may first fetch
+the Hub's agent-harness registry, depending on this machine's cache), so a test can assert every request it sees.
+:func:`fresh_env` gives a subprocess the same world through its environment (``HF_ENDPOINT`` and the rest), with the
+same guard installed as ``sitecustomize``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def hub(monkeypatch, tmp_path):
         monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
                             standin.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
         monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+        monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)
         monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf_cache"))
         monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no_token_file"))
         monkeypatch.setenv("HF_TOKEN", TOKEN)
