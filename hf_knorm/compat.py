@@ -6,7 +6,8 @@ the workaround lives here, in its own section, with a docstring that names the T
 around and the versions it was checked on, and a test in the compatibility suite (``pytest -m compat``, run on every
 supported Transformers version) that fails loudly the day it stops working.
 
-This module sits at the bottom of the package's layers: it imports Transformers and torch, nothing of hf_knorm.
+This module sits at the bottom of the package's layers: it imports Transformers (torch if a workaround needs it), nothing of
+hf_knorm. Sections are independent (each with its own imports), so workarounds can be added or removed as a block.
 """
 
 # =====================================================================================================================
@@ -101,9 +102,11 @@ def _is_console_printer(callback: TrainerCallback) -> bool:
 # =====================================================================================================================
 
 import functools  # noqa: E402
+import warnings  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
-from transformers import PreTrainedConfig  # noqa: E402
+import transformers  # noqa: E402
+from transformers import PretrainedConfig  # noqa: E402  (4.x's name; 5.x keeps it as an alias of PreTrainedConfig)
 
 _WRAPPED = "__hf_knorm_keeps_attn_implementation__"
 _KEPT_IMPLEMENTATIONS: dict[str, Callable[[dict], bool]] = {}
@@ -127,7 +130,9 @@ def keep_attn_implementation_on_save(name: str, runs_it: Callable[[dict], bool])
     private keys are removed); when ``runs_it(d)`` holds, ``d["attn_implementation"] = name``. That method is the one
     point every save path goes through (``to_dict`` and ``to_diff_dict``, hence ``save_pretrained``,
     ``to_json_string``, ``push_to_hub``; nested sub-configs too, since it recurses through itself). Configs that
-    ``runs_it`` does not accept serialize exactly as before. Registering a name again replaces its ``runs_it``.
+    ``runs_it`` does not accept serialize exactly as before. Registering a name again replaces its ``runs_it``. If a
+    Transformers release has no such method, this warns and changes nothing (``import hf_knorm`` still works; a plain
+    save after a plain load then loses the key again, and the compatibility test fails).
 
     Args:
         name: the attention implementation registered with ``AttentionInterface``.
@@ -139,7 +144,15 @@ def keep_attn_implementation_on_save(name: str, runs_it: Callable[[dict], bool])
     bert); a config saved alone keeps it; other configs serialize as before; the wrap is installed once.
     """
     _KEPT_IMPLEMENTATIONS[name] = runs_it
-    original = PreTrainedConfig._remove_keys_not_serialized
+    original = getattr(PretrainedConfig, "_remove_keys_not_serialized", None)
+    if original is None:
+        warnings.warn(
+            f"This Transformers ({transformers.__version__}) has no PretrainedConfig._remove_keys_not_serialized: a "
+            f"model loaded with plain from_pretrained and saved again at once will not keep attn_implementation="
+            f"{name!r} (please report it to hf_knorm).",
+            stacklevel=2,
+        )
+        return
     if getattr(original, _WRAPPED, False):
         return
 
@@ -151,4 +164,4 @@ def keep_attn_implementation_on_save(name: str, runs_it: Callable[[dict], bool])
         return original(self, d)
 
     setattr(_remove_keys_not_serialized, _WRAPPED, True)
-    PreTrainedConfig._remove_keys_not_serialized = _remove_keys_not_serialized
+    PretrainedConfig._remove_keys_not_serialized = _remove_keys_not_serialized

@@ -81,9 +81,16 @@ def test_the_wrap_writes_the_name_for_the_configs_it_accepts(monkeypatch):
         assert "_attn_implementation_internal" not in serialized  # Transformers' own removal still runs
 
 
+def test_a_transformers_without_the_method_gets_a_warning_not_an_import_error(monkeypatch):
+    monkeypatch.delattr(tf.PretrainedConfig, "_remove_keys_not_serialized")
+    with pytest.warns(UserWarning, match="has no PretrainedConfig._remove_keys_not_serialized.*'hf_knorm'"):
+        keep_attn_implementation_on_save("hf_knorm", names_a_normalization)
+    assert not hasattr(tf.PretrainedConfig, "_remove_keys_not_serialized")
+
+
 def test_the_wrap_is_installed_once():
-    before = tf.PreTrainedConfig._remove_keys_not_serialized
+    before = tf.PretrainedConfig._remove_keys_not_serialized
     keep_attn_implementation_on_save("hf_knorm", names_a_normalization)
     keep_attn_implementation_on_save("hf_knorm", names_a_normalization)
-    assert tf.PreTrainedConfig._remove_keys_not_serialized is before
-    assert before.__wrapped__.__qualname__ == "PreTrainedConfig._remove_keys_not_serialized"
+    assert tf.PretrainedConfig._remove_keys_not_serialized is before
+    assert before.__wrapped__.__qualname__.lower() == "pretrainedconfig._remove_keys_not_serialized"
