@@ -6,8 +6,9 @@ the workaround lives here, in its own section, with a docstring that names the T
 around and the versions it was checked on, and a test in the compatibility suite (``pytest -m compat``, run on every
 supported Transformers version) that fails loudly the day it stops working.
 
-This module sits at the bottom of the package's layers: it imports Transformers (torch if a workaround needs it), nothing of
-hf_knorm. Sections are independent (each with its own imports), so workarounds can be added or removed as a block.
+This module sits at the bottom of the package's layers: it imports Transformers (torch if a workaround needs it),
+nothing of hf_knorm. Sections are independent (each with its own imports), so a workaround is added or removed as a
+block.
 """
 
 # =====================================================================================================================
