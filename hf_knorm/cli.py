@@ -127,7 +127,8 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
                         "look); flags given explicitly still win")
     parser.add_argument("--push-to", default=None, metavar="REPO_ID",
                         help="step 5: also push the fine-tuned model and its card to this Hub repo (needs a token)")
-    parser.add_argument("--token", default=None, help="Hub token for --push-to (without it: HF_TOKEN, else the saved login)")
+    parser.add_argument("--token", default=None,
+                        help="Hub token for --push-to (without it: HF_TOKEN, else the saved login)")
 
 
 def _run_demo(settings: DemoSettings, args: argparse.Namespace) -> int:
@@ -171,7 +172,8 @@ def _run_kv_norms(settings: None, args: argparse.Namespace) -> int:
 
 def _niah_arguments(parser: argparse.ArgumentParser) -> None:
     _add_model_argument(parser)
-    parser.add_argument("--ratios", default="0,0.5,0.75,0.9", help="comma-separated compression ratios (0 = uncompressed)")
+    parser.add_argument("--ratios", default="0,0.5,0.75,0.9",
+                        help="comma-separated compression ratios (0 = uncompressed)")
     parser.add_argument("--scores", default=",".join(_default_of(run_niah_job, "scores")),
                         help="comma-separated eviction scores, one row per ratio and score: key_norm (the paper's), "
                         "kv_diff (the recommended one), value_over_key, key_diff, recent, random; append +sinksK / "
@@ -201,7 +203,8 @@ def _push_arguments(parser: argparse.ArgumentParser) -> None:
                         help="create the repo private (an existing repo keeps its visibility)")
     parser.add_argument("--token", default=None,
                         help="a Hugging Face write token (without it: HF_TOKEN, else the saved login)")
-    parser.add_argument("--commit-message", default=None, help="the commit message (without it: one saying what is pushed)")
+    parser.add_argument("--commit-message", default=None,
+                        help="the commit message (without it: one saying what is pushed)")
     parser.add_argument("--no-tokenizer", action="store_true",
                         help="push a causal LM whose folder has no tokenizer (refused otherwise)")
 

@@ -11,8 +11,9 @@ class DemoSettings:
     """Sizes of the demo's steps: each field is a flag of ``hf-knorm demo``, with its help in ``metadata["help"]``
     (``--fast`` starts from :meth:`fast` instead of these defaults; flags given explicitly still win)."""
 
-    normalizations: tuple[str, ...] = field(default=("softmax", "x/1", "x/16", "x^3/1", "x^3/16", "x^3/sqrtN"), metadata={
-        "help": "step 1: comma-separated normalizations compared with the model's own attention"})
+    normalizations: tuple[str, ...] = field(default=("softmax", "x/1", "x/16", "x^3/1", "x^3/16", "x^3/sqrtN"),
+                                            metadata={"help": "step 1: comma-separated normalizations compared with "
+                                                              "the model's own attention"})
     balance_mode: str = field(default="layer", metadata={
         "help": "step 2: one K/V scale per layer (TransMLA's Balanced Key-Value) or per channel",
         "choices": ("layer", "channel")})
