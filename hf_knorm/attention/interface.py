@@ -1,8 +1,8 @@
 """The plugin's attention function, as Transformers' ``AttentionInterface`` calls it.
 
-Registered under the name ``"hf_knorm"`` (see ``patching.py``). Each model reads its normalization from its own config
+Registered under the name ``"hf_knorm"`` (``registration.py``). Each model reads its normalization from its own config
 (``config.hf_knorm["normalization"]``), so two models in one process can use different normalizations. The math is in
-``chunked_attention.py``; this module adapts Transformers' arguments to it (mask forms, kwargs, output recording) and
+``kernel.py``; this module adapts Transformers' arguments to it (mask forms, kwargs, output recording) and
 reports to an active norm recorder or K/V transform.
 """
 

@@ -8,7 +8,7 @@ instead of repeating K and V.
 Training uses :class:`_ChunkedAttention`, a hand-written backward in the FlashAttention style: each chunk's scores
 are recomputed and dQ, dK, dV are accumulated chunk by chunk into preallocated buffers. With attention dropout, or
 when differentiable weights are requested, autograd runs over the chunks instead (recomputed with
-``torch.utils.checkpoint``). ``attention_reference.py`` holds the plain formulation all of this is tested against.
+``torch.utils.checkpoint``). ``reference.py`` holds the plain formulation all of this is tested against.
 
 Gradients, with ``s`` the (softcapped) score, ``w = phi(s)`` and ``dW = dO V^T``:
     polynomial ``phi(s) = s^p / c``:  ``dS = dW * p * s^(p-1) / c`` on allowed pairs, 0 elsewhere;

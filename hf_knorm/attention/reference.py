@@ -1,6 +1,6 @@
 """A plain reference of the plugin's attention, for tests: the whole score matrix at once, K/V repeated for GQA.
 
-Written independently of ``attention.py`` and of ``Normalization.weights`` (it reads only ``power``, ``constant``
+Written independently of ``kernel.py`` and of ``Normalization.weights`` (it reads only ``power``, ``constant``
 and ``sqrt_n``), so that the memory-efficient path is checked against a second formulation of the same definition.
 """
 

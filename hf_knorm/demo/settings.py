@@ -3,39 +3,37 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """Sizes of the demo's steps.
+    """Sizes of the demo's steps: each field is a flag of ``hf-knorm demo``, with its help in ``metadata["help"]``
+    (``--fast`` starts from :meth:`fast` instead of these defaults; flags given explicitly still win)."""
 
-    Attributes:
-        normalizations: step 1, the normalizations compared with the model's own attention.
-        balance_mode: step 2, ``"layer"`` (TransMLA's Balanced Key-Value) or ``"channel"``.
-        calibration_tokens: step 2, calibration tokens for the K/V norms.
-        niah_lengths, niah_depths: step 3, the needle-in-a-haystack grid (context tokens x needle depth).
-        niah_ratio: step 3, the compression ratio compared with the uncompressed cache.
-        niah_score: step 3, the eviction score shown beside the paper's key norm (``"kv_diff"``, the recommended one,
-            BENCHMARKS.md "Eviction scores").
-        train_normalization: step 4, the normalization fine-tuned with the norm callback.
-        train_steps, train_block_size, train_batch_size, train_learning_rate, logging_steps: step 4, the
-            fine-tuning run.
-    """
-
-    normalizations: tuple[str, ...] = ("softmax", "x/1", "x/16", "x^3/1", "x^3/16", "x^3/sqrtN")
-    balance_mode: str = "layer"
-    calibration_tokens: int = 4096
-    niah_lengths: tuple[int, ...] = (1000, 2000)
-    niah_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
-    niah_ratio: float = 0.5
-    niah_score: str = "kv_diff"
-    train_normalization: str = "x^3/16"
-    train_steps: int = 30
-    train_block_size: int = 128
-    train_batch_size: int = 4
-    train_learning_rate: float = 2e-4
-    logging_steps: int = 3
+    normalizations: tuple[str, ...] = field(default=("softmax", "x/1", "x/16", "x^3/1", "x^3/16", "x^3/sqrtN"),
+                                            metadata={"help": "step 1: comma-separated normalizations compared with "
+                                                              "the model's own attention"})
+    balance_mode: str = field(default="layer", metadata={
+        "help": "step 2: one K/V scale per layer (TransMLA's Balanced Key-Value) or per channel",
+        "choices": ("layer", "channel")})
+    calibration_tokens: int = field(default=4096, metadata={"help": "step 2: calibration tokens for the K/V norms"})
+    niah_lengths: tuple[int, ...] = field(default=(1000, 2000), metadata={
+        "help": "step 3: comma-separated context lengths (tokens) of the needle-in-a-haystack grid"})
+    niah_depths: tuple[float, ...] = field(default=(0.0, 0.25, 0.5, 0.75, 1.0), metadata={
+        "help": "step 3: comma-separated needle depths in [0, 1]"})
+    niah_ratio: float = field(default=0.5, metadata={
+        "help": "step 3: the KNorm compression ratio compared with the uncompressed cache, in (0, 1)"})
+    niah_score: str = field(default="kv_diff", metadata={
+        "help": "step 3: the eviction score shown beside the paper's key_norm (kv_diff is the recommended one, "
+                "BENCHMARKS.md 'Eviction scores')"})
+    train_normalization: str = field(default="x^3/16", metadata={
+        "help": "step 4: the normalization fine-tuned with the norm callback"})
+    train_steps: int = field(default=30, metadata={"help": "step 4: optimizer steps"})
+    train_block_size: int = field(default=128, metadata={"help": "step 4: tokens per example"})
+    train_batch_size: int = field(default=4, metadata={"help": "step 4: examples per step"})
+    train_learning_rate: float = field(default=2e-4, metadata={"help": "step 4: peak learning rate"})
+    logging_steps: int = field(default=3, metadata={"help": "step 4: per-layer norms every N steps"})
 
     def __post_init__(self):
         from ..knorm.scores import resolve_score
@@ -53,14 +51,6 @@ class DemoSettings:
         """Every step shrunk to seconds, for the test suite (``--fast``)."""
         return cls(normalizations=("softmax", "x^3/16"), calibration_tokens=256, niah_lengths=(300,),
                    niah_depths=(0.5,), train_steps=4, train_block_size=64, train_batch_size=2, logging_steps=2)
-
-    def with_overrides(self, **overrides) -> DemoSettings:
-        """A copy with the given fields replaced; ``None`` values are ignored (flags the user did not set)."""
-        names = {f.name for f in fields(self)}
-        unknown = set(overrides) - names
-        if unknown:
-            raise ValueError(f"Unknown demo settings {sorted(unknown)}; known: {sorted(names)}.")
-        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
     def as_dict(self) -> dict:
         """The settings as plain values (for the report and ``demo.json``)."""

@@ -21,7 +21,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..attention.normalizations import parse_normalization
@@ -33,7 +33,8 @@ FIGURE_NORMALIZATIONS = ("softmax", "x/1", "x/16", "x^3/1", "x^3/16")
 
 @dataclass
 class AttentionNormsSettings:
-    """Settings of the figure job (each is a command-line flag).
+    """Settings of the figure job: each field is a flag of ``hf-knorm attention-norms``, with its help in
+    ``metadata["help"]``.
 
     Defaults (all five runs and the figure: 11 min 53 s on a quiet 2-core CPU, BENCHMARKS.md): ViT-Tiny's 12
     layers, width 192 and 3 heads; 20 epochs of batches of 64 (the paper: 200 epochs, by
@@ -41,19 +42,21 @@ class AttentionNormsSettings:
     at 1.0 (Transformers' default), norms logged every 5 steps (about 4.6 times per epoch).
     """
 
-    out: str = "outputs/attention_norms"
-    normalizations: tuple[str, ...] = FIGURE_NORMALIZATIONS
-    epochs: float = 20
-    layers: int = 12
-    hidden: int = 192
-    heads: int = 3
-    batch_size: int = 64
-    learning_rate: float = 1e-3
-    weight_decay: float = 0.05
-    warmup_ratio: float = 0.05
-    logging_steps: int = 5
-    seed: int = 0
-    max_steps: int = -1
+    out: str = field(default="outputs/attention_norms", metadata={
+        "help": "output folder: one run folder per normalization, the figure, summary.json/md"})
+    normalizations: tuple[str, ...] = field(default=FIGURE_NORMALIZATIONS, metadata={
+        "help": "comma-separated normalizations, one run each (the default is the paper's legend)"})
+    epochs: float = field(default=20, metadata={"help": "epochs per run (the paper: 200)"})
+    layers: int = field(default=12, metadata={"help": "transformer layers (ViT-Tiny: 12)"})
+    hidden: int = field(default=192, metadata={"help": "width (ViT-Tiny: 192)"})
+    heads: int = field(default=3, metadata={"help": "attention heads (ViT-Tiny: 3)"})
+    batch_size: int = field(default=64, metadata={"help": "images per step"})
+    learning_rate: float = field(default=1e-3, metadata={"help": "peak learning rate (AdamW, cosine decay)"})
+    weight_decay: float = field(default=0.05, metadata={"help": "AdamW weight decay"})
+    warmup_ratio: float = field(default=0.05, metadata={"help": "warmup, as a fraction of the steps"})
+    logging_steps: int = field(default=5, metadata={"help": "per-layer norms every N steps"})
+    seed: int = field(default=0, metadata={"help": "seed of the weights, the split and the order (same for all runs)"})
+    max_steps: int = field(default=-1, metadata={"help": "stop each run after N steps (-1: run the epochs)"})
 
 
 def run_slug(normalization: str) -> str:

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import torch
 
+from ..extras import require
+
 
 def digits_splits(seed: int = 0, test_fraction: float = 0.2):
     """``(train, test)`` lists of ``{"pixel_values": (1, 8, 8) float32, "labels": int}``; stratified, seeded."""
+    require("sklearn", "hf-knorm attention-norms (scikit-learn's 8x8 digits)")
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 

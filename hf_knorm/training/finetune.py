@@ -21,57 +21,52 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..attention.normalizations import parse_normalization
+from ..extras import require
 from ..models.architectures import architecture_of
 from .text_data import load_text_dataset, local_files, model_max_length, pack_dataset
 
 
 @dataclass
 class FinetuneSettings:
-    """What ``hf-knorm finetune`` runs (each field is a command-line flag).
+    """What ``hf-knorm finetune`` runs: each field is a flag (``--block-size`` or ``--block_size``), and its
+    ``metadata["help"]`` is that flag's help, so the command line and this class cannot disagree."""
 
-    Attributes:
-        dataset: ``shakespeare``, ``paul-graham``, local file(s) or a ``datasets`` name.
-        out: the run folder (checkpoints, TensorBoard logs, ``norms.jsonl``, the final model).
-        model: ``"default"`` (SmolLM2-135M-Instruct, embedded) or a checkpoint folder of a causal LM.
-        normalization: the attention normalization to train with.
-        balance: ``"layer"`` or ``"channel"`` to balance K/V first, or ``None``.
-        text_column, split: where the text is.
-        block_size: tokens per example; batch_size, gradient_accumulation_steps: per optimizer step.
-        max_steps, learning_rate, warmup_steps, weight_decay, seed: the optimization.
-        logging_steps: norms (and loss) every this many steps; save_steps: a checkpoint every this many.
-        max_blocks: use at most this many blocks of the dataset.
-        report_to: Trainer integrations (default TensorBoard).
-        stop_on_nonfinite_loss: stop at the first optimizer step with a non-finite loss.
-        resume: continue from the last checkpoint in ``out``.
-    """
-
-    dataset: str = "shakespeare"
-    out: str = "outputs/finetune"
-    model: str = "default"
-    normalization: str = "x^3/16"
-    balance: str | None = None
-    text_column: str = "text"
-    split: str = "train"
-    block_size: int = 256
-    batch_size: int = 4
-    gradient_accumulation_steps: int = 1
-    max_steps: int = 200
-    learning_rate: float = 5e-5
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    seed: int = 0
-    logging_steps: int = 10
-    save_steps: int = 50
-    max_blocks: int | None = None
-    report_to: tuple[str, ...] = ("tensorboard",)
-    stop_on_nonfinite_loss: bool = True
-    resume: bool = False
+    dataset: str = field(default="shakespeare", metadata={
+        "help": "shakespeare | paul-graham (embedded) | local file(s), comma-separated (.txt, .json/.jsonl, .csv, "
+                ".parquet) | a datasets name (namespace/name)"})
+    out: str = field(default="outputs/finetune", metadata={
+        "help": "the run folder: checkpoints, TensorBoard logs, norms.jsonl, finally the model"})
+    model: str = field(default="default", metadata={
+        "help": "'default' (SmolLM2-135M-Instruct, embedded) or a checkpoint folder of a causal LM"})
+    normalization: str = field(default="x^3/16", metadata={
+        "help": "the attention normalization to train with (softmax keeps the model's own attention)"})
+    balance: str | None = field(default=None, metadata={
+        "help": "balance keys and values (exact) before fine-tuning: one scale per layer or per channel",
+        "choices": ("layer", "channel")})
+    text_column: str = field(default="text", metadata={"help": "the column holding the text"})
+    split: str = field(default="train", metadata={"help": "the split to read (datasets names and local files)"})
+    block_size: int = field(default=256, metadata={"help": "tokens per example"})
+    batch_size: int = field(default=4, metadata={"help": "examples per device and micro-batch"})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    max_steps: int = field(default=200, metadata={"help": "optimizer steps"})
+    learning_rate: float = field(default=5e-5, metadata={"help": "peak learning rate"})
+    warmup_steps: int = field(default=10, metadata={"help": "linear warmup steps"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    seed: int = field(default=0, metadata={"help": "random seed (weights of new layers, data order)"})
+    logging_steps: int = field(default=10, metadata={"help": "log the loss and the per-layer norms every N steps"})
+    save_steps: int = field(default=50, metadata={"help": "a checkpoint every N steps (the last two are kept)"})
+    max_blocks: int | None = field(default=None, metadata={"help": "use at most N blocks of the dataset"})
+    report_to: tuple[str, ...] = field(default=("tensorboard",), metadata={
+        "help": "Trainer integrations, comma-separated ('none': no logs besides norms.jsonl)"})
+    stop_on_nonfinite_loss: bool = field(default=True, metadata={
+        "help": "stop at the first optimizer step with a non-finite loss (--no-stop-on-nonfinite-loss goes on)"})
+    resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint in --out"})
 
 
 def check_settings(settings: FinetuneSettings) -> Path | None:
@@ -80,6 +75,7 @@ def check_settings(settings: FinetuneSettings) -> Path | None:
     Raises:
         ValueError: unknown normalization or balance mode, non-positive sizes, a run folder in the wrong state.
         FileNotFoundError: a missing data file or model folder.
+        MissingExtraError: ``report_to`` names TensorBoard and it is not installed (the ``train`` extra).
     """
     parse_normalization(settings.normalization)
     if settings.balance not in (None, "layer", "channel"):
@@ -91,10 +87,7 @@ def check_settings(settings: FinetuneSettings) -> Path | None:
     if settings.model != "default" and not Path(settings.model).is_dir():
         raise FileNotFoundError(f"No model folder at {settings.model!r}; pass 'default' or a checkpoint folder.")
     if "tensorboard" in settings.report_to:
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError:
-            raise ValueError("report_to tensorboard needs the tensorboard package: pip install tensorboard") from None
+        require("tensorboard", "report_to tensorboard (the default; --report-to none turns it off)")
     out = Path(settings.out)
     last = get_last_checkpoint(str(out)) if out.is_dir() else None
     if settings.resume and last is None:

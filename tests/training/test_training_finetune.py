@@ -64,6 +64,9 @@ BAD_INPUTS = {
     "missing file": (["--dataset", "{tmp}/nowhere.jsonl"], "No such file: .*nowhere.jsonl"),
     "no text column": (["--dataset", "{tmp}/table.csv"], "has no column 'text'; columns found: title, body"),
     "empty dataset": (["--dataset", "{tmp}/blank.jsonl"], "is empty"),
+    "empty file": (["--dataset", "{tmp}/empty.txt"], "empty.txt is empty: it holds no text to train on"),
+    "unreadable file": (["--dataset", "{tmp}/broken.csv"], "tried reading .*broken.csv as csv with "
+                        "datasets.load_dataset, which failed: .*ParserError"),
     "block size above the model's maximum": (["--dataset", "{tmp}/ok.txt", "--block-size", "512"],
                                              "--block-size 512 is above the model's maximum of 256"),
     "unknown normalization": (["--dataset", "{tmp}/ok.txt", "--normalization", "x^2.5/3"], "x\\^p/c"),
@@ -77,6 +80,8 @@ def test_bad_input_stops_with_its_message_before_training(tmp_path, tiny_lm_dir,
     (tmp_path / "blank.jsonl").write_text('{"text": ""}\n{"text": "  "}\n')
     (tmp_path / "ok.txt").write_text(SAMPLE_TEXT + "\n")
     (tmp_path / "short.txt").write_text("too short\n")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "broken.csv").write_text('title,body\n"never closed\n')
     flags, message = BAD_INPUTS[case]
     out = tmp_path / "run"
     assert _finetune(*[f.format(tmp=tmp_path) for f in flags], model=tiny_lm_dir, out=out) == 2
@@ -109,3 +114,15 @@ def test_finetune_logs_norms_checkpoints_reloads_and_resumes(tmp_path, tiny_lm_d
 def test_resume_without_a_checkpoint_is_refused(tmp_path, tiny_lm_dir, text_file, capsys):
     assert _finetune("--dataset", str(text_file), "--resume", model=tiny_lm_dir, out=tmp_path / "new") == 2
     assert "no checkpoint-* folder" in capsys.readouterr().err
+
+
+def test_a_datasets_name_that_cannot_be_loaded_says_what_was_tried(tmp_path, tiny_lm_dir, capsys, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # fail at once, as with no network
+    monkeypatch.chdir(tmp_path)
+    assert _finetune("--dataset", "some/name", model=tiny_lm_dir, out=tmp_path / "run") == 2
+    error = capsys.readouterr().err
+    assert "No such file" not in error
+    assert ("tried datasets.load_dataset('some/name', split='train'), as a datasets name (there is no local file or "
+            "folder some/name), which failed: ConnectionError: Couldn't reach 'some/name' on the Hub") in error

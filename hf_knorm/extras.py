@@ -1,0 +1,46 @@
+"""Optional dependencies: which extra of ``pip install hf_knorm[...]`` brings each, and one clear error when missing.
+
+The core install is what ``patch``, KNorm, K/V balancing, the norm callback and the Hub need. The jobs' other needs
+are extras of ``pyproject.toml``, imported where they are used through :func:`require`:
+
+- ``train``: ``datasets`` (text datasets for ``hf-knorm finetune``), ``tensorboard`` (finetune's default
+  ``report_to``), ``scikit-learn`` (the 8x8 digits of ``hf-knorm attention-norms``), ``peft`` (LoRA);
+- ``demo``: what ``hf-knorm demo`` runs (it fine-tunes: the ``train`` extra);
+- ``dev``: the test suite and the import-layer linter.
+
+``OPTIONAL`` is the one table of module -> (extra, distribution); a test checks each entry against ``pyproject.toml``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# import name -> (extra, distribution name on PyPI)
+OPTIONAL: dict[str, tuple[str, str]] = {
+    "datasets": ("train", "datasets"),
+    "tensorboard": ("train", "tensorboard"),
+    "sklearn": ("train", "scikit-learn"),
+    "peft": ("train", "peft"),
+}
+
+
+class MissingExtraError(ImportError):
+    """An optional dependency is not installed; the message names the extra that brings it."""
+
+
+def require(module: str, purpose: str) -> ModuleType:
+    """Import ``module`` (a key of :data:`OPTIONAL`), or say which extra to install for ``purpose``.
+
+    Raises:
+        MissingExtraError: ``module`` is not installed; the message reads, e.g., "hf-knorm finetune's TensorBoard
+            logs need tensorboard, which is not installed: pip install 'hf_knorm[train]'".
+    """
+    extra, distribution = OPTIONAL[module]
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise MissingExtraError(
+            f"{purpose} needs {distribution}, which is not installed: pip install 'hf_knorm[{extra}]' "
+            f"(or pip install {distribution})."
+        ) from error

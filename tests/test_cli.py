@@ -1,0 +1,115 @@
+"""The hf-knorm command line: flags, defaults and help come from the settings dataclasses; --debug; one-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+import pytest
+
+from hf_knorm import cli
+from hf_knorm.cli import COMMANDS, Command, _build_parser, main, parse
+from hf_knorm.demo.settings import DemoSettings
+from hf_knorm.training.finetune import FinetuneSettings
+
+SETTINGS_COMMANDS = [command for command in COMMANDS if command.settings is not None]
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("command", SETTINGS_COMMANDS, ids=lambda command: command.name)
+def test_parser_defaults_are_the_settings_defaults(command):
+    _, settings, _ = parse([command.name])
+    assert settings == command.settings()
+
+
+@pytest.mark.parametrize("command", SETTINGS_COMMANDS, ids=lambda command: command.name)
+def test_every_setting_is_a_flag_with_the_help_of_its_field(command):
+    text = _flat(_build_parser().command_parsers[command.name].format_help())
+    for setting in dataclasses.fields(command.settings):
+        help_text = setting.metadata.get("help")
+        assert help_text, f"{command.settings.__name__}.{setting.name} has no metadata['help']"
+        assert f"--{setting.name.replace('_', '-')}" in text
+        assert _flat(help_text) in text, setting.name
+    assert "(default: 4)" in _flat(_build_parser().command_parsers["finetune"].format_help())  # --batch-size
+
+
+def test_flags_fill_the_settings_dataclass():
+    _, settings, _ = parse(["finetune", "--max_steps", "7", "--learning-rate", "1e-4", "--balance", "channel",
+                            "--report-to", "none", "--no-stop-on-nonfinite-loss", "--resume", "--max-blocks", "3"])
+    assert settings == FinetuneSettings(max_steps=7, learning_rate=1e-4, balance="channel", report_to=("none",),
+                                        stop_on_nonfinite_loss=False, resume=True, max_blocks=3)
+    _, settings, _ = parse(["demo", "--niah-lengths", "300, 600", "--niah-depths", "0,1", "--normalizations", "x/1"])
+    assert (settings.niah_lengths, settings.niah_depths, settings.normalizations) == ((300, 600), (0.0, 1.0), ("x/1",))
+
+
+@pytest.mark.parametrize("flags", [["--balance", "row"], ["--max-steps", "many"], ["--no-such-flag"]])
+def test_a_bad_flag_is_a_usage_error(flags, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse(["finetune", *flags])
+    assert exit_info.value.code == 2
+    assert re.search(r"hf-knorm( finetune)?: error: .*" + re.escape(flags[-1]), capsys.readouterr().err)
+
+
+def test_demo_fast_starts_from_the_fast_preset_and_explicit_flags_win():
+    fast = DemoSettings.fast()
+    _, settings, args = parse(["demo", "--fast", "--train-steps", "30", "--niah-ratio", "0.25"])
+    assert settings == dataclasses.replace(fast, train_steps=30, niah_ratio=0.25)  # 30 is also the full default
+    assert args.fast and settings.train_block_size == fast.train_block_size != DemoSettings().train_block_size
+
+
+def test_a_new_command_is_one_dataclass_and_one_registration(monkeypatch, capsys):
+    """What the module docstring promises the next command (e.g. convert): the field types it lists all work."""
+
+    @dataclass
+    class ToySettings:
+        out: str = field(default="outputs/toy", metadata={"help": "where the toy goes"})
+        ratio: float | None = field(default=None, metadata={"help": "a ratio or nothing"})
+        sizes: tuple[int, ...] = field(default=(1, 2), metadata={"help": "comma-separated sizes"})
+        check: bool = field(default=True, metadata={"help": "check the toy"})
+        mode: str = field(default="a", metadata={"help": "the mode", "choices": ("a", "b")})
+
+    ran = []
+    toy = Command("toy", help="a toy", description="A toy command.", settings=ToySettings,
+                  run=lambda settings, args: ran.append(settings) or 0)
+    monkeypatch.setattr(cli, "COMMANDS", (*COMMANDS, toy))
+    assert main(["toy"]) == 0 and ran[-1] == ToySettings()
+    assert main(["toy", "--ratio", "0.5", "--sizes", "3,4,5", "--no-check", "--mode", "b"]) == 0
+    assert ran[-1] == ToySettings(ratio=0.5, sizes=(3, 4, 5), check=False, mode="b")
+    help_text = _flat(_build_parser().command_parsers["toy"].format_help())
+    assert "comma-separated sizes (default: 1,2)" in help_text and "where the toy goes" in help_text
+
+
+def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
+    missing = str(tmp_path / "no_model")
+    assert main(["finetune", "--model", missing, "--out", str(tmp_path / "run")]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("hf-knorm finetune: error: No model folder at") and error.count("\n") == 1
+    with pytest.raises(FileNotFoundError, match="No model folder"):
+        main(["finetune", "--model", missing, "--out", str(tmp_path / "run"), "--debug"])
+
+    def crash(settings):
+        raise RuntimeError("deep inside torch")
+
+    monkeypatch.setattr("hf_knorm.training.attention_norms.run_attention_norms", crash)
+    assert main(["attention-norms", "--out", str(tmp_path / "figure")]) == 2
+    assert re.fullmatch(r"hf-knorm attention-norms: error: deep inside torch \(--debug shows where it came from\)\n",
+                        capsys.readouterr().err)
+    for argv in (["--debug", "attention-norms"], ["attention-norms", "--debug"]):
+        with pytest.raises(RuntimeError, match="deep inside torch"):
+            main(argv)
+
+
+def test_library_defaults_are_shown_not_repeated():
+    """kv-norms and niah feed library functions: their flags default to those functions' own defaults."""
+    from hf_knorm.balancing.balance import balance_kv
+    from hf_knorm.evaluation.needle import run_niah_job
+
+    args = _build_parser().parse_args(["kv-norms"])
+    assert (args.mode, args.alpha, args.calibration_tokens) == (
+        cli._default_of(balance_kv, "mode"), cli._default_of(balance_kv, "alpha"),
+        cli._default_of(balance_kv, "max_tokens"))
+    assert _build_parser().parse_args(["niah"]).scores.split(",") == list(cli._default_of(run_niah_job, "scores"))
