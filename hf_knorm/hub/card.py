@@ -7,7 +7,9 @@ defaults, plugin version, architecture) and the folder's card inputs (origin and
 - ``library_name``: ``hf_knorm`` when loading needs the plugin (a patched model), else ``transformers``;
 - ``base_model``: only a Hub id (see :mod:`.base_model`);
 - ``tags``: ``hf-knorm``, ``normalization-<spelling>`` (``x^3/16`` -> ``normalization-x3-16``), ``kv-balancing``;
-- ``pipeline_tag``: ``text-generation`` for causal LMs.
+- ``pipeline_tag``: ``text-generation`` for causal LMs;
+- ``model-index`` (``eval_results``): the held-out perplexity of these weights and of the original model on the same
+  text, when the training job that made them measured it.
 
 The generated body sits between two HTML comments (:data:`BEGIN`, :data:`END`). Rendering again over an earlier
 card replaces only that block: the text before and after it, and metadata keys hf_knorm does not own (license,
@@ -25,7 +27,8 @@ from pathlib import Path
 import huggingface_hub
 import torch
 import transformers
-from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from huggingface_hub.repocard_data import model_index_to_eval_results
 
 from ..attention.normalizations import parse_normalization
 from ..version import __version__
@@ -39,6 +42,7 @@ END = "<!-- hf_knorm:end -->"
 _BLOCK = re.compile(r"<!-- hf_knorm:begin.*?-->.*?<!-- hf_knorm:end -->", re.S)
 PLUGIN_TAGS = ("hf-knorm", "kv-balancing")
 NORMALIZATION_TAG_PREFIX = "normalization-"
+EVALUATION_METRIC = "held-out perplexity"
 INSTALL = "pip install hf_knorm=={version}"
 
 
@@ -66,7 +70,8 @@ def render_card(folder: Path, load_id: str, previous: str | None = None) -> Mode
     inputs = CardInputs.read(folder)
     context = card_context(config, inputs, load_id, tokenizer_included=has_tokenizer(folder))
     old = ModelCard(previous, ignore_metadata_errors=True) if previous else None
-    data = card_metadata(config, inputs, old.data.to_dict() if old else {})
+    title = load_id if is_hub_id(load_id) else Path(load_id).name
+    data = card_metadata(config, inputs, old.data.to_dict() if old else {}, model_name=title)
     card = ModelCard.from_template(data, template_path=str(TEMPLATE), begin=BEGIN, end=END, **context)
     if old is not None:
         card.text = _merge_text(card.text, old.text)
@@ -100,11 +105,12 @@ def card_context(config: dict, inputs: CardInputs, load_id: str, tokenizer_inclu
         kv_balance=inputs.kv_balance,
         niah=inputs.niah,
         norm_history=inputs.norm_history,
+        evaluation=inputs.evaluation,
         versions=framework_versions(),
     )
 
 
-def card_metadata(config: dict, inputs: CardInputs, previous: dict) -> ModelCardData:
+def card_metadata(config: dict, inputs: CardInputs, previous: dict, model_name: str | None = None) -> ModelCardData:
     """The card's metadata: the keys hf_knorm owns, over the earlier card's other keys and tags."""
     section = config.get("hf_knorm") or {}
     normalization = section.get("normalization")
@@ -126,7 +132,32 @@ def card_metadata(config: dict, inputs: CardInputs, previous: dict) -> ModelCard
     architecture = (config.get("architectures") or [""])[0]
     if architecture.endswith(("ForCausalLM", "LMHeadModel")):
         data.setdefault("pipeline_tag", "text-generation")
+    theirs = _users_eval_results(data.pop("model-index", None))
+    ours = evaluation_results(inputs.evaluation, normalization or "softmax") if inputs.evaluation else []
+    if theirs or ours:
+        data["model_name"] = model_name or architecture or "model"
+        data["eval_results"] = ours + theirs
     return ModelCardData(**data)
+
+
+def _users_eval_results(model_index) -> list[EvalResult]:
+    """The earlier card's results that hf_knorm did not write (its own describe the weights of that save only)."""
+    if not model_index:
+        return []
+    _, results = model_index_to_eval_results(model_index)
+    return [result for result in results if not (result.metric_name or "").startswith(EVALUATION_METRIC)]
+
+
+def evaluation_results(evaluation: dict, normalization: str) -> list[EvalResult]:
+    """The held-out perplexities as ``EvalResult`` entries: these weights, then the original model on the same text."""
+    common = dict(task_type="text-generation", dataset_type="held-out-text", dataset_name=evaluation["text"],
+                  metric_type="perplexity")
+    return [
+        EvalResult(**common, metric_value=round(float(evaluation["perplexity"]), 4),
+                   metric_name=f"{EVALUATION_METRIC} ({normalization}, {evaluation['tokens']} tokens)"),
+        EvalResult(**common, metric_value=round(float(evaluation["original_perplexity"]), 4),
+                   metric_name=f"{EVALUATION_METRIC} of the original model (same text, {evaluation['tokens']} tokens)"),
+    ]
 
 
 def framework_versions() -> list[tuple[str, str]]:

@@ -11,6 +11,9 @@ writes none, so an old figure never describes a new model.
 - Needle in a haystack: the summary table of every task, from the records of ``hf-knorm niah`` (a list, its
   ``results.json``, or its output folder).
 - Training: the per-layer attention-norm figure of a fine-tuning run (a PNG, SVG or JPEG path), copied in.
+- Evaluation: held-out perplexity of these weights and of the original model on the same text, from the training
+  job that made them (``hf-knorm finetune``'s and ``hf-knorm convert``'s ``evaluation`` record); it also goes into
+  the card's metadata as the Hub's ``model-index``.
 """
 
 from __future__ import annotations
@@ -37,18 +40,21 @@ class CardInputs:
         kv_balance: per-layer K/V norm ratios before/after balancing, the check, the figure's path in the folder.
         niah: ``{"tables": {task: markdown table}}``.
         norm_history: ``{"figure": path in the folder}``.
+        evaluation: ``{"text", "tokens", "block_size", "perplexity", "original_perplexity", ...}`` (see
+            :func:`evaluation_inputs`).
     """
 
     base_model: BaseModel
     kv_balance: dict | None = None
     niah: dict | None = None
     norm_history: dict | None = None
+    evaluation: dict | None = None
 
     def write(self, folder: Path) -> Path:
         """Write ``hf_knorm_card.json`` into ``folder``; returns its path."""
         path = Path(folder) / CARD_INPUTS_FILE
         data = {"base_model": self.base_model.to_dict(), "kv_balance": self.kv_balance, "niah": self.niah,
-                "norm_history": self.norm_history}
+                "norm_history": self.norm_history, "evaluation": self.evaluation}
         path.write_text(json.dumps(data, indent=1) + "\n")
         return path
 
@@ -61,7 +67,7 @@ class CardInputs:
         data = json.loads(path.read_text())
         origin = data.get("base_model") or {}
         return cls(BaseModel(origin.get("hub_id"), origin.get("note", "Not recorded.")), data.get("kv_balance"),
-                   data.get("niah"), data.get("norm_history"))
+                   data.get("niah"), data.get("norm_history"), data.get("evaluation"))
 
     def figures(self) -> list[str]:
         """The figure paths (relative to the folder) these inputs refer to."""
@@ -121,3 +127,24 @@ def norm_history_inputs(figure, folder: Path) -> dict:
     (Path(folder) / FIGURES).mkdir(parents=True, exist_ok=True)
     shutil.copyfile(figure, Path(folder) / target)
     return {"figure": target}
+
+
+EVALUATION_KEYS = ("text", "tokens", "block_size", "perplexity", "original_perplexity")
+
+
+def evaluation_inputs(record: dict) -> dict:
+    """Check a training job's ``evaluation`` record for the card (held-out perplexity, and the original's).
+
+    Raises:
+        ValueError: a key is missing or a perplexity is not a positive number.
+    """
+    if not isinstance(record, dict):
+        raise TypeError(f"evaluation must be the dict a training job recorded, got {type(record).__name__}.")
+    missing = [key for key in EVALUATION_KEYS if key not in record]
+    if missing:
+        raise ValueError(f"The evaluation record lacks {', '.join(missing)}; pass the 'evaluation' entry of "
+                         "finetune.json or convert.json.")
+    for key in ("perplexity", "original_perplexity"):
+        if not isinstance(record[key], (int, float)) or not record[key] > 0:
+            raise ValueError(f"evaluation[{key!r}] must be a positive number, got {record[key]!r}.")
+    return json.loads(json.dumps(record, default=str))

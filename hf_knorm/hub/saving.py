@@ -15,14 +15,14 @@ import torch.nn as nn
 from ..models.persistence import save_pretrained as save_weights_and_config
 from .base_model import resolve_base_model
 from .card import render_card
-from .card_inputs import CardInputs, kv_balance_inputs, niah_inputs, norm_history_inputs
+from .card_inputs import CardInputs, evaluation_inputs, kv_balance_inputs, niah_inputs, norm_history_inputs
 
 CARD_FILE = "README.md"
 
 
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, tokenizer=None, repo_id: str | None = None,
                     base_model: str | None = None, balance_report=None, niah=None, norm_history=None,
-                    **kwargs) -> Path:
+                    evaluation: dict | None = None, **kwargs) -> Path:
     """Save ``model`` so that everything hf_knorm changed comes back on load, with its model card.
 
     ``config.json`` always carries the plugin's settings (normalization, K/V balancing record, plugin version) and,
@@ -40,6 +40,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, toke
             K/V norm ratios before/after and the "Original vs. Balanced kv-norm" figure on the card.
         niah: needle-in-a-haystack results of this model (records, ``results.json`` or its folder): their table.
         norm_history: the per-layer attention-norm figure of its training run (an image path).
+        evaluation: the held-out perplexity record of the training job that made these weights (the ``evaluation``
+            entry of ``finetune.json`` / ``convert.json``): a card section and the metadata's ``model-index``.
         **kwargs: passed to ``model.save_pretrained`` (``max_shard_size``, ...).
 
     Returns:
@@ -52,6 +54,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, toke
     folder = Path(save_directory)
     origin = resolve_base_model(model, base_model)  # before the folder's own record is overwritten
     niah_table = niah_inputs(niah) if niah is not None else None
+    evaluation = evaluation_inputs(evaluation) if evaluation is not None else None
     if norm_history is not None and not Path(norm_history).is_file():
         raise FileNotFoundError(f"No norm-history figure at {norm_history}.")
     if balance_report is not None:
@@ -67,7 +70,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, toke
     save_weights_and_config(model, folder, **kwargs)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
-    inputs = CardInputs(origin, niah=niah_table)
+    inputs = CardInputs(origin, niah=niah_table, evaluation=evaluation)
     if balance_report is not None:
         inputs.kv_balance = kv_balance_inputs(balance_report, folder)
     if norm_history is not None:

@@ -127,7 +127,7 @@ def test_origin_follows_a_save_load_save_chain(tmp_path):
     assert str(tmp_path) not in card.text.split("from_pretrained")[0]  # no local path as the origin
 
 
-def test_the_embedded_default_model_is_named_in_prose_not_as_base_model(tmp_path, monkeypatch):
+def test_the_embedded_default_model_is_the_base_model_and_its_gguf_origin_is_said(tmp_path, monkeypatch):
     from hf_knorm.assets.default_model import DEFAULT_MODEL_HUB_ID, WHEEL_NAME, default_model_path
 
     monkeypatch.setenv("HF_KNORM_CACHE", str(tmp_path / "cache"))
@@ -135,9 +135,35 @@ def test_the_embedded_default_model_is_named_in_prose_not_as_base_model(tmp_path
     default = tf.AutoModelForCausalLM.from_pretrained(default_model_path())
     hf_knorm.save_pretrained(hf_knorm.patch(default, "x^3/16"), tmp_path / "out", repo_id=REPO)
     card = _card(tmp_path / "out")
-    assert card.data.base_model is None
-    assert DEFAULT_MODEL_HUB_ID in card.text and f"`{WHEEL_NAME}==" in card.text
-    assert "base_model` field is left out" in card.text
+    assert card.data.base_model == DEFAULT_MODEL_HUB_ID
+    assert f"`{WHEEL_NAME}==" in card.text and "dequantized" in card.text
+
+
+def test_a_training_job_folder_names_the_model_the_job_started_from(tmp_path):
+    hf_knorm.save_pretrained(tiny_model("llama"), tmp_path / "start", base_model="org/origin")
+    run = tmp_path / "run"
+    hf_knorm.save_pretrained(hf_knorm.from_pretrained(tmp_path / "start"), run)
+    (run / "hf_knorm_card.json").unlink()  # as a job's Trainer-side save leaves it
+    (run / "finetune.json").write_text(json.dumps({"model_dir": str(tmp_path / "start")}))
+    hf_knorm.save_pretrained(hf_knorm.from_pretrained(run), tmp_path / "pushed")
+    assert _card(tmp_path / "pushed").data.base_model == "org/origin"
+
+
+def test_the_card_carries_the_held_out_perplexity_in_text_and_model_index(tmp_path):
+    evaluation = {"text": "Paul Graham essays 40-48 (not trained on)", "tokens": 8192, "block_size": 256,
+                  "perplexity": 51.25, "original_perplexity": 33.9, "stages": {"recovery": [[0, 0, 90.0]]}}
+    model = hf_knorm.patch(tiny_model("llama"), "x^3/16")
+    hf_knorm.save_pretrained(model, tmp_path, base_model="org/origin", evaluation=evaluation)
+    card = _card(tmp_path)
+    results = {result.metric_name: result.metric_value for result in card.data.eval_results}
+    assert sorted(results.values()) == [33.9, 51.25]
+    assert "Paul Graham essays 40-48" in card.text and "| 51.25 |" in card.text and "| 33.90 |" in card.text
+    assert "model-index" in (tmp_path / "README.md").read_text()
+    hf_knorm.save_pretrained(model, tmp_path)  # a save without the measurement: the card no longer claims it
+    assert _card(tmp_path).data.eval_results is None
+    with pytest.raises(ValueError, match="lacks perplexity"):
+        hf_knorm.save_pretrained(model, tmp_path / "bad", evaluation={"text": "t", "tokens": 1, "block_size": 1,
+                                                                      "original_perplexity": 3.0})
 
 
 def test_regenerating_keeps_the_users_text_and_metadata(tmp_path):

@@ -1,0 +1,204 @@
+"""``hf_knorm.convert`` / ``hf-knorm convert``: a pretrained softmax model converted to another normalization.
+
+The recipe is LoLCATs' (Zhang et al., arXiv 2410.10254) applied to "Rethinking Softmax"'s normalizations
+(arXiv 2410.18613); the paper itself only trains from scratch. Steps, in order (everything that can be wrong with
+the input is checked before the model is loaded):
+
+1. the settings, the data sources, the model folder and the run folder are checked: an unknown normalization or
+   ``softmax`` (nothing to convert), a model already patched (conversion starts from the softmax original), a
+   finished run in ``out``, an interrupted one without ``resume``;
+2. the texts are split into training and held-out texts (:mod:`hf_knorm.training.heldout`) and packed into blocks;
+   a held-out text too short for ``eval_tokens`` is refused;
+3. the original model's held-out perplexity is measured: the reference line of every curve;
+4. **attention transfer** (``out/transfer``, :mod:`.transfer`): the model is patched, each head's output scale is
+   matched in closed form, then the chosen attention projections train to reproduce the original attention output
+   layer by layer; a Trainer run with :class:`~hf_knorm.NormLoggerCallback` and held-out evaluation. The
+   transferred model is saved in ``out/transfer/model``, with the transfer error per layer and position;
+5. **recovery** (``out/recovery``): next-token training through LoRA adapters on q/k/v/o (peft) or of the whole
+   model, optionally distilled from the original model; LoRA adapters are merged before saving;
+6. ``out`` ends with the converted model (an ordinary hf_knorm checkpoint: ``hf_knorm.from_pretrained(out)``), its
+   tokenizer, its model card with the held-out perplexities, ``norms.png`` and ``convert.json`` (settings,
+   each stage's curve, tokens, trainable parameters, throughput). ``convert.json`` is written last: its presence
+   means the run finished.
+
+``resume=True`` continues an interrupted run: a finished stage is not run again (the transfer's model is reloaded
+from ``out/transfer/model``), an interrupted one continues from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from ..attention.normalizations import parse_normalization
+from ..training.text_data import local_files
+from .settings import RECOVERY_MODES, ConvertSettings
+
+STATE_FILE = "convert_state.json"
+RESULT_FILE = "convert.json"
+CALIBRATION_BLOCKS = 8
+
+
+def check_settings(settings: ConvertSettings) -> None:
+    """The checks that need neither the model nor the data.
+
+    Raises:
+        ValueError: an unknown or softmax normalization, a bad number, a run folder in the wrong state.
+        FileNotFoundError: a missing data file or model folder.
+    """
+    if parse_normalization(settings.normalization).is_softmax:
+        raise ValueError("Converting to softmax changes nothing: the original model is softmax. Pass another "
+                         "--normalization (x/1, x/16, x^3/1, x^3/16, x^3/sqrtN, x^p/c).")
+    if settings.recovery not in RECOVERY_MODES:
+        raise ValueError(f"recovery must be one of {', '.join(RECOVERY_MODES)}, not {settings.recovery!r}.")
+    for name in ("block_size", "batch_size", "eval_tokens", "eval_steps", "logging_steps", "save_steps", "lora_rank"):
+        if getattr(settings, name) < 1:
+            raise ValueError(f"{name} must be at least 1, not {getattr(settings, name)}.")
+    for name in ("transfer_steps", "recovery_steps", "warmup_steps"):
+        if getattr(settings, name) < 0:
+            raise ValueError(f"{name} must be >= 0, not {getattr(settings, name)}.")
+    if settings.transfer_steps == 0 and (settings.recovery == "none" or settings.recovery_steps == 0):
+        raise ValueError("Both stages are off (transfer_steps 0, no recovery): there is nothing to convert.")
+    if settings.distill_weight < 0:
+        raise ValueError(f"distill_weight must be >= 0, not {settings.distill_weight}.")
+    local_files(settings.dataset)
+    if settings.eval_dataset is not None:
+        local_files(settings.eval_dataset)
+    if settings.model != "default" and not Path(settings.model).is_dir():
+        raise FileNotFoundError(f"No model folder at {settings.model!r}; pass 'default' or a checkpoint folder.")
+    out = Path(settings.out)
+    finished = (out / RESULT_FILE).is_file()
+    started = (out / STATE_FILE).is_file()
+    if finished:
+        raise ValueError(f"{out} holds a finished conversion ({RESULT_FILE}); pass another --out.")
+    if started and not settings.resume:
+        raise ValueError(f"{out} holds an interrupted conversion: pass --resume to continue it, or another --out.")
+    if settings.resume and not started:
+        raise ValueError(f"--resume: {out} holds no conversion to continue ({STATE_FILE} is missing).")
+
+
+def run_convert(settings: ConvertSettings) -> dict:
+    """Convert as ``settings`` say (see the module docstring); returns what ``convert.json`` records.
+
+    Raises:
+        ValueError, FileNotFoundError: bad input, always before the first training step.
+    """
+    import transformers
+
+    from ..evaluation.perplexity import perplexity_of_windows
+    from ..models.architectures import architecture_of
+    from ..training.heldout import held_out_blocks, split_held_out
+    from ..training.text_data import load_text_dataset, model_max_length, pack_dataset
+
+    check_settings(settings)
+    normalization = parse_normalization(settings.normalization).name
+    model_dir = _model_dir(settings.model)
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    spec = architecture_of(config)
+    if not spec.causal:
+        raise ValueError(f"convert converts causal language models; {model_dir} is a {spec.model_type} encoder.")
+    already = (getattr(config, "hf_knorm", None) or {}).get("normalization")
+    if already is not None:
+        raise ValueError(f"{model_dir} is already patched with {already}. Conversion starts from the original softmax "
+                         "model: pass the model it was made from.")
+    maximum = model_max_length(config)
+    if maximum is not None and settings.block_size > maximum:
+        raise ValueError(f"--block-size {settings.block_size} is above the model's maximum of {maximum} positions.")
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    texts = load_text_dataset(settings.dataset, settings.text_column, settings.split)
+    eval_source = (load_text_dataset(settings.eval_dataset, settings.text_column, settings.split)
+                   if settings.eval_dataset is not None else None)
+    train_texts, eval_texts, eval_description = split_held_out(texts, settings.dataset, settings.text_column,
+                                                               eval_source, settings.eval_fraction)
+    eval_blocks = held_out_blocks(eval_texts, tokenizer, settings.block_size, settings.eval_tokens,
+                                  settings.text_column)
+    train = pack_dataset(train_texts, tokenizer, settings.block_size, settings.text_column, settings.max_blocks)
+    windows = [_ids(block) for block in eval_blocks]
+
+    out = Path(settings.out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = _read_state(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    if "original_perplexity" not in state:
+        model.eval()
+        state["original_perplexity"] = perplexity_of_windows(model, windows, desc="original model").perplexity
+        state["settings"] = asdict(settings)
+        _write_state(out, state)
+    teacher = copy.deepcopy(model).eval() if settings.distill_weight > 0 and settings.recovery != "none" else None
+
+    from .stages import run_recovery, run_transfer
+
+    model = run_transfer(model, settings, normalization, train, eval_blocks, out, state)
+    model = run_recovery(model, settings, train, eval_blocks, out, state, teacher)
+
+    model.eval()
+    final = perplexity_of_windows(model, windows, desc="converted model").perplexity
+    summary = _summary(settings, normalization, model_dir, eval_description, eval_blocks, len(train), state, final)
+    _save(model, tokenizer, out, summary)
+    return summary
+
+
+def _summary(settings, normalization, model_dir, eval_description, eval_blocks, train_blocks, state, final) -> dict:
+    original = state["original_perplexity"]
+    return {
+        "settings": asdict(settings),
+        "model_dir": str(model_dir),
+        "normalization": normalization,
+        "evaluation": {
+            "text": eval_description,
+            "tokens": len(eval_blocks) * settings.block_size,
+            "block_size": settings.block_size,
+            "original_perplexity": original,
+            "perplexity": final,
+            "ratio_to_original": final / original,
+        },
+        "training_blocks": train_blocks,
+        "stages": {name: state[name] for name in ("transfer", "recovery") if name in state},
+    }
+
+
+def _save(model, tokenizer, out: Path, summary: dict) -> None:
+    from ..hub.saving import save_pretrained
+    from ..training.norm_figure import plot_norm_history
+
+    runs = [out / name for name in ("transfer", "recovery") if (out / name / "norms.jsonl").is_file()]
+    figure = None
+    if runs:
+        figure = plot_norm_history(runs, out / "norms.png", labels=[run.name for run in runs],
+                                   title=f"||A||_F per layer, conversion to {summary['normalization']}")
+    evaluation = dict(summary["evaluation"], stages={
+        name: stage.get("curve", []) for name, stage in summary["stages"].items()})
+    save_pretrained(model, out, tokenizer=tokenizer, norm_history=figure, evaluation=evaluation)
+    partial = out / (RESULT_FILE + ".partial")
+    partial.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    os.replace(partial, out / RESULT_FILE)
+
+
+def _ids(block) -> "torch.Tensor":
+    import torch
+
+    return torch.tensor(block["input_ids"])
+
+
+def _read_state(out: Path) -> dict:
+    path = out / STATE_FILE
+    return json.loads(path.read_text()) if path.is_file() else {"started": time.time()}
+
+
+def _write_state(out: Path, state: dict) -> None:
+    partial = out / (STATE_FILE + ".partial")
+    partial.write_text(json.dumps(state, indent=2, default=str) + "\n")
+    os.replace(partial, out / STATE_FILE)
+
+
+def _model_dir(model: str) -> Path:
+    if model == "default":
+        from ..assets.default_model import default_model_dir
+
+        return default_model_dir()
+    return Path(model)

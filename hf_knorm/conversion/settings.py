@@ -1,0 +1,61 @@
+"""``ConvertSettings``: what ``hf-knorm convert`` and :func:`hf_knorm.convert` run; each field is a flag.
+
+The defaults convert the embedded default model (SmolLM2-135M-Instruct) to ``x^3/16`` on the Paul Graham essays
+0-39, evaluated on essays 40-48, in at most 30 minutes on a 2-core CPU (BENCHMARKS.md, "Conversion").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+RECOVERY_MODES = ("lora", "full", "none")
+
+
+@dataclass
+class ConvertSettings:
+    """A conversion: attention transfer, then recovery, each a Trainer run with held-out perplexity.
+
+    Attributes are the command-line flags (``--transfer-steps`` for ``transfer_steps``); see each field's help.
+    """
+
+    model: str = field(default="default", metadata={
+        "help": "'default' (SmolLM2-135M-Instruct, embedded) or the folder of a pretrained softmax causal LM"})
+    dataset: str = field(default="paul-graham", metadata={
+        "help": "training text: shakespeare | paul-graham | local file(s), comma-separated | a datasets name"})
+    normalization: str = field(default="x^3/16", metadata={"help": "the normalization to convert to (not softmax)"})
+    out: str = field(default="outputs/convert", metadata={
+        "help": "run folder: each stage's checkpoints and logs, the converted model, convert.json"})
+    text_column: str = field(default="text", metadata={"help": "the column holding the text"})
+    split: str = field(default="train", metadata={"help": "the split to read"})
+    eval_dataset: str | None = field(default=None, metadata={
+        "help": "held-out text (same forms as --dataset); default: paul-graham essays 40-48, shakespeare's Hamlet "
+                "and sonnets, else the last --eval-fraction of the texts"})
+    eval_fraction: float = field(default=0.1, metadata={"help": "share of texts held out of other datasets"})
+    eval_tokens: int = field(default=8192, metadata={"help": "held-out tokens scored at each evaluation"})
+    eval_steps: int = field(default=25, metadata={"help": "evaluate every N steps of each stage (and at its start)"})
+    block_size: int = field(default=256, metadata={"help": "tokens per example"})
+    batch_size: int = field(default=4, metadata={"help": "examples per step"})
+    transfer_steps: int = field(default=100, metadata={"help": "attention-transfer steps (0: skip the stage)"})
+    transfer_learning_rate: float = field(default=1e-4, metadata={"help": "attention-transfer learning rate"})
+    transfer_trainable: str = field(default="qk", metadata={
+        "help": "attention projections trained by the transfer, letters of qkvo"})
+    recovery: str = field(default="lora", metadata={"help": "recovery: lora | full | none"})
+    recovery_steps: int = field(default=200, metadata={"help": "recovery steps"})
+    recovery_learning_rate: float = field(default=1e-3, metadata={
+        "help": "recovery learning rate (LoRA adapters; use ~1e-4 with --recovery full)"})
+    lora_rank: int = field(default=8, metadata={"help": "LoRA rank (q, k, v, o projections)"})
+    distill_weight: float = field(default=0.0, metadata={
+        "help": "weight of the KL divergence to the original model's next-token distribution in recovery"})
+    warmup_steps: int = field(default=10, metadata={"help": "linear warm-up steps of each stage"})
+    logging_steps: int = field(default=10, metadata={"help": "log loss and norms every N steps"})
+    save_steps: int = field(default=50, metadata={"help": "checkpoint every N steps"})
+    max_blocks: int | None = field(default=None, metadata={"help": "use at most N training blocks"})
+    seed: int = field(default=0, metadata={"help": "random seed"})
+    report_to: str = field(default="tensorboard", metadata={
+        "help": "Trainer integrations, comma-separated (tensorboard, wandb, ...; 'none' for none)"})
+    resume: bool = field(default=False, metadata={"help": "continue an interrupted conversion in --out"})
+
+    def integrations(self) -> list[str]:
+        """``report_to`` as the Trainer takes it."""
+        names = [name.strip() for name in self.report_to.split(",") if name.strip()]
+        return [] if names in ([], ["none"]) else names

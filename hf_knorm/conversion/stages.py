@@ -1,0 +1,147 @@
+"""The two stages of a conversion, each a Trainer run in its own folder with held-out evaluation and norm logging.
+
+Each stage records in the run's state (``convert_state.json``) what it measured: its held-out perplexity curve
+(``[step, training tokens, perplexity]``), trainable parameters, training tokens and tokens per second (training
+time without the evaluations). A finished stage is marked ``done`` and is not run again on resume.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers.trainer_utils import get_last_checkpoint
+
+from ..models.patching import patch
+from ..training.callback import NormLoggerCallback
+from .settings import ConvertSettings
+from .trainers import DistillationTrainer, TransferTrainer
+from .transfer import AttentionTransfer
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def run_transfer(model, settings: ConvertSettings, normalization: str, train, eval_blocks, out: Path,
+                 state: dict):
+    """Stage 1: patch ``model`` with ``normalization`` and train its attention to match the original's.
+
+    With ``transfer_steps == 0`` the model is only patched. Returns the patched (transferred) model.
+    """
+    from ..models.persistence import from_pretrained, save_pretrained
+    from .job import _write_state
+
+    folder = out / "transfer"
+    record = state.get("transfer", {})
+    if record.get("done"):
+        return from_pretrained(folder / "model", model_class=transformers.AutoModelForCausalLM)
+    if settings.transfer_steps == 0:
+        return patch(model, normalization)
+    transfer = AttentionTransfer(model, settings.transfer_trainable)  # teachers copied before patching
+    patch(model, normalization)
+    checkpoint = get_last_checkpoint(str(folder)) if folder.is_dir() else None
+    if checkpoint is None:  # a checkpoint holds the scaled weights already
+        calibration = torch.stack([torch.tensor(train[i]["input_ids"]) for i in range(min(len(train), 8))])
+        scales = transfer.match_scale(model, calibration)
+        record["output_scales"] = [scale.tolist() for scale in scales]
+    trainable = transfer.freeze_all_but_trainable(model)
+    model.train()
+    trainer = TransferTrainer(
+        model=model, args=_arguments(settings, folder, settings.transfer_steps, settings.transfer_learning_rate),
+        train_dataset=train, eval_dataset=eval_blocks, data_collator=transformers.default_data_collator,
+        callbacks=[NormLoggerCallback()], transfer=transfer,
+    )
+    measured = _train(trainer, checkpoint, settings)
+    for parameter in model.parameters():
+        parameter.requires_grad_(True)
+    sample = [torch.tensor(eval_blocks[i]["input_ids"]) for i in range(min(len(eval_blocks), 8))]
+    record.update(measured, trainable_parameters=trainable, trainable=settings.transfer_trainable,
+                  errors=transfer.errors_by_layer_and_position(model, sample))
+    save_pretrained(model, folder / "model")
+    record["done"] = True
+    state["transfer"] = record
+    _write_state(out, state)
+    return model
+
+
+def run_recovery(model, settings: ConvertSettings, train, eval_blocks, out: Path, state: dict, teacher=None):
+    """Stage 2: next-token training of the patched model, through LoRA (merged at the end) or in full."""
+    from .job import _write_state
+
+    if settings.recovery == "none" or settings.recovery_steps == 0:
+        return model
+    folder = out / "recovery"
+    record = state.get("recovery", {})
+    if record.get("done"):  # the run stopped between recovery and the final save: the checkpoint holds it all
+        raise ValueError(f"{folder} is finished but {out} holds no converted model; remove {out} and run again.")
+    for parameter in model.parameters():
+        parameter.requires_grad_(True)
+    if settings.recovery == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=settings.lora_rank, lora_alpha=2 * settings.lora_rank, lora_dropout=0.0,
+                          target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    model.train()
+    checkpoint = get_last_checkpoint(str(folder)) if folder.is_dir() else None
+    trainer = DistillationTrainer(
+        model=model, args=_arguments(settings, folder, settings.recovery_steps, settings.recovery_learning_rate),
+        train_dataset=train, eval_dataset=eval_blocks, data_collator=transformers.default_data_collator,
+        callbacks=[NormLoggerCallback()], teacher=teacher, distill_weight=settings.distill_weight,
+    )
+    measured = _train(trainer, checkpoint, settings)
+    if settings.recovery == "lora":
+        model = model.merge_and_unload()  # an ordinary model again: the adapters folded into q/k/v/o
+    record.update(measured, trainable_parameters=trainable, mode=settings.recovery, done=True)
+    state["recovery"] = record
+    _write_state(out, state)
+    return model
+
+
+def _arguments(settings: ConvertSettings, folder: Path, steps: int, learning_rate: float):
+    return transformers.TrainingArguments(
+        output_dir=str(folder),
+        max_steps=steps,
+        per_device_train_batch_size=settings.batch_size,
+        per_device_eval_batch_size=settings.batch_size,
+        learning_rate=learning_rate,
+        warmup_steps=min(settings.warmup_steps, steps),
+        lr_scheduler_type="cosine",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        logging_steps=settings.logging_steps,
+        save_steps=settings.save_steps,
+        save_total_limit=1,
+        eval_strategy="steps",
+        eval_steps=settings.eval_steps,
+        eval_on_start=True,
+        prediction_loss_only=True,
+        report_to=settings.integrations() or "none",
+        seed=settings.seed,
+        data_seed=settings.seed,
+        dataloader_pin_memory=torch.cuda.is_available(),
+    )
+
+
+def _train(trainer, checkpoint: str | None, settings: ConvertSettings) -> dict:
+    """Train, then read the held-out curve and the throughput off the Trainer's log history."""
+    started = time.perf_counter()
+    output = trainer.train(resume_from_checkpoint=checkpoint)
+    elapsed = time.perf_counter() - started
+    history = trainer.state.log_history
+    tokens_per_step = settings.batch_size * settings.block_size * trainer.args.gradient_accumulation_steps
+    curve = [[entry["step"], entry["step"] * tokens_per_step, entry["eval_perplexity"]]
+             for entry in history if "eval_perplexity" in entry]
+    evaluating = sum(entry.get("eval_runtime", 0.0) for entry in history)
+    steps = trainer.state.global_step - (int(Path(checkpoint).name.split("-")[-1]) if checkpoint else 0)
+    training_seconds = max(elapsed - evaluating, 1e-9)
+    return {
+        "curve": curve,
+        "steps": trainer.state.global_step,
+        "tokens": trainer.state.global_step * tokens_per_step,
+        "train_loss": output.training_loss,
+        "seconds": elapsed,
+        "tokens_per_second": steps * tokens_per_step / training_seconds,
+    }

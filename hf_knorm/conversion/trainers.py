@@ -1,0 +1,78 @@
+"""The Trainers of the two conversion stages; both evaluate held-out perplexity of the student as it stands.
+
+- :class:`TransferTrainer` (stage 1): the training loss is the attention-transfer error
+  (:class:`~hf_knorm.conversion.transfer.AttentionTransfer`); each logging step also logs the error of every layer
+  (``transfer/layer_07/relative_error``). Evaluation runs the student alone, hooks off: the ordinary next-token loss.
+- :class:`DistillationTrainer` (stage 2, recovery): next-token loss, plus ``distill_weight`` times the KL divergence
+  from the original model's next-token distribution when a teacher model is given (Hinton et al., 2015; LoLCATs'
+  recovery uses the next-token loss alone).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..training.heldout import PerplexityTrainer
+from .transfer import AttentionTransfer
+
+
+class TransferTrainer(PerplexityTrainer):
+    """A Trainer whose training loss is the attention-transfer error of ``transfer``.
+
+    Args:
+        transfer: the teachers and hooks, built on the model before it was patched.
+        **kwargs: ``Trainer`` arguments.
+    """
+
+    def __init__(self, *args, transfer: AttentionTransfer, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.transfer = transfer
+        self._layer_errors: list[float] | None = None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not model.training:  # evaluation: the student's own next-token loss
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        with self.transfer.teaching():
+            outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
+                            use_cache=False, logits_to_keep=1)  # the logits are not needed: one position only
+            loss = self.transfer.loss()
+        self._layer_errors = [float(error.detach()) for _, error in sorted(self.transfer.layer_errors.items())]
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if "loss" in logs and self._layer_errors is not None:
+            width = max(2, len(str(len(self._layer_errors) - 1)))
+            logs.update({f"transfer/layer_{index:0{width}d}/relative_error": error
+                         for index, error in enumerate(self._layer_errors)})
+        super().log(logs, *args, **kwargs)
+
+
+class DistillationTrainer(PerplexityTrainer):
+    """Next-token loss plus ``distill_weight * KL(teacher || student)`` per token (``teacher=None``: no KL term).
+
+    Args:
+        teacher: the original model (frozen, same tokenizer), or ``None``.
+        distill_weight: the weight of the KL term.
+        **kwargs: ``Trainer`` arguments.
+    """
+
+    def __init__(self, *args, teacher: torch.nn.Module | None = None, distill_weight: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        if distill_weight < 0:
+            raise ValueError(f"distill_weight must be >= 0, not {distill_weight}.")
+        if distill_weight > 0 and teacher is None:
+            raise ValueError("distill_weight > 0 needs the original model as teacher.")
+        self.teacher = teacher.eval() if teacher is not None and distill_weight > 0 else None
+        self.distill_weight = distill_weight
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        if self.teacher is not None and model.training:
+            with torch.no_grad():
+                target = self.teacher(input_ids=inputs["input_ids"], use_cache=False).logits  # (B, N, V)
+            student = F.log_softmax(outputs.logits.float(), dim=-1)
+            kl = F.kl_div(student.flatten(0, 1), F.log_softmax(target.float(), dim=-1).flatten(0, 1),
+                          log_target=True, reduction="batchmean")
+            loss = loss + self.distill_weight * kl
+        return (loss, outputs) if return_outputs else loss

@@ -1,0 +1,242 @@
+"""Attention transfer: each patched attention layer learns to reproduce the original model's attention output.
+
+Stage 1 of LoLCATs (Zhang et al., "LoLCATs: On Low-Rank Linearizing of Large Language Models", ICLR 2025,
+arXiv 2410.10254), applied to the polynomial normalizations of "Rethinking Softmax" (arXiv 2410.18613).
+
+How it runs. The student is the model patched with the new normalization. Beside each of its attention modules, a
+frozen copy made *before* patching (the teacher) keeps the model's original attention. A forward hook on every
+student attention module runs the teacher on the same inputs (hidden states, position embeddings, mask), records
+
+    e_l = mean((y_student - y_teacher)^2) / mean(y_teacher^2)          (y: the attention output, (B, q, hidden))
+
+and hands the *teacher's* output on to the residual stream. Every layer therefore sees exactly the inputs it has in
+the original model, and the layers learn independently, as in LoLCATs. The loss is the mean of ``e_l`` over layers.
+Only the named projections of the attention modules train; the rest of the model is frozen. Nothing is added to the
+model: the trained projections are ordinary weights and the normalization keeps its formula ``x^p/c``.
+
+Scale first. Right after patching, a polynomial attention's output is off by orders of magnitude (``x^3/16`` on
+the default model: the output is ~10^4 times softmax's, a relative error ~10^9), which gradient steps on the
+projections cannot undo in any reasonable budget. :meth:`AttentionTransfer.match_scale` solves the best scalar per
+query head in closed form on a calibration batch (least squares between each head's contribution to the attention
+output, ``c_h = o_h W_o[:, h]^T``: ``gamma_h = <c_s,h, c_t,h> / <c_s,h, c_s,h>``) and folds it into ``o_proj``'s
+columns of that head: an exact rescaling of the head's output, the normalization untouched. A second call finds
+every scale 1.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+from ..models.architectures import attention_modules
+
+PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+"""Letters of ``trainable`` and the Llama-style attention projections they name."""
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
+"""Keyword arguments that carry a KV cache into an attention module (the name changed across Transformers 5.x): the
+teacher never writes to the student's cache."""
+
+
+class AttentionTransfer:
+    """Teacher copies of a model's attention modules and the hooks that train the student's to match them.
+
+    Build it on the model **before** patching (the teachers copy the original attention), then patch the model.
+
+    Args:
+        model: a causal LM of a supported architecture whose attention projections are named ``q_proj``, ``k_proj``,
+            ``v_proj``, ``o_proj`` (Llama, Mistral, Qwen, Gemma families).
+        trainable: which projections train, as letters of ``"qkvo"`` (default ``"qk"``: the scores only).
+
+    Attributes:
+        layer_errors: ``{layer index: relative error}`` of the last forward pass with the hooks on (tensors with grad
+            during training).
+    """
+
+    def __init__(self, model: nn.Module, trainable: str = "qk"):
+        unknown = sorted(set(trainable) - set(PROJECTIONS))
+        if not trainable or unknown:
+            raise ValueError(f"trainable names the attention projections to train as letters of 'qkvo' "
+                             f"(e.g. 'qk'), got {trainable!r}.")
+        self.trainable = "".join(letter for letter in "qkvo" if letter in trainable)
+        self.students = [module for _, module in attention_modules(model)]
+        for module in self.students:
+            missing = [name for name in PROJECTIONS.values() if not isinstance(getattr(module, name, None), nn.Linear)]
+            if missing:
+                raise ValueError(f"Attention transfer needs q_proj, k_proj, v_proj and o_proj linear layers; "
+                                 f"{type(module).__name__} has no {', '.join(missing)}.")
+        self.teachers = [_frozen_copy(module) for module in self.students]  # kept off the model: never saved
+        self.layer_errors: dict[int, torch.Tensor] = {}
+        self._hooks: list = []
+
+    # --- parameters ----------------------------------------------------------------------------------------------
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """The parameters that train: the chosen projections of every student attention module."""
+        return [parameter for module in self.students for letter in self.trainable
+                for parameter in getattr(module, PROJECTIONS[letter]).parameters()]
+
+    def freeze_all_but_trainable(self, model: nn.Module) -> int:
+        """Set ``requires_grad`` on the trainable parameters only; returns their number of elements."""
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+        trainable = self.trainable_parameters()
+        for parameter in trainable:
+            parameter.requires_grad_(True)
+        return sum(parameter.numel() for parameter in trainable)
+
+    # --- hooks ---------------------------------------------------------------------------------------------------
+
+    @contextmanager
+    def teaching(self):
+        """Within: every student attention runs beside its teacher, the teacher's output goes on, errors recorded."""
+        self.layer_errors = {}
+        hooks = [module.register_forward_hook(self._hook(index), with_kwargs=True)
+                 for index, module in enumerate(self.students)]
+        try:
+            yield self
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def loss(self) -> torch.Tensor:
+        """The mean relative error over layers of the last forward pass inside :meth:`teaching`."""
+        if len(self.layer_errors) != len(self.students):
+            raise RuntimeError(f"Attention transfer saw {len(self.layer_errors)} of {len(self.students)} attention "
+                               "layers in the last forward pass; run the model inside teaching().")
+        return torch.stack([self.layer_errors[index] for index in range(len(self.students))]).mean()
+
+    def _hook(self, index: int):
+        teacher = self.teachers[index]
+
+        def hook(module, args, kwargs, output):
+            with torch.no_grad():
+                target = teacher(*args, **_without_cache(kwargs))[0]  # (B, q, hidden)
+            self.layer_errors[index] = (output[0] - target).pow(2).mean() / target.pow(2).mean().clamp_min(1e-30)
+            return (target,) + tuple(output[1:])
+
+        return hook
+
+    # --- closed-form scale -----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def match_scale(self, model: nn.Module, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        """Fold the least-squares output scale of every query head into ``o_proj`` (see the module docstring).
+
+        Args:
+            model: the patched student (the model these teachers were copied from).
+            input_ids: ``(B, N)`` calibration tokens.
+
+        Returns:
+            One ``(H_q,)`` tensor of scales per layer.
+        """
+        heads: dict[tuple[int, str], torch.Tensor] = {}
+
+        def record(index: int, who: str):
+            def hook(module, args):
+                heads[(index, who)] = args[0]  # (B, q, H_q * D): the attention output before o_proj
+            return hook
+
+        pairs = [(index, who, module.o_proj) for index, (student, teacher) in enumerate(zip(self.students, self.teachers))
+                 for who, module in (("student", student), ("teacher", teacher))]
+        hooks = [o_proj.register_forward_pre_hook(record(index, who)) for index, who, o_proj in pairs]
+        try:
+            with self.teaching():
+                model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        scales = []
+        for index, (module, teacher) in enumerate(zip(self.students, self.teachers)):
+            width = module.o_proj.in_features
+            head_dim = width // _query_heads(module)
+            student = _head_contributions(heads[(index, "student")], module.o_proj.weight, head_dim)
+            target = _head_contributions(heads[(index, "teacher")], teacher.o_proj.weight, head_dim)
+            energy = student.pow(2).sum(dim=(0, 2))
+            gamma = torch.where(energy > 0, (student * target).sum(dim=(0, 2)) / energy.clamp_min(1e-300),
+                                torch.ones_like(energy))
+            if not bool(torch.isfinite(gamma).all()):
+                raise ValueError(f"Layer {index}: the attention output is not finite on the calibration batch.")
+            module.o_proj.weight.mul_(gamma.repeat_interleave(head_dim).to(module.o_proj.weight.dtype)[None, :])
+            scales.append(gamma.float())
+        return scales
+
+    # --- measurement ---------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def errors_by_layer_and_position(self, model: nn.Module, blocks: list[torch.Tensor], buckets: int = 8) -> dict:
+        """The relative error of every layer on ``blocks``, overall and per position bucket.
+
+        Args:
+            model: the patched student.
+            blocks: ``(N,)`` token-id tensors of one length.
+            buckets: how many equal ranges of positions to report.
+
+        Returns:
+            ``{"layers": [e_0, ...], "positions": [[start, stop), ...], "by_position": [[e per bucket] per layer]}``.
+        """
+        squared = {}
+
+        def hook_of(index: int):
+            teacher = self.teachers[index]
+
+            def hook(module, args, kwargs, output):
+                target = teacher(*args, **_without_cache(kwargs))[0]  # (B, q, hidden)
+                error = (output[0] - target).pow(2).double().sum(dim=(0, 2))  # (q,)
+                energy = target.pow(2).double().sum(dim=(0, 2))
+                totals = squared.setdefault(index, [0, 0])
+                totals[0], totals[1] = totals[0] + error, totals[1] + energy
+                return (target,) + tuple(output[1:])
+
+            return hook
+
+        hooks = [module.register_forward_hook(hook_of(index), with_kwargs=True)
+                 for index, module in enumerate(self.students)]
+        was_training = model.training
+        model.eval()
+        try:
+            device = next(model.parameters()).device
+            for ids in blocks:
+                model(input_ids=ids.to(device)[None], use_cache=False, logits_to_keep=1)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            model.train(was_training)
+        length = blocks[0].shape[0]
+        edges = [round(length * b / buckets) for b in range(buckets + 1)]
+        layers, by_position = [], []
+        for index in range(len(self.students)):
+            error, energy = squared[index]
+            layers.append(float(error.sum() / energy.sum()))
+            by_position.append([float(error[a:b].sum() / energy[a:b].sum()) for a, b in zip(edges, edges[1:])])
+        return {"layers": layers, "positions": [[a, b] for a, b in zip(edges, edges[1:])], "by_position": by_position}
+
+
+def _head_contributions(outputs: torch.Tensor, o_weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Each query head's share of the attention output: ``(tokens, H_q, hidden)`` from ``(B, q, H_q * D)``."""
+    heads = outputs.double().reshape(-1, outputs.shape[-1] // head_dim, head_dim)  # (tokens, H_q, D)
+    columns = o_weight.double().reshape(o_weight.shape[0], -1, head_dim)  # (hidden, H_q, D)
+    return torch.einsum("thd,ohd->tho", heads, columns)
+
+
+def _without_cache(kwargs: dict) -> dict:
+    return {name: value for name, value in kwargs.items() if name not in CACHE_ARGUMENTS}
+
+
+def _frozen_copy(module: nn.Module) -> nn.Module:
+    """A frozen deep copy of an attention module that keeps the model's current attention implementation."""
+    teacher = copy.deepcopy(module)
+    teacher.config = copy.deepcopy(module.config)  # its own config: patching the student's leaves it alone
+    for parameter in teacher.parameters():
+        parameter.requires_grad_(False)
+    return teacher.eval()
+
+
+def _query_heads(module: nn.Module) -> int:
+    config = module.config
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is None:
+        raise ValueError(f"{type(module).__name__}: the config has no num_attention_heads.")
+    return heads

@@ -1,0 +1,112 @@
+"""Held-out evaluation for every training job: texts no step trains on, perplexity through the Trainer's evaluation.
+
+A patched pretrained model is a new model (DESIGN.md, "Conversion"): ``hf-knorm finetune`` and ``hf-knorm convert``
+both report held-out perplexity at the start and every ``eval_steps``, through the Trainer's own evaluation
+(``eval_dataset``; ``eval_loss`` and ``eval_perplexity`` in the log stream, hence TensorBoard/W&B and
+``state.log_history``).
+
+Which texts are held out (:func:`split_held_out`), by whole texts so that no block of the evaluation shares a text
+with training:
+
+- an explicit evaluation source (``eval_dataset``, same forms as the training dataset) wins, and all the training
+  texts are trained on;
+- the embedded corpora hold out fixed texts: ``paul-graham`` the essays 40-48 (of 49, sorted by file name),
+  ``shakespeare`` Hamlet and the sonnets;
+- any other dataset holds out its last ``eval_fraction`` of texts (at least one).
+
+The held-out texts are packed exactly like the training texts (blocks of ``block_size`` tokens, the end-of-text token
+between texts) and the first ``eval_tokens // block_size`` blocks are kept: every block is one forward pass, every
+token but the first of a block is scored, as :func:`hf_knorm.evaluation.perplexity.perplexity` scores windows. The
+evaluation is never shortened to fit: a held-out text shorter than ``eval_tokens`` is an error.
+"""
+
+from __future__ import annotations
+
+import math
+
+import transformers
+
+from .text_data import pack_dataset
+
+PAUL_GRAHAM_TRAIN_ESSAYS = 40
+"""The embedded Paul Graham corpus trains on essays 0-39 and holds out 40-48 (REFERENCE.md's evaluation text)."""
+
+
+def split_held_out(dataset, source: str, text_column: str = "text", eval_dataset=None, eval_fraction: float = 0.1):
+    """Split the texts into ``(train, held_out, description)``: two ``datasets.Dataset`` and one sentence.
+
+    Args:
+        dataset: the training source loaded as a ``datasets.Dataset`` (``load_text_dataset``).
+        source: its name as the user gave it (embedded corpora hold out fixed texts, see the module docstring).
+        text_column: the column holding the text.
+        eval_dataset: an evaluation source loaded as a ``datasets.Dataset``, or ``None`` to hold out training texts.
+        eval_fraction: the share of texts held out of any other dataset, in (0, 1).
+
+    Raises:
+        ValueError: a fraction outside (0, 1), or a single text that cannot be split (pass an evaluation source).
+    """
+    if eval_dataset is not None:
+        return dataset, eval_dataset, "the evaluation dataset given"
+    if source == "paul-graham":
+        count = PAUL_GRAHAM_TRAIN_ESSAYS
+        return (dataset.select(range(count)), dataset.select(range(count, len(dataset))),
+                f"Paul Graham essays {count}-{len(dataset) - 1} (not trained on)")
+    if source == "shakespeare":
+        import datasets
+
+        from ..assets.texts import shakespeare_split
+
+        return dataset, datasets.Dataset.from_dict({text_column: shakespeare_split()[1]}), \
+            "Hamlet and the sonnets (not trained on)"
+    if not 0 < eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be in (0, 1), not {eval_fraction}.")
+    if len(dataset) < 2:
+        raise ValueError(f"{source} holds a single text, which cannot be split into training and held-out texts: "
+                         "pass an evaluation text with --eval-dataset.")
+    held = min(len(dataset) - 1, max(1, round(len(dataset) * eval_fraction)))
+    first = len(dataset) - held
+    return (dataset.select(range(first)), dataset.select(range(first, len(dataset))),
+            f"the last {held} of {len(dataset)} texts of {source} (not trained on)")
+
+
+def held_out_blocks(texts, tokenizer, block_size: int, eval_tokens: int, text_column: str = "text"):
+    """The evaluation blocks: the held-out texts packed into ``eval_tokens // block_size`` blocks of ``block_size``.
+
+    Raises:
+        ValueError: ``eval_tokens`` below one block, or held-out texts shorter than ``eval_tokens``.
+    """
+    wanted = eval_tokens // block_size
+    if wanted < 1:
+        raise ValueError(f"eval_tokens ({eval_tokens}) must hold at least one block of {block_size} tokens.")
+    try:
+        blocks = pack_dataset(texts, tokenizer, block_size, text_column)
+    except ValueError as error:
+        raise ValueError(f"The held-out text is too short for the evaluation: {error}") from None
+    if len(blocks) < wanted:
+        raise ValueError(
+            f"The held-out text makes {len(blocks)} blocks of {block_size} tokens, fewer than the {wanted} that "
+            f"eval_tokens={eval_tokens} asks for. Pass a longer evaluation text (--eval-dataset) or lower --eval-tokens; "
+            "the evaluation is never shortened silently."
+        )
+    return blocks.select(range(wanted))
+
+
+def perplexity_of(loss: float) -> float:
+    """``exp(loss)``; ``inf`` past the float range, NaN for a NaN loss."""
+    if math.isnan(loss):
+        return math.nan
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+class PerplexityTrainer(transformers.Trainer):
+    """A ``Trainer`` whose evaluations also log ``eval_perplexity = exp(eval_loss)``.
+
+    ``Trainer.log`` is the public seam for metrics computed outside the training loop (TRL's trainers override it the
+    same way): the value is added before the Trainer appends the entry to ``state.log_history`` and before any
+    ``report_to`` integration or callback sees it.
+    """
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        for key in [key for key in logs if key.endswith("eval_loss")]:
+            logs[key.removesuffix("loss") + "perplexity"] = perplexity_of(float(logs[key]))
+        super().log(logs, *args, **kwargs)

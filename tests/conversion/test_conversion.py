@@ -1,0 +1,226 @@
+"""Conversion: attention transfer (loss falls, teacher outputs handed on, closed-form scale), LoRA merged before
+saving, the converted folder reloads exactly, bad input refused before training, an interrupted run resumes."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+from training_helpers import char_tokenizer, lm  # noqa: E402
+
+import hf_knorm  # noqa: E402
+from hf_knorm.assets.texts import SAMPLE_TEXT  # noqa: E402
+from hf_knorm.conversion.job import RESULT_FILE, STATE_FILE, run_convert  # noqa: E402
+from hf_knorm.conversion.settings import ConvertSettings  # noqa: E402
+from hf_knorm.conversion.transfer import AttentionTransfer  # noqa: E402
+from hf_knorm.evaluation.perplexity import perplexity_of_windows  # noqa: E402
+from hf_knorm.training.heldout import held_out_blocks  # noqa: E402
+from hf_knorm.training.text_data import load_text_dataset  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_lm_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_lm")
+    lm().save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("texts")
+    (folder / "train.txt").write_text((SAMPLE_TEXT + "\n") * 6)
+    (folder / "heldout.txt").write_text(SAMPLE_TEXT[::-1] + "\n" + SAMPLE_TEXT + "\n")
+    return folder
+
+
+def _settings(tiny_lm_dir, texts, out, **overrides) -> ConvertSettings:
+    values = dict(model=str(tiny_lm_dir), dataset=str(texts / "train.txt"), eval_dataset=str(texts / "heldout.txt"),
+                  out=str(out), block_size=32, batch_size=2, eval_tokens=128, eval_steps=2, transfer_steps=4,
+                  recovery_steps=4, logging_steps=2, save_steps=2, warmup_steps=0, report_to="none",
+                  transfer_learning_rate=1e-2, recovery_learning_rate=1e-2)
+    values.update(overrides)
+    return ConvertSettings(**values)
+
+
+def _ids(seed=0, batch=4, length=24):
+    return torch.randint(3, 100, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# --- attention transfer ------------------------------------------------------------------------------------------
+
+def test_inside_teaching_the_student_model_computes_the_original_models_logits():
+    original = lm().eval()
+    student = copy.deepcopy(original)
+    transfer = AttentionTransfer(student)
+    hf_knorm.patch(student, "x^3/16")
+    ids = _ids()
+    with torch.no_grad():
+        expected = original(input_ids=ids).logits
+        patched = student(input_ids=ids).logits
+        with transfer.teaching():
+            taught = student(input_ids=ids).logits
+    assert not torch.allclose(patched, expected, atol=1e-3)  # the patch alone changes the model
+    torch.testing.assert_close(taught, expected, atol=1e-5, rtol=1e-5)
+    assert sorted(transfer.layer_errors) == list(range(len(hf_knorm.attention_modules(student))))
+
+
+def test_match_scale_is_the_least_squares_optimum_and_lowers_the_error():
+    model = lm().eval()
+    transfer = AttentionTransfer(model)
+    hf_knorm.patch(model, "x^3/16")
+    ids = _ids()
+    with torch.no_grad(), transfer.teaching():
+        model(input_ids=ids)
+        before = float(transfer.loss())
+    transfer.match_scale(model, ids)
+    with torch.no_grad(), transfer.teaching():
+        model(input_ids=ids)
+        after = float(transfer.loss())
+    assert after < before
+    again = transfer.match_scale(model, ids)  # already optimal: every head's best scale is now 1
+    for scales in again:
+        torch.testing.assert_close(scales, torch.ones_like(scales), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("trainable", ["qk", "qkvo"])
+def test_the_transfer_loss_falls_and_only_the_chosen_projections_change(trainable):
+    model = lm().eval()
+    transfer = AttentionTransfer(model, trainable)
+    hf_knorm.patch(model, "x^3/16")
+    ids = _ids(length=32)
+    transfer.match_scale(model, ids)
+    transfer.freeze_all_but_trainable(model)
+    frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
+    optimizer = torch.optim.Adam(transfer.trainable_parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        with transfer.teaching():
+            model(input_ids=ids, use_cache=False)
+            loss = transfer.loss()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    for name, parameter in model.named_parameters():
+        if name in frozen:
+            assert torch.equal(parameter, frozen[name]), name
+    changed = {name.split(".")[-2] for name, p in model.named_parameters() if p.requires_grad}
+    assert changed == {f"{letter}_proj" for letter in trainable}
+
+
+def test_transfer_rejects_unknown_projection_letters():
+    with pytest.raises(ValueError, match="letters of 'qkvo'"):
+        AttentionTransfer(lm(), "qz")
+
+
+# --- the job -------------------------------------------------------------------------------------------------------
+
+def test_a_converted_model_reloads_with_its_normalization_and_its_measured_perplexity(tiny_lm_dir, texts, tmp_path):
+    out = tmp_path / "run"
+    summary = run_convert(_settings(tiny_lm_dir, texts, out))
+    record = json.loads((out / RESULT_FILE).read_text())
+    assert record["normalization"] == "x^3/16" and record["evaluation"]["perplexity"] == summary["evaluation"]["perplexity"]
+    transfer, recovery = record["stages"]["transfer"], record["stages"]["recovery"]
+    assert [point[0] for point in transfer["curve"]] == [0, 2, 4] and recovery["curve"][0][0] == 0
+    assert transfer["trainable_parameters"] < recovery["trainable_parameters"] or recovery["mode"] == "lora"
+    assert len(transfer["errors"]["layers"]) == 2 and len(transfer["errors"]["by_position"][0]) == 8
+
+    reloaded = hf_knorm.from_pretrained(out)
+    assert hf_knorm.patched_normalization(reloaded) == "x^3/16"
+    assert not any("lora" in name for name, _ in reloaded.named_parameters())  # adapters merged before saving
+    tokenizer = tf.AutoTokenizer.from_pretrained(out)
+    blocks = held_out_blocks(load_text_dataset(str(texts / "heldout.txt")), tokenizer, 32, 128)
+    windows = [torch.tensor(block["input_ids"]) for block in blocks]
+    again = perplexity_of_windows(reloaded.eval(), windows, progress=False).perplexity
+    assert again == pytest.approx(record["evaluation"]["perplexity"], rel=1e-5)
+    # the card carries both perplexities; the original's is the unpatched model's on the same blocks
+    original = tf.AutoModelForCausalLM.from_pretrained(tiny_lm_dir).eval()
+    assert record["evaluation"]["original_perplexity"] == pytest.approx(
+        perplexity_of_windows(original, windows, progress=False).perplexity, rel=1e-5)
+    card = (out / "README.md").read_text()
+    assert "held-out perplexity" in card and "model-index" in card
+    assert (out / "norms.png").is_file() and (out / "transfer" / "norms.jsonl").is_file()
+
+
+def test_lora_adapters_merge_into_an_identical_plain_model():
+    from peft import LoraConfig, get_peft_model
+
+    model = hf_knorm.patch(lm(), "x^3/16")
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj",
+                                                                                    "o_proj"]))
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.05)  # trained-looking adapters (B starts at zero)
+    ids = _ids()
+    with torch.no_grad():
+        expected = peft_model.eval()(input_ids=ids).logits
+        merged = peft_model.merge_and_unload()
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
+    assert type(merged).__name__ == "LlamaForCausalLM" and hf_knorm.patched_normalization(merged) == "x^3/16"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"normalization": "softmax"}, "Converting to softmax changes nothing"),
+    ({"normalization": "x^2.5/3"}, "Unknown normalization"),
+    ({"recovery": "qlora"}, "recovery must be one of"),
+    ({"transfer_steps": 0, "recovery": "none"}, "nothing to convert"),
+    ({"eval_tokens": 100_000}, "fewer than the"),
+    ({"resume": True}, "no conversion to continue"),
+])
+def test_bad_input_is_refused_before_training(tiny_lm_dir, texts, tmp_path, overrides, message):
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=message):
+        run_convert(_settings(tiny_lm_dir, texts, out, **overrides))
+    assert not list(out.glob("*/checkpoint-*"))
+
+
+def test_an_already_patched_model_and_a_missing_file_are_refused(tiny_lm_dir, texts, tmp_path):
+    patched = tmp_path / "patched"
+    hf_knorm.save_pretrained(hf_knorm.patch(lm(), "x/16"), patched, tokenizer=char_tokenizer())
+    with pytest.raises(ValueError, match="already patched with x/16"):
+        run_convert(_settings(patched, texts, tmp_path / "a"))
+    with pytest.raises(FileNotFoundError, match="No such file"):
+        run_convert(_settings(tiny_lm_dir, texts, tmp_path / "b", dataset=str(texts / "missing.txt")))
+
+
+def test_an_interrupted_conversion_resumes_and_a_finished_one_is_not_overwritten(tiny_lm_dir, texts, tmp_path,
+                                                                                 monkeypatch):
+    from hf_knorm.conversion import trainers
+
+    out = tmp_path / "run"
+    settings = _settings(tiny_lm_dir, texts, out, recovery_steps=6)
+    calls = {"n": 0}
+    original_step = trainers.DistillationTrainer.training_step
+
+    def interrupted_step(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:  # after the checkpoint of step 2 of the recovery
+            raise KeyboardInterrupt
+        return original_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(trainers.DistillationTrainer, "training_step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        run_convert(settings)
+    assert (out / STATE_FILE).is_file() and not (out / RESULT_FILE).exists()
+    assert json.loads((out / STATE_FILE).read_text())["transfer"]["done"]
+    with pytest.raises(ValueError, match="pass --resume"):
+        run_convert(settings)
+    monkeypatch.setattr(trainers.DistillationTrainer, "training_step", original_step)
+    transfer_trained = []
+    monkeypatch.setattr(trainers.TransferTrainer, "training_step",
+                        lambda *a, **k: transfer_trained.append(1) or pytest.fail("transfer ran again"))
+    summary = run_convert(_settings(tiny_lm_dir, texts, out, recovery_steps=6, resume=True))
+    assert summary["stages"]["recovery"]["steps"] == 6 and not transfer_trained
+    assert hf_knorm.patched_normalization(hf_knorm.from_pretrained(out)) == "x^3/16"
+    with pytest.raises(ValueError, match="finished conversion"):
+        run_convert(_settings(tiny_lm_dir, texts, out, resume=True))
