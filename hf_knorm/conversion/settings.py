@@ -39,7 +39,7 @@ class ConvertSettings:
     transfer_learning_rate: float = field(default=1e-4, metadata={"help": "attention-transfer learning rate"})
     transfer_trainable: str = field(default="qk", metadata={
         "help": "attention projections trained by the transfer, letters of qkvo"})
-    recovery: str = field(default="lora", metadata={"help": "recovery: lora | full | none"})
+    recovery: str = field(default="lora", metadata={"help": "recovery: lora | full | none", "choices": RECOVERY_MODES})
     recovery_steps: int = field(default=200, metadata={"help": "recovery steps"})
     recovery_learning_rate: float = field(default=1e-3, metadata={
         "help": "recovery learning rate (LoRA adapters; use ~1e-4 with --recovery full)"})
@@ -51,11 +51,11 @@ class ConvertSettings:
     save_steps: int = field(default=50, metadata={"help": "checkpoint every N steps"})
     max_blocks: int | None = field(default=None, metadata={"help": "use at most N training blocks"})
     seed: int = field(default=0, metadata={"help": "random seed"})
-    report_to: str = field(default="tensorboard", metadata={
+    report_to: tuple[str, ...] = field(default=("tensorboard",), metadata={
         "help": "Trainer integrations, comma-separated (tensorboard, wandb, ...; 'none' for none)"})
     resume: bool = field(default=False, metadata={"help": "continue an interrupted conversion in --out"})
 
     def integrations(self) -> list[str]:
         """``report_to`` as the Trainer takes it."""
-        names = [name.strip() for name in self.report_to.split(",") if name.strip()]
-        return [] if names in ([], ["none"]) else names
+        names = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
+        return [name for name in names if name and name != "none"]

@@ -16,6 +16,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from ..models.patching import patch
 from ..training.callback import NormLoggerCallback
+from ..training.heldout import perplexity_curve
 from .settings import ConvertSettings
 from .trainers import DistillationTrainer, TransferTrainer
 from .transfer import AttentionTransfer
@@ -132,13 +133,12 @@ def _train(trainer, checkpoint: str | None, settings: ConvertSettings) -> dict:
     elapsed = time.perf_counter() - started
     history = trainer.state.log_history
     tokens_per_step = settings.batch_size * settings.block_size * trainer.args.gradient_accumulation_steps
-    curve = [[entry["step"], entry["step"] * tokens_per_step, entry["eval_perplexity"]]
-             for entry in history if "eval_perplexity" in entry]
-    evaluating = sum(entry.get("eval_runtime", 0.0) for entry in history)
-    steps = trainer.state.global_step - (int(Path(checkpoint).name.split("-")[-1]) if checkpoint else 0)
+    first = int(Path(checkpoint).name.split("-")[-1]) if checkpoint else 0
+    evaluating = sum(entry.get("eval_runtime", 0.0) for entry in history if entry.get("step", 0) >= first)
+    steps = trainer.state.global_step - first
     training_seconds = max(elapsed - evaluating, 1e-9)
     return {
-        "curve": curve,
+        "curve": perplexity_curve(history, tokens_per_step),
         "steps": trainer.state.global_step,
         "tokens": trainer.state.global_step * tokens_per_step,
         "train_loss": output.training_loss,

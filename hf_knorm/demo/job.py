@@ -16,7 +16,7 @@ from ..models.persistence import load_model
 from ..version import __version__
 from .report import write_report
 from .settings import DemoSettings
-from .steps import balancing_step, knorm_step, normalizations_step, sharing_step, training_step
+from .steps import balancing_step, conversion_step, knorm_step, normalizations_step, sharing_step
 
 
 def run_demo(model_name: str, out_dir: str | Path, settings: DemoSettings | None = None,
@@ -27,7 +27,7 @@ def run_demo(model_name: str, out_dir: str | Path, settings: DemoSettings | None
         model_name: ``"default"`` (SmolLM2-135M-Instruct, embedded) or a local checkpoint folder.
         out_dir: where every step writes its folder, ``demo.json`` and ``report.html``.
         settings: the sizes of the steps (default: :class:`DemoSettings`; ``DemoSettings.fast()`` for tests).
-        push_to: a Hub repo id: step 5 also pushes the fine-tuned model there (needs a token).
+        push_to: a Hub repo id: step 5 also pushes the converted model there (needs a token).
         token: the Hub token for ``push_to`` (default: the one ``huggingface_hub`` finds).
 
     Raises:
@@ -52,10 +52,10 @@ def run_demo(model_name: str, out_dir: str | Path, settings: DemoSettings | None
          lambda: normalizations_step(model, tokenizer, settings, out_dir / "normalizations")),
         ("balancing", "K/V balancing", lambda: balancing_step(model, tokenizer, settings, out_dir / "balancing")),
         ("knorm", "KNorm needle-in-a-haystack", lambda: knorm_step(model, tokenizer, settings, out_dir / "knorm")),
-        ("training", f"Fine-tuning with {settings.train_normalization} and the norm callback",
-         lambda: training_step(model_name, settings, out_dir / "training")),
-        ("sharing", "Saving the fine-tuned model with its card" + (f" and pushing it to {push_to}" if push_to else ""),
-         lambda: sharing_step(results["training"], out_dir / "model", push_to=push_to, token=token)),
+        ("conversion", f"Converting to {settings.train_normalization} (transfer, recovery, norm callback)",
+         lambda: conversion_step(model, tokenizer, model_name, settings, out_dir / "conversion")),
+        ("sharing", "Saving the converted model with its card" + (f" and pushing it to {push_to}" if push_to else ""),
+         lambda: sharing_step(results["conversion"], out_dir / "model", push_to=push_to, token=token)),
     ]
     results, sections = {}, []
     for index, (key, title, step) in enumerate(steps, 1):

@@ -28,12 +28,18 @@ class DemoSettings:
         "help": "step 3: the eviction score shown beside the paper's key_norm (kv_diff is the recommended one, "
                 "BENCHMARKS.md 'Eviction scores')"})
     train_normalization: str = field(default="x^3/16", metadata={
-        "help": "step 4: the normalization fine-tuned with the norm callback"})
-    train_steps: int = field(default=30, metadata={"help": "step 4: optimizer steps"})
+        "help": "step 4: the normalization the model is converted to (attention transfer, then LoRA recovery)"})
+    transfer_steps: int = field(default=30, metadata={"help": "step 4: attention-transfer steps"})
+    recovery_steps: int = field(default=40, metadata={"help": "step 4: LoRA recovery steps"})
     train_block_size: int = field(default=128, metadata={"help": "step 4: tokens per example"})
     train_batch_size: int = field(default=4, metadata={"help": "step 4: examples per step"})
-    train_learning_rate: float = field(default=2e-4, metadata={"help": "step 4: peak learning rate"})
-    logging_steps: int = field(default=3, metadata={"help": "step 4: per-layer norms every N steps"})
+    eval_tokens: int = field(default=4096, metadata={
+        "help": "step 4: held-out tokens (Paul Graham essays 40-48) scored at each evaluation"})
+    eval_steps: int = field(default=10, metadata={"help": "step 4: held-out perplexity every N steps of each stage"})
+    logging_steps: int = field(default=5, metadata={"help": "step 4: per-layer norms every N steps"})
+    full_conversion: bool = field(default=False, metadata={
+        "help": "step 4: convert with hf-knorm convert's full defaults (about 30 minutes) instead of the demo's "
+                "shortened schedule"})
 
     def __post_init__(self):
         from ..knorm.scores import resolve_score
@@ -50,7 +56,20 @@ class DemoSettings:
     def fast(cls) -> DemoSettings:
         """Every step shrunk to seconds, for the test suite (``--fast``)."""
         return cls(normalizations=("softmax", "x^3/16"), calibration_tokens=256, niah_lengths=(300,),
-                   niah_depths=(0.5,), train_steps=4, train_block_size=64, train_batch_size=2, logging_steps=2)
+                   niah_depths=(0.5,), transfer_steps=4, recovery_steps=4, train_block_size=64, train_batch_size=2,
+                   eval_tokens=256, eval_steps=2, logging_steps=2)
+
+    def conversion(self, model: str, out: str):
+        """The :class:`~hf_knorm.conversion.settings.ConvertSettings` of step 4."""
+        from ..conversion.settings import ConvertSettings
+
+        if self.full_conversion:
+            return ConvertSettings(model=model, out=out, normalization=self.train_normalization)
+        return ConvertSettings(
+            model=model, out=out, normalization=self.train_normalization, transfer_steps=self.transfer_steps,
+            recovery_steps=self.recovery_steps, block_size=self.train_block_size, batch_size=self.train_batch_size,
+            eval_tokens=self.eval_tokens, eval_steps=self.eval_steps, logging_steps=self.logging_steps,
+            warmup_steps=min(10, self.transfer_steps // 4), save_steps=max(self.transfer_steps, self.recovery_steps) + 1)
 
     def as_dict(self) -> dict:
         """The settings as plain values (for the report and ``demo.json``)."""

@@ -1,7 +1,7 @@
 """The demo's steps, one function each: run one capability on the model, return the report's :class:`Section`.
 
 Each step calls the library exactly as a user would (``patch``, ``balance_kv``, ``KNormCache`` through the needle
-harness, ``Trainer`` with ``NormLoggerCallback``, ``save_pretrained`` with the card), writes its files under its own
+harness, ``hf_knorm.convert``'s Trainer runs with ``NormLoggerCallback``, ``save_pretrained`` with the card), writes its files under its own
 folder of the demo's output, and leaves the model it was given as it found it.
 """
 
@@ -20,9 +20,9 @@ from ..evaluation.needle import run_needle, score_variants, summary_table, write
 from ..hub.push import push_folder
 from ..hub.saving import CARD_FILE, save_pretrained
 from ..models.persistence import load_model
-from ..training.finetune import FinetuneSettings, run_finetune
-from ..training.history import read_norm_history
-from .normalizations import PROMPTS, compare_normalizations, format_table
+from ..conversion.job import run_convert
+from ..models.persistence import from_pretrained
+from .normalizations import PROMPTS, compare_normalizations, evaluate_normalization, format_table
 from .report import Section, Table
 from .settings import DemoSettings
 
@@ -109,57 +109,69 @@ def knorm_step(model, tokenizer, settings: DemoSettings, out_dir: Path) -> tuple
     return section, table_md
 
 
-def training_step(model_name: str, settings: DemoSettings, out_dir: Path) -> tuple[Section, dict]:
-    """Step 4: fine-tune with a polynomial normalization, NormLoggerCallback and TensorBoard; the per-layer figure."""
+def conversion_step(model, tokenizer, model_name: str, settings: DemoSettings, out_dir: Path,
+                    ) -> tuple[Section, dict]:
+    """Step 4: convert the model to a polynomial normalization (attention transfer, LoRA recovery) with the norm
+    callback and held-out perplexity; the perplexity curve, the per-layer norms, greedy answers before and after."""
     started = time.perf_counter()
     if out_dir.exists():  # a demo run is a fresh run, never a resumed one
         shutil.rmtree(out_dir)
-    run = FinetuneSettings(
-        dataset="shakespeare", out=str(out_dir), model=model_name, normalization=settings.train_normalization,
-        block_size=settings.train_block_size, batch_size=settings.train_batch_size, max_steps=settings.train_steps,
-        learning_rate=settings.train_learning_rate,
-        warmup_steps=min(10, settings.train_steps // 4), logging_steps=settings.logging_steps,
-        save_steps=settings.train_steps + 1, max_blocks=settings.train_steps * settings.train_batch_size,
-    )
-    summary = run_finetune(run)
-    history = read_norm_history(out_dir)
-    figure = Path(summary["norms_figure"])  # the run's own per-layer figure (finetune draws it)
-    first, last = history[0], history[-1]
-    every = max(1, len(first["layers"]) // 6)
-    rows = [[f"Layer {i + 1}: ||A||_F (mean over batch and heads)", first["layers"][i]["attn_fro"],
-             last["layers"][i]["attn_fro"]] for i in range(0, len(first["layers"]), every)]
-    rows.append(["training loss", first.get("loss") or "-", last.get("loss") or "-"])
-    table = Table(["", f"step {first['step']}", f"step {last['step']}"], rows,
-                  caption="From norms.jsonl (every layer is in the figure; a few are listed here)")
+    conversion = settings.conversion(model_name, str(out_dir))
+    summary = run_convert(conversion)
+    normalization = summary["normalization"]
+    converted = from_pretrained(out_dir)
+    answers = [evaluate_normalization(model, tokenizer, None), evaluate_normalization(model, tokenizer, normalization),
+               evaluate_normalization(converted, tokenizer, None)]
+    answers[1]["normalization"] = f"{normalization}, patched only"
+    answers[2]["normalization"] = f"{normalization}, converted"
+    evaluation = summary["evaluation"]
+    stages = summary["stages"]
+    rows = [["original model (softmax)", evaluation["original_perplexity"], "-", "-"]]
+    for name in ("transfer", "recovery"):
+        if name in stages:
+            curve = stages[name]["curve"]
+            rows.append([f"{name}: start -> end", f"{curve[0][2]:.4g} -> {curve[-1][2]:.4g}",
+                         stages[name]["tokens"], stages[name]["trainable_parameters"]])
+    rows.append([f"converted model ({normalization})", evaluation["perplexity"], "-", "-"])
+    table = Table(["", "held-out perplexity", "training tokens", "trainable parameters"], rows,
+                  caption=f"Held-out perplexity on {evaluation['text']}, {evaluation['tokens']} tokens")
+    greedy = Table(["model", *(repr(p) for p in PROMPTS)], [[a["normalization"], *a["continuations"]] for a in answers],
+                   caption="Greedy next tokens of step 1's prompts")
     section = Section(
-        "Fine-tuning with the norm callback",
-        f"Each panel is one layer: the Frobenius norm of its attention matrix at every logging step of a fine-tuning "
-        f"run with {summary['normalization']}, logged by NormLoggerCallback from the training forward passes into "
-        "TensorBoard, the Trainer's log history and norms.jsonl.",
-        figures=[(figure, "Per-layer attention-matrix norm over training (log scale)")],
-        tables=[table],
-        text=f"tensorboard --logdir {out_dir}\n{out_dir / 'norms.jsonl'}  ({len(history)} logging steps)",
-        settings={"normalization": summary["normalization"], "steps": summary["global_step"],
-                  "block_size": settings.train_block_size, "batch_size": settings.train_batch_size,
-                  "data": "Shakespeare (embedded)"},
+        "Converting the model to a new normalization",
+        f"Follow the curve: patched with {normalization} the model's held-out perplexity starts at "
+        f"{stages['transfer']['curve'][0][2]:.3g} (the original: {evaluation['original_perplexity']:.3g}); attention "
+        f"transfer and LoRA recovery bring it to {evaluation['perplexity']:.3g} "
+        f"({evaluation['ratio_to_original']:.3g}x the original) in this shortened schedule. The panels show each "
+        "layer's attention norm during both stages, logged by NormLoggerCallback.",
+        figures=[(Path(summary["perplexity_figure"]), "Held-out perplexity over training tokens (log scale)"),
+                 (out_dir / "norms.png", "Per-layer attention-matrix norm during transfer and recovery (log scale)")],
+        tables=[table, greedy],
+        text=f"tensorboard --logdir {out_dir}\n{out_dir / 'convert.json'}",
+        settings={"normalization": normalization, "transfer_steps": conversion.transfer_steps,
+                  "recovery": f"{conversion.recovery}, {conversion.recovery_steps} steps",
+                  "block_size": conversion.block_size, "batch_size": conversion.batch_size,
+                  "data": "Paul Graham essays 0-39 (embedded); held out: 40-48"},
         seconds=time.perf_counter() - started,
     )
-    return section, {**summary, "history": str(out_dir / "norms.jsonl"), "figure": str(figure)}
+    return section, {**summary, "answers": answers, "folder": str(out_dir)}
 
 
-def sharing_step(training: dict, out_dir: Path, push_to: str | None = None,
+def sharing_step(conversion: dict, out_dir: Path, push_to: str | None = None,
                  token: str | None = None) -> tuple[Section, dict]:
-    """Step 5: save the fine-tuned model with its card as a push would send it; reload it and compare; push if asked.
+    """Step 5: save the converted model with its card as a push would send it; reload it and compare; push if asked.
 
     The folder written is exactly what :func:`hf_knorm.push_to_hub` uploads (weights, config with the plugin's
     settings, tokenizer, ``README.md`` card, the card's figure); ``push_to`` uploads it in one commit.
     """
     started = time.perf_counter()
-    run_dir = Path(training["settings"]["out"])
+    run_dir = Path(conversion["folder"])
     model, tokenizer = load_model(str(run_dir))
     if out_dir.exists():
         shutil.rmtree(out_dir)
-    folder = save_pretrained(model, out_dir, tokenizer=tokenizer, repo_id=push_to, norm_history=training["figure"])
+    evaluation = dict(conversion["evaluation"], stages={name: stage["curve"] for name, stage in conversion["stages"].items()})
+    folder = save_pretrained(model, out_dir, tokenizer=tokenizer, repo_id=push_to, norm_history=run_dir / "norms.png",
+                             evaluation=evaluation)
     reloaded, _ = load_model(str(folder))
     batch = tokenizer(SAMPLE_TEXT, return_tensors="pt")
     with torch.no_grad():
@@ -172,7 +184,9 @@ def sharing_step(training: dict, out_dir: Path, push_to: str | None = None,
     table = Table(["file", "bytes"], [[str(p.relative_to(folder)), p.stat().st_size] for p in files],
                   caption=f"{folder}: what a push sends")
     look_at = (f"The folder holds what push_to_hub sends: the weights, a config that carries "
-               f"{training['normalization']}, the tokenizer and the model card below; reloaded with "
+               f"{conversion['normalization']}, the tokenizer and the model card below, with the held-out perplexity "
+               f"({conversion['evaluation']['perplexity']:.4g}, the original {conversion['evaluation']['original_perplexity']:.4g}) "
+               "in its text and its model-index; reloaded with "
                f"hf_knorm.from_pretrained it gives {'identical' if same_logits else 'DIFFERENT'} logits.")
     if commit_url:
         look_at += f" Pushed: {commit_url}."

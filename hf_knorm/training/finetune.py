@@ -5,16 +5,20 @@ Steps, in order (everything that can be wrong with the input is checked before t
 1. the normalization, the data source and the run folder are checked (an unknown normalization, a missing file,
    checkpoints already in ``out`` without ``resume``, ``resume`` without checkpoints);
 2. the model's config and tokenizer are read: a block size above the model's maximum is refused;
-3. the dataset is loaded and packed into blocks (a missing text column, an empty dataset, too few tokens);
+3. the dataset is loaded, split into training and held-out texts (:mod:`.heldout`) and packed into blocks (a missing
+   text column, an empty dataset, too few tokens, a held-out text shorter than ``eval_tokens``);
 4. the model is loaded; with ``balance`` its keys and values are balanced first (exact, on the first training
    texts; not again on resume, whose checkpoint holds the balanced weights); then it is patched with the
    normalization (``softmax`` keeps the model's own attention);
-5. a Transformers ``Trainer`` trains it with :class:`~hf_knorm.training.callback.NormLoggerCallback` and the
+5. its held-out perplexity is measured (the starting point of the model card's comparison); a Transformers
+   ``Trainer`` (:class:`~.heldout.PerplexityTrainer`: ``eval_perplexity`` beside ``eval_loss``, at step 0 and every
+   ``eval_steps``) trains it with :class:`~hf_knorm.training.callback.NormLoggerCallback` and the
    TensorBoard integration, saving checkpoints (``resume`` continues from the last one);
 6. the run folder ends with the model saved so that it reloads with its normalization
    (:func:`hf_knorm.models.persistence.save_pretrained`), its tokenizer, ``norms.jsonl``, ``norms.png`` (the
    per-layer figure, which ``hf_knorm.push_to_hub(..., norm_history=...)`` can put on the model card) and
-   ``finetune.json`` (settings and outcome).
+   ``finetune.json`` (settings and outcome, with the ``evaluation`` record: held-out perplexity before and after,
+   and the curve).
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from transformers.trainer_utils import get_last_checkpoint
 from ..attention.normalizations import parse_normalization
 from ..extras import require
 from ..models.architectures import architecture_of
-from .text_data import load_text_dataset, local_files, model_max_length, pack_dataset
+from .heldout import (PerplexityTrainer, evaluation_record, held_out_perplexity, perplexity_curve,
+                      training_and_held_out)
+from .text_data import local_files, model_max_length
 
 
 @dataclass
@@ -62,6 +68,12 @@ class FinetuneSettings:
     logging_steps: int = field(default=10, metadata={"help": "log the loss and the per-layer norms every N steps"})
     save_steps: int = field(default=50, metadata={"help": "a checkpoint every N steps (the last two are kept)"})
     max_blocks: int | None = field(default=None, metadata={"help": "use at most N blocks of the dataset"})
+    eval_dataset: str | None = field(default=None, metadata={
+        "help": "held-out text (same forms as --dataset); default: paul-graham essays 40-48, shakespeare's Hamlet "
+                "and sonnets, else the last --eval-fraction of the texts"})
+    eval_fraction: float = field(default=0.1, metadata={"help": "share of texts held out of other datasets"})
+    eval_tokens: int = field(default=8192, metadata={"help": "held-out tokens scored at each evaluation"})
+    eval_steps: int = field(default=50, metadata={"help": "held-out perplexity every N steps (and at step 0)"})
     report_to: tuple[str, ...] = field(default=("tensorboard",), metadata={
         "help": "Trainer integrations, comma-separated ('none': no logs besides norms.jsonl)"})
     stop_on_nonfinite_loss: bool = field(default=True, metadata={
@@ -80,10 +92,13 @@ def check_settings(settings: FinetuneSettings) -> Path | None:
     parse_normalization(settings.normalization)
     if settings.balance not in (None, "layer", "channel"):
         raise ValueError(f"balance must be 'layer' or 'channel', not {settings.balance!r}.")
-    for name in ("block_size", "batch_size", "gradient_accumulation_steps", "max_steps", "logging_steps", "save_steps"):
+    for name in ("block_size", "batch_size", "gradient_accumulation_steps", "max_steps", "logging_steps", "save_steps",
+                 "eval_tokens", "eval_steps"):
         if getattr(settings, name) < 1:
             raise ValueError(f"{name} must be at least 1, not {getattr(settings, name)}.")
     local_files(settings.dataset)
+    if settings.eval_dataset is not None:
+        local_files(settings.eval_dataset)
     if settings.model != "default" and not Path(settings.model).is_dir():
         raise FileNotFoundError(f"No model folder at {settings.model!r}; pass 'default' or a checkpoint folder.")
     if "tensorboard" in settings.report_to:
@@ -123,10 +138,12 @@ def run_finetune(settings: FinetuneSettings) -> dict:
     if maximum is not None and settings.block_size > maximum:
         raise ValueError(f"--block-size {settings.block_size} is above the model's maximum of {maximum} positions.")
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    texts = load_text_dataset(settings.dataset, settings.text_column, settings.split)
-    train = pack_dataset(texts, tokenizer, settings.block_size, settings.text_column, settings.max_blocks)
+    texts, train, held_out, held_out_text = training_and_held_out(
+        settings.dataset, tokenizer, settings.block_size, settings.eval_tokens, settings.text_column, settings.split,
+        settings.eval_dataset, settings.eval_fraction, settings.max_blocks)
 
     model = from_pretrained(model_dir, model_class=transformers.AutoModelForCausalLM)
+    original_perplexity = held_out_perplexity(model, held_out, desc="starting model")
     if patched_normalization(model) not in (None, normalization):
         unpatch(model)
     if settings.balance and checkpoint is None:  # a resumed run loads the balanced, trained weights
@@ -151,14 +168,21 @@ def run_finetune(settings: FinetuneSettings) -> dict:
         save_steps=settings.save_steps,
         save_total_limit=2,
         report_to=list(settings.report_to) or "none",
+        eval_strategy="steps",
+        eval_steps=settings.eval_steps,
+        eval_on_start=True,
+        per_device_eval_batch_size=settings.batch_size,
+        prediction_loss_only=True,
         seed=settings.seed,
         data_seed=settings.seed,
         dataloader_pin_memory=torch.cuda.is_available(),
     )
     callback = NormLoggerCallback(stop_on_nonfinite_loss=settings.stop_on_nonfinite_loss)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=train,
-                                   data_collator=transformers.default_data_collator, callbacks=[callback])
+    trainer = PerplexityTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
+                                data_collator=transformers.default_data_collator, callbacks=[callback])
     output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    final_perplexity = held_out_perplexity(model, held_out, desc="fine-tuned model")
+    tokens_per_step = settings.batch_size * settings.block_size * settings.gradient_accumulation_steps
 
     summary = {
         "settings": {**asdict(settings), "report_to": list(settings.report_to)},
@@ -167,6 +191,9 @@ def run_finetune(settings: FinetuneSettings) -> dict:
         "blocks": len(train),
         "global_step": trainer.state.global_step,
         "train_loss": output.training_loss,
+        "evaluation": dict(evaluation_record(held_out_text, held_out, settings.block_size, original_perplexity,
+                                             final_perplexity),
+                           stages={"fine-tuning": perplexity_curve(trainer.state.log_history, tokens_per_step)}),
         "first_nonfinite": callback.first_nonfinite,
         "stopped_at_step": callback.stopped_at_step,
     }

@@ -91,6 +91,52 @@ def held_out_blocks(texts, tokenizer, block_size: int, eval_tokens: int, text_co
     return blocks.select(range(wanted))
 
 
+def training_and_held_out(source: str, tokenizer, block_size: int, eval_tokens: int, text_column: str = "text",
+                          split: str = "train", eval_source: str | None = None, eval_fraction: float = 0.1,
+                          max_blocks: int | None = None):
+    """Load, split and pack a job's texts: ``(training texts, training blocks, held-out blocks, description)``.
+
+    Raises:
+        ValueError, FileNotFoundError: as :func:`~hf_knorm.training.text_data.load_text_dataset`,
+            :func:`split_held_out` and :func:`held_out_blocks` do.
+    """
+    from .text_data import load_text_dataset
+
+    texts = load_text_dataset(source, text_column, split)
+    evaluation = load_text_dataset(eval_source, text_column, split) if eval_source is not None else None
+    train_texts, held_texts, description = split_held_out(texts, source, text_column, evaluation, eval_fraction)
+    blocks = held_out_blocks(held_texts, tokenizer, block_size, eval_tokens, text_column)
+    train = pack_dataset(train_texts, tokenizer, block_size, text_column, max_blocks)
+    return train_texts, train, blocks, description
+
+
+def held_out_perplexity(model, blocks, desc: str = "held-out perplexity") -> float:
+    """The perplexity of ``model`` on the held-out blocks (what the Trainer's ``eval_perplexity`` measures)."""
+    import torch
+
+    from ..evaluation.perplexity import perplexity_of_windows
+
+    was_training = model.training
+    model.eval()
+    try:
+        windows = [torch.tensor(block["input_ids"]) for block in blocks]
+        return perplexity_of_windows(model, windows, desc=desc).perplexity
+    finally:
+        model.train(was_training)
+
+
+def perplexity_curve(log_history: list[dict], tokens_per_step: int) -> list[list[float]]:
+    """``[step, training tokens, held-out perplexity]`` of every evaluation in a Trainer's ``log_history``."""
+    return [[entry["step"], entry["step"] * tokens_per_step, entry["eval_perplexity"]]
+            for entry in log_history if "eval_perplexity" in entry]
+
+
+def evaluation_record(description: str, blocks, block_size: int, original: float, final: float) -> dict:
+    """The ``evaluation`` entry of a job's summary (and of the model card)."""
+    return {"text": description, "tokens": len(blocks) * block_size, "block_size": block_size,
+            "original_perplexity": original, "perplexity": final, "ratio_to_original": final / original}
+
+
 def perplexity_of(loss: float) -> float:
     """``exp(loss)``; ``inf`` past the float range, NaN for a NaN loss."""
     if math.isnan(loss):

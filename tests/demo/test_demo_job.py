@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 def test_every_step_ran_and_recorded_its_results(fast_demo):
     record = json.loads((fast_demo / "demo.json").read_text())
-    assert list(record["steps"]) == ["normalizations", "balancing", "knorm", "training", "sharing"]
+    assert list(record["steps"]) == ["normalizations", "balancing", "knorm", "conversion", "sharing"]
     assert len(record["timings_s"]) == 5 and record["total_s"] > 0
 
     native, softmax, cubic = record["steps"]["normalizations"]
@@ -30,11 +30,22 @@ def test_every_step_ran_and_recorded_its_results(fast_demo):
     assert all(f"| {row} |" in record["steps"]["knorm"] for row in ("r=0", "r=0.5", "r=0.5 kv_diff"))
     assert (fast_demo / "knorm" / "heatmap_niah_r=0.5_kv_diff.png").exists()
 
-    training = record["steps"]["training"]
-    assert training["normalization"] == "x^3/16" and training["global_step"] == 4
-    history = (fast_demo / "training" / "norms.jsonl").read_text().splitlines()
-    assert len(history) == 2  # logging every 2 of 4 steps
-    assert list((fast_demo / "training" / "runs").rglob("events.out.tfevents.*"))
+    conversion = record["steps"]["conversion"]
+    assert conversion["normalization"] == "x^3/16"
+    transfer, recovery = conversion["stages"]["transfer"], conversion["stages"]["recovery"]
+    assert transfer["steps"] == 4 and recovery["steps"] == 4 and recovery["mode"] == "lora"
+    assert [point[0] for point in recovery["curve"]] == [0, 2, 4]  # held-out perplexity at 0 and every 2 steps
+    evaluation = conversion["evaluation"]
+    assert evaluation["tokens"] == 256 and "Paul Graham essays 40-48" in evaluation["text"]
+    patched_only = float(record["steps"]["normalizations"][2]["perplexity"])
+    assert patched_only > 1e3 and transfer["curve"][0][2] > 1e3  # what patching alone does to the model
+    assert evaluation["perplexity"] < transfer["curve"][0][2]  # the conversion improves on the patched model
+    answers = conversion["answers"]
+    assert [a["normalization"] for a in answers] == ["native (sdpa)", "x^3/16, patched only", "x^3/16, converted"]
+    for stage in ("transfer", "recovery"):
+        history = (fast_demo / "conversion" / stage / "norms.jsonl").read_text().splitlines()
+        assert len(history) == 2  # logging every 2 of 4 steps
+        assert list((fast_demo / "conversion" / stage / "runs").rglob("events.out.tfevents.*"))
 
     sharing = record["steps"]["sharing"]
     assert sharing["same_logits_after_reload"] is True and sharing["commit_url"] is None
@@ -47,16 +58,16 @@ def test_the_saved_model_loads_back_with_its_normalization_and_card(fast_demo):
     assert hf_knorm.patched_normalization(model) == "x^3/16"
     card = (folder / "README.md").read_text()
     assert "pip install hf_knorm" in card.split("---", 2)[2][:2000]
-    assert "x^3/16" in card
+    assert "x^3/16" in card and "held-out perplexity" in card and "model-index" in card
 
 
 def test_the_report_has_every_section_and_embeds_its_images(fast_demo):
     page = (fast_demo / "report.html").read_text()
     for title in ("Attention normalizations side by side", "K/V balancing", "KNorm KV-cache compression",
-                  "Fine-tuning with the norm callback", "Saving the model with its card"):
+                  "Converting the model to a new normalization", "Saving the model with its card"):
         assert title in page
     assert page.count('<p class="look">') == 5
-    assert page.count('src="data:image/png;base64,') >= 5
+    assert page.count('src="data:image/png;base64,') >= 6
     assert 'src="http' not in page and '<link rel="stylesheet"' not in page  # self-contained: nothing to fetch
 
 

@@ -30,7 +30,7 @@ def text_file(tmp_path_factory):
 
 
 def _finetune(*flags, model, out) -> int:
-    return main(["finetune", "--model", str(model), "--out", str(out), "--block-size", "32", *flags])
+    return main(["finetune", "--model", str(model), "--out", str(out), "--block-size", "32", "--eval-tokens", "64", *flags])
 
 
 def test_local_files_of_each_kind_load_their_text(tmp_path):
