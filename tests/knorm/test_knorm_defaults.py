@@ -13,11 +13,11 @@ from hf_knorm.knorm.pipeline import knorm_generate
 def test_recorded_defaults_are_what_knorm_cache_for_uses():
     model = tiny_model("llama")
     hf_knorm.set_knorm_defaults(model, compression_ratio=0.5, sink_tokens=2, layer_ratios={0: 0.0})
-    cache = hf_knorm.knorm_cache_for(model)
-    assert (cache.compression_ratio, cache.sink_tokens, cache.layer_ratios) == (0.5, 2, {0: 0.0})
-    override = hf_knorm.knorm_cache_for(model, sink_tokens=0)
+    recorded = hf_knorm.knorm_cache_for(model).settings
+    assert (recorded.compression_ratio, recorded.sink_tokens, recorded.layer_ratios) == (0.5, 2, {0: 0.0})
+    override = hf_knorm.knorm_cache_for(model, sink_tokens=0).settings
     assert (override.compression_ratio, override.sink_tokens) == (0.5, 0)
-    sized = hf_knorm.knorm_cache_for(model, budget=8)  # a passed budget replaces the recorded ratios
+    sized = hf_knorm.knorm_cache_for(model, budget=8).settings  # a passed budget replaces the recorded ratios
     assert (sized.budget, sized.compression_ratio, sized.layer_ratios, sized.sink_tokens) == (8, 0.0, {}, 2)
 
 
@@ -53,7 +53,7 @@ def test_defaults_travel_with_the_model_and_can_be_removed(tmp_path):
     loaded = hf_knorm.from_pretrained(tmp_path)
     assert hf_knorm.knorm_defaults(loaded.config) == {"compression_ratio": 0.25, "layer_ratios": {0: 0.0, 1: 0.5},
                                                       "score_basis": "original"}
-    assert hf_knorm.knorm_cache_for(loaded).layer_ratios == {0: 0.0, 1: 0.5}
+    assert hf_knorm.knorm_cache_for(loaded).settings.layer_ratios == {0: 0.0, 1: 0.5}
     card = (tmp_path / "README.md").read_text()
     assert "KNorm KV-cache compression defaults" in card and "`compression_ratio=0.25`" in card
     hf_knorm.set_knorm_defaults(loaded)

@@ -30,7 +30,7 @@ def test_registry_lists_every_score_once():
     assert SCORE_NAMES == ("key_norm", "value_over_key", "key_diff", "kv_diff", "recent", "random")
     for name, cls in SCORES.items():
         assert cls.name == name and cls.__doc__ and ("arXiv" in cls.__doc__ or "kvpress" in cls.__doc__)
-    assert isinstance(KNormCache().score, KeyNorm)  # the paper's score stays the default
+    assert isinstance(KNormCache().settings.score, KeyNorm)  # the paper's score stays the default
 
 
 # --- each score against the plain reference ---------------------------------------------------------------------------
