@@ -59,3 +59,11 @@ def test_defaults_travel_with_the_model_and_can_be_removed(tmp_path):
     hf_knorm.set_knorm_defaults(loaded)
     assert hf_knorm.knorm_defaults(loaded.config) == {}
     assert hf_knorm.patched_normalization(loaded) == "x^3/16"  # the rest of the section stays
+
+
+def test_recorded_defaults_can_be_ignored():
+    model = tiny_model("llama")
+    hf_knorm.set_knorm_defaults(model, compression_ratio=0.5, sink_tokens=2, score="kv_diff")
+    settings = hf_knorm.knorm_cache_for(model, recorded_defaults=False, budget=8).settings
+    assert (settings.budget, settings.sink_tokens, settings.score.name) == (8, 0, "key_norm")
+    assert hf_knorm.knorm_cache_for(model, budget=8).settings.sink_tokens == 2  # by default they apply
