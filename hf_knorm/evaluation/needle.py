@@ -2,8 +2,9 @@
 
 One grid: context lengths (tokens) x needle depths x seeds. Each cell builds a context, prefills it **once** with a
 full cache (the prefill of a KNorm cache is exact, so it is shared), then for every variant (a compression ratio plus
-options; ratio 0 is the uncompressed model) compresses a copy with :meth:`KNormCache.from_dynamic_cache`, appends the
-question uncompressed and decodes greedily: the kvpress protocol (context compressed, question not). The variant
+options; ratio 0 is the uncompressed model) compresses a copy, appends the question uncompressed and decodes greedily:
+the kvpress protocol (context compressed, question not), through the same function as the public
+``knorm-text-generation`` pipeline (``hf_knorm.knorm.pipeline.answer_after_context``). The variant
 ``protocol="authors"`` instead processes the question on the uncompressed pass, takes the first answer token from
 it, then compresses context and question (the authors' l2compress code; combine with ``layer_ratios={0: 0, 1: 0}``).
 
@@ -32,9 +33,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from ..balancing.balance import key_scales, value_scales
-from ..knorm.cache import KNormCache
-from ..knorm.pipeline import generate_after, split_prompt
+from ..balancing.balance import key_scales
+from ..knorm.pipeline import answer_after_context, encode_prompt, generate_after, knorm_cache_for
 
 CITIES = ("Paris", "Tokyo", "Nairobi", "Lima", "Oslo", "Cairo", "Sydney", "Toronto", "Mumbai", "Madrid", "Seoul",
           "Dublin", "Lisbon", "Santiago", "Hanoi", "Vienna", "Prague", "Manila", "Bogota", "Helsinki")
@@ -167,27 +167,28 @@ def is_correct(answer: str, expected: str) -> bool:
 
 @torch.no_grad()
 def answer_cell(model, tokenizer, sample: dict, variants: list[Variant], max_new_tokens: int) -> dict[str, str]:
-    """Answers of every variant for one sample; the context is prefilled once."""
-    context_text, question_text = split_prompt(tokenizer, sample["context"], sample["question"])
-    encode = lambda text: tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(model.device)
-    context_ids, question_ids = encode(context_text), encode(question_text + sample["answer_prefix"])
+    """Answers of every variant for one sample; the context is prefilled once.
+
+    A ``kvpress`` variant runs :func:`hf_knorm.knorm.pipeline.answer_after_context`, the ``knorm-text-generation``
+    pipeline's own protocol, on that shared prefill; its cache is :func:`~hf_knorm.knorm_cache_for` with exactly the
+    variant's options (a model's recorded KNorm defaults are not applied: every row names its options).
+    """
+    context_ids, question_ids = encode_prompt(tokenizer, sample["context"], sample["question"], sample["answer_prefix"])
+    context_ids, question_ids = context_ids.to(model.device), question_ids.to(model.device)
     full = model(input_ids=context_ids, cache=DynamicCache(), use_cache=True).cache
     ids = torch.cat([context_ids, question_ids], dim=1)  # (1, n_context + n_question)
     generate = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     answers, with_question = {}, None
     for variant in variants:
-        original = variant.score_basis == "original"
-        scales = dict(key_scales=key_scales(model.config) if original else None,
-                      value_scales=value_scales(model.config) if original else None)
+        cache = knorm_cache_for(model, score_basis=variant.score_basis, recorded_defaults=False, **variant.options)
         if variant.protocol == "kvpress":
-            cache = KNormCache.from_dynamic_cache(full, **scales, **variant.options)
-            new = generate_after(model, cache, context_ids, question_ids, **generate)[0]
+            new = answer_after_context(model, cache, context_ids, question_ids, prefilled=full, **generate)[0]
         elif variant.protocol == "authors":
             if with_question is None:  # question on the uncompressed pass; its last logits give the first token
                 step_cache = DynamicCache([(layer.keys, layer.values) for layer in full.layers])
                 step = model(input_ids=question_ids, cache=step_cache, use_cache=True)
                 with_question = (step.cache, step.logits[:, -1].argmax(-1, keepdim=True))
-            cache = KNormCache.from_dynamic_cache(with_question[0], **scales, **variant.options)
+            cache.prefill_from(with_question[0])
             first = with_question[1]
             rest = generate_after(model, cache, ids, first, **{**generate, "max_new_tokens": max_new_tokens - 1})
             new = torch.cat([first[0], rest[0]])

@@ -6,6 +6,11 @@ states of the current step to the attention, stores fewer, keeps the absolute se
 new tokens get their true positions, and reports ``get_mask_sizes`` with an offset so the causal mask of later steps
 stays right. Kept keys keep their rotation (they are cached post-RoPE).
 
+Who knows what: the cache validates its options once into an :class:`~hf_knorm.knorm.eviction.EvictionSettings` and
+gives that object to each :class:`KNormLayer` when building it; a layer reads nothing else of the cache. The only
+thing a layer needs from the model's call, the position ids (to refuse padded batches), reaches it as an explicit
+argument of ``KNormLayer.update``. ``get_mask_sizes`` has no side effect: nothing flows from it to ``update``.
+
 The method (the paper's setting, every option off): the first forward pass through the cache (the prompt, "prefill")
 attends the prompt in full, so it is exact; then, per layer and per KV head, only the ``ceil((1 - r) * n)`` prompt
 tokens whose post-RoPE key has the lowest L2 norm are kept (same count for every head of a layer, positions may
@@ -26,33 +31,30 @@ the original basis) and ``value_scales`` (the same for values, ``v_original = v 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-from .scores import resolve_score
+from .compat_positions import update_position_ids
+from .eviction import EvictionSettings, kept_count
 
-
-def kept_count(prompt_length: int, ratio: float) -> int:
-    """Number of prompt tokens kept at compression ratio ``ratio``: ``ceil((1 - ratio) * n)`` (at least 1 if n > 0)."""
-    evicted = math.floor(round(ratio * prompt_length, 6))  # round() absorbs float noise such as 0.9 * 1000
-    return max(prompt_length - evicted, min(prompt_length, 1))
+__all__ = ["KNormCache", "KNormLayer", "kept_count"]
 
 
 class KNormLayer(DynamicLayer):
     """One layer of a :class:`KNormCache`: stores ``keys``/``values`` of shape (B, H_kv, S_kept, D).
 
-    ``positions`` (B, H_kv, S_kept), int64, holds the absolute position of every stored token (per head; tests and
-    the decoding budget read it). ``cumulative_length`` counts every token ever seen, evicted or not.
+    Built with the cache's shared :class:`~hf_knorm.knorm.eviction.EvictionSettings` and its layer index; it reads
+    nothing else. ``positions`` (B, H_kv, S_kept), int64, holds the absolute position of every stored token (per head;
+    tests and the decoding budget read it). ``cumulative_length`` counts every token ever seen, evicted or not.
     """
 
     is_croppable = False
 
-    def __init__(self, cache: KNormCache, layer_idx: int):
+    def __init__(self, settings: EvictionSettings, layer_idx: int):
         super().__init__()
-        self.cache, self.layer_idx = cache, layer_idx
+        self.settings, self.layer_idx = settings, layer_idx
         self.cumulative_length = 0
         self.positions: torch.Tensor | None = None
         self.prompt_length = 0
@@ -62,8 +64,17 @@ class KNormLayer(DynamicLayer):
         batch, heads = key_states.shape[:2]
         self.positions = torch.empty(batch, heads, 0, dtype=torch.long, device=self.device)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append (B, H_kv, q, D) states, return the full (B, H_kv, S_kept + q, D) states, then evict."""
+    def stored_length(self) -> int:
+        """Tokens stored per head (after eviction)."""
+        return self.keys.shape[-2] if self.is_initialized else 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               position_ids: torch.Tensor | None = None, **kwargs):
+        """Append (B, H_kv, q, D) states, return the full (B, H_kv, S_kept + q, D) states, then evict.
+
+        ``position_ids`` (B, q), optional: the positions the model gave the new tokens; at the prompt they must be
+        0..q-1 in every row (a padded batch is refused).
+        """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, heads, q_len, _ = key_states.shape
@@ -73,25 +84,17 @@ class KNormLayer(DynamicLayer):
         full_keys = torch.cat([self.keys, key_states], dim=-2)
         full_values = torch.cat([self.values, value_states], dim=-2)
         full_positions = torch.cat([self.positions, new_positions], dim=-1)
-
-        stored_by_mask = self.cache._mask_stored
-        if start > 0 and q_len > 1 and stored_by_mask is not None and self.keys.shape[-2] != stored_by_mask:
-            raise ValueError(
-                f"This KNormCache holds {self.keys.shape[-2]} tokens in layer {self.layer_idx} but {stored_by_mask} in "
-                "another (per-layer ratios): Transformers builds one mask for all layers, so after compression such a "
-                "cache takes one token per forward. Feed the tokens one at a time (hf_knorm.knorm.pipeline."
-                "append_tokens does), or use the same ratio for every layer."
-            )
         keep = full_keys.shape[-2]
         if start == 0 and q_len > 0:  # the prompt: compressed once it has been attended in full
-            self.cache._check_positions(kwargs, start, q_len)
+            _check_unpadded_positions(position_ids, q_len)
             self.prompt_length = q_len
-            keep = self.cache._prompt_keep(self.layer_idx, q_len)
-        if self.cache.decoding_budget is not None:
-            keep = min(keep, self.cache.decoding_budget)
+            keep = self.settings.prompt_keep(self.layer_idx, q_len)
+        if self.settings.decoding_budget is not None:
+            keep = min(keep, self.settings.decoding_budget)
         if keep < full_keys.shape[-2]:
-            scores = self.cache.scores(full_keys, full_values, full_positions, self.layer_idx, self.cumulative_length)
-            index = scores.topk(keep, dim=-1, largest=False).indices.sort(dim=-1).values  # (B, H_kv, keep)
+            order = self.settings.eviction_order(full_keys, full_values, full_positions, self.layer_idx,
+                                                 self.cumulative_length)
+            index = order.topk(keep, dim=-1, largest=False).indices.sort(dim=-1).values  # (B, H_kv, keep)
             self.keys = full_keys.gather(2, index[..., None].expand(-1, -1, -1, full_keys.shape[-1]))
             self.values = full_values.gather(2, index[..., None].expand(-1, -1, -1, full_values.shape[-1]))
             self.positions = full_positions.gather(2, index)
@@ -101,7 +104,7 @@ class KNormLayer(DynamicLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """(kv_length, kv_offset): the stored tokens plus the query, offset so the query's own tokens stay causal."""
-        stored = self.keys.shape[-2] if self.is_initialized else 0
+        stored = self.stored_length()
         return stored + query_length, self.cumulative_length - stored
 
     def get_seq_length(self) -> int:
@@ -134,6 +137,18 @@ class KNormLayer(DynamicLayer):
             self.positions = self.positions[indices, ...]
 
 
+def _check_unpadded_positions(position_ids: torch.Tensor | None, q_len: int) -> None:
+    """Raise if a prompt's (B, q) ``position_ids`` are not 0..q-1 in every row (left padding shifts them)."""
+    if position_ids is None:
+        return
+    expected = torch.arange(0, q_len, device=position_ids.device)
+    if not bool((position_ids.reshape(-1, position_ids.shape[-1]) == expected).all()):
+        raise ValueError(
+            "KNormCache got a padded batch (position ids are not 0..n-1 in every row): eviction breaks the "
+            "padding mask. Generate one sequence at a time, or batch prompts of equal length."
+        )
+
+
 class KNormCache(Cache):
     """KV cache that keeps, per layer and KV head, the prompt tokens with the lowest key L2 norm (arXiv 2406.11430),
     or the highest importance under another query-agnostic ``score``.
@@ -164,6 +179,10 @@ class KNormCache(Cache):
             **Pass it for models with sliding-window layers**; without it every layer is a KNorm layer.
             ``hf_knorm.knorm_generate`` and the ``knorm-text-generation`` pipeline pass it for you.
 
+    Attributes:
+        settings (EvictionSettings): The options above, validated, with public fields
+            (:mod:`hf_knorm.knorm.eviction`); every KNorm layer gets this one object when it is built.
+
     Note:
         Shapes: each layer stores keys and values (B, H_kv, S_kept, D) and positions (B, H_kv, S_kept).
         Padded batches are refused (eviction breaks the padding-mask bookkeeping): generate one sequence at a time, or
@@ -185,37 +204,12 @@ class KNormCache(Cache):
         score="key_norm",
         config=None,
     ):
-        self.score = resolve_score(score)
-        _check_ratio("compression_ratio", compression_ratio)
-        if isinstance(layer_ratios, Mapping):
-            layer_ratios = dict(layer_ratios)
-        elif layer_ratios is not None:
-            layer_ratios = dict(enumerate(layer_ratios))
-        for layer, ratio in (layer_ratios or {}).items():
-            _check_ratio(f"layer_ratios[{layer}]", ratio)
-        for name, value in (("sink_tokens", sink_tokens), ("recent_window", recent_window)):
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}.")
-        for name, value in (("budget", budget), ("decoding_budget", decoding_budget)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer (a number of tokens) or None, got {value!r}.")
-        if budget is not None and (compression_ratio or layer_ratios):
-            raise ValueError("Give either a token budget or compression ratios, not both.")
-        if decoding_budget is not None and decoding_budget < sink_tokens + recent_window:
-            raise ValueError(
-                f"decoding_budget={decoding_budget} is smaller than the protected tokens (sink_tokens + recent_window "
-                f"= {sink_tokens + recent_window}); raise the budget or protect fewer tokens."
-            )
-        self.compression_ratio, self.budget = float(compression_ratio), budget
-        self.sink_tokens, self.recent_window = sink_tokens, recent_window
-        self.layer_ratios, self.decoding_budget = layer_ratios or {}, decoding_budget
-        self.key_scales = None if key_scales is None else list(key_scales)
-        self.value_scales = None if value_scales is None else list(value_scales)
-        self._mask_stored: int | None = None  # the stored count the current step's mask was built for
-        layers = []
-        if config is not None:
-            layers = self._layers_for(config)
-        super().__init__(layers=layers)
+        self.settings = EvictionSettings(
+            compression_ratio=compression_ratio, budget=budget, sink_tokens=sink_tokens, recent_window=recent_window,
+            layer_ratios=layer_ratios, decoding_budget=decoding_budget, key_scales=key_scales,
+            value_scales=value_scales, score=score,
+        )
+        super().__init__(layers=[] if config is None else self._layers_for(config))
 
     # --- structure -------------------------------------------------------------------------------------------------
     def _layers_for(self, config) -> list:
@@ -232,24 +226,46 @@ class KNormCache(Cache):
         layers = []
         for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
             if kind == "full_attention":
-                layers.append(KNormLayer(self, index))
+                layers.append(KNormLayer(self.settings, index))
             elif kind in ("sliding_attention", "chunked_attention"):
                 layers.append(DynamicSlidingWindowLayer(**kwargs))  # a window is already bounded: left uncompressed
             else:
                 raise ValueError(f"KNormCache does not support layers of type {kind!r} (layer {index}).")
-        for name in ("key_scales", "value_scales"):
-            scales = getattr(self, name)
-            if scales is not None and len(scales) != len(layers):
-                raise ValueError(f"{name} has {len(scales)} entries; the model has {len(layers)} layers.")
-        for layer in self.layer_ratios:
-            if not 0 <= layer < len(layers):
-                raise ValueError(f"layer_ratios names layer {layer}; the model has layers 0..{len(layers) - 1}.")
+        self.settings.check_layer_count(len(layers))
         return layers
 
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Store (B, H_kv, q, D) states in layer ``layer_idx``; return the states the attention sees (all of them).
+
+        A KNorm layer gets the step's position ids as an explicit argument (:func:`~hf_knorm.knorm.compat_positions.
+        update_position_ids` reads them from what the model passed). A multi-token step onto a compressed cache is
+        refused before any layer changes when the KNorm layers store different counts (see :meth:`is_uniform`).
+        """
         while len(self.layers) <= layer_idx:  # no config given: layers are created on first use
-            self.layers.append(KNormLayer(self, len(self.layers)))
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+            self.layers.append(KNormLayer(self.settings, len(self.layers)))
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, KNormLayer):
+            return layer.update(key_states, value_states, *args, **kwargs)
+        self._check_multi_token_step(layer, key_states.shape[-2])
+        return layer.update(key_states, value_states, position_ids=update_position_ids(kwargs))
+
+    def _check_multi_token_step(self, layer: KNormLayer, q_len: int) -> None:
+        """Refuse q > 1 new tokens after the prompt if the KNorm layers that have not yet received them store
+        different counts: Transformers builds one causal mask for all of them (:meth:`get_mask_sizes`), which fits
+        only one count. The first layer a step reaches compares every layer, so a refused step changes nothing."""
+        start = layer.cumulative_length
+        if start == 0 or q_len <= 1:
+            return
+        peers = {other.layer_idx: other.stored_length() for other in self.layers
+                 if isinstance(other, KNormLayer) and other.is_initialized and other.cumulative_length == start}
+        if len(set(peers.values())) > 1:
+            counts = ", ".join(f"layer {index}: {stored}" for index, stored in peers.items())
+            raise ValueError(
+                f"This KNormCache stores different numbers of tokens per layer ({counts}; per-layer ratios): "
+                "Transformers builds one mask for all layers, so after compression such a cache takes one token per "
+                "forward. Feed the tokens one at a time (hf_knorm.knorm.pipeline.append_tokens does), or use the same "
+                "ratio for every layer."
+            )
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         """Mask sizes for KNorm layers from the *largest* of them: with per-layer ratios the stored counts differ,
@@ -257,87 +273,37 @@ class KNormCache(Cache):
         if layer_idx < len(self.layers) and isinstance(self.layers[layer_idx], KNormLayer):
             filled = [layer for layer in self.layers if isinstance(layer, KNormLayer) and layer.is_initialized]
             if filled:
-                stored = max(layer.keys.shape[-2] for layer in filled)
-                self._mask_stored = stored
+                stored = max(layer.stored_length() for layer in filled)
                 return stored + query_length, filled[0].cumulative_length - stored
         return super().get_mask_sizes(query_length, layer_idx)
 
     def is_uniform(self) -> bool:
         """True when every KNorm layer stores the same number of tokens (multi-token steps are then allowed)."""
-        return len({n for n, layer in zip(self.stored_tokens(), self.layers) if isinstance(layer, KNormLayer)}) <= 1
+        return len({layer.stored_length() for layer in self.layers if isinstance(layer, KNormLayer)}) <= 1
 
-    @classmethod
-    def from_dynamic_cache(cls, cache: Cache, **options) -> KNormCache:
-        """Compress a filled (uncompressed) cache as if its contents had been the prompt of a ``KNormCache``.
+    def prefill_from(self, cache: Cache) -> KNormCache:
+        """Take the contents of a filled, uncompressed ``cache`` as this empty cache's prompt, and compress them.
 
-        Exactly what prefill with a ``KNormCache`` stores, since prefill attends the full prompt either way: one
-        prefill can thus be compressed at several ratios. ``cache`` is left unchanged.
+        Exactly what prefill through this cache stores, since prefill attends the full prompt either way: one prefill
+        (into a ``DynamicCache``) can thus be compressed at several settings. ``cache`` is left unchanged. Returns
+        ``self``.
         """
-        compressed = cls(**options)
+        if self.get_seq_length() > 0:
+            raise ValueError("prefill_from needs an empty KNormCache; this one already holds tokens.")
         for index, layer in enumerate(cache.layers):
             if type(layer) is not DynamicLayer or not layer.is_initialized:
                 raise ValueError(
-                    f"from_dynamic_cache needs a filled DynamicCache of full-attention layers; layer {index} is "
+                    f"prefill_from needs a filled DynamicCache of full-attention layers; layer {index} is "
                     f"{type(layer).__name__}."
                 )
-            compressed.update(layer.keys, layer.values, index)
-        return compressed
+            self.update(layer.keys, layer.values, index)
+        return self
 
-    # --- scoring ---------------------------------------------------------------------------------------------------
-    def _prompt_keep(self, layer_idx: int, prompt_length: int) -> int:
-        if self.budget is not None:
-            if self.budget > prompt_length:
-                raise ValueError(
-                    f"budget={self.budget} tokens is larger than the prompt ({prompt_length} tokens); use a smaller "
-                    "budget or compression_ratio instead."
-                )
-            keep = self.budget
-        else:
-            keep = kept_count(prompt_length, self.layer_ratios.get(layer_idx, self.compression_ratio))
-        protected = min(prompt_length, self.sink_tokens + self.recent_window)
-        return max(keep, protected)
-
-    def scores(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, layer_idx: int,
-               length: int) -> torch.Tensor:
-        """Eviction order (B, H_kv, S) of one layer's keys and values (B, H_kv, S, D): the negated importance of
-        ``self.score`` (for ``key_norm`` the key L2 norm), low = kept; protected tokens -inf."""
-        scale = self._scale("key_scales", layer_idx, keys)
-        if scale is not None:
-            keys = keys * scale.to(keys)[None, :, None, :]
-        scale = self._scale("value_scales", layer_idx, values)
-        if scale is not None:
-            values = values / scale.to(values)[None, :, None, :]
-        scores = -self.score(keys, values, positions, layer_idx)
-        protected = positions < self.sink_tokens
-        if self.recent_window:
-            protected |= positions >= length - self.recent_window
-        return scores.masked_fill(protected, float("-inf"))
-
-    def _scale(self, name: str, layer_idx: int, states: torch.Tensor) -> torch.Tensor | None:
-        scales = getattr(self, name)
-        if scales is None:
-            return None
-        if layer_idx >= len(scales):
-            raise ValueError(f"{name} has {len(scales)} entries; layer {layer_idx} has none.")
-        scale = scales[layer_idx]
-        if scale.shape != states.shape[1:2] + states.shape[3:]:
-            raise ValueError(
-                f"{name}[{layer_idx}] has shape {tuple(scale.shape)}; the layer's states need "
-                f"(H_kv, head_dim) = {tuple(states.shape[1:2] + states.shape[3:])}."
-            )
-        return scale
-
-    @staticmethod
-    def _check_positions(kwargs: dict, start: int, q_len: int) -> None:
-        position_ids = (kwargs.get("kwargs") or {}).get("position_ids")
-        if position_ids is None:
-            return
-        expected = torch.arange(start, start + q_len, device=position_ids.device)
-        if not bool((position_ids.reshape(-1, position_ids.shape[-1]) == expected).all()):
-            raise ValueError(
-                "KNormCache got a padded batch (position ids are not 0..n-1 in every row): eviction breaks the "
-                "padding mask. Generate one sequence at a time, or batch prompts of equal length."
-            )
+    @classmethod
+    def from_dynamic_cache(cls, cache: Cache, **options) -> KNormCache:
+        """A new ``KNormCache(**options)`` holding ``cache``'s contents compressed as its prompt
+        (:meth:`prefill_from`)."""
+        return cls(**options).prefill_from(cache)
 
     # --- introspection ---------------------------------------------------------------------------------------------
     def kept_positions(self, layer_idx: int) -> torch.Tensor:
@@ -360,11 +326,3 @@ class KNormCache(Cache):
                 if include_positions and getattr(layer, "positions", None) is not None:
                     total += layer.positions.nbytes
         return total
-
-
-def _check_ratio(name: str, ratio: float) -> None:
-    if not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) < 1.0:
-        raise ValueError(
-            f"{name} must be in [0, 1) (the fraction of the prompt to evict), got {ratio!r}; to keep a fixed number "
-            "of tokens use budget=."
-        )

@@ -11,6 +11,7 @@ the cache itself (``compression_ratio``, ``budget`` or ``layer_ratios``) replace
 from __future__ import annotations
 
 from .cache import KNormCache
+from .scores import score_spelling
 
 CACHE_OPTIONS = ("compression_ratio", "budget", "sink_tokens", "recent_window", "layer_ratios", "decoding_budget",
                  "score")
@@ -27,8 +28,12 @@ def set_knorm_defaults(model, **options) -> dict:
         **options: :class:`KNormCache` options (``compression_ratio``, ``budget``, ``sink_tokens``,
             ``recent_window``, ``layer_ratios``, ``decoding_budget``, ``score``) and ``score_basis``.
 
+    A score instance is recorded by its spelling (:func:`hf_knorm.knorm.scores.score_spelling`, e.g. ``KeyDiff(pool=3)``
+    as ``"key_diff+pool3"``), which every KNorm entry point reads back as the same score.
+
     Raises:
-        ValueError: an unknown option, a value :class:`KNormCache` refuses, or a model without a KV cache.
+        ValueError: an unknown option, a value :class:`KNormCache` refuses, a model without a KV cache, or a custom
+            score (not in :data:`hf_knorm.knorm.scores.SCORES`), which has no spelling to save.
     """
     unknown = sorted(set(options) - set(CACHE_OPTIONS) - {"score_basis"})
     if unknown:
@@ -43,6 +48,8 @@ def set_knorm_defaults(model, **options) -> dict:
         record["layer_ratios"] = {str(layer): float(ratio) for layer, ratio in record["layer_ratios"].items()}
     elif record.get("layer_ratios") is not None:
         record["layer_ratios"] = [float(ratio) for ratio in record["layer_ratios"]]
+    if "score" in record:  # config.json holds text: a score instance is recorded by its spelling ("key_diff+pool3")
+        record["score"] = score_spelling(record["score"])
     if record:
         section[RECORD_KEY] = record
     else:

@@ -5,6 +5,8 @@ the *question* is then appended uncompressed on top of the compressed cache and 
 needle test measures retrieval from a compressed context. With a chat template (the default when the tokenizer has
 one) the user turn is ``context + "\\n\\n" + question``; the split falls just before ``"\\n\\n" + question``, so the
 template's prefix belongs to the (compressed) context and its suffix (end of turn, assistant header) to the question.
+The protocol itself is :func:`answer_after_context`, which the needle benchmark (``hf_knorm.evaluation.needle``)
+runs too, so the benchmarks measure the public pipeline's path.
 
 The authors' own protocol differs (question processed on the uncompressed pass, layers 0-1 uncompressed; see
 REFERENCE.md); ``layer_ratios={0: 0.0, 1: 0.0}`` reproduces the layer part.
@@ -20,7 +22,8 @@ from .cache import KNormCache
 from .defaults import CACHE_OPTIONS, SCORE_BASES, merged_options
 
 
-def knorm_cache_for(model, score_basis: str | None = None, **options) -> KNormCache:
+def knorm_cache_for(model, score_basis: str | None = None, *, recorded_defaults: bool = True,
+                    **options) -> KNormCache:
     """A :class:`KNormCache` for ``model``: its config (validation, sliding layers) and, if asked, its key scales.
 
     Args:
@@ -32,10 +35,14 @@ def knorm_cache_for(model, score_basis: str | None = None, **options) -> KNormCa
             unbalanced model would keep. For an unbalanced model both are the same; per-layer balancing (one scalar
             per layer) changes no score's ranking either. Default: the model's recorded default
             (:func:`hf_knorm.set_knorm_defaults`), else ``"cached"``.
+        recorded_defaults (bool): Start from the options recorded in the model's config
+            (:func:`hf_knorm.set_knorm_defaults`). ``False`` uses only what is passed (a benchmark naming every option).
         **options: :class:`KNormCache` options (``compression_ratio``, ``score``, ``budget``, ``sink_tokens``, ...),
             over the model's recorded defaults (a passed ratio or budget replaces the recorded sizing as a whole).
     """
-    score_basis, options = merged_options(model.config, score_basis, options)
+    if recorded_defaults:
+        score_basis, options = merged_options(model.config, score_basis, options)
+    score_basis = score_basis or "cached"
     if score_basis not in SCORE_BASES:
         raise ValueError(f"score_basis must be one of {SCORE_BASES}, got {score_basis!r}.")
     original = score_basis == "original"
@@ -100,6 +107,41 @@ def generate_after(model, cache: KNormCache, context_ids: torch.Tensor, new_ids:
     return out[:, ids.shape[1]:]
 
 
+@torch.no_grad()
+def answer_after_context(model, cache: KNormCache, context_ids: torch.Tensor, question_ids: torch.Tensor, *,
+                         prefilled=None, **generate_kwargs) -> torch.Tensor:
+    """The kvpress protocol, once: the context is compressed into ``cache``, the question appended uncompressed on top
+    of it, and the answer decoded. The ``knorm-text-generation`` pipeline and the needle benchmark both run this.
+
+    Args:
+        model (PreTrainedModel): The decoder.
+        cache (KNormCache): An empty cache (:func:`knorm_cache_for`); holds the compressed context afterwards.
+        context_ids (torch.Tensor): (B, n) the context, compressed.
+        question_ids (torch.Tensor): (B, m >= 1) the question (and any answer prefix), not compressed.
+        prefilled (DynamicCache, optional): The context already run through ``model`` into a plain cache; it is then
+            compressed into ``cache`` (:meth:`KNormCache.prefill_from`) instead of running the context again. Same
+            result (a KNormCache's prefill attends the whole context): a benchmark prefills once for many caches.
+        **generate_kwargs: ``model.generate`` arguments (``max_new_tokens``, ``do_sample``, ``pad_token_id``, ...).
+
+    Returns:
+        torch.Tensor: (B, new) the answer's token ids.
+    """
+    if prefilled is None:
+        model(input_ids=context_ids, cache=cache, use_cache=True)  # prefill: the context is compressed here
+    else:
+        cache.prefill_from(prefilled)
+    return generate_after(model, cache, context_ids, question_ids, **generate_kwargs)
+
+
+def encode_prompt(tokenizer, context: str, question: str, answer_prefix: str = "",
+                  chat_template: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(context ids (1, n), question ids (1, m)) of the kvpress protocol: :func:`split_prompt`, then the question
+    text followed by ``answer_prefix`` (the text the answer starts with), each tokenized without special tokens."""
+    context_text, question_text = split_prompt(tokenizer, context, question, chat_template)
+    encode = lambda text: tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return encode(context_text), encode(question_text + answer_prefix)
+
+
 def split_prompt(tokenizer, context: str, question: str, chat_template: bool | None = None) -> tuple[str, str]:
     """Split the prompt into (context text, question text); the first is compressed, the second is not."""
     if chat_template is None:
@@ -135,19 +177,17 @@ class KNormTextGenerationPipeline(Pipeline):
             raise ValueError(
                 "knorm-text-generation takes a context string and a question: pipe(context, question='...')."
             )
-        context_text, question_text = split_prompt(self.tokenizer, context, question, chat_template)
-        encode = lambda text: self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        return {"context_ids": encode(context_text), "question_ids": encode(question_text + answer_prefix)}
+        context_ids, question_ids = encode_prompt(self.tokenizer, context, question, answer_prefix, chat_template)
+        return {"context_ids": context_ids, "question_ids": question_ids}
 
     def _forward(self, inputs, cache_options, score_basis, generate_kwargs):
         context_ids = inputs["context_ids"].to(self.model.device)
         question_ids = inputs["question_ids"].to(self.model.device)
         cache = knorm_cache_for(self.model, score_basis=score_basis, **cache_options)
-        self.model(input_ids=context_ids, cache=cache, use_cache=True)  # prefill: the context is compressed here
         kwargs = dict(generate_kwargs)
         if self.tokenizer.pad_token_id is None and "pad_token_id" not in kwargs:
             kwargs["pad_token_id"] = self.tokenizer.eos_token_id
-        new_ids = generate_after(self.model, cache, context_ids, question_ids, **kwargs)
+        new_ids = answer_after_context(self.model, cache, context_ids, question_ids, **kwargs)
         return {"new_ids": new_ids[0], "stored_tokens": cache.stored_tokens()}
 
     def postprocess(self, outputs):

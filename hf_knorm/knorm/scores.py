@@ -19,6 +19,8 @@ row in ``tests/knorm/test_knorm_scores.py``'s plain reference (``hf_knorm.knorm.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -166,16 +168,45 @@ SCORES: dict[str, type] = {cls.name: cls for cls in (KeyNorm, ValueOverKey, KeyD
 
 
 def resolve_score(score):
-    """A score object from a name in :data:`SCORES` or a score instance (any callable with a ``name``).
+    """A score object from its spelling (:func:`score_spelling`: a name in :data:`SCORES`, optionally with integer
+    hyperparameters, e.g. ``"key_diff+pool3"``) or a score instance (any callable with a ``name``).
 
     Raises:
-        ValueError: An unknown name; the message lists the accepted ones.
+        ValueError: An unknown name (the message lists the accepted ones) or hyperparameter.
     """
     if isinstance(score, str):
-        if score not in SCORES:
+        name, *extras = score.split("+")
+        if name not in SCORES:
             raise ValueError(f"Unknown score {score!r}; accepted: {', '.join(SCORES)} (or a score instance from "
                              "hf_knorm.knorm.scores).")
-        return SCORES[score]()
+        fields = [field.name for field in dataclasses.fields(SCORES[name])]
+        values = {}
+        for extra in extras:
+            match = re.fullmatch(r"([a-z_]+?)(-?\d+)", extra)
+            if not match or match.group(1) not in fields:
+                raise ValueError(f"Bad score spelling {score!r}: after the name only integer hyperparameters of "
+                                 f"{name} may follow ({', '.join(f'+{f}N' for f in fields) or 'it has none'}).")
+            values[match.group(1)] = int(match.group(2))
+        return SCORES[name](**values)
     if not callable(score) or not isinstance(getattr(score, "name", None), str):
         raise ValueError(f"score must be one of {', '.join(SCORES)} or a score instance, got {score!r}.")
     return score
+
+
+def score_spelling(score) -> str:
+    """The text that :func:`resolve_score` turns back into ``score``: its name, then each hyperparameter that differs
+    from its default as ``+<field><value>`` (``KeyDiff(pool=3)`` -> ``"key_diff+pool3"``, ``KVDiff()`` ->
+    ``"kv_diff"``). JSON-serializable, so a score can be recorded in a model's config.
+
+    Raises:
+        ValueError: ``score`` is not one of the registered scores of :data:`SCORES` (a custom score has no spelling).
+    """
+    score = resolve_score(score)
+    if SCORES.get(score.name) is not type(score):
+        raise ValueError(
+            f"Score {score!r} is not one of the registered scores ({', '.join(SCORES)}), so it cannot be written as "
+            "text (e.g. into config.json); pass it at call time instead (knorm_cache_for(model, score=...))."
+        )
+    extras = [f"+{field.name}{getattr(score, field.name)}" for field in dataclasses.fields(score)
+              if getattr(score, field.name) != field.default]
+    return score.name + "".join(extras)

@@ -28,3 +28,22 @@ def greedy(model, ids, cache, new=NEW):
     config.update(eos_token_id=NO_EOS, pad_token_id=0, max_new_tokens=new, do_sample=False, output_logits=True,
                   return_dict_in_generate=True)
     return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, generation_config=config)
+
+
+def word_tokenizer():
+    """An offline tokenizer for the tiny models: the text "w4 w17 ..." is the ids 4, 17, ... (pad 0, bos 1, eos 2)."""
+    from tiny_models import VOCAB
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3} | {f"w{i}": i for i in range(4, VOCAB)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def word_text(length: int, seed: int = 0) -> str:
+    """``length`` words of :func:`word_tokenizer`, drawn reproducibly."""
+    ids = torch.randint(4, 128, (length,), generator=torch.Generator().manual_seed(seed))
+    return " ".join(f"w{i}" for i in ids.tolist())

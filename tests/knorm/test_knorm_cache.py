@@ -15,6 +15,7 @@ import hf_knorm
 from hf_knorm.assets.texts import SAMPLE_TEXT
 from hf_knorm.attention.registration import explicit_bool_mask
 from hf_knorm.knorm.cache import KNormCache, KNormLayer, kept_count
+from hf_knorm.knorm.eviction import EvictionSettings
 from hf_knorm.knorm.pipeline import generate_after, knorm_generate
 from hf_knorm.knorm.reference import reference_generate, reference_kept_indices
 
@@ -92,6 +93,7 @@ def test_kept_indices_match_reference(model_type):
         assert checked >= 1
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("model_type", FULL_ATTENTION_TYPES)
 @pytest.mark.parametrize("ratio", [0.5, 0.9])
 def test_generation_matches_reference(model_type, ratio):
@@ -136,6 +138,7 @@ def test_generation_equals_masked_full_cache(do_sample, options):
         torch.testing.assert_close(out.logits, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("model_type", DECODER_TYPES)
 def test_ratio_zero_is_bit_identical(model_type):
     model = knorm_model(model_type)
@@ -234,6 +237,25 @@ def test_layer_ratios_and_multi_token_steps():
     assert cache.stored_tokens() == [PROMPT, PROMPT // 2] and not cache.is_uniform()
     with pytest.raises(ValueError, match="one token per forward"):
         model(input_ids=ids[:, :3], cache=cache, use_cache=True)
+    assert cache.stored_tokens() == [PROMPT, PROMPT // 2] and cache.get_seq_length() == PROMPT  # refused untouched
+
+
+def test_layers_need_nothing_but_their_settings():
+    """A KNorm layer is built from the shared settings alone; the cache's multi-token check needs no earlier
+    ``get_mask_sizes`` call (no hidden call order)."""
+    keys, values = torch.randn(2, 2, PROMPT, 16), torch.randn(2, 2, PROMPT, 16)
+    layer = KNormLayer(EvictionSettings(compression_ratio=0.5), layer_idx=0)
+    assert [t.shape[-2] for t in layer.update(keys, values)] == [PROMPT, PROMPT]  # the prompt is attended in full
+    assert torch.equal(layer.positions, reference_kept_indices(keys, 0.5))
+    padded = torch.arange(PROMPT).expand(2, PROMPT) - torch.tensor([[0], [3]])
+    with pytest.raises(ValueError, match="padded batch"):
+        KNormLayer(EvictionSettings(0.5), 0).update(keys, values, position_ids=padded)
+    cache = KNormCache(0.5, layer_ratios={0: 0.0})
+    for index in range(2):
+        cache.update(keys, values, index)
+    with pytest.raises(ValueError, match="one token per forward"):  # update alone, no mask built before
+        cache.update(keys[:, :, :2], values[:, :, :2], 1)
+    assert cache.stored_tokens() == [PROMPT, PROMPT // 2]
 
 
 # --- the default model -----------------------------------------------------------------------------------------------
@@ -310,7 +332,10 @@ def _unknown_config():
     return FalconConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
 
 
+@pytest.mark.compat
 def test_padded_batch_raises():
+    """Inside ``generate`` the cache sees the position ids (``compat_positions.update_position_ids``): fails loudly the
+    day Transformers stops passing them to ``Cache.update``."""
     model = knorm_model("llama")
     inputs = tiny_inputs("llama", batch=2, length=PROMPT)
     inputs["attention_mask"][1, :4] = 0  # left padding in row 1

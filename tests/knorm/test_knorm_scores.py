@@ -14,7 +14,7 @@ import hf_knorm
 from hf_knorm.evaluation.needle import parse_score_spec, score_variants
 from hf_knorm.knorm.cache import KNormCache, KNormLayer, kept_count
 from hf_knorm.knorm.reference import reference_generate, reference_kept_indices
-from hf_knorm.knorm.scores import SCORES, KeyDiff, KeyNorm, KVDiff, Random, Recent, resolve_score
+from hf_knorm.knorm.scores import SCORES, KeyDiff, KeyNorm, KVDiff, Random, Recent, resolve_score, score_spelling
 
 SCORE_NAMES = tuple(SCORES)
 NEW_SCORES = tuple(name for name in SCORE_NAMES if name != "key_norm")
@@ -30,7 +30,7 @@ def test_registry_lists_every_score_once():
     assert SCORE_NAMES == ("key_norm", "value_over_key", "key_diff", "kv_diff", "recent", "random")
     for name, cls in SCORES.items():
         assert cls.name == name and cls.__doc__ and ("arXiv" in cls.__doc__ or "kvpress" in cls.__doc__)
-    assert isinstance(KNormCache().score, KeyNorm)  # the paper's score stays the default
+    assert isinstance(KNormCache().settings.score, KeyNorm)  # the paper's score stays the default
 
 
 # --- each score against the plain reference ---------------------------------------------------------------------------
@@ -169,6 +169,17 @@ def test_bad_score_name_lists_the_accepted_ones():
     with pytest.raises(ValueError, match="key_diff"):
         hf_knorm.knorm_cache_for(knorm_model("llama"), compression_ratio=0.5, score="keydiff")
     assert isinstance(resolve_score(KeyDiff()), KeyDiff) and isinstance(resolve_score("recent"), Recent)
+
+
+@pytest.mark.parametrize("score", [KeyNorm(), KeyDiff(pool=3), KVDiff(pool=1), KVDiff(), Random(seed=-2), Recent()],
+                         ids=repr)
+def test_score_spelling_reads_back_as_the_same_score(score):
+    assert resolve_score(score_spelling(score)) == score
+    assert resolve_score("key_diff+pool3") == KeyDiff(pool=3) and score_spelling(KVDiff(pool=5)) == "kv_diff"
+    with pytest.raises(ValueError, match=r"\+poolN"):
+        resolve_score("key_diff+window3")
+    with pytest.raises(ValueError, match="it has none"):
+        resolve_score("recent+pool3")
 
 
 def test_score_specs_of_the_command_line():

@@ -3,13 +3,19 @@
 - Token-by-token decoding with the KV cache gives the logits of the full forward pass (the sqrtN row rule is the
   same in both), through sliding windows (mistral, gemma2, gemma3 windows of 5 < 14 tokens).
 - A left-padded batch gives each sequence's own logits and greedy generations.
+- Seeded sampling through the plugin draws what the plain reference attention draws (not what softmax draws).
 """
 
 import pytest
 import torch
 from tiny_models import DECODER_TYPES, tiny_model
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 
 import hf_knorm
+from hf_knorm.attention.normalizations import parse_normalization
+from hf_knorm.attention.reference import reference_attention
+from hf_knorm.attention.registration import explicit_bool_mask
 
 NORMALIZATIONS = ("softmax", "x/1", "x^3/16", "x^3/sqrtN")
 ATOL = 1e-4  # fp32, after 2 layers with weights scaled x4 (logits of size ~10)
@@ -55,16 +61,36 @@ def test_left_padded_batch_equals_each_sequence_alone(model_type, normalization)
     torch.testing.assert_close(logits[1, 5:], alone_logits[0], rtol=0, atol=ATOL)
 
 
+def reference_x3_16(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The plain reference attention with ``x^3/16``, as an ``AttentionInterface`` function (for an unpatched model)."""
+    return reference_attention(query, key, value, attention_mask, parse_normalization("x^3/16"), scaling=scaling,
+                               softcap=kwargs.get("softcap"))
+
+
+AttentionInterface.register("test_reference_x3_16", reference_x3_16)
+AttentionMaskInterface.register("test_reference_x3_16", explicit_bool_mask)
+
+
+def _sample(model, ids):
+    torch.manual_seed(123)
+    with torch.no_grad():
+        return model.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8, do_sample=True, top_k=20,
+                              pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "gpt_neox"])
-def test_sampling_generates_finite_tokens_and_is_seeded(model_type):
-    model = hf_knorm.patch(tiny_model(model_type), "x^3/16")
+def test_sampling_follows_the_patched_normalization_and_is_seeded(model_type):
+    """Seeded sampling through the plugin repeats, and draws what the plain reference of the same normalization
+    draws, from the same logits; the unpatched (softmax) model's logits differ, so the plugin's path is the one taken."""
     ids = _ids(6)
-    runs = []
-    for _ in range(2):
-        torch.manual_seed(123)
-        with torch.no_grad():
-            runs.append(model.generate(input_ids=ids, max_new_tokens=8, do_sample=True, top_k=20, pad_token_id=0))
-    assert runs[0].shape == (1, 14) and torch.equal(runs[0], runs[1])
+    patched = _sample(hf_knorm.patch(tiny_model(model_type), "x^3/16"), ids)
+    again = _sample(hf_knorm.patch(tiny_model(model_type), "x^3/16"), ids)
+    reference = _sample(tiny_model(model_type, attn_implementation="test_reference_x3_16"), ids)
+    softmax = _sample(tiny_model(model_type), ids)
+    assert patched.sequences.shape == (1, 14) and torch.equal(patched.sequences, again.sequences)
+    assert torch.equal(patched.sequences, reference.sequences)
+    torch.testing.assert_close(torch.stack(patched.logits), torch.stack(reference.logits), rtol=0, atol=ATOL)
+    assert not torch.allclose(patched.logits[0], softmax.logits[0], rtol=0, atol=1e-2)
 
 
 def test_polynomial_generation_differs_from_softmax():
