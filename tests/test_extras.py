@@ -29,7 +29,11 @@ def _names(requirements: list[str]) -> set[str]:
 
 
 def test_importing_hf_knorm_loads_no_job_dependency():
-    code = f"import json, sys, hf_knorm; print(json.dumps([m for m in {list(JOB_MODULES)} if m in sys.modules]))"
+    """peft is left out of this check: Transformers' own ``trainer_utils`` (hence ``TrainerCallback``, which the core's
+    ``NormLoggerCallback`` subclasses) imports peft whenever it is installed; hf_knorm imports it only in the
+    conversion's LoRA recovery (the scan of the package's imports below checks that)."""
+    loaded_by_us = [module for module in JOB_MODULES if module != "peft"]
+    code = f"import json, sys, hf_knorm; print(json.dumps([m for m in {loaded_by_us} if m in sys.modules]))"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr

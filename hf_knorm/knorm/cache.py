@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-from .compat_positions import update_position_ids
+from ..compat import update_position_ids
 from .eviction import EvictionSettings, kept_count
 
 __all__ = ["KNormCache", "KNormLayer", "kept_count"]
@@ -237,7 +237,7 @@ class KNormCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store (B, H_kv, q, D) states in layer ``layer_idx``; return the states the attention sees (all of them).
 
-        A KNorm layer gets the step's position ids as an explicit argument (:func:`~hf_knorm.knorm.compat_positions.
+        A KNorm layer gets the step's position ids as an explicit argument (:func:`~hf_knorm.compat.
         update_position_ids` reads them from what the model passed). A multi-token step onto a compressed cache is
         refused before any layer changes when the KNorm layers store different counts (see :meth:`is_uniform`).
         """

@@ -334,7 +334,7 @@ def _unknown_config():
 
 @pytest.mark.compat
 def test_padded_batch_raises():
-    """Inside ``generate`` the cache sees the position ids (``compat_positions.update_position_ids``): fails loudly the
+    """Inside ``generate`` the cache sees the position ids (``hf_knorm.compat.update_position_ids``): fails loudly the
     day Transformers stops passing them to ``Cache.update``."""
     model = knorm_model("llama")
     inputs = tiny_inputs("llama", batch=2, length=PROMPT)
