@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from training_helpers import char_tokenizer, history_lines, lm
@@ -70,7 +71,14 @@ BAD_INPUTS = {
     "block size above the model's maximum": (["--dataset", "{tmp}/ok.txt", "--block-size", "512"],
                                              "--block-size 512 is above the model's maximum of 256"),
     "unknown normalization": (["--dataset", "{tmp}/ok.txt", "--normalization", "x^2.5/3"], "x\\^p/c"),
-    "too few tokens": (["--dataset", "{tmp}/short.txt"], "fewer than one block of 32"),
+    "too few tokens": (["--dataset", "{tmp}/short.txt", "--eval-dataset", "{tmp}/ok.txt"],
+                       "fewer than one block of 32"),
+    "one text, nothing held out": (["--dataset", "{tmp}/ok.txt"], "holds a single text, which cannot be split"),
+    "held-out text too short": (["--dataset", "{tmp}/ok.txt", "--eval-dataset", "{tmp}/short.txt"],
+                                "held-out text is too short for the evaluation"),
+    "evaluation longer than the held-out text": (
+        ["--dataset", "{tmp}/ok.txt", "--eval-dataset", "{tmp}/ok.txt", "--eval-tokens", "100000"],
+        "fewer than the 3125 that eval_tokens=100000 asks for"),
 }
 
 
@@ -104,6 +112,17 @@ def test_finetune_logs_norms_checkpoints_reloads_and_resumes(tmp_path, tiny_lm_d
     assert hf_knorm.patched_normalization(model) == "x^3/16"
     summary = json.loads((out / "finetune.json").read_text())
     assert summary["global_step"] == 4 and summary["normalization"] == "x^3/16"
+    evaluation = summary["evaluation"]  # held out: the last of the 8 lines, 64 tokens
+    assert evaluation["tokens"] == 64 and evaluation["text"] == f"the last 1 of 8 texts of {text_file} (not trained on)"
+    assert [point[0] for point in evaluation["stages"]["fine-tuning"]] == [0, 4]  # at the start and the end
+    assert evaluation["perplexity"] > 0 and evaluation["original_perplexity"] > 0
+    state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
+    first_eval = next(entry for entry in state["log_history"] if "eval_loss" in entry)
+    assert first_eval["eval_perplexity"] == pytest.approx(math.exp(first_eval["eval_loss"]))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next((out / "runs").glob("*")))).Reload()
+    assert "eval/perplexity" in events.Tags()["scalars"]
 
     assert _finetune(*flags, "--max-steps", "4", model=tiny_lm_dir, out=out) == 2  # would overwrite: refused
     assert _finetune(*flags, "--max-steps", "6", "--resume", model=tiny_lm_dir, out=out) == 0
