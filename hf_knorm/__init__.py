@@ -11,6 +11,10 @@
 Importing the package registers the ``"hf_knorm"`` attention and mask functions with Transformers; nothing else.
 """
 
+from .compat import check_transformers_version
+
+check_transformers_version()  # first: outside the supported range, one clear ImportError instead of a deep traceback
+
 from .assets.default_model import DEFAULT_MODEL_HUB_ID, load_default_model
 from .attention.normalizations import PAPER_NORMALIZATIONS, Normalization, parse_normalization
 from .attention.registration import register

@@ -33,6 +33,7 @@ import torch
 from transformers import DynamicCache
 
 from ..balancing.balance import key_scales, value_scales
+from ..compat import cache_kwargs, output_cache
 from ..knorm.cache import KNormCache
 from ..knorm.pipeline import generate_after, split_prompt
 
@@ -171,7 +172,7 @@ def answer_cell(model, tokenizer, sample: dict, variants: list[Variant], max_new
     context_text, question_text = split_prompt(tokenizer, sample["context"], sample["question"])
     encode = lambda text: tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(model.device)
     context_ids, question_ids = encode(context_text), encode(question_text + sample["answer_prefix"])
-    full = model(input_ids=context_ids, cache=DynamicCache(), use_cache=True).cache
+    full = output_cache(model(input_ids=context_ids, **cache_kwargs(DynamicCache()), use_cache=True))
     ids = torch.cat([context_ids, question_ids], dim=1)  # (1, n_context + n_question)
     generate = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     answers, with_question = {}, None
@@ -185,8 +186,8 @@ def answer_cell(model, tokenizer, sample: dict, variants: list[Variant], max_new
         elif variant.protocol == "authors":
             if with_question is None:  # question on the uncompressed pass; its last logits give the first token
                 step_cache = DynamicCache([(layer.keys, layer.values) for layer in full.layers])
-                step = model(input_ids=question_ids, cache=step_cache, use_cache=True)
-                with_question = (step.cache, step.logits[:, -1].argmax(-1, keepdim=True))
+                step = model(input_ids=question_ids, **cache_kwargs(step_cache), use_cache=True)
+                with_question = (output_cache(step), step.logits[:, -1].argmax(-1, keepdim=True))
             cache = KNormCache.from_dynamic_cache(with_question[0], **scales, **variant.options)
             first = with_question[1]
             rest = generate_after(model, cache, ids, first, **{**generate, "max_new_tokens": max_new_tokens - 1})

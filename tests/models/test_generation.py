@@ -10,6 +10,7 @@ import torch
 from tiny_models import DECODER_TYPES, tiny_model
 
 import hf_knorm
+from hf_knorm.compat import cache_kwargs, output_cache
 
 NORMALIZATIONS = ("softmax", "x/1", "x^3/16", "x^3/sqrtN")
 ATOL = 1e-4  # fp32, after 2 layers with weights scaled x4 (logits of size ~10)
@@ -19,6 +20,7 @@ def _ids(length, seed=0, batch=1):
     return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("normalization", NORMALIZATIONS)
 @pytest.mark.parametrize("model_type", DECODER_TYPES)
 def test_token_by_token_decoding_equals_full_forward(model_type, normalization):
@@ -29,7 +31,7 @@ def test_token_by_token_decoding_equals_full_forward(model_type, normalization):
         out = model(input_ids=ids[:, :4], use_cache=True)
         steps = [out.logits]
         for position in range(4, 14):
-            out = model(input_ids=ids[:, position : position + 1], cache=out.cache, use_cache=True)
+            out = model(input_ids=ids[:, position : position + 1], **cache_kwargs(output_cache(out)), use_cache=True)
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=ATOL)
 
@@ -67,6 +69,7 @@ def test_sampling_generates_finite_tokens_and_is_seeded(model_type):
     assert runs[0].shape == (1, 14) and torch.equal(runs[0], runs[1])
 
 
+@pytest.mark.compat
 def test_polynomial_generation_differs_from_softmax():
     """The normalization is really in force during generation (guards against a silent softmax fallback)."""
     model = tiny_model("llama")

@@ -10,6 +10,8 @@ from tiny_models import tiny_inputs, tiny_model
 import hf_knorm
 from hf_knorm.models.marker import keep_marker_on_save
 
+pytestmark = pytest.mark.compat
+
 
 def _logits(model, inputs):
     with torch.no_grad():
