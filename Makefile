@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test compat bench clean
+.PHONY: setup demo test compat matrix bench clean
 
 setup: $(STAMP)
 
@@ -51,12 +51,19 @@ $(COMPAT_STAMP): requirements.lock pyproject.toml
 
 # pytest exits 5 when the marker selects nothing: that fails here, with a line saying so.
 compat: $(COMPAT_STAMP)
+	@echo "== compatibility suite on transformers $(TRANSFORMERS)"
 	$(COMPAT_PY) -m pytest -q -ra -m compat -p no:cacheprovider || { rc=$$?; \
 	    [ $$rc -ne 5 ] || echo "make compat: no test is marked compat: the compatibility suite ran nothing" >&2; \
 	    exit $$rc; }
+
+# The releases `.ci/run` tests besides the newest (`make test`): the oldest supported and a middle one.
+MATRIX ?= 5.10.4 5.17.0
+
+matrix:
+	@for release in $(MATRIX); do $(MAKE) --no-print-directory compat TRANSFORMERS=$$release || exit $$?; done
 
 bench: $(STAMP)
 	$(PY) scripts/bench_attention.py
 
 clean:
-	rm -rf $(VENV) outputs
+	rm -rf $(VENV) .venv-tf* outputs

@@ -98,3 +98,18 @@ def layer_types_and_kwargs(config) -> tuple[list[str], list[dict]]:
     if isinstance(layer_kwargs, dict):  # 5.10-5.18: one dict for every layer
         layer_kwargs = [dict(layer_kwargs) for _ in layer_types]
     return list(layer_types), list(layer_kwargs)
+
+
+def attentions_being_collected() -> bool:
+    """Whether the running forward collects attention weights through Transformers' output capturing.
+
+    Some families (GPT-2) consume ``output_attentions`` before calling the attention function, which then cannot see
+    the request; their weights are gathered by the hooks of ``transformers.utils.output_capturing``, whose private
+    context variable ``_active_collector`` holds what is being collected. No public accessor exists (checked 5.10-5.24;
+    the module appeared in 5.5). Tested by ``test_output_attentions_returns_post_normalization_weights[gpt2]`` (in the
+    compatibility suite): if the variable goes, this import fails loudly instead of returning no weights.
+    """
+    from transformers.utils.output_capturing import _active_collector
+
+    collected = _active_collector.get()
+    return collected is not None and "attentions" in collected
