@@ -41,8 +41,9 @@ def _release(version: str) -> tuple[int, int]:
 def check_transformers_version() -> None:
     """Refuse a Transformers release outside :data:`SUPPORTED_TRANSFORMERS`, at ``import hf_knorm``.
 
-    Outside the range the package would fail later and deeper (4.x spells the config class ``PretrainedConfig``, 5.0-5.9
-    lack parts of the cache and mask API it uses); this says so at import, with the fix.
+    Outside the range the package would fail later and deeper (4.57 at import: 4.x spells the config class
+    ``PretrainedConfig``; 5.0-5.9 were never tried), or silently (a future major); this says so at import, with the
+    fix. Tested by ``tests/test_compat_versions.py`` (the version read is monkeypatched, the package re-imported).
 
     Raises:
         ImportError: The installed release is older than 5.10 or of a later major version.
@@ -57,7 +58,8 @@ def check_transformers_version() -> None:
 
 def cache_keyword() -> str:
     """The keyword that passes a cache to a model's ``forward`` and to ``generate``: ``"cache"`` from 5.24 on,
-    ``"past_key_values"`` before (see ``_CACHE_RENAMED``). Model outputs name their cache field the same way."""
+    ``"past_key_values"`` before (see ``_CACHE_RENAMED``). Model outputs name their cache field the same way.
+    Tested by ``test_the_cache_keyword_reaches_forward_and_generate``: a wrong keyword leaves the passed cache empty."""
     return "cache" if _release(installed_transformers_version()) >= _CACHE_RENAMED else "past_key_values"
 
 
@@ -79,7 +81,7 @@ def layer_types_and_kwargs(config) -> tuple[list[str], list[dict]]:
     Transformers' ``cache_utils.get_layer_types_and_kwargs`` answers this from 5.14 on, returning one kwargs dict
     shared by all layers until 5.18 and a list of per-layer dicts from 5.19; 5.10-5.13 have no such function and
     ``DynamicCache(config=...)`` reads ``layer_types``, else ``sliding_window``/``attention_chunk_size``, inline (the
-    fallback below does the same).
+    fallback below does the same). Tested by ``test_layer_types_agree_with_transformers_own_cache``.
     """
     try:
         from transformers.cache_utils import get_layer_types_and_kwargs

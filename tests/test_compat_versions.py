@@ -10,7 +10,6 @@ import importlib
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -26,8 +25,8 @@ pytestmark = pytest.mark.compat
 
 
 def test_the_declared_range_is_the_checked_one():
-    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    assert f"transformers{compat.SUPPORTED_TRANSFORMERS}" in pyproject["project"]["dependencies"]
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert re.findall(r'^ *"transformers([^"]*)",', pyproject, flags=re.MULTILINE) == [compat.SUPPORTED_TRANSFORMERS]
 
 
 @pytest.mark.parametrize("version", ["5.10.4", "5.17.0", "5.24.0", "5.25.0.dev0", "5.99.1"])
