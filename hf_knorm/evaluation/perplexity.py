@@ -131,7 +131,8 @@ def perplexity_after_compression(model: nn.Module, windows: list[torch.Tensor], 
             if cache.is_uniform():
                 logits = model(input_ids=continuation, **cache_kwargs(cache), use_cache=True).logits  # (1, m, V)
             else:
-                logits = torch.cat([model(input_ids=continuation[:, i:i + 1], **cache_kwargs(cache), use_cache=True).logits
+                logits = torch.cat([model(input_ids=continuation[:, i:i + 1], **cache_kwargs(cache),
+                                          use_cache=True).logits
                                     for i in range(continuation.shape[1])], dim=1)
             nll = F.cross_entropy(logits[0, :-1].float(), continuation[0, 1:], reduction="sum")
             if not torch.isfinite(nll):

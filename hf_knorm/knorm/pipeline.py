@@ -144,7 +144,7 @@ class KNormTextGenerationPipeline(Pipeline):
         context_ids = inputs["context_ids"].to(self.model.device)
         question_ids = inputs["question_ids"].to(self.model.device)
         cache = knorm_cache_for(self.model, score_basis=score_basis, **cache_options)
-        self.model(input_ids=context_ids, **cache_kwargs(cache), use_cache=True)  # prefill: the context is compressed here
+        self.model(input_ids=context_ids, **cache_kwargs(cache), use_cache=True)  # prefill: the context is compressed
         kwargs = dict(generate_kwargs)
         if self.tokenizer.pad_token_id is None and "pad_token_id" not in kwargs:
             kwargs["pad_token_id"] = self.tokenizer.eos_token_id
