@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test compat matrix bench clean
 
 setup: $(STAMP)
 
@@ -26,8 +26,46 @@ test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -ra
 
+# The compatibility suite (`-m compat`) on another supported Transformers release, in its own cached venv:
+# `make compat TRANSFORMERS=5.10.4`. The venv holds the lock minus transformers, then `transformers==X` (pip may move
+# what that release pins, e.g. huggingface_hub and tokenizers; torch stays the CPU wheel), then the package with its
+# dependencies: installing hf_knorm must keep the chosen release (checked, with `pip check`).
+TRANSFORMERS ?=
+COMPAT_VENV := .venv-tf$(TRANSFORMERS)
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+COMPAT_STAMP := $(COMPAT_VENV)/.installed
+
+$(COMPAT_STAMP): requirements.lock pyproject.toml
+	@test -n "$(TRANSFORMERS)" || { echo "make compat needs a release: make compat TRANSFORMERS=5.10.4" >&2; exit 2; }
+	rm -rf $(COMPAT_VENV)
+	$(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install -q --upgrade pip
+	$(COMPAT_PY) -m pip install -q torch==2.13.0
+	echo torch==2.13.0 > $(COMPAT_VENV)/constraints.txt
+	grep -v '^transformers==' requirements.lock > $(COMPAT_VENV)/requirements.txt
+	$(COMPAT_PY) -m pip install -q -c $(COMPAT_VENV)/constraints.txt -r $(COMPAT_VENV)/requirements.txt
+	$(COMPAT_PY) -m pip install -q -c $(COMPAT_VENV)/constraints.txt transformers==$(TRANSFORMERS)
+	$(COMPAT_PY) -m pip install -q -c $(COMPAT_VENV)/constraints.txt --no-build-isolation -e .
+	$(COMPAT_PY) -m pip check
+	$(COMPAT_PY) -c "import importlib.metadata as m, sys; v = m.version('transformers'); \
+	    sys.exit(None if v == '$(TRANSFORMERS)' else f'installing hf_knorm moved transformers $(TRANSFORMERS) to {v}')"
+	touch $(COMPAT_STAMP)
+
+# pytest exits 5 when the marker selects nothing: that fails here, with a line saying so.
+compat: $(COMPAT_STAMP)
+	@echo "== compatibility suite on transformers $(TRANSFORMERS)"
+	$(COMPAT_PY) -m pytest -q -ra -m compat -p no:cacheprovider || { rc=$$?; \
+	    [ $$rc -ne 5 ] || echo "make compat: no test is marked compat: the compatibility suite ran nothing" >&2; \
+	    exit $$rc; }
+
+# The releases `.ci/run` tests besides the newest (`make test`): the oldest supported and a middle one.
+MATRIX ?= 5.10.4 5.17.0
+
+matrix:
+	@for release in $(MATRIX); do $(MAKE) --no-print-directory compat TRANSFORMERS=$$release || exit $$?; done
+
 bench: $(STAMP)
 	$(PY) scripts/bench_attention.py
 
 clean:
-	rm -rf $(VENV) outputs
+	rm -rf $(VENV) .venv-tf* outputs

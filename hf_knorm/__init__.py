@@ -18,6 +18,10 @@ back as softmax (one class-wide wrap of ``PreTrainedConfig._remove_keys_not_seri
 every other config serializes as before).
 """
 
+from .compat import check_transformers_version
+
+check_transformers_version()  # first: outside the supported range, one clear ImportError instead of a deep traceback
+
 from .assets.default_model import DEFAULT_MODEL_HUB_ID, load_default_model
 from .attention.normalizations import PAPER_NORMALIZATIONS, Normalization, parse_normalization
 from .attention.registration import register

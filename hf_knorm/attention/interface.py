@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # Transformers' record of the outputs being captured (5.x); absent, only the kwarg is read
-    from transformers.utils.output_capturing import _active_collector
-except ImportError:  # pragma: no cover
-    _active_collector = None
-
+from ..compat import attentions_being_collected
 from .kernel import chunked_attention
 from .normalizations import Normalization, parse_normalization
 from .taps import current_kv_transform, current_recorder
@@ -83,8 +79,7 @@ def _attentions_requested(kwargs: dict) -> bool:
     """
     if kwargs.get("output_attentions"):
         return True
-    collected = _active_collector.get() if _active_collector is not None else None
-    return collected is not None and "attentions" in collected
+    return attentions_being_collected()
 
 
 def normalization_of(module: torch.nn.Module) -> Normalization:

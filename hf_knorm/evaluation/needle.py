@@ -34,6 +34,7 @@ import torch
 from transformers import DynamicCache
 
 from ..balancing.balance import key_scales
+from ..compat import cache_kwargs, output_cache
 from ..knorm.pipeline import answer_after_context, encode_prompt, generate_after, knorm_cache_for
 
 CITIES = ("Paris", "Tokyo", "Nairobi", "Lima", "Oslo", "Cairo", "Sydney", "Toronto", "Mumbai", "Madrid", "Seoul",
@@ -175,7 +176,7 @@ def answer_cell(model, tokenizer, sample: dict, variants: list[Variant], max_new
     """
     context_ids, question_ids = encode_prompt(tokenizer, sample["context"], sample["question"], sample["answer_prefix"])
     context_ids, question_ids = context_ids.to(model.device), question_ids.to(model.device)
-    full = model(input_ids=context_ids, cache=DynamicCache(), use_cache=True).cache
+    full = output_cache(model(input_ids=context_ids, **cache_kwargs(DynamicCache()), use_cache=True))
     ids = torch.cat([context_ids, question_ids], dim=1)  # (1, n_context + n_question)
     generate = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     answers, with_question = {}, None
@@ -186,8 +187,8 @@ def answer_cell(model, tokenizer, sample: dict, variants: list[Variant], max_new
         elif variant.protocol == "authors":
             if with_question is None:  # question on the uncompressed pass; its last logits give the first token
                 step_cache = DynamicCache([(layer.keys, layer.values) for layer in full.layers])
-                step = model(input_ids=question_ids, cache=step_cache, use_cache=True)
-                with_question = (step.cache, step.logits[:, -1].argmax(-1, keepdim=True))
+                step = model(input_ids=question_ids, **cache_kwargs(step_cache), use_cache=True)
+                with_question = (output_cache(step), step.logits[:, -1].argmax(-1, keepdim=True))
             cache.prefill_from(with_question[0])
             first = with_question[1]
             rest = generate_after(model, cache, ids, first, **{**generate, "max_new_tokens": max_new_tokens - 1})

@@ -18,6 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..compat import cache_kwargs, output_cache
+
 
 @dataclass(frozen=True)
 class PerplexityResult:
@@ -122,14 +124,15 @@ def perplexity_after_compression(model: nn.Module, windows: list[torch.Tensor], 
         if ids.shape[0] < context + 2:
             raise ValueError(f"A window of {ids.shape[0]} tokens leaves nothing to score after {context} of context.")
         ids = ids.to(device)[None]  # (1, n)
-        full = model(input_ids=ids[:, :context], cache=DynamicCache(), use_cache=True).cache
+        full = output_cache(model(input_ids=ids[:, :context], **cache_kwargs(DynamicCache()), use_cache=True))
         continuation = ids[:, context:]  # (1, m)
         for name, options in variants.items():
             cache = KNormCache.from_dynamic_cache(full, **options)
             if cache.is_uniform():
-                logits = model(input_ids=continuation, cache=cache, use_cache=True).logits  # (1, m, V)
+                logits = model(input_ids=continuation, **cache_kwargs(cache), use_cache=True).logits  # (1, m, V)
             else:
-                logits = torch.cat([model(input_ids=continuation[:, i:i + 1], cache=cache, use_cache=True).logits
+                logits = torch.cat([model(input_ids=continuation[:, i:i + 1], **cache_kwargs(cache),
+                                          use_cache=True).logits
                                     for i in range(continuation.shape[1])], dim=1)
             nll = F.cross_entropy(logits[0, :-1].float(), continuation[0, 1:], reduction="sum")
             if not torch.isfinite(nll):

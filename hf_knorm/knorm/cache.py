@@ -213,7 +213,7 @@ class KNormCache(Cache):
 
     # --- structure -------------------------------------------------------------------------------------------------
     def _layers_for(self, config) -> list:
-        from transformers.cache_utils import get_layer_types_and_kwargs
+        from ..compat import layer_types_and_kwargs
 
         from ..models.architectures import architecture_of
 
@@ -222,7 +222,7 @@ class KNormCache(Cache):
         if not architecture_of(config).causal:
             raise ValueError(f"KNormCache needs a decoder; {config.model_type!r} is an encoder (it has no KV cache).")
         config = config.get_text_config(decoder=True)
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+        layer_types, layer_kwargs = layer_types_and_kwargs(config)
         layers = []
         for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
             if kind == "full_attention":

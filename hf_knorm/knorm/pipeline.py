@@ -18,6 +18,7 @@ import torch
 from transformers import Pipeline
 
 from ..balancing.balance import key_scales, value_scales
+from ..compat import cache_kwargs
 from .cache import KNormCache
 from .defaults import CACHE_OPTIONS, SCORE_BASES, merged_options
 
@@ -81,7 +82,7 @@ def knorm_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     check_unpadded(attention_mask)
     options = {name: kwargs.pop(name) for name in CACHE_OPTIONS if name in kwargs}
     cache = knorm_cache_for(model, score_basis=score_basis, **options)
-    return model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **kwargs)
+    return model.generate(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(cache), **kwargs)
 
 
 @torch.no_grad()
@@ -92,7 +93,7 @@ def append_tokens(model, cache: KNormCache, input_ids: torch.Tensor) -> None:
         return
     steps = [input_ids] if cache.is_uniform() else list(input_ids.split(1, dim=1))
     for step in steps:
-        model(input_ids=step, cache=cache, use_cache=True)
+        model(input_ids=step, **cache_kwargs(cache), use_cache=True)
 
 
 def generate_after(model, cache: KNormCache, context_ids: torch.Tensor, new_ids: torch.Tensor, **generate_kwargs):
@@ -103,7 +104,7 @@ def generate_after(model, cache: KNormCache, context_ids: torch.Tensor, new_ids:
     if not cache.is_uniform():
         append_tokens(model, cache, new_ids[:, :-1])
     ids = torch.cat([context_ids, new_ids], dim=1)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, **generate_kwargs)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache), **generate_kwargs)
     return out[:, ids.shape[1]:]
 
 

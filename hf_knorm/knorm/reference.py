@@ -15,6 +15,8 @@ import math
 import torch
 from transformers import DynamicCache
 
+from ..compat import cache_kwargs, output_cache
+
 
 def reference_importance(score: str, k: torch.Tensor, v: torch.Tensor, draws: torch.Tensor | None = None,
                          pool: int = 1) -> list[float]:
@@ -144,13 +146,13 @@ def reference_generate(model, input_ids: torch.Tensor, ratio: float, max_new_tok
         tuple: (generated ids (B, max_new_tokens), list of next-token logits (B, V) per step, kept positions per layer).
     """
     n = input_ids.shape[1]
-    out = model(input_ids=input_ids, cache=DynamicCache(), use_cache=True)
-    cache, kept = reference_compress(out.cache, ratio, **options)
+    out = model(input_ids=input_ids, **cache_kwargs(DynamicCache()), use_cache=True)
+    cache, kept = reference_compress(output_cache(out), ratio, **options)
     logits = [out.logits[:, -1].float()]
     tokens = [logits[-1].argmax(-1)]
     for step in range(1, max_new_tokens):
         position = torch.full((input_ids.shape[0], 1), n + step - 1, dtype=torch.long, device=input_ids.device)
-        out = model(input_ids=tokens[-1][:, None], position_ids=position, cache=cache, use_cache=True)
+        out = model(input_ids=tokens[-1][:, None], position_ids=position, **cache_kwargs(cache), use_cache=True)
         logits.append(out.logits[:, -1].float())
         tokens.append(logits[-1].argmax(-1))
     return torch.stack(tokens, dim=1), logits, kept

@@ -27,6 +27,7 @@ def _padded_causal_mask(batch, q_len, kv_len, pad):
     return mask
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("spelling", NORMALIZATIONS)
 @pytest.mark.parametrize("chunk_elements", [10**9, 300], ids=["one-chunk", "many-chunks"])
 def test_forward_and_gradients_match_reference(spelling, chunk_elements):
@@ -90,6 +91,7 @@ def test_frobenius_accumulator_without_materializing():
     assert (frobenius_sq.sqrt()[1] <= math.sqrt(24) + 1e-5).all()
 
 
+@pytest.mark.compat
 def test_hand_computed_three_tokens():
     """q = (1, 2, -1), k = (1, 1, 2), v = (1, 10, 100), one head, D = 1, scaling 1, causal.
 

@@ -57,6 +57,7 @@ def test_every_registered_architecture_has_a_layout_and_is_tested_here():
         assert len(kv_layouts(tiny_model(model_type))) == 2
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("mode", ["layer", "channel"])
 @pytest.mark.parametrize("model_type", ALL_TYPES)
 def test_fold_is_exact(model_type, mode):

@@ -7,6 +7,8 @@ import copy
 import torch
 from tiny_models import tiny_model
 
+from hf_knorm.compat import cache_kwargs
+
 PROMPT, NEW = 24, 6
 NO_EOS = 10**6  # an id no model produces: generation never stops early (None would fall back to the model default)
 
@@ -27,7 +29,8 @@ def greedy(model, ids, cache, new=NEW):
     config = copy.deepcopy(model.generation_config)
     config.update(eos_token_id=NO_EOS, pad_token_id=0, max_new_tokens=new, do_sample=False, output_logits=True,
                   return_dict_in_generate=True)
-    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, generation_config=config)
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache),
+                          generation_config=config)
 
 
 def word_tokenizer():

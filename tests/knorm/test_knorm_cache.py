@@ -14,6 +14,7 @@ from transformers.masking_utils import AttentionMaskInterface
 import hf_knorm
 from hf_knorm.assets.texts import SAMPLE_TEXT
 from hf_knorm.attention.registration import explicit_bool_mask
+from hf_knorm.compat import cache_kwargs, output_cache
 from hf_knorm.knorm.cache import KNormCache, KNormLayer, kept_count
 from hf_knorm.knorm.eviction import EvictionSettings
 from hf_knorm.knorm.pipeline import generate_after, knorm_generate
@@ -73,13 +74,14 @@ def masked_logits(model, ids, continuation, keep_fn):
 
 
 # --- equivalence -----------------------------------------------------------------------------------------------------
+@pytest.mark.compat
 @pytest.mark.parametrize("model_type", DECODER_TYPES)
 def test_kept_indices_match_reference(model_type):
     model = knorm_model(model_type)
     ids = tiny_inputs(model_type, batch=2, length=PROMPT)["input_ids"]
-    full = model(input_ids=ids, cache=DynamicCache(config=model.config), use_cache=True).cache
+    full = output_cache(model(input_ids=ids, **cache_kwargs(DynamicCache(config=model.config)), use_cache=True))
     cache = KNormCache(0.5, config=model.config)
-    model(input_ids=ids, cache=cache, use_cache=True)
+    model(input_ids=ids, **cache_kwargs(cache), use_cache=True)
     checked = 0
     for index, layer in enumerate(cache.layers):
         if isinstance(layer, KNormLayer):

@@ -16,6 +16,7 @@ import hf_knorm
 from hf_knorm.attention.normalizations import parse_normalization
 from hf_knorm.attention.reference import reference_attention
 from hf_knorm.attention.registration import explicit_bool_mask
+from hf_knorm.compat import cache_kwargs, output_cache
 
 NORMALIZATIONS = ("softmax", "x/1", "x^3/16", "x^3/sqrtN")
 ATOL = 1e-4  # fp32, after 2 layers with weights scaled x4 (logits of size ~10)
@@ -25,6 +26,7 @@ def _ids(length, seed=0, batch=1):
     return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("normalization", NORMALIZATIONS)
 @pytest.mark.parametrize("model_type", DECODER_TYPES)
 def test_token_by_token_decoding_equals_full_forward(model_type, normalization):
@@ -35,7 +37,7 @@ def test_token_by_token_decoding_equals_full_forward(model_type, normalization):
         out = model(input_ids=ids[:, :4], use_cache=True)
         steps = [out.logits]
         for position in range(4, 14):
-            out = model(input_ids=ids[:, position : position + 1], cache=out.cache, use_cache=True)
+            out = model(input_ids=ids[:, position : position + 1], **cache_kwargs(output_cache(out)), use_cache=True)
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=ATOL)
 
@@ -93,6 +95,7 @@ def test_sampling_follows_the_patched_normalization_and_is_seeded(model_type):
     assert not torch.allclose(patched.logits[0], softmax.logits[0], rtol=0, atol=1e-2)
 
 
+@pytest.mark.compat
 def test_polynomial_generation_differs_from_softmax():
     """The normalization is really in force during generation (guards against a silent softmax fallback)."""
     model = tiny_model("llama")

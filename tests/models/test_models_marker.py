@@ -17,6 +17,8 @@ from hf_knorm.compat import keep_attn_implementation_on_save
 
 pytestmark = pytest.mark.compat
 
+pytestmark = pytest.mark.compat
+
 
 def _logits(model, inputs):
     with torch.no_grad():

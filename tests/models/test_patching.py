@@ -9,6 +9,8 @@ from tiny_models import ALL_TYPES, DECODER_TYPES, tiny_config, tiny_inputs, tiny
 
 import hf_knorm
 
+pytestmark = pytest.mark.compat
+
 
 def _output(model, inputs, **kwargs):
     out = model(**inputs, **kwargs)

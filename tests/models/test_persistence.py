@@ -11,6 +11,8 @@ from tiny_models import tiny_inputs, tiny_model
 
 import hf_knorm
 
+pytestmark = pytest.mark.compat
+
 
 def _logits(model, inputs):
     with torch.no_grad():

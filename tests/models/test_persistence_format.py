@@ -7,10 +7,13 @@ exactly as the old code wrote them), then loads it with the current code.
 
 import json
 
+import pytest
 import torch
 from tiny_models import tiny_inputs, tiny_model
 
 import hf_knorm
+
+pytestmark = pytest.mark.compat
 
 PRE_LAYOUT_SECTION = {"normalization": "x^3/16", "original_attn_implementation": "sdpa", "version": "0.1.0"}
 

@@ -26,6 +26,7 @@ def _norm_entries(trainer):
     return [entry for entry in trainer.state.log_history if "norms/layer_00/attn_fro" in entry]
 
 
+@pytest.mark.compat
 def test_norms_reach_log_history_tensorboard_and_the_history_file(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
