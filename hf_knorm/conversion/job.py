@@ -109,24 +109,16 @@ def run_convert(settings: ConvertSettings) -> dict:
     """
     import transformers
 
-    from ..models.architectures import architecture_of
+    from ..training.finetune import causal_lm_source
     from ..training.heldout import held_out_perplexity, training_and_held_out
-    from ..training.text_data import model_max_length
 
     check_settings(settings)
     normalization = parse_normalization(settings.normalization).name
-    model_dir = _model_dir(settings.model)
-    config = transformers.AutoConfig.from_pretrained(model_dir)
-    spec = architecture_of(config)
-    if not spec.causal:
-        raise ValueError(f"convert converts causal language models; {model_dir} is a {spec.model_type} encoder.")
+    model_dir, config = causal_lm_source(settings.model, settings.block_size, "convert converts")
     already = (getattr(config, "hf_knorm", None) or {}).get("normalization")
     if already is not None:
         raise ValueError(f"{model_dir} is already patched with {already}. Conversion starts from the original softmax "
                          "model: pass the model it was made from.")
-    maximum = model_max_length(config)
-    if maximum is not None and settings.block_size > maximum:
-        raise ValueError(f"--block-size {settings.block_size} is above the model's maximum of {maximum} positions.")
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     _, train, eval_blocks, eval_description = training_and_held_out(
@@ -212,11 +204,3 @@ def _write_state(out: Path, state: dict) -> None:
     partial = out / (STATE_FILE + ".partial")
     partial.write_text(json.dumps(state, indent=2, default=str) + "\n")
     os.replace(partial, out / STATE_FILE)
-
-
-def _model_dir(model: str) -> Path:
-    if model == "default":
-        from ..assets.default_model import default_model_dir
-
-        return default_model_dir()
-    return Path(model)

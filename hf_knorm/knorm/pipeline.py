@@ -128,7 +128,7 @@ def answer_after_context(model, cache: KNormCache, context_ids: torch.Tensor, qu
         torch.Tensor: (B, new) the answer's token ids.
     """
     if prefilled is None:
-        model(input_ids=context_ids, cache=cache, use_cache=True)  # prefill: the context is compressed here
+        model(input_ids=context_ids, **cache_kwargs(cache), use_cache=True)  # prefill: the context is compressed here
     else:
         cache.prefill_from(prefilled)
     return generate_after(model, cache, context_ids, question_ids, **generate_kwargs)

@@ -129,14 +129,7 @@ def run_finetune(settings: FinetuneSettings) -> dict:
 
     checkpoint = check_settings(settings)
     normalization = parse_normalization(settings.normalization).name
-    model_dir = _model_dir(settings.model)
-    config = transformers.AutoConfig.from_pretrained(model_dir)
-    spec = architecture_of(config)
-    if not spec.causal:
-        raise ValueError(f"finetune trains causal language models; {model_dir} is a {spec.model_type} encoder.")
-    maximum = model_max_length(config)
-    if maximum is not None and settings.block_size > maximum:
-        raise ValueError(f"--block-size {settings.block_size} is above the model's maximum of {maximum} positions.")
+    model_dir, _ = causal_lm_source(settings.model, settings.block_size, "finetune trains")
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     texts, train, held_out, held_out_text = training_and_held_out(
         settings.dataset, tokenizer, settings.block_size, settings.eval_tokens, settings.text_column, settings.split,
@@ -213,9 +206,26 @@ def run_finetune(settings: FinetuneSettings) -> dict:
     return summary
 
 
-def _model_dir(model: str) -> Path:
+def causal_lm_source(model: str, block_size: int, job: str = "this job takes"):
+    """``(folder, config)`` of a job's model: ``"default"`` (the embedded SmolLM2-135M-Instruct) or a checkpoint
+    folder, checked to be a supported causal LM whose positions hold ``block_size`` tokens.
+
+    Raises:
+        ValueError: an unsupported architecture, an encoder, or a block size above the model's maximum.
+    """
+    import transformers
+
     if model == "default":
         from ..assets.default_model import default_model_dir
 
-        return default_model_dir()
-    return Path(model)
+        folder = default_model_dir()
+    else:
+        folder = Path(model)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    spec = architecture_of(config)
+    if not spec.causal:
+        raise ValueError(f"{job} causal language models; {folder} is a {spec.model_type} encoder.")
+    maximum = model_max_length(config)
+    if maximum is not None and block_size > maximum:
+        raise ValueError(f"--block-size {block_size} is above the model's maximum of {maximum} positions.")
+    return folder, config

@@ -8,6 +8,7 @@ import torch
 from knorm_helpers import NEW, PROMPT, knorm_model, word_text, word_tokenizer
 from transformers import DynamicCache, pipeline
 
+from hf_knorm.compat import cache_kwargs
 from hf_knorm.evaluation import needle
 from hf_knorm.knorm.cache import KNormCache
 from hf_knorm.knorm.pipeline import KNormTextGenerationPipeline, encode_prompt
@@ -34,10 +35,12 @@ def test_pipeline_task_answers_from_the_compressed_context(tiny):
         return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
 
     with torch.no_grad():
-        plain = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(), **GENERATE)
+        plain = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(DynamicCache()),
+                               **GENERATE)
         cache = KNormCache(0.9, config=model.config)
-        model(input_ids=context_ids, cache=cache, use_cache=True)  # the context alone is compressed
-        compressed = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, **GENERATE)
+        model(input_ids=context_ids, **cache_kwargs(cache), use_cache=True)  # the context alone is compressed
+        compressed = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache),
+                                    **GENERATE)
     assert cache.stored_tokens() == [PROMPT - int(0.9 * PROMPT) + 3 + NEW - 1] * 2
     assert pipe(context, question=question, compression_ratio=0.0, **GENERATE)["answer"] == decoded(plain)
     assert pipe(context, question=question, compression_ratio=0.9, **GENERATE)["answer"] == decoded(compressed)
