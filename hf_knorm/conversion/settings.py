@@ -32,7 +32,7 @@ class ConvertSettings:
                 "and sonnets, else the last --eval-fraction of the texts"})
     eval_fraction: float = field(default=0.1, metadata={"help": "share of texts held out of other datasets"})
     eval_tokens: int = field(default=8192, metadata={"help": "held-out tokens scored at each evaluation"})
-    eval_steps: int = field(default=25, metadata={"help": "evaluate every N steps of each stage (and at its start)"})
+    eval_steps: int = field(default=50, metadata={"help": "evaluate every N steps of each stage (and at its start)"})
     block_size: int = field(default=256, metadata={"help": "tokens per example"})
     batch_size: int = field(default=4, metadata={"help": "examples per step"})
     transfer_steps: int = field(default=100, metadata={"help": "attention-transfer steps (0: skip the stage)"})
@@ -41,8 +41,9 @@ class ConvertSettings:
         "help": "attention projections trained by the transfer, letters of qkvo"})
     recovery: str = field(default="lora", metadata={"help": "recovery: lora | full | none", "choices": RECOVERY_MODES})
     recovery_steps: int = field(default=200, metadata={"help": "recovery steps"})
-    recovery_learning_rate: float = field(default=1e-3, metadata={
-        "help": "recovery learning rate (LoRA adapters; use ~1e-4 with --recovery full)"})
+    recovery_learning_rate: float = field(default=2e-4, metadata={
+        "help": "recovery learning rate (LoRA: 1e-3 diverged on the default model; --recovery full needs less than "
+                "1e-4, which diverged in its first 10 steps there)"})
     lora_rank: int = field(default=8, metadata={"help": "LoRA rank (q, k, v, o projections)"})
     distill_weight: float = field(default=0.0, metadata={
         "help": "weight of the KL divergence to the original model's next-token distribution in recovery"})

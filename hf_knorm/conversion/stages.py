@@ -36,7 +36,9 @@ def run_transfer(model, settings: ConvertSettings, normalization: str, train, ev
     folder = out / "transfer"
     record = state.get("transfer", {})
     if record.get("done"):
-        return from_pretrained(folder / "model", model_class=transformers.AutoModelForCausalLM)
+        transferred = from_pretrained(folder / "model", model_class=transformers.AutoModelForCausalLM)
+        transferred.config._name_or_path = model.config._name_or_path  # its origin: the model the run started from
+        return transferred
     if settings.transfer_steps == 0:
         return patch(model, normalization)
     transfer = AttentionTransfer(model, settings.transfer_trainable)  # teachers copied before patching
