@@ -35,7 +35,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..attention.normalizations import parse_normalization
-from ..training.text_data import local_files
+from ..training.finetune import check_sources
 from .settings import RECOVERY_MODES, ConvertSettings
 
 STATE_FILE = "convert_state.json"
@@ -65,11 +65,7 @@ def check_settings(settings: ConvertSettings) -> None:
         raise ValueError("Both stages are off (transfer_steps 0, no recovery): there is nothing to convert.")
     if settings.distill_weight < 0:
         raise ValueError(f"distill_weight must be >= 0, not {settings.distill_weight}.")
-    local_files(settings.dataset)
-    if settings.eval_dataset is not None:
-        local_files(settings.eval_dataset)
-    if settings.model != "default" and not Path(settings.model).is_dir():
-        raise FileNotFoundError(f"No model folder at {settings.model!r}; pass 'default' or a checkpoint folder.")
+    check_sources(settings.dataset, settings.eval_dataset, settings.model)
     out = Path(settings.out)
     finished = (out / RESULT_FILE).is_file()
     started = (out / STATE_FILE).is_file()

@@ -33,8 +33,6 @@ from transformers.trainer_utils import get_last_checkpoint
 from ..attention.normalizations import parse_normalization
 from ..extras import require
 from ..models.architectures import architecture_of
-from .heldout import (PerplexityTrainer, evaluation_record, held_out_perplexity, perplexity_curve,
-                      training_and_held_out)
 from .text_data import local_files, model_max_length
 
 
@@ -96,11 +94,7 @@ def check_settings(settings: FinetuneSettings) -> Path | None:
                  "eval_tokens", "eval_steps"):
         if getattr(settings, name) < 1:
             raise ValueError(f"{name} must be at least 1, not {getattr(settings, name)}.")
-    local_files(settings.dataset)
-    if settings.eval_dataset is not None:
-        local_files(settings.eval_dataset)
-    if settings.model != "default" and not Path(settings.model).is_dir():
-        raise FileNotFoundError(f"No model folder at {settings.model!r}; pass 'default' or a checkpoint folder.")
+    check_sources(settings.dataset, settings.eval_dataset, settings.model)
     if "tensorboard" in settings.report_to:
         require("tensorboard", "report_to tensorboard (the default; --report-to none turns it off)")
     out = Path(settings.out)
@@ -124,6 +118,8 @@ def run_finetune(settings: FinetuneSettings) -> dict:
     from ..models.patching import patch, patched_normalization, unpatch
     from ..models.persistence import from_pretrained, save_pretrained
     from .callback import NormLoggerCallback
+    from .heldout import (PerplexityTrainer, evaluation_record, held_out_perplexity, perplexity_curve,
+                          training_and_held_out)
     from .history import HISTORY_FILE
     from .norm_figure import plot_norm_history
 
@@ -204,6 +200,19 @@ def run_finetune(settings: FinetuneSettings) -> dict:
     partial.write_text(json.dumps(summary, indent=2, default=str) + "\n")
     os.replace(partial, summary_path)
     return summary
+
+
+def check_sources(dataset: str, eval_dataset: str | None, model: str) -> None:
+    """The data files and the model folder a job names exist (before anything is loaded).
+
+    Raises:
+        FileNotFoundError: a missing data file or model folder. ValueError: files of mixed or unsupported kinds.
+    """
+    local_files(dataset)
+    if eval_dataset is not None:
+        local_files(eval_dataset)
+    if model != "default" and not Path(model).is_dir():
+        raise FileNotFoundError(f"No model folder at {model!r}; pass 'default' or a checkpoint folder.")
 
 
 def causal_lm_source(model: str, block_size: int, job: str = "this job takes"):
