@@ -125,6 +125,16 @@ def attentions_being_collected() -> bool:
     return collected is not None and "attentions" in collected
 
 
+def attn_implementation_of(config) -> str | None:
+    """The attention implementation a config currently selects (``"sdpa"``, ``"eager"``, ``"hf_knorm"``, ...).
+
+    Transformers exposes it only as ``config._attn_implementation`` (a property over the internal field; 5.10-5.24),
+    while ``PreTrainedModel.set_attn_implementation`` is the public setter. Tested by ``tests/models/test_patching.py``
+    (``compat``): unpatch gives back exactly the implementation the model had.
+    """
+    return config._attn_implementation
+
+
 # =====================================================================================================================
 # Trainer callback order: a callback's on_log before the report_to integrations (NormLoggerCallback)
 # =====================================================================================================================

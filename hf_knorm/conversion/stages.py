@@ -37,7 +37,7 @@ def run_transfer(model, settings: ConvertSettings, normalization: str, train, ev
     record = state.get("transfer", {})
     if record.get("done"):
         transferred = from_pretrained(folder / "model", model_class=transformers.AutoModelForCausalLM)
-        transferred.config._name_or_path = model.config._name_or_path  # its origin: the model the run started from
+        transferred.config.name_or_path = model.config.name_or_path  # its origin: the model the run started from
         return transferred
     if settings.transfer_steps == 0:
         return patch(model, normalization)

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from ..attention.interface import ATTENTION_NAME
 from ..attention.normalizations import Normalization, parse_normalization
+from ..compat import attn_implementation_of
 from ..version import __version__
 from .architectures import architecture_of, attention_modules
 
@@ -43,7 +44,7 @@ def patch(model: nn.Module, normalization: str | Normalization = "softmax") -> n
             f"The model is already patched with {current}. Call hf_knorm.unpatch(model) before patching it with "
             f"{normalization.name}: normalizations are not stacked."
         )
-    original = model.config._attn_implementation
+    original = attn_implementation_of(model.config)
     for config in _configs(model):
         section = dict(getattr(config, SECTION, None) or {})
         section.update(normalization=normalization.name, original_attn_implementation=original, version=__version__)
