@@ -39,7 +39,7 @@ def normalizations_step(model, tokenizer, settings: DemoSettings, out_dir: Path)
         "Attention normalizations side by side",
         "Look at the first two rows: softmax through the plugin reproduces the model's own attention (same perplexity, "
         "same tokens); the polynomial rows change the function of a model trained with softmax, which is why step 4 "
-        "fine-tunes one.",
+        "converts one.",
         tables=[table],
         settings={"normalizations": ", ".join(settings.normalizations)},
         seconds=time.perf_counter() - started,

@@ -13,7 +13,7 @@ import torch
 import transformers as tf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
-from training_helpers import char_tokenizer, lm  # noqa: E402
+from training_helpers import char_tokenizer, lm, save_tiny_lm  # noqa: E402
 
 import hf_knorm  # noqa: E402
 from hf_knorm.assets.texts import SAMPLE_TEXT  # noqa: E402
@@ -27,10 +27,7 @@ from hf_knorm.training.text_data import load_text_dataset  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tiny_lm_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny_lm")
-    lm().save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    return folder
+    return save_tiny_lm(tmp_path_factory.mktemp("tiny_lm"))
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from training_helpers import char_tokenizer, history_lines, lm
+from training_helpers import char_tokenizer, history_lines, save_tiny_lm
 
 import hf_knorm
 from hf_knorm.assets.texts import SAMPLE_TEXT
@@ -17,10 +17,7 @@ from hf_knorm.training.text_data import load_text_dataset, pack_dataset
 @pytest.fixture(scope="module")
 def tiny_lm_dir(tmp_path_factory):
     """A tiny llama (max 256 positions) with a character tokenizer, saved as a checkpoint folder."""
-    folder = tmp_path_factory.mktemp("tiny_lm")
-    lm().save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    return folder
+    return save_tiny_lm(tmp_path_factory.mktemp("tiny_lm"))
 
 
 @pytest.fixture(scope="module")

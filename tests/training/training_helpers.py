@@ -157,3 +157,10 @@ def char_tokenizer() -> tf.PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     return tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
                                       pad_token="<pad>", unk_token="<unk>")
+
+
+def save_tiny_lm(folder):
+    """The tiny llama (max 256 positions) with a character tokenizer, saved in ``folder`` as a checkpoint."""
+    lm().save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
