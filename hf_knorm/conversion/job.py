@@ -30,17 +30,15 @@ from __future__ import annotations
 import copy
 import json
 import os
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 from ..attention.normalizations import parse_normalization
 from ..training.finetune import check_sources
 from .settings import RECOVERY_MODES, ConvertSettings
+from .stages import STATE_FILE, read_state, write_state
 
-STATE_FILE = "convert_state.json"
 RESULT_FILE = "convert.json"
-CALIBRATION_BLOCKS = 8
 
 
 def check_settings(settings: ConvertSettings) -> None:
@@ -123,12 +121,12 @@ def run_convert(settings: ConvertSettings) -> dict:
 
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
-    state = _read_state(out)
+    state = read_state(out)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     if "original_perplexity" not in state:
         state["original_perplexity"] = held_out_perplexity(model, eval_blocks, desc="original model")
         state["settings"] = asdict(settings)
-        _write_state(out, state)
+        write_state(out, state)
     teacher = copy.deepcopy(model).eval() if settings.distill_weight > 0 and settings.recovery != "none" else None
 
     from .stages import run_recovery, run_transfer
@@ -189,14 +187,3 @@ def plot_conversion_curve(summary: dict, path: Path) -> Path:
     return plot_perplexity_curves(
         curves, path, references={"original model (softmax)": evaluation["original_perplexity"]},
         title=f"Conversion to {summary['normalization']}: held-out perplexity ({evaluation['tokens']} tokens)")
-
-
-def _read_state(out: Path) -> dict:
-    path = out / STATE_FILE
-    return json.loads(path.read_text()) if path.is_file() else {"started": time.time()}
-
-
-def _write_state(out: Path, state: dict) -> None:
-    partial = out / (STATE_FILE + ".partial")
-    partial.write_text(json.dumps(state, indent=2, default=str) + "\n")
-    os.replace(partial, out / STATE_FILE)

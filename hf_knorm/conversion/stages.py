@@ -7,6 +7,8 @@ time without the evaluations). A finished stage is marked ``done`` and is not ru
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from pathlib import Path
 
@@ -22,6 +24,9 @@ from .trainers import DistillationTrainer, TransferTrainer
 from .transfer import AttentionTransfer
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+CALIBRATION_BLOCKS = 8
+"""Training blocks the closed-form head scales are solved on."""
+STATE_FILE = "convert_state.json"
 
 
 def run_transfer(model, settings: ConvertSettings, normalization: str, train, eval_blocks, out: Path,
@@ -31,7 +36,6 @@ def run_transfer(model, settings: ConvertSettings, normalization: str, train, ev
     With ``transfer_steps == 0`` the model is only patched. Returns the patched (transferred) model.
     """
     from ..models.persistence import from_pretrained, save_pretrained
-    from .job import _write_state
 
     folder = out / "transfer"
     record = state.get("transfer", {})
@@ -45,7 +49,7 @@ def run_transfer(model, settings: ConvertSettings, normalization: str, train, ev
     patch(model, normalization)
     checkpoint = get_last_checkpoint(str(folder)) if folder.is_dir() else None
     if checkpoint is None:  # a checkpoint holds the scaled weights already
-        calibration = torch.stack([torch.tensor(train[i]["input_ids"]) for i in range(min(len(train), 8))])
+        calibration = torch.stack([torch.tensor(train[i]["input_ids"]) for i in range(min(len(train), CALIBRATION_BLOCKS))])
         scales = transfer.match_scale(model, calibration)
         record["output_scales"] = [scale.tolist() for scale in scales]
     trainable = transfer.freeze_all_but_trainable(model)
@@ -64,13 +68,12 @@ def run_transfer(model, settings: ConvertSettings, normalization: str, train, ev
     save_pretrained(model, folder / "model")
     record["done"] = True
     state["transfer"] = record
-    _write_state(out, state)
+    write_state(out, state)
     return model
 
 
 def run_recovery(model, settings: ConvertSettings, train, eval_blocks, out: Path, state: dict, teacher=None):
     """Stage 2: next-token training of the patched model, through LoRA (merged at the end) or in full."""
-    from .job import _write_state
 
     if settings.recovery == "none" or settings.recovery_steps == 0:
         return model
@@ -99,7 +102,7 @@ def run_recovery(model, settings: ConvertSettings, train, eval_blocks, out: Path
         model = model.merge_and_unload()  # an ordinary model again: the adapters folded into q/k/v/o
     record.update(measured, trainable_parameters=trainable, mode=settings.recovery, done=True)
     state["recovery"] = record
-    _write_state(out, state)
+    write_state(out, state)
     return model
 
 
@@ -147,3 +150,16 @@ def _train(trainer, checkpoint: str | None, settings: ConvertSettings) -> dict:
         "seconds": elapsed,
         "tokens_per_second": steps * tokens_per_step / training_seconds,
     }
+
+
+def read_state(out: Path) -> dict:
+    """The run's state (what each finished stage measured), or a new one."""
+    path = out / STATE_FILE
+    return json.loads(path.read_text()) if path.is_file() else {"started": time.time()}
+
+
+def write_state(out: Path, state: dict) -> None:
+    """Write the run's state atomically (a temporary file, then ``os.replace``)."""
+    partial = out / (STATE_FILE + ".partial")
+    partial.write_text(json.dumps(state, indent=2, default=str) + "\n")
+    os.replace(partial, out / STATE_FILE)
