@@ -24,6 +24,7 @@ Steps, in order (everything that can be wrong with the input is checked before t
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -170,8 +171,14 @@ def run_finetune(settings: FinetuneSettings) -> dict:
     trainer = PerplexityTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
                                 data_collator=transformers.default_data_collator, callbacks=[callback])
     output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    final_perplexity = held_out_perplexity(model, held_out, desc="fine-tuned model")
     tokens_per_step = settings.batch_size * settings.block_size * settings.gradient_accumulation_steps
+    curve = perplexity_curve(trainer.state.log_history, tokens_per_step)
+    if curve and curve[-1][0] == trainer.state.global_step:  # the Trainer evaluates the last step itself
+        final_perplexity = curve[-1][2]
+    elif callback.stopped_at_step is not None:  # stopped at a non-finite loss: the model has diverged
+        final_perplexity = math.nan
+    else:
+        final_perplexity = held_out_perplexity(model, held_out, desc="fine-tuned model")
 
     summary = {
         "settings": {**asdict(settings), "report_to": list(settings.report_to)},
@@ -182,7 +189,7 @@ def run_finetune(settings: FinetuneSettings) -> dict:
         "train_loss": output.training_loss,
         "evaluation": dict(evaluation_record(held_out_text, held_out, settings.block_size, original_perplexity,
                                              final_perplexity),
-                           stages={"fine-tuning": perplexity_curve(trainer.state.log_history, tokens_per_step)}),
+                           stages={"fine-tuning": curve}),
         "first_nonfinite": callback.first_nonfinite,
         "stopped_at_step": callback.stopped_at_step,
     }

@@ -110,28 +110,19 @@ def training_and_held_out(source: str, tokenizer, block_size: int, eval_tokens: 
     return train_texts, train, blocks, description
 
 
-def held_out_perplexity(model, blocks, batch_size: int = 4, desc: str = "held-out perplexity") -> float:
-    """The perplexity of ``model`` on the held-out blocks: ``exp`` of the mean next-token loss over every scored token
-    (each block's tokens but the first), which is what the Trainer's ``eval_perplexity`` measures on them."""
+def held_out_perplexity(model, blocks, desc: str = "held-out perplexity") -> float:
+    """The perplexity of ``model`` on the held-out blocks (:func:`~hf_knorm.evaluation.perplexity.perplexity_of_windows`,
+    one block a window: what the Trainer's ``eval_perplexity`` measures on them)."""
     import torch
-    import torch.nn.functional as F
-    from tqdm.auto import tqdm
+
+    from ..evaluation.perplexity import perplexity_of_windows
 
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
     try:
-        with torch.no_grad():
-            for start in tqdm(range(0, len(blocks), batch_size), desc=desc, leave=False):
-                ids = torch.tensor(blocks[start:start + batch_size]["input_ids"], device=device)  # (B, N)
-                logits = model(input_ids=ids, use_cache=False).logits  # (B, N, V)
-                total += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(),
-                                         reduction="sum").item()
-                count += ids[:, 1:].numel()
+        return perplexity_of_windows(model, [torch.tensor(ids) for ids in blocks["input_ids"]], desc=desc).perplexity
     finally:
         model.train(was_training)
-    return perplexity_of(total / count)
 
 
 def perplexity_curve(log_history: list[dict], tokens_per_step: int) -> list[list[float]]:
