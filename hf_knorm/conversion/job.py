@@ -36,7 +36,7 @@ from pathlib import Path
 from ..attention.normalizations import parse_normalization
 from ..training.finetune import check_sources
 from .settings import RECOVERY_MODES, ConvertSettings
-from .stages import STATE_FILE, read_state, write_state
+from .state import STATE_FILE, read_state, write_state
 
 RESULT_FILE = "convert.json"
 

@@ -7,8 +7,6 @@ time without the evaluations). A finished stage is marked ``done`` and is not ru
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from pathlib import Path
 
@@ -20,13 +18,13 @@ from ..models.patching import patch
 from ..training.callback import NormLoggerCallback
 from ..training.heldout import perplexity_curve
 from .settings import ConvertSettings
+from .state import write_state
 from .trainers import DistillationTrainer, TransferTrainer
 from .transfer import AttentionTransfer
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 CALIBRATION_BLOCKS = 8
 """Training blocks the closed-form head scales are solved on."""
-STATE_FILE = "convert_state.json"
 
 
 def run_transfer(model, settings: ConvertSettings, normalization: str, train, eval_blocks, out: Path,
@@ -150,16 +148,3 @@ def _train(trainer, checkpoint: str | None, settings: ConvertSettings) -> dict:
         "seconds": elapsed,
         "tokens_per_second": steps * tokens_per_step / training_seconds,
     }
-
-
-def read_state(out: Path) -> dict:
-    """The run's state (what each finished stage measured), or a new one."""
-    path = out / STATE_FILE
-    return json.loads(path.read_text()) if path.is_file() else {"started": time.time()}
-
-
-def write_state(out: Path, state: dict) -> None:
-    """Write the run's state atomically (a temporary file, then ``os.replace``)."""
-    partial = out / (STATE_FILE + ".partial")
-    partial.write_text(json.dumps(state, indent=2, default=str) + "\n")
-    os.replace(partial, out / STATE_FILE)
