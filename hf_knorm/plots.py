@@ -148,7 +148,8 @@ def plot_needle_heatmap_grid(panels, path, title: str | None = None):
 # --- Norms during training ----------------------------------------------------------------------------------------
 
 
-def plot_layer_curves(runs, path, ylabel: str = "||A||_F", xlabel: str = "step", title: str | None = None):
+def plot_layer_curves(runs, path, ylabel: str = "||A||_F", xlabel: str = "step", title: str | None = None,
+                      colors=None):
     """The "attention norms across layers" figure: one panel per layer, one line per run, log y.
 
     Args:
@@ -157,6 +158,8 @@ def plot_layer_curves(runs, path, ylabel: str = "||A||_F", xlabel: str = "step",
             layer's values stop being finite, the line ends with an ``x`` marker at its last finite value (at the
             panel's top when none was finite).
         path: the PNG to write; ylabel, xlabel, title: axis labels and the suptitle.
+        colors: one matplotlib colour per run (default: the tab10 cycle), e.g. the seed figure's softmax orange,
+            x/1 yellow, x/16 green, x^3/1 blue, x^3/16 purple.
 
     Returns:
         The path written. Panels sit in rows of 4 (3 x 4 for 12 layers).
@@ -168,10 +171,11 @@ def plot_layer_curves(runs, path, ylabel: str = "||A||_F", xlabel: str = "step",
     rows = -(-layers // columns)
     fig = Figure(figsize=(3.6 * columns, 2.7 * rows + 0.6))
     axes = np.atleast_1d(fig.subplots(rows, columns, sharex=True, squeeze=False)).ravel()
-    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray"]
+    palette = list(colors or ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
+                              "tab:gray"])
     for number, (label, x, values) in enumerate(runs):
         x, values = np.asarray(x, dtype=float), np.asarray(values, dtype=float)
-        color = colors[number % len(colors)]
+        color = palette[number % len(palette)]
         for layer in range(values.shape[0]):
             ax, y = axes[layer], values[layer]
             finite = np.isfinite(y) & (y > 0)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from ..attention.normalizations import parse_normalization
 from ..training.finetune import check_sources
-from .settings import RECOVERY_MODES, ConvertSettings
+from .settings import RECOVERY_MODES, SCALE_FOLDS, ConvertSettings
 from .state import STATE_FILE, read_state, write_state
 
 RESULT_FILE = "convert.json"
@@ -53,6 +53,8 @@ def check_settings(settings: ConvertSettings) -> None:
                          "--normalization (x/1, x/16, x^3/1, x^3/16, x^3/sqrtN, x^p/c).")
     if settings.recovery not in RECOVERY_MODES:
         raise ValueError(f"recovery must be one of {', '.join(RECOVERY_MODES)}, not {settings.recovery!r}.")
+    if settings.scale_fold not in SCALE_FOLDS:
+        raise ValueError(f"scale_fold must be one of {', '.join(SCALE_FOLDS)}, not {settings.scale_fold!r}.")
     for name in ("block_size", "batch_size", "eval_tokens", "eval_steps", "logging_steps", "save_steps", "lora_rank"):
         if getattr(settings, name) < 1:
             raise ValueError(f"{name} must be at least 1, not {getattr(settings, name)}.")

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 RECOVERY_MODES = ("lora", "full", "none")
+SCALE_FOLDS = ("scores", "output")
+"""Where the transfer's closed-form head scales go (:meth:`~.transfer.AttentionTransfer.match_scale`)."""
 
 
 @dataclass
@@ -39,6 +41,9 @@ class ConvertSettings:
     transfer_learning_rate: float = field(default=1e-4, metadata={"help": "attention-transfer learning rate"})
     transfer_trainable: str = field(default="qk", metadata={
         "help": "attention projections trained by the transfer, letters of qkvo"})
+    scale_fold: str = field(default="scores", metadata={
+        "help": "where the closed-form head scales go: scores (q/k rows; o_proj keeps its size, so AdamW steps stay "
+                "in proportion) | output (o_proj columns)", "choices": SCALE_FOLDS})
     recovery: str = field(default="lora", metadata={"help": "recovery: lora | full | none", "choices": RECOVERY_MODES})
     recovery_steps: int = field(default=200, metadata={"help": "recovery steps"})
     recovery_learning_rate: float = field(default=2e-4, metadata={

@@ -48,8 +48,9 @@ def run_transfer(model, settings: ConvertSettings, normalization: str, train, ev
     checkpoint = get_last_checkpoint(str(folder)) if folder.is_dir() else None
     if checkpoint is None:  # a checkpoint holds the scaled weights already
         calibration = torch.stack([torch.tensor(train[i]["input_ids"]) for i in range(min(len(train), CALIBRATION_BLOCKS))])
-        scales = transfer.match_scale(model, calibration)
+        scales = transfer.match_scale(model, calibration, fold=settings.scale_fold)
         record["output_scales"] = [scale.tolist() for scale in scales]
+        record["scale_fold"] = settings.scale_fold
     trainable = transfer.freeze_all_but_trainable(model)
     model.train()
     trainer = TransferTrainer(

@@ -21,6 +21,15 @@ query head in closed form on a calibration batch (least squares between each hea
 output, ``c_h = o_h W_o[:, h]^T``: ``gamma_h = <c_s,h, c_t,h> / <c_s,h, c_s,h>``) and folds it into ``o_proj``'s
 columns of that head: an exact rescaling of the head's output, the normalization untouched. A second call finds
 every scale 1.
+
+Where the scale goes matters for the training that follows. Folded into ``o_proj`` (``fold="output"``), the scales
+(1e-5 to 1e-3 on the default model) shrink that head's ``o_proj`` columns by as much, and AdamW, whose steps are of
+a fixed size in parameter space, then changes them by their own size at every step: full fine-tuning at 1e-4 and
+LoRA at 1e-3 diverged within 10-25 steps. The polynomial ``w = s^p / c`` is homogeneous in the score, so
+``fold="scores"`` (the default) puts ``|gamma_h|^(1/p)`` into the scores instead, split evenly between the query
+rows of head ``h`` and the key rows of its key/value head (a geometric mean over the heads sharing it, GQA), and
+only the sign into ``o_proj`` (a flip, exact under any power). Same function, weights of ordinary size. Attention
+modules whose scores are not linear in q and k (``q_norm``/``k_norm``, a softcap) take ``fold="output"``.
 """
 
 from __future__ import annotations
@@ -31,7 +40,10 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
+from ..attention.normalizations import parse_normalization
 from ..models.architectures import attention_modules
+from ..models.patching import patched_normalization
+from .settings import SCALE_FOLDS
 
 PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
 """Letters of ``trainable`` and the Llama-style attention projections they name."""
@@ -122,16 +134,24 @@ class AttentionTransfer:
     # --- closed-form scale -----------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def match_scale(self, model: nn.Module, input_ids: torch.Tensor) -> list[torch.Tensor]:
-        """Fold the least-squares output scale of every query head into ``o_proj`` (see the module docstring).
+    def match_scale(self, model: nn.Module, input_ids: torch.Tensor, fold: str = "scores") -> list[torch.Tensor]:
+        """Fold the least-squares output scale of every query head into the model (see the module docstring).
 
         Args:
             model: the patched student (the model these teachers were copied from).
             input_ids: ``(B, N)`` calibration tokens.
+            fold: ``"scores"`` (``|gamma|^(1/p)`` into q/k rows, the sign into ``o_proj``; modules whose scores are
+                not linear in q and k fall back to ``"output"``) or ``"output"`` (``gamma`` into ``o_proj``).
 
         Returns:
             One ``(H_q,)`` tensor of scales per layer.
         """
+        if fold not in SCALE_FOLDS:
+            raise ValueError(f"fold must be one of {', '.join(SCALE_FOLDS)}, not {fold!r}.")
+        normalization = patched_normalization(model)
+        if normalization is None or parse_normalization(normalization).is_softmax:
+            raise ValueError("match_scale needs the student patched with a polynomial normalization (x^p/c).")
+        power = parse_normalization(normalization).power
         heads: dict[tuple[int, str], torch.Tensor] = {}
 
         def record(index: int, who: str):
@@ -159,7 +179,10 @@ class AttentionTransfer:
                                 torch.ones_like(energy))
             if not bool(torch.isfinite(gamma).all()):
                 raise ValueError(f"Layer {index}: the attention output is not finite on the calibration batch.")
-            module.o_proj.weight.mul_(gamma.repeat_interleave(head_dim).to(module.o_proj.weight.dtype)[None, :])
+            if fold == "scores" and _scores_are_bilinear(module):
+                _fold_into_scores(module, gamma, power, head_dim)
+            else:
+                _scale_o_columns(module, gamma, head_dim)
             scales.append(gamma.float())
         return scales
 
@@ -219,6 +242,48 @@ def _head_contributions(outputs: torch.Tensor, o_weight: torch.Tensor, head_dim:
     heads = outputs.double().reshape(-1, outputs.shape[-1] // head_dim, head_dim)  # (tokens, H_q, D)
     columns = o_weight.double().reshape(o_weight.shape[0], -1, head_dim)  # (hidden, H_q, D)
     return torch.einsum("thd,ohd->tho", heads, columns)
+
+
+def _scale_o_columns(module: nn.Module, per_head: torch.Tensor, head_dim: int) -> None:
+    """Multiply the ``o_proj`` columns of query head ``h`` by ``per_head[h]``."""
+    weight = module.o_proj.weight
+    weight.mul_(per_head.repeat_interleave(head_dim).to(weight.dtype)[None, :])
+
+
+def _scale_rows(linear: nn.Linear, per_head: torch.Tensor, head_dim: int) -> None:
+    """Multiply the output rows (and bias) of head ``h`` of a q/k projection by ``per_head[h]``."""
+    factor = per_head.repeat_interleave(head_dim).to(linear.weight.dtype)
+    linear.weight.mul_(factor[:, None])
+    if linear.bias is not None:
+        linear.bias.mul_(factor)
+
+
+def _fold_into_scores(module: nn.Module, gamma: torch.Tensor, power: int, head_dim: int) -> None:
+    """Scale head ``h``'s weights ``s^p/c`` by ``gamma[h]`` through its scores: ``|gamma|^(1/p)`` split between q
+    and k, the sign into ``o_proj``.
+
+    Args:
+        module: a patched attention module (``q_proj``: ``H_q * D`` rows, ``k_proj``: ``H_kv * D`` rows).
+        gamma: ``(H_q,)`` float64 scales.
+        power: the normalization's ``p``.
+        head_dim: ``D``.
+    """
+    query_heads = gamma.shape[0]
+    kv_heads = module.k_proj.out_features // head_dim
+    magnitude = gamma.abs().clamp_min(1e-12).pow(1.0 / power)  # (H_q,): the score factor of each query head
+    log_magnitude = magnitude.log().reshape(kv_heads, query_heads // kv_heads)
+    key = (log_magnitude.mean(dim=1) / 2).exp()  # (H_kv,): half of the group's geometric mean, on the keys
+    query = magnitude / key.repeat_interleave(query_heads // kv_heads)  # (H_q,): the rest, head by head
+    _scale_rows(module.q_proj, query, head_dim)
+    _scale_rows(module.k_proj, key, head_dim)
+    _scale_o_columns(module, torch.where(gamma < 0, -1.0, 1.0).to(gamma.dtype), head_dim)
+
+
+def _scores_are_bilinear(module: nn.Module) -> bool:
+    """Whether the module's scores are ``scaling * q . k`` of its q/k projections (no q/k norm, no softcap)."""
+    normed = any(isinstance(getattr(module, name, None), nn.Module) for name in ("q_norm", "k_norm"))
+    softcap = getattr(module.config, "attn_logit_softcapping", None)
+    return not normed and softcap is None
 
 
 def _without_cache(kwargs: dict) -> dict:

@@ -87,6 +87,41 @@ def test_match_scale_is_the_least_squares_optimum_and_lowers_the_error():
         torch.testing.assert_close(scales, torch.ones_like(scales), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("normalization", ["x^3/16", "x/1", "x^2/4", "x^3/sqrtN"])
+def test_folding_the_scale_into_the_scores_computes_what_folding_it_into_o_proj_computes(normalization):
+    original = lm().eval()  # GQA: 4 query heads on 2 key/value heads
+    into_output, into_scores = copy.deepcopy(original), copy.deepcopy(original)
+    transfers = {}
+    for name, model in (("output", into_output), ("scores", into_scores)):
+        transfers[name] = AttentionTransfer(model)
+        hf_knorm.patch(model, normalization)
+    ids = _ids()
+    scales = transfers["output"].match_scale(into_output, ids, fold="output")
+    transfers["scores"].match_scale(into_scores, ids, fold="scores")
+    with torch.no_grad():
+        torch.testing.assert_close(into_scores(input_ids=ids).logits, into_output(input_ids=ids).logits,
+                                   atol=1e-4, rtol=1e-4)
+    module, untouched = hf_knorm.attention_modules(into_scores)[0][1], hf_knorm.attention_modules(original)[0][1]
+    # o_proj keeps its size (only signs flip); the scale is in q and k
+    torch.testing.assert_close(module.o_proj.weight.abs(), untouched.o_proj.weight.abs())
+    assert not torch.allclose(module.q_proj.weight, untouched.q_proj.weight)
+    assert not torch.allclose(module.k_proj.weight, untouched.k_proj.weight)
+    assert any(bool((layer < 0).any()) for layer in scales) or normalization == "x^2/4"  # signs were exercised
+    again = transfers["scores"].match_scale(into_scores, ids)
+    for layer in again:
+        torch.testing.assert_close(layer, torch.ones_like(layer), atol=1e-4, rtol=0)
+
+
+def test_match_scale_refuses_an_unpatched_student_and_an_unknown_fold():
+    model = lm().eval()
+    transfer = AttentionTransfer(model)
+    with pytest.raises(ValueError, match="patched with a polynomial"):
+        transfer.match_scale(model, _ids())
+    hf_knorm.patch(model, "x^3/16")
+    with pytest.raises(ValueError, match="fold must be one of"):
+        transfer.match_scale(model, _ids(), fold="values")
+
+
 @pytest.mark.parametrize("trainable", ["qk", "qkvo"])
 def test_the_transfer_loss_falls_and_only_the_chosen_projections_change(trainable):
     model = lm().eval()
@@ -170,6 +205,7 @@ def test_lora_adapters_merge_into_an_identical_plain_model():
     ({"normalization": "softmax"}, "Converting to softmax changes nothing"),
     ({"normalization": "x^2.5/3"}, "Unknown normalization"),
     ({"recovery": "qlora"}, "recovery must be one of"),
+    ({"scale_fold": "values"}, "scale_fold must be one of"),
     ({"transfer_steps": 0, "recovery": "none"}, "nothing to convert"),
     ({"eval_tokens": 100_000}, "fewer than the"),
     ({"resume": True}, "no conversion to continue"),
