@@ -258,7 +258,7 @@ COMMANDS: tuple[Command, ...] = (
         "the model saved with its card; one HTML report",
         description="Run every capability on the model, one step each: (1) the normalizations side by side, (2) K/V "
         "balancing and its figure, (3) a needle-in-a-haystack grid with and without KNorm, (4) a shortened conversion "
-        "to a polynomial normalization (attention transfer, LoRA recovery; held-out perplexity, NormLoggerCallback, "
+        "to a polynomial normalization (attention transfer, then recovery; held-out perplexity, NormLoggerCallback, "
         "TensorBoard; --full-conversion runs hf-knorm convert's defaults), (5) the converted model saved with its model card exactly as "
         "push_to_hub would send it. Writes report.html (self-contained), demo.json and each step's files to --out. "
         "Minutes on a 2-core CPU at the defaults (BENCHMARKS.md); --fast shrinks every step to seconds.",
@@ -300,7 +300,7 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "convert",
-        help="convert a pretrained softmax causal LM to a normalization: attention transfer, then LoRA/full recovery",
+        help="convert a pretrained softmax causal LM to a normalization: attention transfer, then full or LoRA recovery",
         description="Convert the model (default: SmolLM2-135M-Instruct) to --normalization in two stages, each a "
         "Trainer run with NormLoggerCallback and held-out perplexity at its start and every --eval-steps: (1) "
         "attention transfer (LoLCATs, arXiv 2410.10254): each patched attention layer trains its q/k projections to "

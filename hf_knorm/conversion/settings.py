@@ -37,18 +37,20 @@ class ConvertSettings:
     eval_steps: int = field(default=50, metadata={"help": "evaluate every N steps of each stage (and at its start)"})
     block_size: int = field(default=256, metadata={"help": "tokens per example"})
     batch_size: int = field(default=4, metadata={"help": "examples per step"})
-    transfer_steps: int = field(default=100, metadata={"help": "attention-transfer steps (0: skip the stage)"})
+    transfer_steps: int = field(default=25, metadata={
+        "help": "attention-transfer steps after the closed-form head scales (0: skip the stage, scales included)"})
     transfer_learning_rate: float = field(default=1e-4, metadata={"help": "attention-transfer learning rate"})
     transfer_trainable: str = field(default="qk", metadata={
         "help": "attention projections trained by the transfer, letters of qkvo"})
     scale_fold: str = field(default="scores", metadata={
         "help": "where the closed-form head scales go: scores (q/k rows; o_proj keeps its size, so AdamW steps stay "
                 "in proportion) | output (o_proj columns)", "choices": SCALE_FOLDS})
-    recovery: str = field(default="lora", metadata={"help": "recovery: lora | full | none", "choices": RECOVERY_MODES})
-    recovery_steps: int = field(default=200, metadata={"help": "recovery steps"})
-    recovery_learning_rate: float = field(default=2e-4, metadata={
-        "help": "recovery learning rate (LoRA: 1e-3 diverged on the default model; --recovery full needs less than "
-                "1e-4, which diverged in its first 10 steps there)"})
+    recovery: str = field(default="full", metadata={
+        "help": "recovery: full (every weight) | lora (adapters on q/k/v/o, merged before saving; cheaper per step, "
+                "slower to recover: BENCHMARKS.md) | none", "choices": RECOVERY_MODES})
+    recovery_steps: int = field(default=175, metadata={"help": "recovery steps"})
+    recovery_learning_rate: float = field(default=1e-4, metadata={
+        "help": "recovery learning rate (1e-4 for full recovery on the default model; LoRA took 1e-3)"})
     lora_rank: int = field(default=8, metadata={"help": "LoRA rank (q, k, v, o projections)"})
     distill_weight: float = field(default=0.0, metadata={
         "help": "weight of the KL divergence to the original model's next-token distribution in recovery"})

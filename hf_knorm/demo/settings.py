@@ -28,9 +28,9 @@ class DemoSettings:
         "help": "step 3: the eviction score shown beside the paper's key_norm (kv_diff is the recommended one, "
                 "BENCHMARKS.md 'Eviction scores')"})
     train_normalization: str = field(default="x^3/16", metadata={
-        "help": "step 4: the normalization the model is converted to (attention transfer, then LoRA recovery)"})
-    transfer_steps: int = field(default=30, metadata={"help": "step 4: attention-transfer steps"})
-    recovery_steps: int = field(default=40, metadata={"help": "step 4: LoRA recovery steps"})
+        "help": "step 4: the normalization the model is converted to (attention transfer, then full recovery)"})
+    transfer_steps: int = field(default=10, metadata={"help": "step 4: attention-transfer steps"})
+    recovery_steps: int = field(default=50, metadata={"help": "step 4: recovery steps (full fine-tuning)"})
     train_block_size: int = field(default=128, metadata={"help": "step 4: tokens per example"})
     train_batch_size: int = field(default=4, metadata={"help": "step 4: examples per step"})
     eval_tokens: int = field(default=4096, metadata={
@@ -69,7 +69,7 @@ class DemoSettings:
             model=model, out=out, normalization=self.train_normalization, transfer_steps=self.transfer_steps,
             recovery_steps=self.recovery_steps, block_size=self.train_block_size, batch_size=self.train_batch_size,
             eval_tokens=self.eval_tokens, eval_steps=self.eval_steps, logging_steps=self.logging_steps,
-            warmup_steps=min(10, self.transfer_steps // 4), save_steps=max(self.transfer_steps, self.recovery_steps) + 1)
+            warmup_steps=min(10, self.transfer_steps // 2), save_steps=max(self.transfer_steps, self.recovery_steps) + 1)
 
     def as_dict(self) -> dict:
         """The settings as plain values (for the report and ``demo.json``)."""

@@ -111,7 +111,7 @@ def knorm_step(model, tokenizer, settings: DemoSettings, out_dir: Path) -> tuple
 
 def conversion_step(model, tokenizer, model_name: str, settings: DemoSettings, out_dir: Path,
                     ) -> tuple[Section, dict]:
-    """Step 4: convert the model to a polynomial normalization (attention transfer, LoRA recovery) with the norm
+    """Step 4: convert the model to a polynomial normalization (attention transfer, then recovery) with the norm
     callback and held-out perplexity; the perplexity curve, the per-layer norms, greedy answers before and after."""
     started = time.perf_counter()
     if out_dir.exists():  # a demo run is a fresh run, never a resumed one
@@ -141,7 +141,8 @@ def conversion_step(model, tokenizer, model_name: str, settings: DemoSettings, o
         "Converting the model to a new normalization",
         f"Follow the curve: patched with {normalization} the model's held-out perplexity starts at "
         f"{stages['transfer']['curve'][0][2]:.3g} (the original: {evaluation['original_perplexity']:.3g}); attention "
-        f"transfer and LoRA recovery bring it to {evaluation['perplexity']:.3g} "
+        f"transfer and {stages['recovery']['mode'] if 'recovery' in stages else 'no'} recovery bring it to "
+        f"{evaluation['perplexity']:.3g} "
         f"({evaluation['ratio_to_original']:.3g}x the original) in this shortened schedule. The panels show each "
         "layer's attention norm during both stages, logged by NormLoggerCallback.",
         figures=[(Path(summary["perplexity_figure"]), "Held-out perplexity over training tokens (log scale)"),

@@ -156,14 +156,18 @@ def test_transfer_rejects_unknown_projection_letters():
 
 # --- the job -------------------------------------------------------------------------------------------------------
 
-def test_a_converted_model_reloads_with_its_normalization_and_its_measured_perplexity(tiny_lm_dir, texts, tmp_path):
+@pytest.mark.parametrize("recovery_mode", ["full", "lora"])
+def test_a_converted_model_reloads_with_its_normalization_and_its_measured_perplexity(tiny_lm_dir, texts, tmp_path,
+                                                                                       recovery_mode):
     out = tmp_path / "run"
-    summary = run_convert(_settings(tiny_lm_dir, texts, out))
+    summary = run_convert(_settings(tiny_lm_dir, texts, out, recovery=recovery_mode))
     record = json.loads((out / RESULT_FILE).read_text())
     assert record["normalization"] == "x^3/16" and record["evaluation"]["perplexity"] == summary["evaluation"]["perplexity"]
     transfer, recovery = record["stages"]["transfer"], record["stages"]["recovery"]
     assert [point[0] for point in transfer["curve"]] == [0, 2, 4] and recovery["curve"][0][0] == 0
-    assert transfer["trainable_parameters"] < recovery["trainable_parameters"] or recovery["mode"] == "lora"
+    assert recovery["mode"] == recovery_mode
+    if recovery_mode == "full":  # every weight trains in full recovery
+        assert transfer["trainable_parameters"] < recovery["trainable_parameters"]
     assert len(transfer["errors"]["layers"]) == 2 and len(transfer["errors"]["by_position"][0]) == 8
 
     reloaded = hf_knorm.from_pretrained(out)

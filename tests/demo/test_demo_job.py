@@ -33,7 +33,7 @@ def test_every_step_ran_and_recorded_its_results(fast_demo):
     conversion = record["steps"]["conversion"]
     assert conversion["normalization"] == "x^3/16"
     transfer, recovery = conversion["stages"]["transfer"], conversion["stages"]["recovery"]
-    assert transfer["steps"] == 4 and recovery["steps"] == 4 and recovery["mode"] == "lora"
+    assert transfer["steps"] == 4 and recovery["steps"] == 4 and recovery["mode"] == "full"
     assert [point[0] for point in recovery["curve"]] == [0, 2, 4]  # held-out perplexity at 0 and every 2 steps
     evaluation = conversion["evaluation"]
     assert evaluation["tokens"] == 256 and "Paul Graham essays 40-48" in evaluation["text"]
