@@ -38,7 +38,7 @@ class DemoSettings:
     eval_steps: int = field(default=10, metadata={"help": "step 4: held-out perplexity every N steps of each stage"})
     logging_steps: int = field(default=5, metadata={"help": "step 4: per-layer norms every N steps"})
     full_conversion: bool = field(default=False, metadata={
-        "help": "step 4: convert with hf-knorm convert's full defaults (about 30 minutes) instead of the demo's "
+        "help": "step 4: convert with hf-knorm convert's full defaults (24 minutes on 2 cores) instead of the demo's "
                 "shortened schedule"})
 
     def __post_init__(self):
