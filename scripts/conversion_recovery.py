@@ -108,7 +108,6 @@ def run_normalization(args, out: Path, normalization: str) -> None:
 
 def write_continuations(folder: Path, summary_file: str) -> None:
     """Greedy continuations of :data:`PROMPTS` by the model saved in ``folder``, added to its summary."""
-    import torch
     import transformers
 
     import hf_knorm
@@ -119,8 +118,6 @@ def write_continuations(folder: Path, summary_file: str) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     summary["continuations"] = {prompt: greedy(model, tokenizer, prompt) for prompt in PROMPTS}
     summary_path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    del model
-    torch.manual_seed(0)
 
 
 def greedy(model, tokenizer, prompt: str, new_tokens: int = 12) -> str:
