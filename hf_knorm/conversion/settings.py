@@ -38,7 +38,7 @@ class ConvertSettings:
     block_size: int = field(default=256, metadata={"help": "tokens per example"})
     batch_size: int = field(default=4, metadata={"help": "examples per step"})
     transfer_steps: int = field(default=25, metadata={
-        "help": "attention-transfer steps after the closed-form head scales (0: no transfer and no head scales: plain fine-tuning of the patched model)"})
+        "help": "attention-transfer steps after the closed-form head scales (0: skip the stage and the scales)"})
     transfer_learning_rate: float = field(default=1e-4, metadata={"help": "attention-transfer learning rate"})
     transfer_trainable: str = field(default="qk", metadata={
         "help": "attention projections trained by the transfer, letters of qkvo"})
