@@ -78,18 +78,19 @@ def run_normalization(args, out: Path, normalization: str) -> None:
     from hf_knorm import convert
 
     root = out / folder_name(normalization)
+    transfer = dict(transfer_steps=args.transfer_steps, transfer_learning_rate=args.transfer_lr)
+    rest = args.steps - args.transfer_steps  # recovery steps after the transfer: the same budget as plain
     arms = {
         "plain": dict(transfer_steps=0, recovery="full", recovery_steps=args.steps, recovery_learning_rate=args.plain_lr),
-        "transfer": dict(transfer_steps=args.transfer_steps, recovery="none"),
-        "transfer+full": dict(transfer_steps=args.transfer_steps, recovery="full",
-                              recovery_steps=args.steps - args.transfer_steps, recovery_learning_rate=args.full_lr),
-        "transfer+lora": dict(transfer_steps=args.transfer_steps, recovery="lora",
-                              recovery_steps=args.steps - args.transfer_steps, recovery_learning_rate=args.lora_lr),
+        "transfer": dict(transfer, recovery="none"),
+        "transfer+full": dict(transfer, recovery="full", recovery_steps=rest, recovery_learning_rate=args.full_lr),
+        "transfer+lora": dict(transfer, recovery="lora", recovery_steps=rest, recovery_learning_rate=args.lora_lr),
     }
     for rate in args.plain_sweep:  # more learning rates for plain fine-tuning: the table takes the best
         arms[f"plain_lr{rate:g}"] = dict(arms["plain"], recovery_learning_rate=rate)
     if args.sweep_only:
         arms = {arm: fields for arm, fields in arms.items() if arm.startswith("plain_lr")}
+    arms = {arm: fields for arm, fields in arms.items() if arm.split("_lr")[0] in args.arms}
     for arm, fields in arms.items():
         folder = root / arm
         if (folder / "convert.json").is_file():
@@ -417,11 +418,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps per arm, transfer included")
     parser.add_argument("--transfer-steps", type=int, default=15)
     parser.add_argument("--plain-lr", type=float, default=1e-3, help="best of 1e-4, 3e-4, 1e-3 on x^3/16")
-    parser.add_argument("--full-lr", type=float, default=1e-4)
+    parser.add_argument("--transfer-lr", type=float, default=1e-3)
+    parser.add_argument("--full-lr", type=float, default=3e-4)
     parser.add_argument("--lora-lr", type=float, default=1e-3)
     parser.add_argument("--plain-sweep", type=lambda text: [float(rate) for rate in text.split(",")], default=[],
                         help="more learning rates for plain fine-tuning, comma-separated (arms plain_lr<rate>)")
     parser.add_argument("--sweep-only", action="store_true", help="run only the --plain-sweep arms")
+    parser.add_argument("--arms", type=lambda text: text.split(","), default=list(ARMS),
+                        help=f"the arms to run, comma-separated (default: {','.join(ARMS)})")
     parser.add_argument("--softmax-lr", type=float, default=5e-5)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=4)
