@@ -39,7 +39,7 @@ class ConvertSettings:
     batch_size: int = field(default=4, metadata={"help": "examples per step"})
     transfer_steps: int = field(default=25, metadata={
         "help": "attention-transfer steps after the closed-form head scales (0: skip the stage and the scales)"})
-    transfer_learning_rate: float = field(default=1e-4, metadata={"help": "attention-transfer learning rate"})
+    transfer_learning_rate: float = field(default=1e-3, metadata={"help": "attention-transfer learning rate"})
     transfer_trainable: str = field(default="qk", metadata={
         "help": "attention projections trained by the transfer, letters of qkvo"})
     scale_fold: str = field(default="scores", metadata={
@@ -49,8 +49,8 @@ class ConvertSettings:
         "help": "recovery: full (every weight) | lora (adapters on q/k/v/o, merged before saving; cheaper per step, "
                 "slower to recover: BENCHMARKS.md) | none", "choices": RECOVERY_MODES})
     recovery_steps: int = field(default=175, metadata={"help": "recovery steps"})
-    recovery_learning_rate: float = field(default=1e-4, metadata={
-        "help": "recovery learning rate (1e-4 for full recovery on the default model; LoRA took 1e-3)"})
+    recovery_learning_rate: float = field(default=3e-4, metadata={
+        "help": "recovery learning rate (3e-4 for full recovery on the default model; LoRA took 1e-3)"})
     lora_rank: int = field(default=8, metadata={"help": "LoRA rank (q, k, v, o projections)"})
     distill_weight: float = field(default=0.0, metadata={
         "help": "weight of the KL divergence to the original model's next-token distribution in recovery"})
