@@ -417,7 +417,8 @@ def main() -> None:
     parser.add_argument("--no-softmax", action="store_true", help="skip the softmax fine-tune reference")
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps per arm, transfer included")
     parser.add_argument("--transfer-steps", type=int, default=15)
-    parser.add_argument("--plain-lr", type=float, default=1e-3, help="best of 1e-4, 3e-4, 1e-3 on x^3/16")
+    parser.add_argument("--plain-lr", type=float, default=1e-3,
+                        help="best of 1e-4, 3e-4, 1e-3 on x^3/16; 3e-3 was better there (BENCHMARKS.md)")
     parser.add_argument("--transfer-lr", type=float, default=1e-3)
     parser.add_argument("--full-lr", type=float, default=3e-4)
     parser.add_argument("--lora-lr", type=float, default=1e-3)
@@ -437,6 +438,8 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="gather the finished arms: table, results.json, figure")
     parser.add_argument("--figure", default=None, help="where --report writes the figure (default: OUT/recovery.png)")
     args = parser.parse_args()
+    if set(args.arms) - set(ARMS):
+        parser.error(f"--arms takes {', '.join(ARMS)}; got {','.join(args.arms)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.report:
