@@ -10,6 +10,8 @@ Issue "Conversion", item 3. For each normalization, on the same token budget (``
 - ``transfer+full``: that transfer, then full fine-tuning for the rest of the budget at ``--full-lr``;
 - ``transfer+lora``: that transfer, then LoRA (rank 8, merged) for the rest of the budget at ``--lora-lr``;
 
+both recoveries distilled from the original model with ``--distill-weight`` (the ``convert`` default; 0: none);
+
 with two reference lines: the original softmax model, and the original fine-tuned in softmax on the same data for the
 same budget (``hf-knorm finetune --normalization softmax``), which separates domain adaptation from recovery. Every
 arm is an ordinary run of the project's own commands in ``--out``; an arm whose summary exists is not run again, so
@@ -78,10 +80,12 @@ def run_normalization(args, out: Path, normalization: str) -> None:
     from hf_knorm import convert
 
     root = out / folder_name(normalization)
-    transfer = dict(transfer_steps=args.transfer_steps, transfer_learning_rate=args.transfer_lr)
+    transfer = dict(transfer_steps=args.transfer_steps, transfer_learning_rate=args.transfer_lr,
+                    distill_weight=args.distill_weight)
     rest = args.steps - args.transfer_steps  # recovery steps after the transfer: the same budget as plain
     arms = {
-        "plain": dict(transfer_steps=0, recovery="full", recovery_steps=args.steps, recovery_learning_rate=args.plain_lr),
+        "plain": dict(transfer_steps=0, recovery="full", recovery_steps=args.steps, recovery_learning_rate=args.plain_lr,
+                      distill_weight=0.0),
         "transfer": dict(transfer, recovery="none"),
         "transfer+full": dict(transfer, recovery="full", recovery_steps=rest, recovery_learning_rate=args.full_lr),
         "transfer+lora": dict(transfer, recovery="lora", recovery_steps=rest, recovery_learning_rate=args.lora_lr),
@@ -142,6 +146,7 @@ def measure_throughput(args, out: Path) -> dict:
     from hf_knorm import patch
     from hf_knorm.assets.default_model import default_model_dir
     from hf_knorm.conversion.stages import LORA_TARGETS
+    from hf_knorm.conversion.trainers import distillation_kl
     from hf_knorm.conversion.transfer import AttentionTransfer
 
     model_dir = default_model_dir()
@@ -172,6 +177,20 @@ def measure_throughput(args, out: Path) -> dict:
             optimizer.zero_grad()
         return step
 
+    teacher = original.eval()
+
+    def distilled_step():  # full recovery as convert runs it by default: next-token loss + KL to the original
+        optimizer = torch.optim.AdamW(plain.parameters(), lr=0.0)  # same cost; weights kept
+
+        def step():
+            outputs = plain(input_ids=batch, labels=batch)
+            with torch.no_grad():
+                target = teacher(input_ids=batch, use_cache=False).logits
+            (outputs.loss + distillation_kl(outputs.logits, target)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return step
+
     def transfer_step():
         optimizer = torch.optim.AdamW(transfer.trainable_parameters(), lr=0.0)  # same cost; weights kept
 
@@ -185,7 +204,9 @@ def measure_throughput(args, out: Path) -> dict:
         return step
 
     plain_name = "plain fine-tuning = full recovery (every weight)"  # the same computation on the patched model
-    steps = {plain_name: next_token_step(plain), "attention transfer (q, k; teachers beside)": transfer_step(),
+    steps = {plain_name: next_token_step(plain),
+             "full recovery distilled from the original (convert's default)": distilled_step(),
+             "attention transfer (q, k; teachers beside)": transfer_step(),
              "LoRA recovery (rank 8, q/k/v/o)": next_token_step(lora)}
     seconds = {name: [] for name in steps}
     for name in seconds:
@@ -242,8 +263,9 @@ def gather(out: Path) -> dict:
                          "start": curve[0][1] if curve else None,
                          "tokens_per_second": {stage: record.get("tokens_per_second")
                                                for stage, record in summary["stages"].items()},
-                         "settings": {key: summary["settings"][key] for key in (
-                             "transfer_steps", "recovery", "recovery_steps", "recovery_learning_rate", "scale_fold")},
+                         "settings": {key: summary["settings"].get(key, 0.0) for key in (
+                             "transfer_steps", "recovery", "recovery_steps", "recovery_learning_rate", "scale_fold",
+                             "distill_weight")},
                          "continuations": summary.get("continuations", {})}
         if arms:
             results["normalizations"][normalization] = arms
@@ -420,8 +442,10 @@ def main() -> None:
     parser.add_argument("--plain-lr", type=float, default=1e-3,
                         help="best of 1e-4, 3e-4, 1e-3 on x^3/16; 3e-3 was better there (BENCHMARKS.md)")
     parser.add_argument("--transfer-lr", type=float, default=1e-3)
-    parser.add_argument("--full-lr", type=float, default=3e-4)
+    parser.add_argument("--full-lr", type=float, default=1e-3)
     parser.add_argument("--lora-lr", type=float, default=1e-3)
+    parser.add_argument("--distill-weight", type=float, default=1.0,
+                        help="KL weight to the original model in both recoveries (the convert default; 0: none)")
     parser.add_argument("--plain-sweep", type=lambda text: [float(rate) for rate in text.split(",")], default=[],
                         help="more learning rates for plain fine-tuning, comma-separated (arms plain_lr<rate>)")
     parser.add_argument("--sweep-only", action="store_true", help="run only the --plain-sweep arms")

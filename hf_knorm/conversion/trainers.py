@@ -48,6 +48,20 @@ class TransferTrainer(PerplexityTrainer):
         super().log(logs, *args, **kwargs)
 
 
+def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """``KL(teacher || student)`` of the next-token distributions, averaged over tokens (in fp32).
+
+    Args:
+        student_logits, teacher_logits: ``(B, N, V)``.
+
+    Returns:
+        A scalar: the sum over the vocabulary, the mean over the ``B * N`` positions.
+    """
+    student = F.log_softmax(student_logits.float(), dim=-1).flatten(0, 1)
+    teacher = F.log_softmax(teacher_logits.float(), dim=-1).flatten(0, 1)
+    return F.kl_div(student, teacher, log_target=True, reduction="batchmean")
+
+
 class DistillationTrainer(PerplexityTrainer):
     """Next-token loss plus ``distill_weight * KL(teacher || student)`` per token (``teacher=None``: no KL term).
 
@@ -71,8 +85,5 @@ class DistillationTrainer(PerplexityTrainer):
         if self.teacher is not None and model.training:
             with torch.no_grad():
                 target = self.teacher(input_ids=inputs["input_ids"], use_cache=False).logits  # (B, N, V)
-            student = F.log_softmax(outputs.logits.float(), dim=-1)
-            kl = F.kl_div(student.flatten(0, 1), F.log_softmax(target.float(), dim=-1).flatten(0, 1),
-                          log_target=True, reduction="batchmean")
-            loss = loss + self.distill_weight * kl
+            loss = loss + self.distill_weight * distillation_kl(outputs.logits, target)
         return (loss, outputs) if return_outputs else loss

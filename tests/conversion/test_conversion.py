@@ -19,6 +19,7 @@ import hf_knorm  # noqa: E402
 from hf_knorm.assets.texts import SAMPLE_TEXT  # noqa: E402
 from hf_knorm.conversion.job import RESULT_FILE, STATE_FILE, run_convert  # noqa: E402
 from hf_knorm.conversion.settings import ConvertSettings  # noqa: E402
+from hf_knorm.conversion.trainers import DistillationTrainer, distillation_kl  # noqa: E402
 from hf_knorm.conversion.transfer import AttentionTransfer  # noqa: E402
 from hf_knorm.evaluation.perplexity import perplexity_of_windows  # noqa: E402
 from hf_knorm.training.heldout import held_out_blocks  # noqa: E402
@@ -152,6 +153,35 @@ def test_the_transfer_loss_falls_and_only_the_chosen_projections_change(trainabl
 def test_transfer_rejects_unknown_projection_letters():
     with pytest.raises(ValueError, match="letters of 'qkvo'"):
         AttentionTransfer(lm(), "qz")
+
+
+# --- distillation --------------------------------------------------------------------------------------------------
+
+def test_distillation_kl_is_the_per_token_mean_of_the_textbook_sum():
+    generator = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(2, 5, 11, generator=generator), torch.randn(2, 5, 11, generator=generator)
+    p = teacher.double().softmax(-1)
+    expected = (p * (p.log() - student.double().log_softmax(-1))).sum(-1).mean()  # KL(teacher || student) per token
+    assert float(distillation_kl(student, teacher)) == pytest.approx(float(expected), rel=1e-5)
+    assert float(distillation_kl(teacher, teacher)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_recovery_loss_is_the_next_token_loss_plus_the_weighted_kl_to_the_teacher(tmp_path):
+    student, teacher = hf_knorm.patch(lm(), "x^3/16").train(), lm().eval()
+    ids = _ids()
+    inputs = {"input_ids": ids, "labels": ids}
+    args = tf.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    with torch.no_grad():
+        plain = DistillationTrainer(model=student, args=args).compute_loss(student, dict(inputs))
+        distilled = DistillationTrainer(model=student, args=args, teacher=teacher, distill_weight=0.5).compute_loss(
+            student, dict(inputs))
+        reference = student(input_ids=ids, labels=ids)
+        kl = distillation_kl(reference.logits, teacher(input_ids=ids).logits)
+    assert float(plain) == pytest.approx(float(reference.loss), rel=1e-5)
+    assert float(kl) > 0.01
+    assert float(distilled) == pytest.approx(float(plain + 0.5 * kl), rel=1e-5)
+    with pytest.raises(ValueError, match="needs the original model as teacher"):
+        DistillationTrainer(model=student, args=args, distill_weight=1.0)
 
 
 # --- the job -------------------------------------------------------------------------------------------------------
