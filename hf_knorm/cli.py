@@ -305,10 +305,11 @@ COMMANDS: tuple[Command, ...] = (
         "Trainer run with NormLoggerCallback and held-out perplexity at its start and every --eval-steps: (1) "
         "attention transfer (LoLCATs, arXiv 2410.10254): each patched attention layer trains its q/k projections to "
         "reproduce the original attention's output on the original layer inputs, after a closed-form per-head scale; "
-        "(2) recovery: next-token training through LoRA adapters (merged before saving) or of the whole model, "
-        "optionally distilled from the original. --out ends with the converted model (hf_knorm.from_pretrained), its "
-        "card with the held-out perplexities, norms.png and convert.json; --resume continues an interrupted run. "
-        "About 30 minutes on a 2-core CPU at the defaults (BENCHMARKS.md). Needs the train extra: "
+        "(2) recovery: next-token training of the whole model or through LoRA adapters (merged before saving), "
+        "distilled from the original (--distill-weight; 0: none). --out ends with the converted model "
+        "(hf_knorm.from_pretrained), its card with the held-out perplexities, norms.png and convert.json; --resume "
+        "continues an interrupted run. About 26 minutes on a 2-core CPU at the defaults (BENCHMARKS.md). Needs the "
+        "train extra: "
         "pip install 'hf_knorm[train]'.",
         settings=ConvertSettings, run=_run_convert,
     ),

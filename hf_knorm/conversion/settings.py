@@ -48,13 +48,13 @@ class ConvertSettings:
     recovery: str = field(default="full", metadata={
         "help": "recovery: full (every weight) | lora (adapters on q/k/v/o, merged before saving; cheaper per step, "
                 "slower to recover: BENCHMARKS.md) | none", "choices": RECOVERY_MODES})
-    recovery_steps: int = field(default=175, metadata={"help": "recovery steps"})
+    recovery_steps: int = field(default=150, metadata={"help": "recovery steps"})
     recovery_learning_rate: float = field(default=1e-3, metadata={
         "help": "recovery learning rate (full and LoRA recovery of the default model: BENCHMARKS.md)"})
     lora_rank: int = field(default=8, metadata={"help": "LoRA rank (q, k, v, o projections)"})
     distill_weight: float = field(default=1.0, metadata={
-        "help": "weight of the KL divergence to the original model's next-token distribution in recovery (0: "
-                "next-token loss alone, no teacher forward pass: about 1.35x faster per step, worse model)"})
+        "help": "weight of the KL divergence to the original model's next-token distribution in recovery (0: the "
+                "next-token loss alone: steps 1.5x faster without the teacher, a worse model: BENCHMARKS.md)"})
     warmup_steps: int = field(default=10, metadata={"help": "linear warm-up steps of each stage"})
     logging_steps: int = field(default=10, metadata={"help": "log loss and norms every N steps"})
     save_steps: int = field(default=50, metadata={"help": "checkpoint every N steps"})
