@@ -263,7 +263,7 @@ def gather(out: Path) -> dict:
                          "start": curve[0][1] if curve else None,
                          "tokens_per_second": {stage: record.get("tokens_per_second")
                                                for stage, record in summary["stages"].items()},
-                         "settings": {key: summary["settings"].get(key, 0.0) for key in (
+                         "settings": {key: summary["settings"][key] for key in (
                              "transfer_steps", "recovery", "recovery_steps", "recovery_learning_rate", "scale_fold",
                              "distill_weight")},
                          "continuations": summary.get("continuations", {})}
