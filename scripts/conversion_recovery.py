@@ -84,8 +84,8 @@ def run_normalization(args, out: Path, normalization: str) -> None:
                     distill_weight=args.distill_weight)
     rest = args.steps - args.transfer_steps  # recovery steps after the transfer: the same budget as plain
     arms = {
-        "plain": dict(transfer_steps=0, recovery="full", recovery_steps=args.steps, recovery_learning_rate=args.plain_lr,
-                      distill_weight=0.0),
+        "plain": dict(transfer_steps=0, recovery="full", recovery_steps=args.steps,
+                      recovery_learning_rate=args.plain_lr, distill_weight=0.0),
         "transfer": dict(transfer, recovery="none"),
         "transfer+full": dict(transfer, recovery="full", recovery_steps=rest, recovery_learning_rate=args.full_lr),
         "transfer+lora": dict(transfer, recovery="lora", recovery_steps=rest, recovery_learning_rate=args.lora_lr),

@@ -15,7 +15,8 @@ the input is checked before the model is loaded):
    layer by layer; a Trainer run with :class:`~hf_knorm.NormLoggerCallback` and held-out evaluation. The
    transferred model is saved in ``out/transfer/model``, with the transfer error per layer and position;
 5. **recovery** (``out/recovery``): next-token training of the whole model or through LoRA adapters on q/k/v/o
-   (peft), distilled from the original model (``distill_weight``; 0 turns it off); LoRA adapters are merged before saving;
+   (peft), distilled from the original model (``distill_weight``; 0 turns it off); LoRA adapters are merged before
+   saving;
 6. ``out`` ends with the converted model (an ordinary hf_knorm checkpoint: ``hf_knorm.from_pretrained(out)``), its
    tokenizer, its model card with the held-out perplexities, ``norms.png`` and ``convert.json`` (settings,
    each stage's curve, tokens, trainable parameters, throughput). ``convert.json`` is written last: its presence
