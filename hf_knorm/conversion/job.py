@@ -31,11 +31,13 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 from dataclasses import asdict
 from pathlib import Path
 
 from ..attention.normalizations import parse_normalization
 from ..training.finetune import check_sources
+from .mixture import GENERAL
 from .settings import RECOVERY_MODES, SCALE_FOLDS, ConvertSettings
 from .state import STATE_FILE, read_state, write_state
 
@@ -66,7 +68,20 @@ def check_settings(settings: ConvertSettings) -> None:
         raise ValueError("Both stages are off (transfer_steps 0, no recovery): there is nothing to convert.")
     if settings.distill_weight < 0:
         raise ValueError(f"distill_weight must be >= 0, not {settings.distill_weight}.")
-    check_sources(settings.dataset, settings.eval_dataset, settings.model)
+    if settings.teacher_tokens < 0:
+        raise ValueError(f"teacher_tokens must be >= 0, not {settings.teacher_tokens}.")
+    if settings.next_token_weight < 0:
+        raise ValueError(f"next_token_weight must be >= 0, not {settings.next_token_weight}.")
+    if settings.recovery != "none" and settings.next_token_weight == 0 and settings.distill_weight == 0:
+        raise ValueError("Recovery with next_token_weight 0 and distill_weight 0 has no loss: raise either.")
+    if settings.dataset == GENERAL and settings.teacher_tokens == 0 and settings.max_blocks == 0:
+        raise ValueError("The general mixture needs teacher tokens or essays.")
+    from ..evaluation.domains import domain
+
+    for name in settings.domains():
+        domain(name)
+    check_sources(settings.dataset if settings.dataset != GENERAL else "paul-graham", settings.eval_dataset,
+                  settings.model)
     out = Path(settings.out)
     finished = (out / RESULT_FILE).is_file()
     started = (out / STATE_FILE).is_file()
@@ -107,7 +122,7 @@ def run_convert(settings: ConvertSettings) -> dict:
     import transformers
 
     from ..training.finetune import causal_lm_source
-    from ..training.heldout import held_out_perplexity, training_and_held_out
+    from ..training.heldout import held_out_domain_blocks, held_out_perplexity
 
     check_settings(settings)
     normalization = parse_normalization(settings.normalization).name
@@ -118,43 +133,140 @@ def run_convert(settings: ConvertSettings) -> dict:
                          "model: pass the model it was made from.")
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    _, train, eval_blocks, eval_description = training_and_held_out(
-        settings.dataset, tokenizer, settings.block_size, settings.eval_tokens, settings.text_column, settings.split,
-        settings.eval_dataset, settings.eval_fraction, settings.max_blocks)
+    if not getattr(tokenizer, "chat_template", None) and (settings.probe or settings.dataset == GENERAL):
+        raise ValueError(f"{model_dir}'s tokenizer has no chat template, which the ability probe and the general "
+                         "mixture's instructions use: pass --no-probe and another --dataset.")
+    eval_sets = held_out_domain_blocks(settings.domains(), tokenizer, settings.block_size, settings.eval_tokens)
+    train, own_held_out, mixture, descriptions = None, None, None, {}
+    if settings.dataset != GENERAL:
+        train, own_held_out, descriptions[OWN_HELD_OUT] = _training_data(settings, tokenizer)
+    if own_held_out is not None:
+        eval_sets = {OWN_HELD_OUT: own_held_out, **eval_sets}
+    if not eval_sets:
+        raise ValueError("No held-out text to evaluate on: name held-out domains (--eval-domains) or pass "
+                         "--eval-dataset.")
 
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     state = read_state(out)
+    _check_same_run(state, settings)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    if settings.dataset == GENERAL:
+        train, mixture = _general_training_data(model, tokenizer, model_dir, settings)
     if "original_perplexity" not in state:
-        state["original_perplexity"] = held_out_perplexity(model, eval_blocks, desc="original model")
-        state["settings"] = asdict(settings)
+        state["original_perplexity"] = {name: held_out_perplexity(model, blocks, desc=f"original model, {name}")
+                                        for name, blocks in eval_sets.items()}
+        if settings.probe:
+            state["original_probe"] = [asdict(answer) for answer in _probe(model, tokenizer)]
+        state["settings"] = json.loads(json.dumps(asdict(settings), default=str))
         write_state(out, state)
     teacher = copy.deepcopy(model).eval() if settings.distill_weight > 0 and settings.recovery != "none" else None
 
     from .stages import run_recovery, run_transfer
 
-    model = run_transfer(model, settings, normalization, train, eval_blocks, out, state)
-    model = run_recovery(model, settings, train, eval_blocks, out, state, teacher)
+    model = run_transfer(model, settings, normalization, train, eval_sets, out, state)
+    model = run_recovery(model, settings, train, eval_sets, out, state, teacher)
 
     model.eval()
-    final = held_out_perplexity(model, eval_blocks, desc="converted model")
-    summary = _summary(settings, normalization, model_dir, eval_description, eval_blocks, len(train), state, final)
+    final = _final_perplexities(model, eval_sets, state)
+    summary = _summary(settings, normalization, model_dir, eval_sets, descriptions, len(train), state, final, mixture)
+    if settings.probe:
+        from ..evaluation.probe import ProbeAnswer, compare
+
+        reference = [ProbeAnswer(**answer) for answer in state["original_probe"]]
+        summary["probe"] = compare(_probe(model, tokenizer), reference)
     _save(model, tokenizer, out, summary)
     return summary
 
 
-def _summary(settings, normalization, model_dir, eval_description, eval_blocks, train_blocks, state, final) -> dict:
-    from ..training.heldout import evaluation_record
+RESUMABLE_FIELDS = ("resume", "out", "report_to", "logging_steps", "save_steps", "probe")
+"""Settings a resumed run may change: they do not shape the converted model."""
 
+
+def _check_same_run(state: dict, settings: ConvertSettings) -> None:
+    """Refuse to resume a run with settings that shape the result changed (it would mix two runs)."""
+    stored = state.get("settings")
+    if not stored:
+        return
+    now = json.loads(json.dumps(asdict(settings), default=str))
+    changed = [name for name in now if name not in RESUMABLE_FIELDS and stored.get(name) != now[name]]
+    if changed:
+        details = ", ".join(f"{name}: {stored.get(name)!r} then, {now[name]!r} now" for name in changed)
+        raise ValueError(f"--resume continues the run in {settings.out} with the settings it started with; these "
+                         f"differ: {details}. Resume with the same settings, or start another --out.")
+
+
+OWN_HELD_OUT = "held_out"
+"""The evaluation set of the training data's own held-out texts (``--eval-dataset``, or split off ``--dataset``)."""
+
+
+def _training_data(settings: ConvertSettings, tokenizer):
+    """``(training blocks, held-out blocks or None, their description)`` of a dataset named by ``--dataset`` (not the
+    mixture).
+
+    The held-out blocks are the training data's own (``--eval-dataset`` or its last ``--eval-fraction``), evaluated
+    beside the domains; ``paul-graham`` has none of its own: its held-out essays are the ``essays`` domain.
+    """
+    from ..training.heldout import training_and_held_out
+
+    _, train, blocks, description = training_and_held_out(
+        settings.dataset, tokenizer, settings.block_size, settings.eval_tokens, settings.text_column, settings.split,
+        settings.eval_dataset, settings.eval_fraction, settings.max_blocks)
+    own = settings.eval_dataset is not None or settings.dataset != "paul-graham"
+    return train, blocks if own else None, description
+
+
+def _general_training_data(model, tokenizer, model_dir: Path, settings: ConvertSettings):
+    """``(training blocks, description)`` of the general mixture (:mod:`.mixture`), sampling the teacher texts once."""
+    import datasets
+
+    from ..training.text_data import pack_dataset
+    from .mixture import general_mixture
+
+    texts, description = general_mixture(model, tokenizer, model_dir, settings.teacher_tokens)  # one fixed sample
+    train = pack_dataset(datasets.Dataset.from_dict({"text": texts}), tokenizer, settings.block_size,
+                         max_blocks=settings.max_blocks)
+    return train, dict(description, blocks=len(train))
+
+
+def _probe(model, tokenizer):
+    from ..evaluation.probe import ask
+
+    return ask(model, tokenizer)
+
+
+def _final_perplexities(model, eval_sets: dict, state: dict) -> dict[str, float]:
+    """Each set's perplexity of the converted model: the last stage's evaluation at its last step when there was
+    one (the Trainer evaluates at the end when the steps are a multiple of ``eval_steps``), else measured now."""
+    from ..training.heldout import held_out_perplexity
+
+    stage = state.get("recovery") or state.get("transfer") or {}
+    final = {}
+    for name, blocks in eval_sets.items():
+        curve = stage.get("curves", {}).get(name) or []
+        if curve and curve[-1][0] == stage.get("steps"):
+            final[name] = curve[-1][2]
+        else:
+            final[name] = held_out_perplexity(model, blocks, desc=f"converted model, {name}")
+    return final
+
+
+def _summary(settings, normalization, model_dir, eval_sets, descriptions, train_blocks, state, final, mixture) -> dict:
+    from ..training.heldout import domains_record
+
+    evaluation = domains_record(eval_sets, settings.block_size, state["original_perplexity"], final, descriptions)
+    stages = {name: state[name] for name in ("transfer", "recovery") if name in state}
+    for stage in stages.values():  # the headline curve: the worst domain's
+        stage["curve"] = stage.get("curves", {}).get(evaluation["worst_domain"], [])
     return {
         "settings": asdict(settings),
         "model_dir": str(model_dir),
         "normalization": normalization,
-        "evaluation": evaluation_record(eval_description, eval_blocks, settings.block_size,
-                                        state["original_perplexity"], final),
+        "evaluation": evaluation,
+        "training_data": mixture or {"dataset": settings.dataset},
         "training_blocks": train_blocks,
-        "stages": {name: state[name] for name in ("transfer", "recovery") if name in state},
+        "stages": stages,
+        "seconds": time.time() - state["started"],
     }
 
 
@@ -170,6 +282,8 @@ def _save(model, tokenizer, out: Path, summary: dict) -> None:
     summary["perplexity_figure"] = str(plot_conversion_curve(summary, out / "perplexity.png"))
     evaluation = dict(summary["evaluation"], stages={
         name: stage.get("curve", []) for name, stage in summary["stages"].items()})
+    if "probe" in summary:
+        evaluation["probe"] = {key: value for key, value in summary["probe"].items() if key != "answers"}
     save_pretrained(model, out, tokenizer=tokenizer, norm_history=figure, evaluation=evaluation)
     partial = out / (RESULT_FILE + ".partial")
     partial.write_text(json.dumps(summary, indent=2, default=str) + "\n")
@@ -177,16 +291,21 @@ def _save(model, tokenizer, out: Path, summary: dict) -> None:
 
 
 def plot_conversion_curve(summary: dict, path: Path) -> Path:
-    """Held-out perplexity over training tokens, transfer then recovery, against the original model's line."""
+    """Held-out perplexity of every evaluation set over training tokens (transfer, then recovery), each against the
+    original model's line."""
     from ..plots import plot_perplexity_curves
 
-    curves, offset = {}, 0
-    for name in ("transfer", "recovery"):
-        stage = summary["stages"].get(name)
-        if stage:
-            curves[name] = [(offset + tokens, value) for _, tokens, value in stage["curve"]]
-            offset += stage["tokens"]
     evaluation = summary["evaluation"]
+    curves, references = {}, {}
+    for name, record in evaluation["domains"].items():
+        offset, points = 0, []
+        for stage_name in ("transfer", "recovery"):
+            stage = summary["stages"].get(stage_name)
+            if stage:
+                points += [(offset + tokens, value) for _, tokens, value in stage.get("curves", {}).get(name, [])]
+                offset += stage["tokens"]
+        curves[name] = points
+        references[f"original, {name}"] = record["original_perplexity"]
     return plot_perplexity_curves(
-        curves, path, references={"original model (softmax)": evaluation["original_perplexity"]},
-        title=f"Conversion to {summary['normalization']}: held-out perplexity ({evaluation['tokens']} tokens)")
+        curves, path, references=references, matched=True,
+        title=f"Conversion to {summary['normalization']}: held-out perplexity ({evaluation['tokens']} tokens a set)")

@@ -1,7 +1,9 @@
 """``ConvertSettings``: what ``hf-knorm convert`` and :func:`hf_knorm.convert` run; each field is a flag.
 
-The defaults convert the embedded default model (SmolLM2-135M-Instruct) to ``x^3/16`` on the Paul Graham essays
-0-39, evaluated on essays 40-48, in at most 30 minutes on a 2-core CPU (BENCHMARKS.md, "Conversion").
+The defaults convert the embedded default model (SmolLM2-135M-Instruct) to ``x^3/16`` on the general mixture
+(:mod:`.mixture`: the original model's own samples and Paul Graham essays 0-39), evaluated on four held-out domains
+(:mod:`hf_knorm.evaluation.domains`) and by the ability probe (:mod:`hf_knorm.evaluation.probe`); BENCHMARKS.md,
+"Conversion", has the time and the figures.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ class ConvertSettings:
 
     model: str = field(default="default", metadata={
         "help": "'default' (SmolLM2-135M-Instruct, embedded) or the folder of a pretrained softmax causal LM"})
-    dataset: str = field(default="paul-graham", metadata={
-        "help": "training text: shakespeare | paul-graham | local file(s), comma-separated | a datasets name"})
+    dataset: str = field(default="general", metadata={
+        "help": "training text: general (the original model's own samples + Paul Graham essays 0-39) | shakespeare | "
+                "paul-graham | local file(s), comma-separated | a datasets name"})
+    teacher_tokens: int = field(default=65536, metadata={
+        "help": "tokens the original model samples for the general mixture (generated once, then cached)"})
     normalization: str = field(default="x^3/16", metadata={"help": "the normalization to convert to (not softmax)"})
     out: str = field(default="outputs/convert", metadata={
         "help": "run folder: each stage's checkpoints and logs, the converted model, convert.json"})
@@ -32,8 +37,11 @@ class ConvertSettings:
     eval_dataset: str | None = field(default=None, metadata={
         "help": "held-out text (same forms as --dataset); default: paul-graham essays 40-48, shakespeare's Hamlet "
                 "and sonnets, else the last --eval-fraction of the texts"})
+    eval_domains: tuple[str, ...] = field(default=("essays", "plays", "technical", "conversation"), metadata={
+        "help": "held-out domains, comma-separated (hf_knorm.evaluation.domains; 'none' for none): the headline "
+                "figure is the worst of them and --eval-dataset"})
     eval_fraction: float = field(default=0.1, metadata={"help": "share of texts held out of other datasets"})
-    eval_tokens: int = field(default=8192, metadata={"help": "held-out tokens scored at each evaluation"})
+    eval_tokens: int = field(default=4096, metadata={"help": "held-out tokens of each domain scored at each evaluation"})
     eval_steps: int = field(default=50, metadata={"help": "evaluate every N steps of each stage (and at its start)"})
     block_size: int = field(default=256, metadata={"help": "tokens per example"})
     batch_size: int = field(default=4, metadata={"help": "examples per step"})
@@ -55,14 +63,26 @@ class ConvertSettings:
     distill_weight: float = field(default=1.0, metadata={
         "help": "weight of the KL divergence to the original model's next-token distribution in recovery (0: the "
                 "next-token loss alone: steps 1.5x faster without the teacher, a worse model: BENCHMARKS.md)"})
+    next_token_weight: float = field(default=1.0, metadata={
+        "help": "weight of the next-token loss in recovery (0: the KL to the original model alone)"})
+    freeze_embeddings: bool = field(default=False, metadata={
+        "help": "recovery leaves the token embeddings (and a tied output layer) as they are"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping of both stages"})
     warmup_steps: int = field(default=10, metadata={"help": "linear warm-up steps of each stage"})
     logging_steps: int = field(default=10, metadata={"help": "log loss and norms every N steps"})
     save_steps: int = field(default=50, metadata={"help": "checkpoint every N steps"})
     max_blocks: int | None = field(default=None, metadata={"help": "use at most N training blocks"})
     seed: int = field(default=0, metadata={"help": "random seed"})
+    probe: bool = field(default=True, metadata={
+        "help": "ask the ability probe (40 greedy answers) of the original and the converted model"})
     report_to: tuple[str, ...] = field(default=("tensorboard",), metadata={
         "help": "Trainer integrations, comma-separated (tensorboard, wandb, ...; 'none' for none)"})
     resume: bool = field(default=False, metadata={"help": "continue an interrupted conversion in --out"})
+
+    def domains(self) -> list[str]:
+        """``eval_domains`` as a list of names."""
+        names = [self.eval_domains] if isinstance(self.eval_domains, str) else list(self.eval_domains)
+        return [name for name in names if name and name != "none"]
 
     def integrations(self) -> list[str]:
         """``report_to`` as the Trainer takes it."""

@@ -27,7 +27,7 @@ CALIBRATION_BLOCKS = 8
 """Training blocks the closed-form head scales are solved on."""
 
 
-def run_transfer(model, settings: ConvertSettings, normalization: str, train, eval_blocks, out: Path,
+def run_transfer(model, settings: ConvertSettings, normalization: str, train, eval_sets: dict, out: Path,
                  state: dict):
     """Stage 1: patch ``model`` with ``normalization`` and train its attention to match the original's.
 
@@ -55,13 +55,14 @@ def run_transfer(model, settings: ConvertSettings, normalization: str, train, ev
     model.train()
     trainer = TransferTrainer(
         model=model, args=_arguments(settings, folder, settings.transfer_steps, settings.transfer_learning_rate),
-        train_dataset=train, eval_dataset=eval_blocks, data_collator=transformers.default_data_collator,
+        train_dataset=train, eval_dataset=eval_sets, data_collator=transformers.default_data_collator,
         callbacks=[NormLoggerCallback()], transfer=transfer,
     )
     measured = _train(trainer, checkpoint, settings)
     for parameter in model.parameters():
         parameter.requires_grad_(True)
-    sample = [torch.tensor(eval_blocks[i]["input_ids"]) for i in range(min(len(eval_blocks), 8))]
+    first = next(iter(eval_sets.values()))
+    sample = [torch.tensor(first[i]["input_ids"]) for i in range(min(len(first), 8))]
     record.update(measured, trainable_parameters=trainable, trainable=settings.transfer_trainable,
                   errors=transfer.errors_by_layer_and_position(model, sample))
     save_pretrained(model, folder / "model")
@@ -71,17 +72,23 @@ def run_transfer(model, settings: ConvertSettings, normalization: str, train, ev
     return model
 
 
-def run_recovery(model, settings: ConvertSettings, train, eval_blocks, out: Path, state: dict, teacher=None):
-    """Stage 2: next-token training of the patched model, through LoRA (merged at the end) or in full."""
+def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: Path, state: dict, teacher=None):
+    """Stage 2: next-token training of the patched model, through LoRA (merged at the end) or in full, distilled from
+    ``teacher``. The recovered model is saved in ``out/recovery/model`` before the stage is marked done."""
+    from ..models.persistence import from_pretrained, save_pretrained
 
     if settings.recovery == "none" or settings.recovery_steps == 0:
         return model
     folder = out / "recovery"
     record = state.get("recovery", {})
-    if record.get("done"):  # the run stopped between recovery and the final save: the checkpoint holds it all
-        raise ValueError(f"{folder} is finished but {out} holds no converted model; remove {out} and run again.")
+    if record.get("done"):
+        recovered = from_pretrained(folder / "model", model_class=transformers.AutoModelForCausalLM)
+        recovered.config.name_or_path = model.config.name_or_path
+        return recovered
     for parameter in model.parameters():
         parameter.requires_grad_(True)
+    if settings.freeze_embeddings:
+        model.get_input_embeddings().weight.requires_grad_(False)  # a tied output layer shares this weight
     if settings.recovery == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -93,12 +100,16 @@ def run_recovery(model, settings: ConvertSettings, train, eval_blocks, out: Path
     checkpoint = get_last_checkpoint(str(folder)) if folder.is_dir() else None
     trainer = DistillationTrainer(
         model=model, args=_arguments(settings, folder, settings.recovery_steps, settings.recovery_learning_rate),
-        train_dataset=train, eval_dataset=eval_blocks, data_collator=transformers.default_data_collator,
+        train_dataset=train, eval_dataset=eval_sets, data_collator=transformers.default_data_collator,
         callbacks=[NormLoggerCallback()], teacher=teacher, distill_weight=settings.distill_weight,
+        next_token_weight=settings.next_token_weight,
     )
     measured = _train(trainer, checkpoint, settings)
     if settings.recovery == "lora":
         model = model.merge_and_unload()  # an ordinary model again: the adapters folded into q/k/v/o
+    for parameter in model.parameters():
+        parameter.requires_grad_(True)
+    save_pretrained(model, folder / "model")
     record.update(measured, trainable_parameters=trainable, mode=settings.recovery, done=True)
     state["recovery"] = record
     write_state(out, state)
@@ -115,7 +126,7 @@ def _arguments(settings: ConvertSettings, folder: Path, steps: int, learning_rat
         warmup_steps=min(settings.warmup_steps, steps),
         lr_scheduler_type="cosine",
         weight_decay=0.0,
-        max_grad_norm=1.0,
+        max_grad_norm=settings.max_grad_norm,
         logging_steps=settings.logging_steps,
         save_steps=settings.save_steps,
         save_total_limit=1,
@@ -141,8 +152,12 @@ def _train(trainer, checkpoint: str | None, settings: ConvertSettings) -> dict:
     evaluating = sum(entry.get("eval_runtime", 0.0) for entry in history if entry.get("step", 0) >= first)
     steps = trainer.state.global_step - first
     training_seconds = max(elapsed - evaluating, 1e-9)
+    names = trainer.eval_dataset.keys() if isinstance(trainer.eval_dataset, dict) else [None]
+    curves = {name: perplexity_curve(history, tokens_per_step, f"eval_{name}_perplexity" if name else "eval_perplexity")
+              for name in names}
     return {
-        "curve": perplexity_curve(history, tokens_per_step),
+        "curves": curves,
+        "grad_norms": [[entry["step"], entry["grad_norm"]] for entry in history if "grad_norm" in entry],
         "steps": trainer.state.global_step,
         "tokens": trainer.state.global_step * tokens_per_step,
         "train_loss": output.training_loss,

@@ -63,25 +63,35 @@ def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) 
 
 
 class DistillationTrainer(PerplexityTrainer):
-    """Next-token loss plus ``distill_weight * KL(teacher || student)`` per token (``teacher=None``: no KL term).
+    """``next_token_weight`` times the next-token loss plus ``distill_weight * KL(teacher || student)`` per token
+    (``teacher=None``: no KL term).
 
     Args:
         teacher: the original model (frozen, same tokenizer), or ``None``.
         distill_weight: the weight of the KL term.
+        next_token_weight: the weight of the next-token loss (0: the KL alone).
         **kwargs: ``Trainer`` arguments.
     """
 
-    def __init__(self, *args, teacher: torch.nn.Module | None = None, distill_weight: float = 0.0, **kwargs):
+    def __init__(self, *args, teacher: torch.nn.Module | None = None, distill_weight: float = 0.0,
+                 next_token_weight: float = 1.0, **kwargs):
         super().__init__(*args, **kwargs)
-        if distill_weight < 0:
-            raise ValueError(f"distill_weight must be >= 0, not {distill_weight}.")
+        if distill_weight < 0 or next_token_weight < 0:
+            raise ValueError(f"distill_weight and next_token_weight must be >= 0, not {distill_weight} and "
+                             f"{next_token_weight}.")
+        if next_token_weight == 0 and distill_weight == 0:
+            raise ValueError("next_token_weight 0 and distill_weight 0 leave no loss to train on.")
         if distill_weight > 0 and teacher is None:
             raise ValueError("distill_weight > 0 needs the original model as teacher.")
-        self.teacher = teacher.eval() if teacher is not None and distill_weight > 0 else None
+        # The Trainer moves ``model`` alone: the teacher goes to the same device here.
+        self.teacher = teacher.eval().to(self.args.device) if teacher is not None and distill_weight > 0 else None
         self.distill_weight = distill_weight
+        self.next_token_weight = next_token_weight
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        if model.training:
+            loss = self.next_token_weight * loss
         if self.teacher is not None and model.training:
             with torch.no_grad():
                 target = self.teacher(input_ids=inputs["input_ids"], use_cache=False).logits  # (B, N, V)

@@ -149,15 +149,19 @@ def _users_eval_results(model_index) -> list[EvalResult]:
 
 
 def evaluation_results(evaluation: dict, normalization: str) -> list[EvalResult]:
-    """The held-out perplexities as ``EvalResult`` entries: these weights, then the original model on the same text."""
-    common = dict(task_type="text-generation", dataset_type="held-out-text", dataset_name=evaluation["text"],
-                  metric_type="perplexity")
-    return [
-        EvalResult(**common, metric_value=round(float(evaluation["perplexity"]), 4),
-                   metric_name=f"{EVALUATION_METRIC} ({normalization}, {evaluation['tokens']} tokens)"),
-        EvalResult(**common, metric_value=round(float(evaluation["original_perplexity"]), 4),
-                   metric_name=f"{EVALUATION_METRIC} of the original model (same text, {evaluation['tokens']} tokens)"),
-    ]
+    """The held-out perplexities as ``EvalResult`` entries: these weights, then the original model on the same text;
+    one pair per held-out set when the job measured several (``evaluation["domains"]``)."""
+    results = []
+    for record in (evaluation.get("domains") or {"": evaluation}).values():
+        common = dict(task_type="text-generation", dataset_type="held-out-text", dataset_name=record["text"],
+                      metric_type="perplexity")
+        results += [
+            EvalResult(**common, metric_value=round(float(record["perplexity"]), 4),
+                       metric_name=f"{EVALUATION_METRIC} ({normalization}, {record['tokens']} tokens)"),
+            EvalResult(**common, metric_value=round(float(record["original_perplexity"]), 4),
+                       metric_name=f"{EVALUATION_METRIC} of the original model (same text, {record['tokens']} tokens)"),
+        ]
+    return results
 
 
 def framework_versions() -> list[tuple[str, str]]:

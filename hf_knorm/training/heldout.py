@@ -26,10 +26,8 @@ import math
 
 import transformers
 
+from ..evaluation.domains import DOMAINS, PAUL_GRAHAM_TRAIN_ESSAYS
 from .text_data import pack_dataset
-
-PAUL_GRAHAM_TRAIN_ESSAYS = 40
-"""The embedded Paul Graham corpus trains on essays 0-39 and holds out 40-48 (REFERENCE.md's evaluation text)."""
 
 
 def split_held_out(dataset, source: str, text_column: str = "text", eval_dataset=None, eval_fraction: float = 0.1):
@@ -125,10 +123,42 @@ def held_out_perplexity(model, blocks, desc: str = "held-out perplexity") -> flo
         model.train(was_training)
 
 
-def perplexity_curve(log_history: list[dict], tokens_per_step: int) -> list[list[float]]:
-    """``[step, training tokens, held-out perplexity]`` of every evaluation in a Trainer's ``log_history``."""
-    return [[entry["step"], entry["step"] * tokens_per_step, entry["eval_perplexity"]]
-            for entry in log_history if "eval_perplexity" in entry]
+def perplexity_curve(log_history: list[dict], tokens_per_step: int, key: str = "eval_perplexity") -> list[list[float]]:
+    """``[step, training tokens, held-out perplexity]`` of every evaluation in a Trainer's ``log_history``
+    (``key``: ``eval_<name>_perplexity`` for the evaluation set ``name`` of a dict of them)."""
+    return [[entry["step"], entry["step"] * tokens_per_step, entry[key]] for entry in log_history if key in entry]
+
+
+def held_out_domain_blocks(names, tokenizer, block_size: int, eval_tokens: int) -> dict:
+    """The evaluation blocks of the held-out domains ``names`` (:mod:`hf_knorm.evaluation.domains`), by name: each
+    domain's texts packed like :func:`held_out_blocks` packs them, its first ``eval_tokens // block_size``.
+
+    Raises:
+        ValueError: an unknown domain.
+    """
+    import datasets
+
+    from ..evaluation.domains import domain
+
+    chosen = [domain(name) for name in names]
+    return {d.name: held_out_blocks(datasets.Dataset.from_dict({"text": d.texts()}), tokenizer, block_size,
+                                    eval_tokens) for d in chosen}
+
+
+def domains_record(blocks: dict, block_size: int, original: dict[str, float], final: dict[str, float],
+                   descriptions: dict[str, str] | None = None) -> dict:
+    """The ``evaluation`` entry of a job evaluated on several held-out sets (the card's table).
+
+    The top-level figures are the **worst** set's (highest ratio to the original model): the headline is never the
+    best domain. ``domains`` holds every set's record (:func:`evaluation_record`), in the order of ``blocks``;
+    ``descriptions`` names the sets that are not held-out domains.
+    """
+    descriptions = {**{d.name: f"{d.description}; licence: {d.licence}" for d in DOMAINS}, **(descriptions or {})}
+    records = {name: evaluation_record(descriptions.get(name, name), blocks[name], block_size, original[name],
+                                       final[name]) for name in blocks}
+    worst = max(records, key=lambda name: records[name]["ratio_to_original"])
+    return dict(records[worst], text=f"the worst of {len(records)} held-out domains: {worst}, "
+                                     f"{records[worst]['text']}", worst_domain=worst, domains=records)
 
 
 def evaluation_record(description: str, blocks, block_size: int, original: float, final: float) -> dict:
@@ -145,7 +175,8 @@ def perplexity_of(loss: float) -> float:
 
 
 class PerplexityTrainer(transformers.Trainer):
-    """A ``Trainer`` whose evaluations also log ``eval_perplexity = exp(eval_loss)``.
+    """A ``Trainer`` whose evaluations also log ``eval_perplexity = exp(eval_loss)`` (``eval_<name>_perplexity`` for
+    each set of a dict of evaluation datasets).
 
     ``Trainer.log`` is the public seam for metrics computed outside the training loop (TRL's trainers override it the
     same way): the value is added before the Trainer appends the entry to ``state.log_history`` and before any
@@ -153,6 +184,6 @@ class PerplexityTrainer(transformers.Trainer):
     """
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        for key in [key for key in logs if key.endswith("eval_loss")]:
+        for key in [key for key in logs if key.startswith("eval_") and key.endswith("_loss")]:
             logs[key.removesuffix("loss") + "perplexity"] = perplexity_of(float(logs[key]))
         super().log(logs, *args, **kwargs)

@@ -43,7 +43,7 @@ def _settings(tiny_lm_dir, texts, out, **overrides) -> ConvertSettings:
     values = dict(model=str(tiny_lm_dir), dataset=str(texts / "train.txt"), eval_dataset=str(texts / "heldout.txt"),
                   out=str(out), block_size=32, batch_size=2, eval_tokens=128, eval_steps=2, transfer_steps=4,
                   recovery_steps=4, logging_steps=2, save_steps=2, warmup_steps=0, report_to=("none",),
-                  transfer_learning_rate=1e-2, recovery_learning_rate=1e-2)
+                  transfer_learning_rate=1e-2, recovery_learning_rate=1e-2, eval_domains=("none",), probe=False)
     values.update(overrides)
     return ConvertSettings(**values)
 
@@ -193,6 +193,7 @@ def test_a_converted_model_reloads_with_its_normalization_and_its_measured_perpl
     summary = run_convert(_settings(tiny_lm_dir, texts, out, recovery=recovery_mode))
     record = json.loads((out / RESULT_FILE).read_text())
     assert record["normalization"] == "x^3/16" and record["evaluation"]["perplexity"] == summary["evaluation"]["perplexity"]
+    assert list(record["evaluation"]["domains"]) == ["held_out"]  # --eval-dataset alone: the headline is its figure
     transfer, recovery = record["stages"]["transfer"], record["stages"]["recovery"]
     assert [point[0] for point in transfer["curve"]] == [0, 2, 4] and recovery["curve"][0][0] == 0
     assert recovery["mode"] == recovery_mode
@@ -282,6 +283,8 @@ def test_an_interrupted_conversion_resumes_and_a_finished_one_is_not_overwritten
     assert json.loads((out / STATE_FILE).read_text())["transfer"]["done"]
     with pytest.raises(ValueError, match="pass --resume"):
         run_convert(settings)
+    with pytest.raises(ValueError, match=r"these differ: normalization: 'x\^3/16' then, 'x/16' now"):
+        run_convert(_settings(tiny_lm_dir, texts, out, recovery_steps=6, resume=True, normalization="x/16"))
     monkeypatch.setattr(trainers.DistillationTrainer, "training_step", original_step)
     transfer_trained = []
     monkeypatch.setattr(trainers.TransferTrainer, "training_step",

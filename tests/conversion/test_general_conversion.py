@@ -1,0 +1,147 @@
+"""The general conversion: teacher samples (cached, costed), the general mixture, held-out domains with the worst as
+the headline, the ability probe, and a converted model's record and card carrying them all."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+from training_helpers import char_tokenizer, lm  # noqa: E402
+
+import hf_knorm  # noqa: E402
+from hf_knorm.conversion import teacher_text  # noqa: E402
+from hf_knorm.conversion.job import RESULT_FILE, run_convert  # noqa: E402
+from hf_knorm.conversion.mixture import general_mixture  # noqa: E402
+from hf_knorm.conversion.settings import ConvertSettings  # noqa: E402
+from hf_knorm.evaluation import probe  # noqa: E402
+from hf_knorm.evaluation.domains import DOMAINS, domain  # noqa: E402
+from hf_knorm.training.heldout import domains_record, held_out_domain_blocks  # noqa: E402
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def chat_tokenizer():
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def chat_lm_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("chat_lm")
+    lm().save_pretrained(folder)
+    chat_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh cache for the teacher samples (the PyPI distributions stay in the shared cache)."""
+    monkeypatch.setattr(teacher_text, "_cache_root", lambda: tmp_path / "teacher_text")
+
+
+# --- teacher samples and the mixture ------------------------------------------------------------------------------
+
+def test_teacher_samples_are_drawn_once_then_read_from_the_cache_with_their_cost(chat_lm_dir, cache, monkeypatch):
+    model, tokenizer = lm().eval(), chat_tokenizer()
+    texts = teacher_text.teacher_samples(model, tokenizer, 300, chat_lm_dir, progress=False)
+    prompts = [text for text in texts if text.startswith(teacher_text.OPENINGS[0])]
+    assert prompts and any("assistant:" in text for text in texts)  # plain openings and chat turns alternate
+    cost = teacher_text.sampling_cost(chat_lm_dir, 300)
+    assert 300 <= cost["new_tokens"] < 300 + teacher_text.NEW_TOKENS_PER_SAMPLE and cost["samples"] == len(texts)
+    assert cost["seconds"] > 0 and cost["tokens_per_second"] > 0
+    monkeypatch.setattr(teacher_text, "_sample", lambda *a, **k: pytest.fail("sampled again instead of the cache"))
+    assert teacher_text.teacher_samples(model, tokenizer, 300, chat_lm_dir, progress=False) == texts
+    with pytest.raises(ValueError, match="no chat template"):
+        teacher_text.teacher_samples(model, char_tokenizer(), 400, chat_lm_dir, progress=False)
+
+
+def test_the_general_mixture_holds_teacher_samples_and_the_training_essays(chat_lm_dir, cache):
+    from hf_knorm.assets.texts import paul_graham_essays
+
+    texts, description = general_mixture(lm().eval(), chat_tokenizer(), chat_lm_dir, 300)
+    parts = description["parts"]
+    assert parts["essays"]["texts"] == 40 and parts["teacher_samples"]["texts"] >= 2
+    assert len(texts) == parts["essays"]["texts"] + parts["teacher_samples"]["texts"]
+    held_out_essays = paul_graham_essays()[40:]
+    assert not set(held_out_essays) & set(texts)  # the essays domain stays held out
+    assert description["teacher_sampling"]["asked"] == 300
+
+
+# --- held-out domains ----------------------------------------------------------------------------------------------
+
+def test_every_domain_gives_the_blocks_asked_for_and_an_unknown_one_is_refused():
+    blocks = held_out_domain_blocks([d.name for d in DOMAINS], char_tokenizer(), 32, 256)
+    assert list(blocks) == ["essays", "plays", "technical", "conversation"]
+    assert all(len(b) == 8 and all(len(ids) == 32 for ids in b["input_ids"]) for b in blocks.values())
+    assert "A: " in domain("conversation").texts()[0] and "\nB: " in domain("conversation").texts()[0]
+    with pytest.raises(ValueError, match="Unknown held-out domain 'poetry'; the domains are essays, plays"):
+        held_out_domain_blocks(["poetry"], char_tokenizer(), 32, 256)
+
+
+def test_the_headline_is_the_worst_domain_by_ratio_to_the_original():
+    blocks = {"essays": [[0] * 8] * 2, "plays": [[0] * 8] * 2, "held_out": [[0] * 8] * 2}
+    record = domains_record(blocks, 8, {"essays": 10.0, "plays": 100.0, "held_out": 5.0},
+                            {"essays": 12.0, "plays": 300.0, "held_out": 5.5}, {"held_out": "my text"})
+    assert record["worst_domain"] == "plays" and record["ratio_to_original"] == pytest.approx(3.0)
+    assert record["perplexity"] == 300.0 and record["original_perplexity"] == 100.0
+    assert record["domains"]["held_out"]["text"] == "my text" and record["domains"]["essays"]["ratio_to_original"] == 1.2
+
+
+# --- the ability probe ---------------------------------------------------------------------------------------------
+
+def test_the_probe_reproduces_itself_and_counts_disagreements():
+    tokenizer = chat_tokenizer()
+    original = probe.ask(lm().eval(), tokenizer)
+    assert len(original) == len(probe.CLOZE) + len(probe.INSTRUCTIONS) == 40
+    itself = probe.compare(probe.ask(lm().eval(), tokenizer), original)
+    assert itself["agreement"] == 1.0 and itself["first_token_agreement"] == 1.0
+    other = probe.compare(probe.ask(lm(seed=1).eval(), tokenizer), original)
+    assert other["agreement"] == sum(answer["same"] for answer in other["answers"]) / 40 < 1.0
+    assert other["original_cloze_accuracy"] == itself["cloze_accuracy"]
+    with pytest.raises(ValueError, match="chat template"):
+        probe.ask(lm().eval(), char_tokenizer())
+    with pytest.raises(ValueError, match="different prompts"):
+        probe.compare(original[:3], original[:2] + original[3:4])
+
+
+def test_the_probe_compares_normalized_first_words():
+    assert probe.normalize(" Paris.\n\nThe answer", 1) == "paris"
+    assert probe.normalize("The capital of England is London.", 3) == "the capital of"
+
+
+# --- the job -------------------------------------------------------------------------------------------------------
+
+def test_a_general_conversion_records_every_domain_the_probe_and_its_mixture(chat_lm_dir, cache, tmp_path):
+    out = tmp_path / "run"
+    settings = ConvertSettings(
+        model=str(chat_lm_dir), out=str(out), teacher_tokens=300, eval_domains=("plays", "conversation"),
+        block_size=32, batch_size=2, eval_tokens=64, eval_steps=2, transfer_steps=2, recovery_steps=2,
+        logging_steps=1, save_steps=2, warmup_steps=0, report_to=("none",), freeze_embeddings=True)
+    summary = run_convert(settings)
+    record = json.loads((out / RESULT_FILE).read_text())
+    evaluation = record["evaluation"]
+    assert list(evaluation["domains"]) == ["plays", "conversation"]
+    worst = max(evaluation["domains"], key=lambda name: evaluation["domains"][name]["ratio_to_original"])
+    assert evaluation["worst_domain"] == worst and evaluation["perplexity"] == evaluation["domains"][worst]["perplexity"]
+    assert record["stages"]["recovery"]["curve"] == record["stages"]["recovery"]["curves"][worst]
+    assert record["training_data"]["parts"]["teacher_samples"]["texts"] >= 2
+    assert 0.0 <= summary["probe"]["agreement"] <= 1.0 and len(summary["probe"]["answers"]) == 40
+    card = (out / "README.md").read_text()
+    assert "| plays: Shakespeare's Hamlet" in card and "Ability probe" in card and "the worst set" in card
+    reloaded = hf_knorm.from_pretrained(out)
+    original_embedding = lm().get_input_embeddings().weight
+    assert reloaded.get_input_embeddings().weight.equal(original_embedding)  # frozen in recovery and in transfer
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_before_the_model_loads(tmp_path):
+    folder = tmp_path / "plain"
+    lm().save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    with pytest.raises(ValueError, match="no chat template.*--no-probe"):
+        run_convert(ConvertSettings(model=str(folder), out=str(tmp_path / "run"), eval_domains=("none",)))
