@@ -237,9 +237,14 @@ def _run_convert(settings: ConvertSettings, args: argparse.Namespace) -> int:
 
     summary = run_convert(settings)
     evaluation = summary["evaluation"]
-    print(f"converted model ({summary['normalization']}): {settings.out}; held-out perplexity "
-          f"{evaluation['perplexity']:.4g} (original {evaluation['original_perplexity']:.4g}, "
-          f"{evaluation['ratio_to_original']:.3g}x); report: {Path(settings.out) / 'convert.json'}")
+    print(f"converted model ({summary['normalization']}): {settings.out}")
+    for name, record in evaluation["domains"].items():
+        print(f"  held-out {name}: perplexity {record['perplexity']:.4g} (original {record['original_perplexity']:.4g}, "
+              f"{record['ratio_to_original']:.3g}x)")
+    print(f"  headline (the worst set, {evaluation['worst_domain']}): {evaluation['ratio_to_original']:.3g}x the original")
+    if "probe" in summary:
+        print(f"  ability probe: {summary['probe']['agreement']:.0%} of the original's answers reproduced")
+    print(f"report: {Path(settings.out) / 'convert.json'}")
     return 0
 
 

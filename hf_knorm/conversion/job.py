@@ -280,14 +280,20 @@ def _save(model, tokenizer, out: Path, summary: dict) -> None:
         figure = plot_norm_history(runs, out / "norms.png", labels=[run.name for run in runs],
                                    title=f"||A||_F per layer, conversion to {summary['normalization']}")
     summary["perplexity_figure"] = str(plot_conversion_curve(summary, out / "perplexity.png"))
+    save_pretrained(model, out, tokenizer=tokenizer, norm_history=figure, evaluation=card_evaluation(summary))
+    partial = out / (RESULT_FILE + ".partial")
+    partial.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    os.replace(partial, out / RESULT_FILE)
+
+
+def card_evaluation(summary: dict) -> dict:
+    """What the model card shows of a conversion (``convert.json``): the held-out record, each stage's headline
+    curve, the ability probe's figures."""
     evaluation = dict(summary["evaluation"], stages={
         name: stage.get("curve", []) for name, stage in summary["stages"].items()})
     if "probe" in summary:
         evaluation["probe"] = {key: value for key, value in summary["probe"].items() if key != "answers"}
-    save_pretrained(model, out, tokenizer=tokenizer, norm_history=figure, evaluation=evaluation)
-    partial = out / (RESULT_FILE + ".partial")
-    partial.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    os.replace(partial, out / RESULT_FILE)
+    return evaluation
 
 
 def plot_conversion_curve(summary: dict, path: Path) -> Path:

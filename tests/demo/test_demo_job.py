@@ -36,7 +36,9 @@ def test_every_step_ran_and_recorded_its_results(fast_demo):
     assert transfer["steps"] == 4 and recovery["steps"] == 4 and recovery["mode"] == "full"
     assert [point[0] for point in recovery["curve"]] == [0, 2, 4]  # held-out perplexity at 0 and every 2 steps
     evaluation = conversion["evaluation"]
-    assert evaluation["tokens"] == 256 and "Paul Graham essays 40-48" in evaluation["text"]
+    assert evaluation["tokens"] == 128 and list(evaluation["domains"]) == ["essays", "plays", "technical", "conversation"]
+    assert evaluation["ratio_to_original"] == max(r["ratio_to_original"] for r in evaluation["domains"].values())
+    assert conversion["training_data"]["parts"]["teacher_samples"]["texts"] >= 1  # the general mixture
     patched_only = float(record["steps"]["normalizations"][2]["perplexity"])
     assert patched_only > 1e3 and transfer["curve"][0][2] > 1e3  # what patching alone does to the model
     assert evaluation["perplexity"] < transfer["curve"][0][2]  # the conversion improves on the patched model
