@@ -38,7 +38,7 @@ from pathlib import Path
 from ..attention.normalizations import parse_normalization
 from ..training.finetune import check_sources
 from .mixture import GENERAL
-from .settings import RECOVERY_MODES, SCALE_FOLDS, ConvertSettings
+from .settings import RECOVERY_MODES, RECOVERY_TRAINABLE, SCALE_FOLDS, ConvertSettings
 from .state import STATE_FILE, read_state, write_state
 
 RESULT_FILE = "convert.json"
@@ -56,6 +56,9 @@ def check_settings(settings: ConvertSettings) -> None:
                          "--normalization (x/1, x/16, x^3/1, x^3/16, x^3/sqrtN, x^p/c).")
     if settings.recovery not in RECOVERY_MODES:
         raise ValueError(f"recovery must be one of {', '.join(RECOVERY_MODES)}, not {settings.recovery!r}.")
+    if settings.recovery_trainable not in RECOVERY_TRAINABLE:
+        raise ValueError(f"recovery_trainable must be one of {', '.join(RECOVERY_TRAINABLE)}, not "
+                         f"{settings.recovery_trainable!r}.")
     if settings.scale_fold not in SCALE_FOLDS:
         raise ValueError(f"scale_fold must be one of {', '.join(SCALE_FOLDS)}, not {settings.scale_fold!r}.")
     for name in ("block_size", "batch_size", "eval_tokens", "eval_steps", "logging_steps", "save_steps", "lora_rank"):

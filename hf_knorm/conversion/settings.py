@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 RECOVERY_MODES = ("lora", "full", "none")
+RECOVERY_TRAINABLE = ("all", "no-embeddings", "attention")
 SCALE_FOLDS = ("scores", "output")
 """Where the transfer's closed-form head scales go (:meth:`~.transfer.AttentionTransfer.match_scale`)."""
 
@@ -65,8 +66,9 @@ class ConvertSettings:
                 "next-token loss alone: steps 1.5x faster without the teacher, a worse model: BENCHMARKS.md)"})
     next_token_weight: float = field(default=1.0, metadata={
         "help": "weight of the next-token loss in recovery (0: the KL to the original model alone)"})
-    freeze_embeddings: bool = field(default=False, metadata={
-        "help": "recovery leaves the token embeddings (and a tied output layer) as they are"})
+    recovery_trainable: str = field(default="all", metadata={
+        "help": "what full recovery trains: all | no-embeddings (the token embeddings and a tied output layer stay) "
+                "| attention (the attention projections alone)", "choices": RECOVERY_TRAINABLE})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping of both stages"})
     warmup_steps: int = field(default=10, metadata={"help": "linear warm-up steps of each stage"})
     logging_steps: int = field(default=10, metadata={"help": "log loss and norms every N steps"})

@@ -85,10 +85,7 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
         recovered = from_pretrained(folder / "model", model_class=transformers.AutoModelForCausalLM)
         recovered.config.name_or_path = model.config.name_or_path
         return recovered
-    for parameter in model.parameters():
-        parameter.requires_grad_(True)
-    if settings.freeze_embeddings:
-        model.get_input_embeddings().weight.requires_grad_(False)  # a tied output layer shares this weight
+    _set_recovery_trainable(model, settings.recovery_trainable)
     if settings.recovery == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -114,6 +111,20 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
     state["recovery"] = record
     write_state(out, state)
     return model
+
+
+def _set_recovery_trainable(model, trainable: str) -> None:
+    """Mark what full recovery trains: ``all``, ``no-embeddings`` (the token embeddings, and a tied output layer,
+    stay) or ``attention`` (the attention modules' weights alone). LoRA then trains its adapters alone."""
+    from ..models.architectures import attention_modules
+
+    for parameter in model.parameters():
+        parameter.requires_grad_(trainable != "attention")
+    if trainable == "no-embeddings":
+        model.get_input_embeddings().weight.requires_grad_(False)  # a tied output layer shares this weight
+    elif trainable == "attention":
+        for _, module in attention_modules(model):
+            module.requires_grad_(True)
 
 
 def _arguments(settings: ConvertSettings, folder: Path, steps: int, learning_rate: float):

@@ -115,6 +115,22 @@ def test_the_probe_compares_normalized_first_words():
     assert probe.normalize("The capital of England is London.", 3) == "the capital of"
 
 
+@pytest.mark.parametrize("trainable, frozen", [
+    ("all", []), ("no-embeddings", ["model.embed_tokens.weight"]),
+    ("attention", ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]),
+])
+def test_recovery_trains_what_recovery_trainable_names(trainable, frozen):
+    from hf_knorm.conversion.stages import _set_recovery_trainable
+
+    model = lm()
+    _set_recovery_trainable(model, trainable)
+    training = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+    assert not training & set(frozen)
+    assert "model.layers.1.self_attn.q_proj.weight" in training and "model.layers.0.self_attn.o_proj.weight" in training
+    if trainable == "attention":
+        assert all(".self_attn." in name for name in training)
+
+
 # --- the job -------------------------------------------------------------------------------------------------------
 
 def test_a_general_conversion_records_every_domain_the_probe_and_its_mixture(chat_lm_dir, cache, tmp_path):
@@ -122,7 +138,7 @@ def test_a_general_conversion_records_every_domain_the_probe_and_its_mixture(cha
     settings = ConvertSettings(
         model=str(chat_lm_dir), out=str(out), teacher_tokens=300, eval_domains=("plays", "conversation"),
         block_size=32, batch_size=2, eval_tokens=64, eval_steps=2, transfer_steps=2, recovery_steps=2,
-        logging_steps=1, save_steps=2, warmup_steps=0, report_to=("none",), freeze_embeddings=True)
+        logging_steps=1, save_steps=2, warmup_steps=0, report_to=("none",), recovery_trainable="no-embeddings")
     summary = run_convert(settings)
     record = json.loads((out / RESULT_FILE).read_text())
     evaluation = record["evaluation"]
