@@ -48,18 +48,26 @@ class TransferTrainer(PerplexityTrainer):
         super().log(logs, *args, **kwargs)
 
 
-def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """``KL(teacher || student)`` of the next-token distributions, averaged over tokens (in fp32).
+def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor | None = None,
+                    reduction: str = "mean") -> torch.Tensor:
+    """``KL(teacher || student)`` of the next-token distributions (in fp32), over the positions the next-token loss
+    scores.
 
     Args:
         student_logits, teacher_logits: ``(B, N, V)``.
+        labels: ``(B, N)`` the next-token labels (``-100``: not scored); position ``t`` is counted when label
+            ``t + 1`` is scored, as the shifted next-token loss counts it. ``None``: every position.
+        reduction: ``mean`` (per counted position) or ``sum``.
 
     Returns:
-        A scalar: the sum over the vocabulary, the mean over the ``B * N`` positions.
+        A scalar: the sum over the vocabulary, then the mean (or sum) over the counted positions.
     """
-    student = F.log_softmax(student_logits.float(), dim=-1).flatten(0, 1)
-    teacher = F.log_softmax(teacher_logits.float(), dim=-1).flatten(0, 1)
-    return F.kl_div(student, teacher, log_target=True, reduction="batchmean")
+    student = F.log_softmax(student_logits.float(), dim=-1)
+    teacher = F.log_softmax(teacher_logits.float(), dim=-1)
+    per_position = (teacher.exp() * (teacher - student)).sum(-1)  # (B, N)
+    if labels is not None:
+        per_position = per_position[:, :-1][labels[:, 1:] != -100]
+    return per_position.sum() if reduction == "sum" else per_position.mean()
 
 
 class DistillationTrainer(PerplexityTrainer):
@@ -95,5 +103,23 @@ class DistillationTrainer(PerplexityTrainer):
         if self.teacher is not None and model.training:
             with torch.no_grad():
                 target = self.teacher(input_ids=inputs["input_ids"], use_cache=False).logits  # (B, N, V)
-            loss = loss + self.distill_weight * distillation_kl(outputs.logits, target)
+            loss = loss + self.distill_weight * self._kl_scaled_like_the_loss(outputs.logits, target, inputs,
+                                                                              num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
+
+    def _kl_scaled_like_the_loss(self, student_logits, teacher_logits, inputs, num_items_in_batch):
+        """The KL per scored token, normalized exactly as ``Trainer.compute_loss`` normalizes the next-token loss.
+
+        With gradient accumulation or several processes the Trainer divides the next-token loss's sum by the scored
+        tokens of the whole accumulated, global batch (``num_items_in_batch``) and multiplies it by the number of
+        processes (``average_tokens_across_devices``); without ``num_items_in_batch`` each micro-batch takes its
+        mean and ``training_step`` divides by the accumulation steps. The KL follows the same rule, so its weight
+        does not change with the batch layout.
+        """
+        labels = inputs.get("labels")
+        if num_items_in_batch is None or not self.model_accepts_loss_kwargs:
+            return distillation_kl(student_logits, teacher_logits, labels)
+        kl = distillation_kl(student_logits, teacher_logits, labels, reduction="sum") / num_items_in_batch
+        if self.args.average_tokens_across_devices:
+            kl = kl * self.accelerator.num_processes
+        return kl

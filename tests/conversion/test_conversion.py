@@ -164,6 +164,13 @@ def test_distillation_kl_is_the_per_token_mean_of_the_textbook_sum():
     expected = (p * (p.log() - student.double().log_softmax(-1))).sum(-1).mean()  # KL(teacher || student) per token
     assert float(distillation_kl(student, teacher)) == pytest.approx(float(expected), rel=1e-5)
     assert float(distillation_kl(teacher, teacher)) == pytest.approx(0.0, abs=1e-6)
+    labels = torch.tensor([[1, 2, -100, 4, 5], [-100, 6, 7, 8, -100]])  # position t counts when label t+1 is scored
+    kept = [(0, 0), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2)]
+    per_position = (p * (p.log() - student.double().log_softmax(-1))).sum(-1)
+    assert float(distillation_kl(student, teacher, labels)) == pytest.approx(
+        float(sum(per_position[i, t] for i, t in kept) / len(kept)), rel=1e-5)
+    assert float(distillation_kl(student, teacher, labels, reduction="sum")) == pytest.approx(
+        float(sum(per_position[i, t] for i, t in kept)), rel=1e-5)
 
 
 def test_the_recovery_loss_is_the_next_token_loss_plus_the_weighted_kl_to_the_teacher(tmp_path):
@@ -176,12 +183,30 @@ def test_the_recovery_loss_is_the_next_token_loss_plus_the_weighted_kl_to_the_te
         distilled = DistillationTrainer(model=student, args=args, teacher=teacher, distill_weight=0.5).compute_loss(
             student, dict(inputs))
         reference = student(input_ids=ids, labels=ids)
-        kl = distillation_kl(reference.logits, teacher(input_ids=ids).logits)
+        kl = distillation_kl(reference.logits, teacher(input_ids=ids).logits, ids)
     assert float(plain) == pytest.approx(float(reference.loss), rel=1e-5)
     assert float(kl) > 0.01
     assert float(distilled) == pytest.approx(float(plain + 0.5 * kl), rel=1e-5)
     with pytest.raises(ValueError, match="needs the original model as teacher"):
         DistillationTrainer(model=student, args=args, distill_weight=1.0)
+
+
+def test_the_kl_is_scaled_like_the_next_token_loss_under_gradient_accumulation(tmp_path):
+    """Two micro-batches of an accumulated batch add up to the loss of the whole batch: the Trainer hands each the
+    scored-token count of the whole batch (num_items_in_batch), and the KL must be divided by it as the loss is."""
+    student, teacher = hf_knorm.patch(lm(), "x^3/16").train(), lm().eval()
+    ids = _ids(batch=4)
+    labels = ids.clone()
+    labels[1, 5:9] = -100  # rows of different scored-token counts
+    args = tf.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    trainer = DistillationTrainer(model=student, args=args, teacher=teacher, distill_weight=0.7)
+    assert trainer.model_accepts_loss_kwargs
+    with torch.no_grad():
+        whole = trainer.compute_loss(student, {"input_ids": ids, "labels": labels})
+        items = int((labels[:, 1:] != -100).sum())
+        halves = sum(trainer.compute_loss(student, {"input_ids": ids[rows], "labels": labels[rows]},
+                                          num_items_in_batch=torch.tensor(items)) for rows in (slice(0, 2), slice(2, 4)))
+    assert float(halves) == pytest.approx(float(whole), rel=1e-5)
 
 
 # --- the job -------------------------------------------------------------------------------------------------------
