@@ -73,6 +73,9 @@ def check_settings(settings: ConvertSettings) -> None:
         raise ValueError(f"distill_weight must be >= 0, not {settings.distill_weight}.")
     if settings.teacher_tokens < 0:
         raise ValueError(f"teacher_tokens must be >= 0, not {settings.teacher_tokens}.")
+    if settings.non_attention_lr_scale <= 0:
+        raise ValueError(f"non_attention_lr_scale must be > 0, not {settings.non_attention_lr_scale} (freeze "
+                         "those weights with --recovery-trainable attention instead).")
     if settings.next_token_weight < 0:
         raise ValueError(f"next_token_weight must be >= 0, not {settings.next_token_weight}.")
     if settings.recovery != "none" and settings.next_token_weight == 0 and settings.distill_weight == 0:

@@ -69,6 +69,9 @@ class ConvertSettings:
     recovery_trainable: str = field(default="all", metadata={
         "help": "what full recovery trains: all | no-embeddings (the token embeddings and a tied output layer stay) "
                 "| attention (the attention projections alone)", "choices": RECOVERY_TRAINABLE})
+    non_attention_lr_scale: float = field(default=1.0, metadata={
+        "help": "recovery learning rate of the weights outside the attention, as a fraction of "
+                "--recovery-learning-rate (the attention is what the conversion changed)"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping of both stages"})
     warmup_steps: int = field(default=10, metadata={"help": "linear warm-up steps of each stage"})
     logging_steps: int = field(default=10, metadata={"help": "log loss and norms every N steps"})

@@ -99,7 +99,7 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
         model=model, args=_arguments(settings, folder, settings.recovery_steps, settings.recovery_learning_rate),
         train_dataset=train, eval_dataset=eval_sets, data_collator=transformers.default_data_collator,
         callbacks=[NormLoggerCallback()], teacher=teacher, distill_weight=settings.distill_weight,
-        next_token_weight=settings.next_token_weight,
+        next_token_weight=settings.next_token_weight, non_attention_lr_scale=settings.non_attention_lr_scale,
     )
     measured = _train(trainer, checkpoint, settings)
     if settings.recovery == "lora":

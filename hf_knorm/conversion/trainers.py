@@ -78,12 +78,17 @@ class DistillationTrainer(PerplexityTrainer):
         teacher: the original model (frozen, same tokenizer), or ``None``.
         distill_weight: the weight of the KL term.
         next_token_weight: the weight of the next-token loss (0: the KL alone).
+        non_attention_lr_scale: the learning rate of every weight outside the attention modules, as a fraction of
+            the learning rate (the attention is what the conversion changed; the rest keeps what it knows).
         **kwargs: ``Trainer`` arguments.
     """
 
     def __init__(self, *args, teacher: torch.nn.Module | None = None, distill_weight: float = 0.0,
-                 next_token_weight: float = 1.0, **kwargs):
+                 next_token_weight: float = 1.0, non_attention_lr_scale: float = 1.0, **kwargs):
         super().__init__(*args, **kwargs)
+        if non_attention_lr_scale <= 0:
+            raise ValueError(f"non_attention_lr_scale must be > 0, not {non_attention_lr_scale}.")
+        self.non_attention_lr_scale = non_attention_lr_scale
         if distill_weight < 0 or next_token_weight < 0:
             raise ValueError(f"distill_weight and next_token_weight must be >= 0, not {distill_weight} and "
                              f"{next_token_weight}.")
@@ -106,6 +111,27 @@ class DistillationTrainer(PerplexityTrainer):
             loss = loss + self.distill_weight * self._kl_scaled_like_the_loss(outputs.logits, target, inputs,
                                                                               num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
+
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer, each parameter group split in two: the attention modules' weights at the group's
+        rate, the others at ``non_attention_lr_scale`` times it (the schedule then scales both alike)."""
+        optimizer = super().create_optimizer(model)
+        if self.non_attention_lr_scale == 1.0:
+            return optimizer
+        from ..models.architectures import attention_modules
+
+        inside = {id(p) for _, module in attention_modules(self.model) for p in module.parameters()}
+        groups = []
+        for group in optimizer.param_groups:
+            settings = {key: value for key, value in group.items() if key != "params"}
+            attention = [p for p in group["params"] if id(p) in inside]
+            other = [p for p in group["params"] if id(p) not in inside]
+            groups += [{**settings, "params": attention}] if attention else []
+            groups += [{**settings, "params": other, "lr": group["lr"] * self.non_attention_lr_scale}] if other else []
+        optimizer.param_groups.clear()  # a new optimizer: no state yet
+        for group in groups:
+            optimizer.add_param_group(group)
+        return optimizer
 
     def _kl_scaled_like_the_loss(self, student_logits, teacher_logits, inputs, num_items_in_batch):
         """The KL per scored token, normalized exactly as ``Trainer.compute_loss`` normalizes the next-token loss.

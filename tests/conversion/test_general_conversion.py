@@ -131,6 +131,31 @@ def test_recovery_trains_what_recovery_trainable_names(trainable, frozen):
         assert all(".self_attn." in name for name in training)
 
 
+def test_weights_outside_the_attention_get_the_scaled_learning_rate_through_the_schedule(tmp_path):
+    import transformers as tf
+
+    from hf_knorm.conversion.trainers import DistillationTrainer
+
+    model = lm()
+    args = tf.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, learning_rate=1e-3,
+                                max_steps=4, warmup_steps=2, lr_scheduler_type="cosine")
+    trainer = DistillationTrainer(model=model, args=args, non_attention_lr_scale=0.1)
+    trainer.create_optimizer_and_scheduler(num_training_steps=4)
+    attention = {id(p) for name, p in model.named_parameters() if ".self_attn." in name}
+    rates = {}
+    for group in trainer.optimizer.param_groups:
+        kinds = {id(p) in attention for p in group["params"]}
+        assert len(kinds) == 1  # a group holds attention weights or others, never both
+        rates[kinds.pop()] = group["initial_lr"]
+    assert rates == {True: pytest.approx(1e-3), False: pytest.approx(1e-4)}
+    assert sum(len(group["params"]) for group in trainer.optimizer.param_groups) == len(list(model.parameters()))
+    trainer.lr_scheduler.step()
+    trainer.lr_scheduler.step()
+    attention_lr, other_lr = (group["lr"] for group in sorted(trainer.optimizer.param_groups,
+                                                               key=lambda g: -g["initial_lr"])[:2])
+    assert other_lr == pytest.approx(0.1 * attention_lr) and attention_lr == pytest.approx(1e-3)
+
+
 # --- the job -------------------------------------------------------------------------------------------------------
 
 def test_a_general_conversion_records_every_domain_the_probe_and_its_mixture(chat_lm_dir, cache, tmp_path):
