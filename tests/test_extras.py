@@ -89,6 +89,17 @@ def test_the_jobs_stop_with_the_extra_to_install(monkeypatch, tmp_path, capsys):
     without_logs = FinetuneSettings(model=str(tmp_path / "model"), out=str(tmp_path / "run"), report_to=("none",))
     assert check_settings(without_logs) is None  # TensorBoard is needed only to log to it
 
+    from hf_knorm.conversion.job import check_settings as check_conversion
+    from hf_knorm.conversion.settings import ConvertSettings
+
+    assert main(["convert", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "conversion")]) == 2
+    assert capsys.readouterr().err.startswith("hf-knorm convert: error: report_to tensorboard")
+    monkeypatch.setitem(sys.modules, "peft", None)
+    with pytest.raises(MissingExtraError, match=re.escape("--recovery lora needs peft")):
+        check_conversion(ConvertSettings(model=str(tmp_path / "model"), out=str(tmp_path / "c"), report_to=("none",),
+                                         recovery="lora"))
+    assert not (tmp_path / "conversion").exists() and not (tmp_path / "c").exists()  # nothing started
+
     monkeypatch.setitem(sys.modules, "sklearn", None)
     with pytest.raises(MissingExtraError, match=re.escape("needs scikit-learn, which is not installed: "
                                                           "pip install 'hf_knorm[train]'")):

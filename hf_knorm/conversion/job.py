@@ -50,6 +50,7 @@ def check_settings(settings: ConvertSettings) -> None:
     Raises:
         ValueError: an unknown or softmax normalization, a bad number, a run folder in the wrong state.
         FileNotFoundError: a missing data file or model folder.
+        MissingExtraError: TensorBoard logs or LoRA asked for and their package not installed (the ``train`` extra).
     """
     if parse_normalization(settings.normalization).is_softmax:
         raise ValueError("Converting to softmax changes nothing: the original model is softmax. Pass another "
@@ -86,6 +87,12 @@ def check_settings(settings: ConvertSettings) -> None:
 
     for name in settings.domains():
         domain(name)
+    from ..extras import require
+
+    if "tensorboard" in settings.integrations():
+        require("tensorboard", "report_to tensorboard (the default; --report-to none turns it off)")
+    if settings.recovery == "lora":
+        require("peft", "--recovery lora")
     check_sources(settings.dataset if settings.dataset != GENERAL else "paul-graham", settings.eval_dataset,
                   settings.model)
     out = Path(settings.out)
