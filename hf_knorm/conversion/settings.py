@@ -78,6 +78,9 @@ class ConvertSettings:
     save_steps: int = field(default=50, metadata={"help": "checkpoint every N steps"})
     max_blocks: int | None = field(default=None, metadata={"help": "use at most N training blocks"})
     seed: int = field(default=0, metadata={"help": "random seed"})
+    bf16: bool = field(default=False, metadata={
+        "help": "mixed precision in bf16 (TrainingArguments(bf16=True): autocast on CPU and GPU; the attention "
+                "kernel computes its normalization in fp32)"})
     probe: bool = field(default=True, metadata={
         "help": "ask the ability probe (40 greedy answers) of the original and the converted model"})
     report_to: tuple[str, ...] = field(default=("tensorboard",), metadata={

@@ -17,6 +17,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from ..models.patching import patch
 from ..training.callback import NormLoggerCallback
 from ..training.heldout import perplexity_curve
+from ..training.precision import precision_arguments
 from .settings import ConvertSettings
 from .state import write_state
 from .trainers import DistillationTrainer, TransferTrainer
@@ -138,6 +139,7 @@ def _arguments(settings: ConvertSettings, folder: Path, steps: int, learning_rat
         lr_scheduler_type="cosine",
         weight_decay=0.0,
         max_grad_norm=settings.max_grad_norm,
+        **precision_arguments(settings.bf16),
         logging_steps=settings.logging_steps,
         save_steps=settings.save_steps,
         save_total_limit=1,

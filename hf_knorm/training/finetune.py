@@ -64,6 +64,9 @@ class FinetuneSettings:
     warmup_steps: int = field(default=10, metadata={"help": "linear warmup steps"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     seed: int = field(default=0, metadata={"help": "random seed (weights of new layers, data order)"})
+    bf16: bool = field(default=False, metadata={
+        "help": "mixed precision in bf16 (TrainingArguments(bf16=True): autocast on CPU and GPU; the attention "
+                "kernel computes its normalization in fp32)"})
     logging_steps: int = field(default=10, metadata={"help": "log the loss and the per-layer norms every N steps"})
     save_steps: int = field(default=50, metadata={"help": "a checkpoint every N steps (the last two are kept)"})
     max_blocks: int | None = field(default=None, metadata={"help": "use at most N blocks of the dataset"})
@@ -122,6 +125,7 @@ def run_finetune(settings: FinetuneSettings) -> dict:
     from .heldout import (PerplexityTrainer, evaluation_record, held_out_perplexity, perplexity_curve,
                           training_and_held_out)
     from .history import HISTORY_FILE
+    from .precision import precision_arguments
     from .norm_figure import plot_norm_history
 
     checkpoint = check_settings(settings)
@@ -154,6 +158,7 @@ def run_finetune(settings: FinetuneSettings) -> dict:
         learning_rate=settings.learning_rate,
         warmup_steps=settings.warmup_steps,
         weight_decay=settings.weight_decay,
+        **precision_arguments(settings.bf16),
         logging_steps=settings.logging_steps,
         save_steps=settings.save_steps,
         save_total_limit=2,

@@ -187,3 +187,22 @@ def test_a_tokenizer_without_a_chat_template_is_refused_before_the_model_loads(t
     char_tokenizer().save_pretrained(folder)
     with pytest.raises(ValueError, match="no chat template.*--no-probe"):
         run_convert(ConvertSettings(model=str(folder), out=str(tmp_path / "run"), eval_domains=("none",)))
+
+
+def test_a_bf16_conversion_trains_under_autocast_and_saves_an_fp32_model(chat_lm_dir, tmp_path):
+    import torch
+
+    out = tmp_path / "bf16"
+    summary = run_convert(ConvertSettings(
+        model=str(chat_lm_dir), out=str(out), dataset="paul-graham", eval_domains=("essays",), probe=False, bf16=True,
+        block_size=32, batch_size=2, eval_tokens=64, eval_steps=2, transfer_steps=2, recovery_steps=2, max_blocks=16,
+        logging_steps=1, save_steps=2, warmup_steps=0, report_to=("none",)))
+    losses = [entry["loss"] for entry in json.loads((out / "recovery" / "checkpoint-2" / "trainer_state.json")
+                                                     .read_text())["log_history"] if "loss" in entry]
+    assert losses and all(map(lambda value: value == value and abs(value) < 1e4, losses))  # finite
+    for stage in ("transfer", "recovery"):
+        arguments = torch.load(out / stage / "checkpoint-2" / "training_args.bin", weights_only=False)
+        assert arguments.bf16 and arguments.use_cpu == (not torch.cuda.is_available())
+    assert summary["evaluation"]["perplexity"] < summary["stages"]["transfer"]["curves"]["essays"][0][2]
+    reloaded = hf_knorm.from_pretrained(out)
+    assert all(parameter.dtype == torch.float32 for parameter in reloaded.parameters())  # autocast keeps fp32 weights
