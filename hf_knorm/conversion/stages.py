@@ -165,9 +165,8 @@ def _train(trainer, checkpoint: str | None, settings: ConvertSettings) -> dict:
     evaluating = sum(entry.get("eval_runtime", 0.0) for entry in history if entry.get("step", 0) >= first)
     steps = trainer.state.global_step - first
     training_seconds = max(elapsed - evaluating, 1e-9)
-    names = trainer.eval_dataset.keys() if isinstance(trainer.eval_dataset, dict) else [None]
-    curves = {name: perplexity_curve(history, tokens_per_step, f"eval_{name}_perplexity" if name else "eval_perplexity")
-              for name in names}
+    curves = {name: perplexity_curve(history, tokens_per_step, f"eval_{name}_perplexity")
+              for name in trainer.eval_dataset}  # a dict of held-out sets
     return {
         "curves": curves,
         "grad_norms": [[entry["step"], entry["grad_norm"]] for entry in history if "grad_norm" in entry],
