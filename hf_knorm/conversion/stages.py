@@ -1,8 +1,9 @@
 """The two stages of a conversion, each a Trainer run in its own folder with held-out evaluation and norm logging.
 
-Each stage records in the run's state (``convert_state.json``) what it measured: its held-out perplexity curve
-(``[step, training tokens, perplexity]``), trainable parameters, training tokens and tokens per second (training
-time without the evaluations). A finished stage is marked ``done`` and is not run again on resume.
+Each stage records in the run's state (``convert_state.json``) what it measured: its held-out perplexity curve per
+held-out set (``curves``: ``{set: [[step, training tokens, perplexity], ...]}``), its gradient norms, trainable
+parameters, training tokens and tokens per second (training time without the evaluations). A finished stage saves its
+model (``transfer/model``, ``recovery/model``), then is marked ``done``, and is not run again on resume.
 """
 
 from __future__ import annotations
