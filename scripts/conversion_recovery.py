@@ -60,6 +60,11 @@ def common(args) -> dict:
                 seed=args.seed)
 
 
+def conversion_fields() -> dict:
+    """What convert takes beyond :func:`common`: this script's protocol, one held-out text (the essays), no probe."""
+    return dict(eval_domains=("essays",), probe=False)
+
+
 # --- the arms ----------------------------------------------------------------------------------------------------
 
 def run_softmax(args, out: Path) -> None:
@@ -107,7 +112,8 @@ def run_normalization(args, out: Path, normalization: str) -> None:
             shutil.copy(root / "transfer" / "convert_state.json", folder / "convert_state.json")
             resume = True
         print(f"=== {normalization} {arm}", flush=True)
-        convert(**common(args), normalization=normalization, out=str(folder), resume=resume, **fields)
+        convert(**common(args), **conversion_fields(), normalization=normalization, out=str(folder), resume=resume,
+                **fields)
         write_continuations(folder, "convert.json")
 
 
