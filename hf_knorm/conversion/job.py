@@ -36,6 +36,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..attention.normalizations import parse_normalization
+from ..evaluation.domains import domain
+from ..extras import require
 from ..training.finetune import check_sources
 from .mixture import GENERAL
 from .settings import RECOVERY_MODES, RECOVERY_TRAINABLE, SCALE_FOLDS, ConvertSettings
@@ -65,30 +67,19 @@ def check_settings(settings: ConvertSettings) -> None:
     for name in ("block_size", "batch_size", "eval_tokens", "eval_steps", "logging_steps", "save_steps", "lora_rank"):
         if getattr(settings, name) < 1:
             raise ValueError(f"{name} must be at least 1, not {getattr(settings, name)}.")
-    for name in ("transfer_steps", "recovery_steps", "warmup_steps"):
+    for name in ("transfer_steps", "recovery_steps", "warmup_steps", "teacher_tokens", "distill_weight",
+                 "next_token_weight"):
         if getattr(settings, name) < 0:
             raise ValueError(f"{name} must be >= 0, not {getattr(settings, name)}.")
     if settings.transfer_steps == 0 and (settings.recovery == "none" or settings.recovery_steps == 0):
         raise ValueError("Both stages are off (transfer_steps 0, no recovery): there is nothing to convert.")
-    if settings.distill_weight < 0:
-        raise ValueError(f"distill_weight must be >= 0, not {settings.distill_weight}.")
-    if settings.teacher_tokens < 0:
-        raise ValueError(f"teacher_tokens must be >= 0, not {settings.teacher_tokens}.")
     if settings.non_attention_lr_scale <= 0:
         raise ValueError(f"non_attention_lr_scale must be > 0, not {settings.non_attention_lr_scale} (freeze "
                          "those weights with --recovery-trainable attention instead).")
-    if settings.next_token_weight < 0:
-        raise ValueError(f"next_token_weight must be >= 0, not {settings.next_token_weight}.")
     if settings.recovery != "none" and settings.next_token_weight == 0 and settings.distill_weight == 0:
         raise ValueError("Recovery with next_token_weight 0 and distill_weight 0 has no loss: raise either.")
-    if settings.dataset == GENERAL and settings.teacher_tokens == 0 and settings.max_blocks == 0:
-        raise ValueError("The general mixture needs teacher tokens or essays.")
-    from ..evaluation.domains import domain
-
     for name in settings.domains():
         domain(name)
-    from ..extras import require
-
     if "tensorboard" in settings.integrations():
         require("tensorboard", "report_to tensorboard (the default; --report-to none turns it off)")
     if settings.recovery == "lora":
