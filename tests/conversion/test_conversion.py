@@ -269,6 +269,11 @@ def test_lora_adapters_merge_into_an_identical_plain_model():
     ({"transfer_steps": 0, "recovery": "none"}, "nothing to convert"),
     ({"eval_tokens": 100_000}, "fewer than the"),
     ({"resume": True}, "no conversion to continue"),
+    ({"eval_domains": ("poetry",)}, "Unknown held-out domain 'poetry'"),
+    ({"next_token_weight": 0, "distill_weight": 0}, "has no loss"),
+    ({"non_attention_lr_scale": 0}, "non_attention_lr_scale must be > 0"),
+    ({"recovery_trainable": "mlp"}, "recovery_trainable must be one of all, no-embeddings, attention"),
+    ({"teacher_tokens": -1}, "teacher_tokens must be >= 0"),
 ])
 def test_bad_input_is_refused_before_training(tiny_lm_dir, texts, tmp_path, overrides, message):
     out = tmp_path / "run"
