@@ -221,15 +221,23 @@ def _training_data(settings: ConvertSettings, tokenizer):
 
 
 def _general_training_data(model, tokenizer, model_dir: Path, settings: ConvertSettings):
-    """``(training blocks, description)`` of the general mixture (:mod:`.mixture`), sampling the teacher texts once."""
+    """``(training blocks, description)`` of the general mixture (:mod:`.mixture`), sampling the teacher texts once:
+    the essays packed into blocks, the teacher samples packed with them or one example each (from position 0)."""
     import datasets
 
-    from ..training.text_data import pack_dataset
+    from ..training.text_data import pack_dataset, sequence_dataset
     from .mixture import general_mixture
 
     texts, description = general_mixture(model, tokenizer, model_dir, settings.teacher_tokens)  # one fixed sample
-    train = pack_dataset(datasets.Dataset.from_dict({"text": texts}), tokenizer, settings.block_size,
-                         max_blocks=settings.max_blocks)
+    packed = texts["essays"] + (texts["teacher_samples"] if settings.pack_teacher_samples else [])
+    train = pack_dataset(datasets.Dataset.from_dict({"text": packed}), tokenizer, settings.block_size)
+    if not settings.pack_teacher_samples and texts["teacher_samples"]:
+        train = train.add_column("attention_mask", [[1] * settings.block_size] * len(train))
+        samples = sequence_dataset(datasets.Dataset.from_dict({"text": texts["teacher_samples"]}), tokenizer,
+                                   settings.block_size)
+        train = datasets.concatenate_datasets([train, samples.cast(train.features)])
+    if settings.max_blocks is not None and len(train) > settings.max_blocks:
+        train = train.shuffle(seed=settings.seed).select(range(settings.max_blocks))
     return train, dict(description, blocks=len(train))
 
 

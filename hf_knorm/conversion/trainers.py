@@ -107,7 +107,8 @@ class DistillationTrainer(PerplexityTrainer):
             loss = self.next_token_weight * loss
         if self.teacher is not None and model.training:
             with torch.no_grad():
-                target = self.teacher(input_ids=inputs["input_ids"], use_cache=False).logits  # (B, N, V)
+                target = self.teacher(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
+                                      use_cache=False).logits  # (B, N, V)
             loss = loss + self.distill_weight * self._kl_scaled_like_the_loss(outputs.logits, target, inputs,
                                                                               num_items_in_batch)
         return (loss, outputs) if return_outputs else loss

@@ -176,6 +176,25 @@ def pack_dataset(dataset, tokenizer, block_size: int, text_column: str = "text",
     return packed
 
 
+def sequence_dataset(dataset, tokenizer, block_size: int, text_column: str = "text"):
+    """One example per text, from the text's first token: ``input_ids``, ``attention_mask`` and ``labels``, each
+    ``(block_size,)``; a text is cut at ``block_size`` tokens and padded on the right (mask 0, label ``-100``).
+
+    Packing (:func:`pack_dataset`) starts a block anywhere in a text; here every example starts where its text does,
+    at position 0, as a prompt does.
+    """
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def encode(batch):
+        rows = [ids[:block_size] for ids in tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]]
+        padding = [block_size - len(row) for row in rows]
+        return {"input_ids": [row + [pad] * n for row, n in zip(rows, padding)],
+                "attention_mask": [[1] * len(row) + [0] * n for row, n in zip(rows, padding)],
+                "labels": [row + [-100] * n for row, n in zip(rows, padding)]}
+
+    return dataset.map(encode, batched=True, remove_columns=dataset.column_names, desc="one example per text")
+
+
 def model_max_length(config) -> int | None:
     """The longest sequence the model's positions allow (``None`` when the config does not say)."""
     for name in ("max_position_embeddings", "n_positions", "n_ctx"):

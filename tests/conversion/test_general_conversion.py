@@ -64,13 +64,36 @@ def test_teacher_samples_are_drawn_once_then_read_from_the_cache_with_their_cost
 def test_the_general_mixture_holds_teacher_samples_and_the_training_essays(chat_lm_dir, cache):
     from hf_knorm.assets.texts import paul_graham_essays
 
-    texts, description = general_mixture(lm().eval(), chat_tokenizer(), chat_lm_dir, 300)
+    tokenizer = chat_tokenizer()
+    texts, description = general_mixture(lm().eval(), tokenizer, chat_lm_dir, 300)
     parts = description["parts"]
-    assert parts["essays"]["texts"] == 40 and parts["teacher_samples"]["texts"] >= 2
-    assert len(texts) == parts["essays"]["texts"] + parts["teacher_samples"]["texts"]
-    held_out_essays = paul_graham_essays()[40:]
-    assert not set(held_out_essays) & set(texts)  # the essays domain stays held out
+    assert parts["essays"]["texts"] == len(texts["essays"]) == 40
+    assert parts["teacher_samples"]["texts"] == len(texts["teacher_samples"]) >= 2
+    assert parts["teacher_samples"]["tokens"] == sum(len(tokenizer(t)["input_ids"]) for t in texts["teacher_samples"])
+    assert not set(paul_graham_essays()[40:]) & set(texts["essays"])  # the essays domain stays held out
     assert description["teacher_sampling"]["asked"] == 300
+
+
+def test_unpacked_teacher_samples_start_at_position_zero_and_pad_without_loss(chat_lm_dir, cache):
+    import datasets
+
+    from hf_knorm.conversion.job import _general_training_data
+    from hf_knorm.training.text_data import sequence_dataset
+
+    tokenizer = chat_tokenizer()
+    examples = sequence_dataset(datasets.Dataset.from_dict({"text": ["abc", "x" * 40]}), tokenizer, 8)
+    assert examples["input_ids"][0][:3] == tokenizer("abc")["input_ids"] and examples["labels"][0][3:] == [-100] * 5
+    assert examples["attention_mask"][0] == [1, 1, 1, 0, 0, 0, 0, 0] and examples["attention_mask"][1] == [1] * 8
+    settings = ConvertSettings(model=str(chat_lm_dir), teacher_tokens=300, block_size=32, pack_teacher_samples=False)
+    train, description = _general_training_data(lm().eval(), tokenizer, chat_lm_dir, settings)
+    samples = description["parts"]["teacher_samples"]["texts"]
+    starts = [row[:5] for row in train["input_ids"][-samples:]]
+    assert starts[0] == tokenizer(teacher_text.OPENINGS[0])["input_ids"][:5]  # the first sample, from its first token
+    assert all(len(row) == 32 for row in train["input_ids"]) and set(train.column_names) == {
+        "input_ids", "attention_mask", "labels"}
+    packed, _ = _general_training_data(lm().eval(), tokenizer, chat_lm_dir,
+                                       ConvertSettings(model=str(chat_lm_dir), teacher_tokens=300, block_size=32))
+    assert "attention_mask" not in packed.column_names and all(-100 not in row for row in packed["labels"])
 
 
 # --- held-out domains ----------------------------------------------------------------------------------------------
@@ -164,7 +187,8 @@ def test_a_general_conversion_records_every_domain_the_probe_and_its_mixture(cha
     settings = ConvertSettings(
         model=str(chat_lm_dir), out=str(out), teacher_tokens=300, eval_domains=("plays", "conversation"),
         block_size=32, batch_size=2, eval_tokens=64, eval_steps=2, transfer_steps=2, recovery_steps=2,
-        logging_steps=1, save_steps=2, warmup_steps=0, report_to=("none",), recovery_trainable="no-embeddings")
+        logging_steps=1, save_steps=2, warmup_steps=0, report_to=("none",), recovery_trainable="no-embeddings",
+        pack_teacher_samples=False)
     summary = run_convert(settings)
     record = json.loads((out / RESULT_FILE).read_text())
     evaluation = record["evaluation"]
