@@ -30,9 +30,9 @@ class ConvertSettings:
                 "paul-graham | local file(s), comma-separated | a datasets name"})
     teacher_tokens: int = field(default=65536, metadata={
         "help": "tokens the original model samples for the general mixture (generated once, then cached)"})
-    pack_teacher_samples: bool = field(default=True, metadata={
-        "help": "pack the teacher samples into blocks with the essays (--no-pack-teacher-samples: each sample is one "
-                "example from position 0, padded, as a prompt starts)"})
+    pack_teacher_samples: bool = field(default=False, metadata={
+        "help": "pack the teacher samples into blocks with the essays (default: each sample is one example from "
+                "position 0, padded, as a prompt starts)"})
     normalization: str = field(default="x^3/16", metadata={"help": "the normalization to convert to (not softmax)"})
     out: str = field(default="outputs/convert", metadata={
         "help": "run folder: each stage's checkpoints and logs, the converted model, convert.json"})
