@@ -92,7 +92,8 @@ def test_unpacked_teacher_samples_start_at_position_zero_and_pad_without_loss(ch
     assert all(len(row) == 32 for row in train["input_ids"]) and set(train.column_names) == {
         "input_ids", "attention_mask", "labels"}
     packed, _ = _general_training_data(lm().eval(), tokenizer, chat_lm_dir,
-                                       ConvertSettings(model=str(chat_lm_dir), teacher_tokens=300, block_size=32))
+                                       ConvertSettings(model=str(chat_lm_dir), teacher_tokens=300, block_size=32,
+                                                       pack_teacher_samples=True))
     assert "attention_mask" not in packed.column_names and all(-100 not in row for row in packed["labels"])
 
 
