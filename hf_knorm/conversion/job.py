@@ -95,6 +95,8 @@ def check_settings(settings: ConvertSettings) -> None:
         raise ValueError(f"{out} holds an interrupted conversion: pass --resume to continue it, or another --out.")
     if settings.resume and not started:
         raise ValueError(f"--resume: {out} holds no conversion to continue ({STATE_FILE} is missing).")
+    if settings.resume:
+        _check_same_run(read_state(out), settings)
 
 
 def convert(settings: ConvertSettings | None = None, **fields) -> dict:
@@ -153,7 +155,6 @@ def run_convert(settings: ConvertSettings) -> dict:
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     state = read_state(out)
-    _check_same_run(state, settings)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     if settings.dataset == GENERAL:
         train, mixture = _general_training_data(model, tokenizer, model_dir, settings)
@@ -162,7 +163,7 @@ def run_convert(settings: ConvertSettings) -> dict:
                                         for name, blocks in eval_sets.items()}
         if settings.probe:
             state["original_probe"] = [asdict(answer) for answer in _probe(model, tokenizer)]
-        state["settings"] = json.loads(json.dumps(asdict(settings), default=str))
+        state["settings"] = _settings_record(settings)
         write_state(out, state)
     teacher = copy.deepcopy(model).eval() if settings.distill_weight > 0 and settings.recovery != "none" else None
 
@@ -183,8 +184,13 @@ def run_convert(settings: ConvertSettings) -> dict:
     return summary
 
 
-RESUMABLE_FIELDS = ("resume", "out", "report_to", "logging_steps", "save_steps", "probe")
+RESUMABLE_FIELDS = ("resume", "out", "report_to", "logging_steps", "save_steps")
 """Settings a resumed run may change: they do not shape the converted model."""
+
+
+def _settings_record(settings: ConvertSettings) -> dict:
+    """The settings as ``convert_state.json`` stores them (JSON values: tuples become lists)."""
+    return json.loads(json.dumps(asdict(settings), default=str))
 
 
 def _check_same_run(state: dict, settings: ConvertSettings) -> None:
@@ -192,7 +198,7 @@ def _check_same_run(state: dict, settings: ConvertSettings) -> None:
     stored = state.get("settings")
     if not stored:
         return
-    now = json.loads(json.dumps(asdict(settings), default=str))
+    now = _settings_record(settings)
     changed = [name for name in now if name not in RESUMABLE_FIELDS and stored.get(name) != now[name]]
     if changed:
         details = ", ".join(f"{name}: {stored.get(name)!r} then, {now[name]!r} now" for name in changed)
