@@ -42,7 +42,7 @@ class DemoSettings:
         "help": "step 4: ask the ability probe (40 greedy answers) before and after the conversion"})
     logging_steps: int = field(default=5, metadata={"help": "step 4: per-layer norms every N steps"})
     full_conversion: bool = field(default=False, metadata={
-        "help": "step 4: convert with hf-knorm convert's full defaults (24 minutes on 2 cores) instead of the demo's "
+        "help": "step 4: convert with hf-knorm convert's full defaults (BENCHMARKS.md has their time) instead of the demo's "
                 "shortened schedule"})
 
     def __post_init__(self):
