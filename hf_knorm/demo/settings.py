@@ -42,8 +42,8 @@ class DemoSettings:
         "help": "step 4: ask the ability probe (40 greedy answers) before and after the conversion"})
     logging_steps: int = field(default=5, metadata={"help": "step 4: per-layer norms every N steps"})
     full_conversion: bool = field(default=False, metadata={
-        "help": "step 4: convert with hf-knorm convert's full defaults (BENCHMARKS.md has their time) instead of the demo's "
-                "shortened schedule"})
+        "help": "step 4: convert with hf-knorm convert's full defaults (BENCHMARKS.md has their time) instead of "
+                "the demo's shortened schedule"})
 
     def __post_init__(self):
         from ..knorm.scores import resolve_score
