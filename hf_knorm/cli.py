@@ -239,9 +239,10 @@ def _run_convert(settings: ConvertSettings, args: argparse.Namespace) -> int:
     evaluation = summary["evaluation"]
     print(f"converted model ({summary['normalization']}): {settings.out}")
     for name, record in evaluation["domains"].items():
-        print(f"  held-out {name}: perplexity {record['perplexity']:.4g} (original {record['original_perplexity']:.4g}, "
-              f"{record['ratio_to_original']:.3g}x)")
-    print(f"  headline (the worst set, {evaluation['worst_domain']}): {evaluation['ratio_to_original']:.3g}x the original")
+        print(f"  held-out {name}: perplexity {record['perplexity']:.4g} "
+              f"(original {record['original_perplexity']:.4g}, {record['ratio_to_original']:.3g}x)")
+    print(f"  headline (the worst set, {evaluation['worst_domain']}): "
+          f"{evaluation['ratio_to_original']:.3g}x the original")
     if "probe" in summary:
         print(f"  ability probe: {summary['probe']['agreement']:.0%} of the original's answers reproduced")
     print(f"report: {Path(settings.out) / 'convert.json'}")

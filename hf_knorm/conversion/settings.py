@@ -46,7 +46,8 @@ class ConvertSettings:
         "help": "held-out domains, comma-separated (hf_knorm.evaluation.domains; none: no domain); the headline "
                 "figure is the worst held-out set"})
     eval_fraction: float = field(default=0.1, metadata={"help": "share of texts held out of other datasets"})
-    eval_tokens: int = field(default=4096, metadata={"help": "held-out tokens of each domain scored at each evaluation"})
+    eval_tokens: int = field(default=4096, metadata={
+        "help": "held-out tokens of each domain scored at each evaluation"})
     eval_steps: int = field(default=50, metadata={"help": "evaluate every N steps of each stage (and at its start)"})
     block_size: int = field(default=256, metadata={"help": "tokens per example"})
     batch_size: int = field(default=4, metadata={"help": "examples per step"})

@@ -39,7 +39,8 @@ OPENINGS = (
     "The old man looked at the sea and", "A database index speeds up queries by",
     "The French Revolution began in 1789 when", "Birds migrate south in the winter because",
     "The interview started with a simple question:", "To be a good teacher, one must",
-    "The city council voted yesterday to", "Jupiter is the largest planet", "The detective examined the room carefully.",
+    "The city council voted yesterday to", "Jupiter is the largest planet",
+    "The detective examined the room carefully.",
     "Music has been part of every human culture", "The recipe calls for two cups of flour,",
     "Renewable energy sources include", "The first step in writing an essay is", "The train was late again, so",
     "Vaccines work by", "In the year 2050, cities will", "The history of the internet",
@@ -84,7 +85,8 @@ def teacher_samples(model, tokenizer, tokens: int, model_dir: Path, seed: int = 
         ValueError: the tokenizer has no chat template.
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("Teacher samples ask instructions through the chat template, and this tokenizer has no chat template.")
+        raise ValueError("Teacher samples ask instructions through the chat template, and this tokenizer has no "
+                         "chat template.")
     path = cache_path(model_dir, tokens, seed)
     if path.is_file():
         return [json.loads(line)["text"] for line in path.read_text().splitlines()]
