@@ -2,7 +2,8 @@
 
 Registered under the name ``"hf_knorm"`` (``registration.py``). Each model reads its normalization from its own config
 (``config.hf_knorm["normalization"]``), so two models in one process can use different normalizations. The math is in
-``kernel.py``; this module adapts Transformers' arguments to it (mask forms, kwargs, output recording) and
+``kernel.py`` (any normalization, quadratic time) and ``linear_kernel.py`` (``p = 1``, linear time; ``paths.py``
+chooses); this module adapts Transformers' arguments to it (mask forms, kwargs, output recording) and
 reports to an active norm recorder or K/V transform.
 """
 
@@ -12,8 +13,10 @@ import torch
 
 from ..compat import attentions_being_collected
 from .kernel import chunked_attention
+from .linear_kernel import linear_attention
 from .normalizations import Normalization, parse_normalization
-from .taps import current_kv_transform, current_recorder
+from .paths import choose_path, note_path
+from .taps import current_kv_transform, current_recorder, take_state_for
 
 ATTENTION_NAME = "hf_knorm"
 
@@ -44,6 +47,7 @@ def hf_knorm_attention(
         ``(output (B, q, H_q, D), weights (B, H_q, q, kv) or None)``; weights only when attentions are recorded.
     """
     normalization = normalization_of(module)
+    handover = take_state_for(key)
     transform = current_kv_transform()
     if transform is not None:
         key, value = transform(module, key, value)
@@ -52,20 +56,34 @@ def hf_knorm_attention(
     if recorder is not None:
         frobenius_sq = query.new_zeros(query.shape[0], key.shape[1], query.shape[1] // key.shape[1], dtype=torch.float32)
     allowed, bias = split_mask(attention_mask)
-    output, weights = chunked_attention(
-        query,
-        key,
-        value,
-        allowed,
-        normalization,
-        bias=bias,
-        scaling=scaling,
-        softcap=kwargs.get("softcap"),
-        dropout=dropout if module.training else 0.0,
-        causal=bool(kwargs.get("is_causal", getattr(module, "is_causal", False))),
-        return_weights=_attentions_requested(kwargs),
-        frobenius_sq=frobenius_sq,
-    )
+    causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
+    softcap = kwargs.get("softcap")
+    dropout = dropout if module.training else 0.0
+    return_weights = _attentions_requested(kwargs)
+    path = choose_path(normalization, query.shape[2], key.shape[2], allowed, bias, causal=causal, softcap=softcap,
+                       dropout=dropout, return_weights=return_weights, has_state=handover is not None)
+    note_path(path, module)
+    if handover is not None and not path.linear:
+        raise ValueError(f"A recurrent state cache decodes with linear attention only, and this call cannot: "
+                         f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")
+    weights = None
+    if path.linear:
+        if allowed is None and causal and query.shape[2] > 1:  # top-left causal, keys cut to the queries (sdpa's rule)
+            key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
+        state, count = handover.read() if handover is not None else (None, None)
+        result = linear_attention(query, key, value, path.key_valid, normalization, scaling=scaling,
+                                  initial_state=state, initial_count=count, frobenius_sq=frobenius_sq,
+                                  return_state=handover is not None)
+        if handover is not None:
+            output, state, count = result
+            handover.write(state, count)
+        else:
+            output = result
+    else:
+        output, weights = chunked_attention(
+            query, key, value, allowed, normalization, bias=bias, scaling=scaling, softcap=softcap, dropout=dropout,
+            causal=causal, return_weights=return_weights, frobenius_sq=frobenius_sq,
+        )
     if recorder is not None:
         recorder.record(module, key, value, allowed, frobenius_sq.reshape(query.shape[0], query.shape[1]))
     return output, weights

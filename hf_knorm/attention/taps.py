@@ -1,4 +1,4 @@
-"""Taps: the two context-local hooks the plugin's attention function reads on every call.
+"""Taps: the context-local hooks the plugin's attention function reads on every call.
 
 - A **norm recorder** (any object with ``record(module, key, value, allowed, frobenius_sq)``, in practice
   :class:`hf_knorm.norms.statistics.NormRecorder`): the attention computes the squared Frobenius norm of each
@@ -7,8 +7,11 @@
   ``fn(module, key, value)`` before attending. Shapes: ``(B, H_kv, kv, D)`` in and out. This is how a perplexity
   evaluation makes attention really read quantized or low-rank K/V in a single forward pass (Transformers' own
   ``QuantizedCache`` hands attention the unquantized states at prefill).
+- A **recurrent-state handover** (``hand_over_state`` / ``take_state_for``): a cache that keeps a linear-attention
+  state instead of K and V (:class:`hf_knorm.recurrent.cache.RecurrentStateCache`) hands a layer's state to the
+  attention call that follows its ``update``; see the section at the end.
 
-Both live here, below everything that uses them, so that the attention never imports the layers built on it. The
+All live here, below everything that uses them, so that the attention never imports the layers built on it. The
 model must be routed through the plugin: :func:`hf_knorm.norms.recording.routed_through_plugin` does it for a model
 that is not patched.
 """
@@ -67,3 +70,43 @@ class KVTransform:
 
     def __exit__(self, *exc) -> None:
         _TRANSFORM.reset(self._token)
+
+
+# --- the recurrent-state handover ------------------------------------------------------------------------------------
+# A cache that keeps a linear-attention state instead of K and V (:class:`hf_knorm.recurrent.cache.RecurrentStateCache`)
+# receives each layer's new keys and values in ``Cache.update``, right before the model calls the attention with the
+# tensors ``update`` returned. The cache hands the layer's state over here; the attention takes it, recognising its own
+# call by the identity of the key tensor, computes with the state and writes the new state back.
+
+
+class StateHandover(Protocol):
+    """What a recurrent cache layer hands over: the ``key`` tensor its ``update`` returned (to pair the call), the
+    state before these keys ``(B, H_kv, D, D_v)`` and the count of valid keys ``(B,)``, and where to put the new ones."""
+
+    key: torch.Tensor
+
+    def read(self) -> tuple[torch.Tensor | None, torch.Tensor | None]: ...
+
+    def write(self, state: torch.Tensor, count: torch.Tensor) -> None: ...
+
+
+_HANDOVER: contextvars.ContextVar[StateHandover | None] = contextvars.ContextVar("hf_knorm_state", default=None)
+
+
+def hand_over_state(handover: StateHandover | None) -> None:
+    """Make ``handover`` the one the next attention call takes (``None`` clears it)."""
+    _HANDOVER.set(handover)
+
+
+def pending_handover() -> StateHandover | None:
+    """The handover no attention has taken yet, if any."""
+    return _HANDOVER.get()
+
+
+def take_state_for(key: torch.Tensor) -> StateHandover | None:
+    """The pending handover if it was made for this ``key`` tensor (then it is cleared), else ``None``."""
+    handover = _HANDOVER.get()
+    if handover is None or handover.key is not key:
+        return None
+    _HANDOVER.set(None)
+    return handover

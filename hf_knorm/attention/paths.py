@@ -1,0 +1,136 @@
+"""Which kernel computes an attention call: the linear path or the quadratic one, and a log of which ran.
+
+The linear path (:mod:`.linear_kernel`) computes ``x/c`` and ``x/sqrtN`` (``p = 1``) in time linear in the sequence
+length. It is chosen automatically when it computes exactly what the quadratic kernel (:mod:`.kernel`) would:
+
+- the normalization has ``p = 1``;
+- the mask is causal (bottom-right, as with a cache) with padded keys at most: no sliding window, no packed sequences,
+  no bidirectional attention, no additive float bias;
+- no softcap, no attention dropout in training, no request for the attention weights;
+- at least :data:`LINEAR_MIN_QUERIES` queries (below that the quadratic kernel is faster: one decoded token reads a
+  K/V cache in ``O(N * D)``, the linear form needs ``O(N * D^2)``), or a recurrent state to continue.
+
+Which path ran is visible: ``with attention_paths() as paths:`` counts the calls per path (``paths["linear"]``,
+``paths["quadratic"]``), and the ``hf_knorm.attention`` logger says at DEBUG level why a call took the quadratic path.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import weakref
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from .linear_kernel import is_linear
+from .normalizations import Normalization
+
+LINEAR_MIN_QUERIES = 128
+"""Fewest queries for which the linear path is chosen without a recurrent state (read at call time). The crossover
+with the quadratic kernel on the SmolLM2 layer (BENCHMARKS.md, "Linear-time x/1"): 1.44x the quadratic time at 64
+tokens, 1.03x at 128, 0.58x at 256."""
+
+logger = logging.getLogger("hf_knorm.attention")
+
+_PATHS: contextvars.ContextVar[Counter | None] = contextvars.ContextVar("hf_knorm_attention_paths", default=None)
+_MASK_CHECK_ROWS = 1024
+_last_mask_check: tuple | None = None  # (weakref to the mask, q, kv, key validity): one check per forward, not per layer
+
+
+@dataclass(frozen=True)
+class Path:
+    """The kernel for one call. ``key_valid``: ``(B or 1, kv)`` bool for the linear path (``None`` = all valid);
+    ``reason``: why the linear path was not taken (empty when it was)."""
+
+    linear: bool
+    key_valid: torch.Tensor | None = None
+    reason: str = ""
+
+    @property
+    def name(self) -> str:
+        return "linear" if self.linear else "quadratic"
+
+
+def choose_path(normalization: Normalization, q_len: int, kv_len: int, allowed: torch.Tensor | None,
+                bias: torch.Tensor | None, *, causal: bool, softcap: float | None, dropout: float,
+                return_weights: bool, has_state: bool) -> Path:
+    """The path for one call (see the module docstring); ``allowed``/``bias`` as the kernels take them."""
+    reason = _blocker(normalization, bias, softcap, dropout, return_weights)
+    if not reason and not has_state and q_len < LINEAR_MIN_QUERIES:
+        reason = f"{q_len} queries (< LINEAR_MIN_QUERIES = {LINEAR_MIN_QUERIES}: the quadratic kernel is faster)"
+    key_valid = None
+    if not reason:
+        if allowed is None:
+            if not causal:
+                reason = "bidirectional attention (no causal mask)"
+        else:
+            is_causal, key_valid = causal_key_validity(allowed, q_len, kv_len)
+            if not is_causal:
+                reason = "the mask is not causal with padded keys (sliding window, packed sequences or a custom mask)"
+    return Path(linear=not reason, key_valid=key_valid, reason=reason)
+
+
+def _blocker(normalization, bias, softcap, dropout, return_weights) -> str:
+    if not is_linear(normalization):
+        return f"{normalization.name} is not linear (p = {normalization.power})"
+    if softcap is not None:
+        return "a softcap on the scores"
+    if bias is not None:
+        return "an additive attention bias"
+    if dropout > 0.0:
+        return "attention dropout"
+    if return_weights:
+        return "the attention weights were requested"
+    return ""
+
+
+def causal_key_validity(allowed: torch.Tensor, q_len: int, kv_len: int) -> tuple[bool, torch.Tensor | None]:
+    """Whether ``allowed`` ``(B or 1, 1, q, kv)`` is exactly bottom-right causal AND a key validity, and that
+    ``(B or 1, kv)`` validity (``None`` when every key is valid). Checked in row blocks; the answer for the same mask tensor is remembered, so the
+    layers of one forward check the shared mask once."""
+    global _last_mask_check
+    if _last_mask_check is not None:
+        ref, rows, keys, answer = _last_mask_check
+        if ref() is allowed and (rows, keys) == (q_len, kv_len):
+            return answer
+    answer = _decompose(allowed, q_len, kv_len)
+    _last_mask_check = (weakref.ref(allowed), q_len, kv_len, answer)
+    return answer
+
+
+def _decompose(allowed: torch.Tensor, q_len: int, kv_len: int) -> tuple[bool, torch.Tensor | None]:
+    if allowed.dim() != 4 or allowed.shape[1] != 1 or allowed.shape[-2:] != (q_len, kv_len):
+        return False, None
+    key_valid = allowed[:, 0, -1, :]  # the last query sees every key that is not padding
+    keys = torch.arange(kv_len, device=allowed.device)
+    for start in range(0, q_len, _MASK_CHECK_ROWS):
+        stop = min(q_len, start + _MASK_CHECK_ROWS)
+        rows = torch.arange(start, stop, device=allowed.device) + (kv_len - q_len)
+        expected = (keys[None, :] <= rows[:, None])[None] & key_valid[:, None, :]
+        if not torch.equal(allowed[:, 0, start:stop], expected):
+            return False, None
+    return True, (None if bool(key_valid.all()) else key_valid)
+
+
+def note_path(path: Path, module: torch.nn.Module) -> None:
+    """Count ``path`` in the active :func:`attention_paths` log and say at DEBUG level why a call is quadratic."""
+    paths = _PATHS.get()
+    if paths is not None:
+        paths[path.name] += 1
+    if not path.linear and logger.isEnabledFor(logging.DEBUG):
+        logger.debug("layer %s: quadratic kernel: %s", getattr(module, "layer_idx", "?"), path.reason)
+
+
+@contextmanager
+def attention_paths():
+    """``with attention_paths() as paths:`` -> a ``Counter`` of the plugin's attention calls per path
+    (``"linear"``, ``"quadratic"``) made inside the block."""
+    paths = Counter()
+    token = _PATHS.set(paths)
+    try:
+        yield paths
+    finally:
+        _PATHS.reset(token)
