@@ -1,6 +1,8 @@
 """hf_knorm: attention-norm tools for Hugging Face Transformers.
 
-- ``patch(model, "x^3/16")`` / ``unpatch(model)``: polynomial attention of "Rethinking Softmax" (arXiv 2410.18613).
+- ``patch(model, "x^3/16")`` / ``unpatch(model)``: polynomial attention of "Rethinking Softmax" (arXiv 2410.18613);
+  ``x/1`` and ``x/16`` run in linear time (``attention_paths()`` shows which kernel ran) and ``generate`` decodes them
+  with a constant-size state (``RecurrentStateCache``).
 - ``save_pretrained`` / ``from_pretrained``: checkpoints that keep their normalization, with their model card.
 - ``push_to_hub(model, "user/name", tokenizer=tok)``: weights, config, tokenizer and card in one commit.
 - ``record_norms(model)``: per-layer attention-matrix and K/V channel norms.
@@ -24,6 +26,7 @@ check_transformers_version()  # first: outside the supported range, one clear Im
 
 from .assets.default_model import DEFAULT_MODEL_HUB_ID, load_default_model
 from .attention.normalizations import PAPER_NORMALIZATIONS, Normalization, parse_normalization
+from .attention.paths import attention_paths
 from .attention.registration import register
 from .balancing.balance import BalanceReport, KVNorms, balance_kv, key_scales, value_scales
 from .conversion.job import convert
@@ -36,6 +39,7 @@ from .models.architectures import SUPPORTED_ARCHITECTURES, architecture_of, atte
 from .models.patching import patch, patched_normalization, unpatch
 from .models.persistence import from_pretrained, load_model
 from .norms.recording import record_norms
+from .recurrent.cache import RecurrentStateCache
 from .norms.statistics import LayerNorms, NormRecorder
 from .training.callback import NormLoggerCallback
 from .training.norm_figure import plot_norm_history
@@ -58,9 +62,11 @@ __all__ = [
     "NormLoggerCallback",
     "NormRecorder",
     "Normalization",
+    "RecurrentStateCache",
     "__version__",
     "architecture_of",
     "attention_modules",
+    "attention_paths",
     "balance_kv",
     "convert",
     "from_pretrained",

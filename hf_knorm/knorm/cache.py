@@ -36,6 +36,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
+from ..attention.linear_kernel import is_linear
+from ..attention.normalizations import parse_normalization
 from ..compat import update_position_ids
 from .eviction import EvictionSettings, kept_count
 
@@ -137,6 +139,18 @@ class KNormLayer(DynamicLayer):
             self.positions = self.positions[indices, ...]
 
 
+def _refuse_linear_attention(config) -> None:
+    """Raise for a model patched with a ``p = 1`` normalization: it has no growing K/V cache to evict from."""
+    normalization = (getattr(config, "hf_knorm", None) or {}).get("normalization")
+    if normalization is not None and is_linear(parse_normalization(normalization)):
+        raise ValueError(
+            f"KNormCache evicts keys from a K/V cache that grows with the context; a model patched with "
+            f"{normalization} (linear attention) decodes with a constant-size state instead "
+            "(hf_knorm.RecurrentStateCache, what its generate uses), so there is nothing to evict. Use "
+            "KNormCache on softmax or x^3 models."
+        )
+
+
 def _check_unpadded_positions(position_ids: torch.Tensor | None, q_len: int) -> None:
     """Raise if a prompt's (B, q) ``position_ids`` are not 0..q-1 in every row (left padding shifts them)."""
     if position_ids is None:
@@ -222,6 +236,7 @@ class KNormCache(Cache):
         if not architecture_of(config).causal:
             raise ValueError(f"KNormCache needs a decoder; {config.model_type!r} is an encoder (it has no KV cache).")
         config = config.get_text_config(decoder=True)
+        _refuse_linear_attention(config)
         layer_types, layer_kwargs = layer_types_and_kwargs(config)
         layers = []
         for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):

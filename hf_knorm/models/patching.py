@@ -4,7 +4,8 @@ The model *instance* is patched, never a class: its config gets a ``hf_knorm`` s
 attention implementation it had, plugin version) and its attention implementation is switched to ``"hf_knorm"``,
 the function :mod:`hf_knorm.attention.registration` registers with Transformers' ``AttentionInterface``. Saving such a
 config writes ``"attn_implementation": "hf_knorm"`` into ``config.json`` (the registration makes every save path do
-so), which ``from_pretrained`` reads back.
+so), which ``from_pretrained`` reads back. A model patched with a ``p = 1`` normalization (``x/1``, ``x/16``) also gets
+a ``generate`` that decodes with a constant-size state (:mod:`hf_knorm.recurrent.generation`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import torch.nn as nn
 
 from ..attention.interface import ATTENTION_NAME
 from ..attention.normalizations import Normalization, parse_normalization
+from ..attention.linear_kernel import is_linear
 from ..compat import attn_implementation_of
+from ..recurrent import generation
 from ..version import __version__
 from .architectures import architecture_of, attention_modules
 
@@ -50,6 +53,8 @@ def patch(model: nn.Module, normalization: str | Normalization = "softmax") -> n
         section.update(normalization=normalization.name, original_attn_implementation=original, version=__version__)
         setattr(config, SECTION, section)
     model.set_attn_implementation(ATTENTION_NAME)
+    if is_linear(normalization):
+        generation.install(model)  # generate decodes with a constant-size state (hf_knorm.recurrent)
     return model
 
 
@@ -64,6 +69,7 @@ def unpatch(model: nn.Module) -> nn.Module:
         raise ValueError("The model is not patched by hf_knorm; there is nothing to undo.")
     original = model.config.hf_knorm.get("original_attn_implementation") or "sdpa"
     model.set_attn_implementation(original)
+    generation.uninstall(model)
     for config in _configs(model):
         section = dict(getattr(config, SECTION, None) or {})
         for key in ("normalization", "original_attn_implementation"):

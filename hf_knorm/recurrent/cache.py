@@ -1,0 +1,173 @@
+"""``RecurrentStateCache``: decode a ``p = 1`` model (``x/1``, ``x/16``) with a constant-size state instead of K/V.
+
+With ``p = 1`` the attention output of a new token is ``(scaling / c) * q^T S`` with ``S = sum_j k_j v_j^T`` over the
+tokens before it and itself (:mod:`hf_knorm.attention.linear_kernel`), so a layer needs ``S``, a ``D x D_v`` matrix
+per KV head (fp32), and for ``x/sqrtN`` the count of valid tokens, whatever the length of the context. On the default
+model (30 layers, 3 KV heads, head dim 64) that is 1.5 MB per sequence: the fp32 K/V cache of 32 tokens.
+
+How it runs through Transformers' Cache API. ``update`` returns only the step's own keys and values to the attention
+and hands the layer's state over to the plugin's attention function (:mod:`hf_knorm.attention.taps`, paired by the
+identity of the key tensor); the attention reads the state, computes the step's outputs on the linear path (padded
+keys excluded through the mask) and writes the new state back. ``get_mask_sizes`` covers the step's tokens alone,
+offset by the tokens before them, so the causal and padding masks that Transformers builds stay right (left-padded
+batches included); ``get_seq_length`` counts every token, so positions stay true.
+
+Beam search reorders the states; contrastive search selects them. What cannot work is refused: cropping (assisted or
+speculative decoding rewinds the cache), a model whose attention is not the plugin's with a ``p = 1`` normalization,
+sliding-window layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from ..attention.interface import ATTENTION_NAME
+from ..attention.linear_kernel import is_linear
+from ..attention.normalizations import parse_normalization
+from ..attention.taps import hand_over_state, pending_handover
+from ..compat import attn_implementation_of, layer_types_and_kwargs
+
+__all__ = ["RecurrentStateCache", "RecurrentStateLayer", "decodes_with_state"]
+
+
+class RecurrentStateLayer(DynamicLayer):
+    """One layer's state: ``state`` ``(B, H_kv, D, D_v)`` fp32 (``sum k v^T`` of every valid token so far) and
+    ``count`` ``(B,)`` (valid tokens so far); ``cumulative_length`` counts every token, padded or not.
+
+    ``keys``/``values`` stay empty (Transformers' generic cache code reads them)."""
+
+    is_croppable = False
+
+    def __init__(self, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.cumulative_length = 0
+        self.state: torch.Tensor | None = None
+        self.count: torch.Tensor | None = None
+        self.key: torch.Tensor | None = None  # the key tensor of the step being handed over
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Take a step's ``(B, H_kv, q, D)`` states: hand the state over to the attention, return the step's states."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        self.key = key_states
+        hand_over_state(self)
+        return key_states, value_states
+
+    def read(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The state and the count before the step (``None`` before the first step)."""
+        return self.state, self.count
+
+    def write(self, state: torch.Tensor, count: torch.Tensor) -> None:
+        """Store the state and the count after the step (called by the attention)."""
+        self.state, self.count, self.key = state, count, None
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset): the step's own tokens, offset by every token before them."""
+        return query_length, self.cumulative_length
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def nbytes(self) -> int:
+        """Bytes held by the state and the count."""
+        return sum(tensor.nbytes for tensor in (self.state, self.count) if tensor is not None)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "A recurrent state cannot be cropped (past tokens are summed into it): assisted and speculative decoding "
+            "need a K/V cache. Pass cache=DynamicCache() to generate."
+        )
+
+    def reset(self) -> None:
+        super().reset()
+        self.cumulative_length, self.state, self.count, self.key = 0, None, None, None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(lambda tensor: tensor[indices])
+
+    def _select(self, fn) -> None:
+        if self.state is not None:
+            self.state, self.count = fn(self.state), fn(self.count)
+
+
+class RecurrentStateCache(Cache):
+    """A cache of linear-attention states for a model patched with ``x/1``, ``x/16`` (any ``p = 1``).
+
+    ``generate`` uses one automatically on such a model (:mod:`hf_knorm.recurrent.generation`); pass one yourself as
+    ``cache=RecurrentStateCache(config=model.config)`` (``past_key_values=`` before Transformers 5.24).
+
+    Args:
+        config: the model's config. With it the cache checks that the model decodes with the plugin's attention and a
+            ``p = 1`` normalization and has no sliding-window layers, and builds one layer per decoder layer; without
+            it, layers are created on first use.
+
+    Raises:
+        ValueError: the config selects another attention or normalization, or has sliding-window layers.
+    """
+
+    def __init__(self, config=None):
+        layers = []
+        if config is not None:
+            config = config.get_text_config(decoder=True)
+            _check_decodes_with_state(config)
+            layer_types, _ = layer_types_and_kwargs(config)
+            windowed = [index for index, kind in enumerate(layer_types) if kind != "full_attention"]
+            if windowed:
+                raise ValueError(f"RecurrentStateCache holds full causal attention only; layers {windowed} are "
+                                 f"{layer_types[windowed[0]]!r}. Generate with a normal cache.")
+            layers = [RecurrentStateLayer(index) for index in range(len(layer_types))]
+        super().__init__(layers=layers)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Give layer ``layer_idx``'s state to the attention that follows; returns the step's ``(B, H_kv, q, D)``
+        states unchanged.
+
+        Raises:
+            RuntimeError: the previous layer's attention did not take its state (the model's attention is not the
+                plugin's).
+        """
+        while len(self.layers) <= layer_idx:
+            self.layers.append(RecurrentStateLayer(len(self.layers)))
+        waiting = pending_handover()
+        if waiting is not None and any(waiting is layer for layer in self.layers[:layer_idx]):
+            hand_over_state(None)
+            raise RuntimeError(
+                f"Layer {waiting.layer_idx}'s attention did not read its recurrent state: a RecurrentStateCache needs a "
+                f"model whose attention is hf_knorm's with a p = 1 normalization (hf_knorm.patch(model, 'x/1')). "
+                f"Generate this model with a normal cache."
+            )
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def nbytes(self) -> int:
+        """Bytes held by every layer's state: constant in the context length."""
+        return sum(layer.nbytes() for layer in self.layers if isinstance(layer, RecurrentStateLayer))
+
+
+def decodes_with_state(config) -> bool:
+    """Whether a model of this config can decode with a :class:`RecurrentStateCache` (the plugin's attention, a
+    ``p = 1`` normalization, full attention in every layer)."""
+    try:
+        RecurrentStateCache(config=config)
+    except ValueError:
+        return False
+    return True
+
+
+def _check_decodes_with_state(config) -> None:
+    normalization = (getattr(config, ATTENTION_NAME, None) or {}).get("normalization")
+    implementation = attn_implementation_of(config)
+    if implementation != ATTENTION_NAME or normalization is None:
+        raise ValueError(f"RecurrentStateCache needs a model patched by hf_knorm with x/1 or x/16 "
+                         f"(hf_knorm.patch(model, 'x/1')); this one runs attention {implementation!r}.")
+    if not is_linear(parse_normalization(normalization)):
+        raise ValueError(f"RecurrentStateCache needs a p = 1 normalization (x/1, x/16): with {normalization} the "
+                         "attention of a new token needs every past key, so decode with a normal cache.")

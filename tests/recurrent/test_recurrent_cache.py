@@ -1,0 +1,134 @@
+"""Constant-size decoding of p = 1 models: generate uses a RecurrentStateCache and gives the K/V cache's tokens."""
+
+import copy
+
+import pytest
+import torch
+from tiny_models import tiny_model
+from transformers import DynamicCache
+
+import hf_knorm
+from hf_knorm import KNormCache, RecurrentStateCache, attention_paths
+from hf_knorm.compat import cache_kwargs, output_cache
+from hf_knorm.evaluation.decoding_cost import decoding_cost
+from hf_knorm.recurrent import generation
+
+FULL_ATTENTION_TYPES = ("llama", "qwen3", "phi3", "gpt2", "gpt_neox")
+GREEDY = dict(do_sample=False, pad_token_id=0, min_new_tokens=8, max_new_tokens=8)
+
+
+def _prompts(batch=2, length=10, pad=3):
+    ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[-1, :pad] = 0
+    ids[-1, :pad] = 0
+    return ids, mask
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("spelling", ["x/1", "x/16", "x/sqrtN"])
+@pytest.mark.parametrize("model_type", FULL_ATTENTION_TYPES)
+def test_generate_decodes_with_the_state_and_gives_the_kv_caches_tokens(model_type, spelling):
+    model = hf_knorm.patch(tiny_model(model_type), spelling)
+    ids, mask = _prompts()
+    with attention_paths() as taken:
+        out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **GREEDY)
+    assert isinstance(output_cache(out), RecurrentStateCache)
+    assert dict(taken) == {"linear": 8 * model.config.num_hidden_layers}
+    assert output_cache(out).get_seq_length() == 10 + 7  # the last token is never fed back
+    expected = model.generate(input_ids=ids, attention_mask=mask, **GREEDY, **cache_kwargs(DynamicCache()))
+    assert out.sequences.tolist() == expected.tolist()
+
+
+@pytest.mark.compat
+def test_beam_search_reorders_the_states():
+    model = hf_knorm.patch(tiny_model("llama"), "x/16")
+    ids, mask = _prompts()
+    options = dict(GREEDY, num_beams=3, num_return_sequences=2)
+    out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **options)
+    assert isinstance(output_cache(out), RecurrentStateCache)
+    expected = model.generate(input_ids=ids, attention_mask=mask, **options, **cache_kwargs(DynamicCache()))
+    assert out.sequences.tolist() == expected.tolist()
+
+
+@pytest.mark.compat
+def test_the_state_does_not_grow_with_the_context():
+    model = hf_knorm.patch(tiny_model("llama"), "x/1")
+    ids, mask = _prompts(batch=1, pad=0)
+    sizes = []
+    for new_tokens in (4, 40):
+        out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, do_sample=False,
+                             min_new_tokens=new_tokens, max_new_tokens=new_tokens, pad_token_id=0)
+        sizes.append(output_cache(out).nbytes())
+    layers, kv_heads, head_dim = 2, 2, 16
+    assert sizes == [layers * (kv_heads * head_dim * head_dim * 4 + 4)] * 2  # fp32 state + count, per layer
+
+
+@pytest.mark.compat
+def test_reloaded_models_decode_with_the_state(tmp_path):
+    model = hf_knorm.patch(tiny_model("qwen3"), "x/1")
+    hf_knorm.save_pretrained(model, tmp_path / "model")
+    loaded = hf_knorm.from_pretrained(tmp_path / "model")
+    assert generation.is_installed(loaded)
+    ids, mask = _prompts()
+    out = loaded.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **GREEDY)
+    assert isinstance(output_cache(out), RecurrentStateCache)
+    assert out.sequences.tolist() == model.generate(input_ids=ids, attention_mask=mask, **GREEDY).tolist()
+
+
+def test_patching_installs_and_unpatching_removes_the_generate_and_copies_carry_their_own():
+    model = hf_knorm.patch(tiny_model("llama"), "x/1")
+    assert generation.is_installed(model)
+    twin = copy.deepcopy(model)
+    assert twin.generate.keywords["model"] is twin
+    hf_knorm.unpatch(model)
+    assert not generation.is_installed(model)
+    assert not generation.is_installed(hf_knorm.patch(tiny_model("llama"), "x^3/16"))
+
+
+@pytest.mark.compat
+def test_a_call_that_brings_its_own_cache_or_rewinds_gets_no_state():
+    model = hf_knorm.patch(tiny_model("llama"), "x/1")
+    assert not generation.wants_state(model, cache_kwargs(DynamicCache()))
+    assert not generation.wants_state(model, {"use_cache": False})
+    assert not generation.wants_state(model, {"cache_implementation": "static"})
+    assert not generation.wants_state(model, {"prompt_lookup_num_tokens": 3})
+    assert generation.wants_state(model, {})
+    ids, mask = _prompts(batch=1, pad=0)  # assisted decoding takes one sequence
+    out = model.generate(input_ids=ids, attention_mask=mask, prompt_lookup_num_tokens=2, **GREEDY)
+    assert out.tolist() == model.generate(input_ids=ids, attention_mask=mask, **GREEDY).tolist()
+
+
+def test_what_a_state_cannot_do_is_refused():
+    with pytest.raises(ValueError, match="patched by hf_knorm"):
+        RecurrentStateCache(config=tiny_model("llama").config)
+    with pytest.raises(ValueError, match="p = 1"):
+        RecurrentStateCache(config=hf_knorm.patch(tiny_model("llama"), "x^3/16").config)
+    with pytest.raises(ValueError, match="sliding"):
+        RecurrentStateCache(config=hf_knorm.patch(tiny_model("mistral"), "x/1").config)
+    with pytest.raises(NotImplementedError, match="assisted"):
+        RecurrentStateCache(config=hf_knorm.patch(tiny_model("llama"), "x/1").config).crop(1)
+    with pytest.raises(ValueError, match="nothing to evict"):
+        KNormCache(0.5, config=hf_knorm.patch(tiny_model("llama"), "x/16").config)
+
+
+@pytest.mark.compat
+def test_a_state_cache_on_a_model_that_does_not_read_it_is_an_error():
+    model = tiny_model("llama")  # softmax, its own attention
+    ids, mask = _prompts()
+    with pytest.raises(RuntimeError, match="did not read its recurrent state"):
+        model.generate(input_ids=ids, attention_mask=mask, **GREEDY, **cache_kwargs(RecurrentStateCache()))
+    cubic = hf_knorm.patch(tiny_model("llama"), "x^3/16")
+    with pytest.raises(ValueError, match="linear attention only"):
+        cubic.generate(input_ids=ids, attention_mask=mask, **GREEDY, **cache_kwargs(RecurrentStateCache()))
+
+
+@pytest.mark.compat
+def test_decoding_cost_rows():
+    model = tiny_model("llama")
+    rows = decoding_cost(model, [16, 64], new_tokens=2)
+    assert hf_knorm.patched_normalization(model) is None  # left as it came
+    by = {(row["normalization"], row["context"]): row for row in rows}
+    assert by[("x/1", 16)]["cache_bytes"] == by[("x/1", 64)]["cache_bytes"]
+    assert by[("softmax", 64)]["cache_bytes"] == 4 * by[("softmax", 16)]["cache_bytes"]
+    assert all(row["seconds_per_token"] > 0 for row in rows)
