@@ -248,3 +248,38 @@ def plot_perplexity_curves(curves, path, references=None, title: str | None = No
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
+
+
+# --- Linear-time x/1 ----------------------------------------------------------------------------------------------
+
+
+def plot_scaling(panels, path, xlabel: str, title: str | None = None):
+    """Log-log curves, one panel per measured quantity: the attention layer's time against N, decoding's cache size
+    and time per token against the context.
+
+    Args:
+        panels: a list of ``(panel title, y label, curves)``; ``curves`` a list of ``(label, x, y)``.
+        path: the PNG to write; xlabel: the shared x label (log 2 scale); title: the suptitle.
+
+    Returns:
+        The path written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = Figure(figsize=(5 * len(panels), 4))
+    axes = np.atleast_1d(fig.subplots(1, len(panels), squeeze=False)).ravel()
+    for ax, (panel_title, ylabel, curves) in zip(axes, panels):
+        for (label, x, y), marker in zip(curves, "o^sdv*"):
+            ax.plot(x, y, marker=marker, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(panel_title, fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path

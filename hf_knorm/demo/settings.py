@@ -14,6 +14,8 @@ class DemoSettings:
     normalizations: tuple[str, ...] = field(default=("softmax", "x/1", "x/16", "x^3/1", "x^3/16", "x^3/sqrtN"),
                                             metadata={"help": "step 1: comma-separated normalizations compared with "
                                                               "the model's own attention"})
+    decoding_lengths: tuple[int, ...] = field(default=(1024, 4096, 16384, 32768), metadata={
+        "help": "step 1: context lengths at which decoding is timed, softmax's K/V cache against x/1's state"})
     balance_mode: str = field(default="layer", metadata={
         "help": "step 2: one K/V scale per layer (TransMLA's Balanced Key-Value) or per channel",
         "choices": ("layer", "channel")})
@@ -59,7 +61,7 @@ class DemoSettings:
     @classmethod
     def fast(cls) -> DemoSettings:
         """Every step shrunk to seconds, for the test suite (``--fast``)."""
-        return cls(normalizations=("softmax", "x^3/16"), calibration_tokens=256, niah_lengths=(300,),
+        return cls(normalizations=("softmax", "x^3/16"), decoding_lengths=(32, 128), calibration_tokens=256, niah_lengths=(300,),
                    niah_depths=(0.5,), transfer_steps=4, recovery_steps=4, train_block_size=64, train_batch_size=2,
                    teacher_tokens=256, eval_tokens=128, eval_steps=2, logging_steps=2, probe=False)
 

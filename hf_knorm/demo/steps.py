@@ -16,6 +16,7 @@ import torch
 
 from ..assets.texts import SAMPLE_TEXT, shakespeare_split
 from ..balancing.balance import balance_kv
+from ..evaluation.decoding_cost import decoding_cost, plot_decoding_cost
 from ..evaluation.needle import run_needle, score_variants, summary_table, write_report
 from ..hub.push import push_folder
 from ..hub.saving import CARD_FILE, save_pretrained
@@ -27,24 +28,42 @@ from .report import Section, Table
 from .settings import DemoSettings
 
 
-def normalizations_step(model, tokenizer, settings: DemoSettings, out_dir: Path) -> tuple[Section, list[dict]]:
-    """Step 1: perplexity and greedy continuations under each normalization, the model's own attention first."""
+def normalizations_step(model, tokenizer, settings: DemoSettings, out_dir: Path) -> tuple[Section, dict]:
+    """Step 1: perplexity and greedy continuations under each normalization, the model's own attention first; then
+    what decoding costs against the context length, softmax with its K/V cache against ``x/1`` with its state."""
     started = time.perf_counter()
     rows = compare_normalizations(model, tokenizer, list(settings.normalizations))
     print(format_table(rows))
     table = Table(["normalization", "perplexity", *(repr(p) for p in PROMPTS)],
                   [[r["normalization"], r["perplexity"], *r["continuations"]] for r in rows],
                   caption=f"Perplexity on a {len(tokenizer(SAMPLE_TEXT)['input_ids'])}-token text, greedy next tokens")
+    decoding = decoding_cost(model, list(settings.decoding_lengths))
+    figure = plot_decoding_cost(decoding, out_dir / "decoding.png")
+    decoding_table = Table(
+        ["context (tokens)", *(str(length) for length in settings.decoding_lengths)],
+        [[f"{name}: {label}", *(fmt(row) for row in decoding if row["normalization"] == name)]
+         for name in ("softmax", "x/1")
+         for label, fmt in (("cache MiB", lambda row: round(row["cache_bytes"] / 2**20, 2)),
+                            ("ms per token", lambda row: round(row["seconds_per_token"] * 1e3, 1)))],
+        caption="Decoding one token after a context of N tokens (caches filled with random content; "
+                "hf_knorm.evaluation.decoding_cost)")
+    largest = max(settings.decoding_lengths)
+    by = {(row["normalization"], row["context"]): row for row in decoding}
     section = Section(
         "Attention normalizations side by side",
         "Look at the first two rows: softmax through the plugin reproduces the model's own attention (same perplexity, "
         "same tokens); the polynomial rows change the function of a model trained with softmax, which is why step 4 "
-        "converts one.",
-        tables=[table],
-        settings={"normalizations": ", ".join(settings.normalizations)},
+        f"converts one. Then the figure: x/1 is linear attention, so generate decodes it with a state of "
+        f"{by[('x/1', largest)]['cache_bytes'] / 2**20:.1f} MiB whatever the context, where softmax's K/V cache holds "
+        f"{by[('softmax', largest)]['cache_bytes'] / 2**20:.0f} MiB at {largest} tokens.",
+        figures=[(figure, "Cache size and time per new token against the context length: softmax (K/V cache) and x/1 "
+                          "(recurrent state)")],
+        tables=[table, decoding_table],
+        settings={"normalizations": ", ".join(settings.normalizations),
+                  "decoding_lengths": ", ".join(map(str, settings.decoding_lengths))},
         seconds=time.perf_counter() - started,
     )
-    return section, rows
+    return section, {"normalizations": rows, "decoding": decoding}
 
 
 def balancing_step(model, tokenizer, settings: DemoSettings, out_dir: Path) -> tuple[Section, dict]:

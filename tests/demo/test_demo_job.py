@@ -16,12 +16,17 @@ def test_every_step_ran_and_recorded_its_results(fast_demo):
     assert list(record["steps"]) == ["normalizations", "balancing", "knorm", "conversion", "sharing"]
     assert len(record["timings_s"]) == 5 and record["total_s"] > 0
 
-    native, softmax, cubic = record["steps"]["normalizations"]
+    native, softmax, cubic = record["steps"]["normalizations"]["normalizations"]
     assert [native["normalization"], softmax["normalization"], cubic["normalization"]] == \
         ["native (sdpa)", "softmax", "x^3/16"]
     assert math.isclose(softmax["perplexity"], native["perplexity"], rel_tol=1e-4)
     assert softmax["continuations"] == native["continuations"]
     assert native["continuations"][0].startswith(" Paris")
+    decoding = {(row["normalization"], row["context"]): row for row in record["steps"]["normalizations"]["decoding"]}
+    assert set(decoding) == {(name, length) for name in ("softmax", "x/1") for length in (32, 128)}
+    assert decoding[("x/1", 32)]["cache_bytes"] == decoding[("x/1", 128)]["cache_bytes"]
+    assert decoding[("softmax", 128)]["cache_bytes"] == 4 * decoding[("softmax", 32)]["cache_bytes"]
+    assert (fast_demo / "normalizations" / "decoding.png").exists()
 
     balancing = record["steps"]["balancing"]
     assert balancing["max_logit_change"] <= balancing["tolerance"]
@@ -39,7 +44,7 @@ def test_every_step_ran_and_recorded_its_results(fast_demo):
     assert evaluation["tokens"] == 128 and list(evaluation["domains"]) == ["essays", "plays", "technical", "conversation"]
     assert evaluation["ratio_to_original"] == max(r["ratio_to_original"] for r in evaluation["domains"].values())
     assert conversion["training_data"]["parts"]["teacher_samples"]["texts"] >= 1  # the general mixture
-    patched_only = float(record["steps"]["normalizations"][2]["perplexity"])
+    patched_only = float(record["steps"]["normalizations"]["normalizations"][2]["perplexity"])
     assert patched_only > 1e3 and transfer["curve"][0][2] > 1e3  # what patching alone does to the model
     assert evaluation["perplexity"] < transfer["curve"][0][2]  # the conversion improves on the patched model
     answers = conversion["answers"]
