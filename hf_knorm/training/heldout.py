@@ -125,8 +125,10 @@ def held_out_perplexity(model, blocks, desc: str = "held-out perplexity") -> flo
 
 def perplexity_curve(log_history: list[dict], tokens_per_step: int, key: str = "eval_perplexity") -> list[list[float]]:
     """``[step, training tokens, held-out perplexity]`` of every evaluation in a Trainer's ``log_history``
-    (``key``: ``eval_<name>_perplexity`` for the evaluation set ``name`` of a dict of them)."""
-    return [[entry["step"], entry["step"] * tokens_per_step, entry[key]] for entry in log_history if key in entry]
+    (``key``: ``eval_<name>_perplexity`` for the evaluation set ``name`` of a dict of them), one per step: a resumed
+    run evaluates its first step again (``eval_on_start``), and the later value is kept."""
+    by_step = {entry["step"]: entry[key] for entry in log_history if key in entry}
+    return [[step, step * tokens_per_step, value] for step, value in sorted(by_step.items())]
 
 
 def held_out_domain_blocks(names, tokenizer, block_size: int, eval_tokens: int) -> dict:

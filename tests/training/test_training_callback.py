@@ -190,3 +190,11 @@ def test_stop_on_nonfinite_loss(tmp_path):
 
     trainer = _train(model, lm_data(), tmp_path, [callback, Poison(), capture], max_steps=6)
     assert callback.stopped_at_step == 3 and trainer.state.global_step == 3
+
+
+def test_a_resumed_runs_repeated_evaluation_is_one_point_of_the_curve():
+    from hf_knorm.training.heldout import perplexity_curve
+
+    history = [{"step": 0, "eval_perplexity": 90.0}, {"step": 50, "eval_perplexity": 40.0, "loss": 3.0},
+               {"step": 50, "eval_perplexity": 40.5}, {"step": 100, "eval_perplexity": 30.0}]
+    assert perplexity_curve(history, tokens_per_step=10) == [[0, 0, 90.0], [50, 500, 40.5], [100, 1000, 30.0]]
