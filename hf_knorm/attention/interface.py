@@ -3,8 +3,8 @@
 Registered under the name ``"hf_knorm"`` (``registration.py``). Each model reads its normalization from its own config
 (``config.hf_knorm["normalization"]``), so two models in one process can use different normalizations. The math is in
 ``kernel.py`` (any normalization, quadratic time) and ``linear_kernel.py`` (``p = 1``, linear time; ``paths.py``
-chooses); this module adapts Transformers' arguments to it (mask forms, kwargs, output recording) and
-reports to an active norm recorder or K/V transform.
+chooses); this module adapts Transformers' arguments to them (mask forms, kwargs, output recording), reports to an
+active norm recorder or K/V transform, and continues the recurrent state a cache hands over (``taps.py``).
 """
 
 from __future__ import annotations
@@ -70,15 +70,7 @@ def hf_knorm_attention(
     if path.linear:
         if allowed is None and causal and query.shape[2] > 1:  # top-left causal, keys cut to the queries (sdpa's rule)
             key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
-        state, count = handover.read() if handover is not None else (None, None)
-        result = linear_attention(query, key, value, path.key_valid, normalization, scaling=scaling,
-                                  initial_state=state, initial_count=count, frobenius_sq=frobenius_sq,
-                                  return_state=handover is not None)
-        if handover is not None:
-            output, state, count = result
-            handover.write(state, count)
-        else:
-            output = result
+        output = _linear(query, key, value, path, normalization, scaling, handover, frobenius_sq)
     else:
         output, weights = chunked_attention(
             query, key, value, allowed, normalization, bias=bias, scaling=scaling, softcap=softcap, dropout=dropout,
@@ -87,6 +79,19 @@ def hf_knorm_attention(
     if recorder is not None:
         recorder.record(module, key, value, allowed, frobenius_sq.reshape(query.shape[0], query.shape[1]))
     return output, weights
+
+
+def _linear(query, key, value, path, normalization, scaling, handover, frobenius_sq) -> torch.Tensor:
+    """The linear path; with a recurrent state handed over, it continues from that state and writes the new one."""
+    if handover is None:
+        return linear_attention(query, key, value, path.key_valid, normalization, scaling=scaling,
+                                frobenius_sq=frobenius_sq)
+    state, count = handover.read()
+    output, state, count = linear_attention(query, key, value, path.key_valid, normalization, scaling=scaling,
+                                            initial_state=state, initial_count=count, frobenius_sq=frobenius_sq,
+                                            return_state=True)
+    handover.write(state, count)
+    return output
 
 
 def _attentions_requested(kwargs: dict) -> bool:

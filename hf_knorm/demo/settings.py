@@ -35,7 +35,7 @@ class DemoSettings:
     recovery_steps: int = field(default=50, metadata={"help": "step 4: recovery steps (full fine-tuning)"})
     train_block_size: int = field(default=128, metadata={"help": "step 4: tokens per example"})
     train_batch_size: int = field(default=4, metadata={"help": "step 4: examples per step"})
-    teacher_tokens: int = field(default=16384, metadata={
+    teacher_tokens: int = field(default=8192, metadata={
         "help": "step 4: tokens the original model samples for the general training mixture (cached)"})
     eval_tokens: int = field(default=1024, metadata={
         "help": "step 4: held-out tokens of each of the four domains scored at each evaluation"})

@@ -15,8 +15,8 @@ import warnings
 import torch.nn as nn
 
 from ..attention.interface import ATTENTION_NAME
-from ..attention.normalizations import Normalization, parse_normalization
 from ..attention.linear_kernel import is_linear
+from ..attention.normalizations import Normalization, parse_normalization
 from ..compat import attn_implementation_of
 from ..recurrent import generation
 from ..version import __version__
