@@ -27,7 +27,7 @@ class TransferTrainer(PerplexityTrainer):
 
     def __init__(self, *args, transfer: AttentionTransfer, **kwargs):
         super().__init__(*args, **kwargs)
-        self.transfer = transfer
+        self.transfer = transfer.to(self.args.device)  # the Trainer moves ``model`` alone
         self._layer_errors: list[float] | None = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

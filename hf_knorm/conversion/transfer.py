@@ -83,6 +83,11 @@ class AttentionTransfer:
         self.layer_errors: dict[int, torch.Tensor] = {}
         self._hooks: list = []
 
+    def to(self, device) -> AttentionTransfer:
+        """Move the teachers to ``device`` (the Trainer moves the model alone; the teachers are kept off it)."""
+        self.teachers = [teacher.to(device) for teacher in self.teachers]
+        return self
+
     # --- parameters ----------------------------------------------------------------------------------------------
 
     def trainable_parameters(self) -> list[nn.Parameter]:

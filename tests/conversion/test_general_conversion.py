@@ -214,6 +214,7 @@ def test_a_tokenizer_without_a_chat_template_is_refused_before_the_model_loads(t
         run_convert(ConvertSettings(model=str(folder), out=str(tmp_path / "run"), eval_domains=("none",)))
 
 
+@pytest.mark.device  # on a CUDA machine the Trainer trains there: the teachers must follow the model
 def test_a_bf16_conversion_trains_under_autocast_and_saves_an_fp32_model(chat_lm_dir, tmp_path):
     import torch
 
