@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test compat matrix bench clean
+.PHONY: setup demo test compat matrix device bench clean
 
 setup: $(STAMP)
 
@@ -63,6 +63,10 @@ MATRIX ?= 5.10.4 5.17.0
 
 matrix:
 	@for release in $(MATRIX); do $(MAKE) --no-print-directory compat TRANSFORMERS=$$release || exit $$?; done
+
+# The device set (tests/test_devices.py and the bf16 conversion): on CUDA where there is one, on the CPU in bf16.
+device: $(STAMP)
+	$(PY) -m pytest -q -ra -m device -p no:cacheprovider
 
 bench: $(STAMP)
 	$(PY) scripts/bench_attention.py
