@@ -8,7 +8,7 @@ script checks that every decoding call ran on the state). A cell is correct when
 the needle's. A linear state of d x d per head is known to retrieve worse than a K/V cache: this measures by how much.
 
 Usage:
-    python scripts/linear_retrieval.py outputs/convert_x1/model --lengths 1000,2000,4000 --seeds 2 --out outputs/linear_retrieval
+    python scripts/linear_retrieval.py outputs/convert_x1 --lengths 1000,2000,4000 --seeds 2 --out outputs/linear_retrieval
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def answer(model, tokenizer, sample: dict, max_new_tokens: int = 10) -> tuple[st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("converted", help="folder of a model converted to x/1 or x/16 (hf-knorm convert's model/)")
+    parser.add_argument("converted", help="folder of a model converted to x/1 or x/16 (hf-knorm convert's --out folder)")
     parser.add_argument("--lengths", default="1000,2000,4000")
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     parser.add_argument("--tasks", default="niah,passkey")
@@ -66,9 +66,10 @@ def main() -> None:
                         records.append(dict(task=task, model=label, length=length, depth=depth, seed=seed,
                                             expected=sample["expected"], answer=text,
                                             correct=is_correct(text, sample["expected"])))
-                print(f"{task} {length}: " + ", ".join(
-                    f"{label} {sum(r['correct'] for r in records if r['model'] == label and r['task'] == task and r['length'] == length)}"
-                    f"/{len(depths) * args.seeds}" for label in models), flush=True)
+            done = [r for r in records if r["task"] == task and r["length"] == length]
+            print(f"{task} {length}: " + ", ".join(
+                f"{label} {sum(r['correct'] for r in done if r['model'] == label)}/{len(depths) * args.seeds}"
+                for label in models), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(records, indent=1))
