@@ -115,16 +115,7 @@ class RecurrentStateCache(Cache):
     """
 
     def __init__(self, config=None):
-        layers = []
-        if config is not None:
-            config = config.get_text_config(decoder=True)
-            _check_decodes_with_state(config)
-            layer_types, _ = layer_types_and_kwargs(config)
-            windowed = [index for index, kind in enumerate(layer_types) if kind != "full_attention"]
-            if windowed:
-                raise ValueError(f"RecurrentStateCache holds full causal attention only; layers {windowed} are "
-                                 f"{layer_types[windowed[0]]!r}. Generate with a normal cache.")
-            layers = [RecurrentStateLayer(index) for index in range(len(layer_types))]
+        layers = [] if config is None else [RecurrentStateLayer(index) for index in range(_checked_layers(config))]
         super().__init__(layers=layers)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -137,8 +128,9 @@ class RecurrentStateCache(Cache):
         """
         while len(self.layers) <= layer_idx:
             self.layers.append(RecurrentStateLayer(len(self.layers)))
-        waiting = pending_handover()
-        if waiting is not None and any(waiting is layer for layer in self.layers[:layer_idx]):
+        waiting = pending_handover()  # a layer of this cache before this one: its attention did not take the state
+        if (isinstance(waiting, RecurrentStateLayer) and waiting.layer_idx < layer_idx
+                and self.layers[waiting.layer_idx] is waiting):
             hand_over_state(None)
             raise RuntimeError(
                 f"Layer {waiting.layer_idx}'s attention did not read its recurrent state: a RecurrentStateCache needs a "
@@ -156,13 +148,15 @@ def decodes_with_state(config) -> bool:
     """Whether a model of this config can decode with a :class:`RecurrentStateCache` (the plugin's attention, a
     ``p = 1`` normalization, full attention in every layer)."""
     try:
-        RecurrentStateCache(config=config)
+        _checked_layers(config)
     except ValueError:
         return False
     return True
 
 
-def _check_decodes_with_state(config) -> None:
+def _checked_layers(config) -> int:
+    """The number of decoder layers of a model that can decode with a state; raises ``ValueError`` saying why not."""
+    config = config.get_text_config(decoder=True)
     normalization = (getattr(config, ATTENTION_NAME, None) or {}).get("normalization")
     implementation = attn_implementation_of(config)
     if implementation != ATTENTION_NAME or normalization is None:
@@ -171,3 +165,9 @@ def _check_decodes_with_state(config) -> None:
     if not is_linear(parse_normalization(normalization)):
         raise ValueError(f"RecurrentStateCache needs a p = 1 normalization (x/1, x/16): with {normalization} the "
                          "attention of a new token needs every past key, so decode with a normal cache.")
+    layer_types, _ = layer_types_and_kwargs(config)
+    windowed = [index for index, kind in enumerate(layer_types) if kind != "full_attention"]
+    if windowed:
+        raise ValueError(f"RecurrentStateCache holds full causal attention only; layers {windowed} are "
+                         f"{layer_types[windowed[0]]!r}. Generate with a normal cache.")
+    return len(layer_types)
