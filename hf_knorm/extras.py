@@ -4,7 +4,8 @@ The core install is what ``patch``, KNorm, K/V balancing, the norm callback and 
 are extras of ``pyproject.toml``, imported where they are used through :func:`require`:
 
 - ``train``: ``datasets`` (text datasets for ``hf-knorm finetune``), ``tensorboard`` (finetune's default
-  ``report_to``), ``scikit-learn`` (the 8x8 digits of ``hf-knorm attention-norms``), ``peft`` (LoRA);
+  ``report_to``), ``scikit-learn`` (the 8x8 digits of ``hf-knorm attention-norms``), ``peft`` (LoRA), ``trl`` (``SFTTrainer`` and its
+  packing, under ``finetune``);
 - ``demo``: what ``hf-knorm demo`` runs (it fine-tunes: the ``train`` extra);
 - ``dev``: the test suite and the import-layer linter.
 
@@ -22,6 +23,7 @@ OPTIONAL: dict[str, tuple[str, str]] = {
     "tensorboard": ("train", "tensorboard"),
     "sklearn": ("train", "scikit-learn"),
     "peft": ("train", "peft"),
+    "trl": ("train", "trl"),
 }
 
 

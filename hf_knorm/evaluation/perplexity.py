@@ -74,18 +74,23 @@ def token_windows(tokenizer, texts: list[str] | str, window: int = 1024,
 
 @torch.no_grad()
 def perplexity_of_windows(model: nn.Module, windows: list[torch.Tensor], progress: bool = True,
-                          desc: str = "perplexity") -> PerplexityResult:
-    """Teacher-forced perplexity of ``model`` over ``windows`` (``(n,)`` id tensors), one window per forward pass."""
+                          desc: str = "perplexity", labels: list[torch.Tensor] | None = None) -> PerplexityResult:
+    """Teacher-forced perplexity of ``model`` over ``windows`` (``(n,)`` id tensors), one window per forward pass.
+
+    ``labels`` (one ``(n,)`` tensor per window, ``-100`` where no loss falls, as a Trainer's ``labels``): only those
+    tokens are scored, e.g. a conversation's assistant turns; default: every token but a window's first.
+    """
     device = next(model.parameters()).device
     total, count = 0.0, 0
-    for ids in tqdm(windows, desc=desc, disable=not progress, leave=False):
+    for index, ids in enumerate(tqdm(windows, desc=desc, disable=not progress, leave=False)):
         ids = ids.to(device)[None]  # (1, n)
+        targets = ids[0, 1:] if labels is None else labels[index].to(device)[1:]
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits  # (1, n, V)
-        nll = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum")
+        nll = F.cross_entropy(logits[0, :-1].float(), targets, reduction="sum", ignore_index=-100)
         if not torch.isfinite(nll):
             raise ValueError(f"{desc}: non-finite loss on a window; the model (or its K/V transform) produced NaN/inf.")
         total += nll.item()
-        count += ids.shape[1] - 1
+        count += int((targets != -100).sum())
     mean = total / count
     return PerplexityResult(math.exp(mean), mean, count, len(windows))
 

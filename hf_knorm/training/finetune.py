@@ -5,14 +5,17 @@ Steps, in order (everything that can be wrong with the input is checked before t
 1. the normalization, the data source and the run folder are checked (an unknown normalization, a missing file,
    checkpoints already in ``out`` without ``resume``, ``resume`` without checkpoints);
 2. the model's config and tokenizer are read: a block size above the model's maximum is refused;
-3. the dataset is loaded, split into training and held-out texts (:mod:`.heldout`) and packed into blocks (a missing
-   text column, an empty dataset, too few tokens, a held-out text shorter than ``eval_tokens``);
+3. the dataset is loaded, its format detected from its columns (:mod:`.dataset_formats`: text, conversations or
+   prompt/completion pairs), split into training and held-out records (:mod:`.heldout`) and tokenized: text packed
+   into blocks, every token trained on; the others one example per record, the loss on the replies (columns that fit
+   no format, a bad record, a missing chat template, an empty dataset, too few tokens, a held-out text shorter than
+   ``eval_tokens``);
 4. the model is loaded; with ``balance`` its keys and values are balanced first (exact, on the first training
    texts; not again on resume, whose checkpoint holds the balanced weights); then it is patched with the
    normalization (``softmax`` keeps the model's own attention);
-5. its held-out perplexity is measured (the starting point of the model card's comparison); a Transformers
-   ``Trainer`` (:class:`~.heldout.PerplexityTrainer`: ``eval_perplexity`` beside ``eval_loss``, at step 0 and every
-   ``eval_steps``) trains it with :class:`~hf_knorm.training.callback.NormLoggerCallback` and the
+5. its held-out perplexity is measured on the tokens that carry the loss (the starting point of the model card's
+   comparison); TRL's ``SFTTrainer`` (:class:`~.sft.SFTPerplexityTrainer`: ``eval_perplexity`` beside
+   ``eval_loss``, at step 0 and every ``eval_steps``) trains it with :class:`~hf_knorm.training.callback.NormLoggerCallback` and the
    TensorBoard integration, saving checkpoints (``resume`` continues from the last one);
 6. the run folder ends with the model saved so that it reloads with its normalization
    (:func:`hf_knorm.models.persistence.save_pretrained`), its tokenizer, ``norms.jsonl``, ``norms.png`` (the
@@ -44,7 +47,8 @@ class FinetuneSettings:
 
     dataset: str = field(default="shakespeare", metadata={
         "help": "shakespeare | paul-graham (embedded) | local file(s), comma-separated (.txt, .json/.jsonl, .csv, "
-                ".parquet) | a datasets name (namespace/name)"})
+                ".parquet) | a datasets name (namespace/name); text, 'messages' (conversations) or 'prompt' + "
+                "'completion' columns, detected"})
     out: str = field(default="outputs/finetune", metadata={
         "help": "the run folder: checkpoints, TensorBoard logs, norms.jsonl, finally the model"})
     model: str = field(default="default", metadata={
@@ -56,7 +60,9 @@ class FinetuneSettings:
         "choices": ("layer", "channel")})
     text_column: str = field(default="text", metadata={"help": "the column holding the text"})
     split: str = field(default="train", metadata={"help": "the split to read (datasets names and local files)"})
-    block_size: int = field(default=256, metadata={"help": "tokens per example"})
+    train_on_prompt: bool = field(default=False, metadata={
+        "help": "conversations and prompt/completion pairs: the loss on every token, not only on the replies"})
+    block_size: int = field(default=256, metadata={"help": "tokens per example (text blocks; the longest record)"})
     batch_size: int = field(default=4, metadata={"help": "examples per device and micro-batch"})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     max_steps: int = field(default=200, metadata={"help": "optimizer steps"})
@@ -99,6 +105,8 @@ def check_settings(settings: FinetuneSettings) -> Path | None:
         if getattr(settings, name) < 1:
             raise ValueError(f"{name} must be at least 1, not {getattr(settings, name)}.")
     check_sources(settings.dataset, settings.eval_dataset, settings.model)
+    require("datasets", "hf-knorm finetune's datasets")
+    require("trl", "hf-knorm finetune (TRL's SFTTrainer)")
     if "tensorboard" in settings.report_to:
         require("tensorboard", "report_to tensorboard (the default; --report-to none turns it off)")
     out = Path(settings.out)
@@ -122,19 +130,20 @@ def run_finetune(settings: FinetuneSettings) -> dict:
     from ..models.patching import patch, patched_normalization, unpatch
     from ..models.persistence import from_pretrained, save_pretrained
     from .callback import NormLoggerCallback
-    from .heldout import (PerplexityTrainer, evaluation_record, held_out_perplexity, perplexity_curve,
-                          training_and_held_out)
+    from .heldout import evaluation_record, held_out_perplexity, perplexity_curve, training_and_held_out
     from .history import HISTORY_FILE
-    from .precision import precision_arguments
     from .norm_figure import plot_norm_history
+    from .precision import precision_arguments
+    from .sft import SFTPerplexityTrainer, sft_config
 
     checkpoint = check_settings(settings)
     normalization = parse_normalization(settings.normalization).name
     model_dir, _ = causal_lm_source(settings.model, settings.block_size, "finetune trains")
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    texts, train, held_out, held_out_text = training_and_held_out(
+    data = training_and_held_out(
         settings.dataset, tokenizer, settings.block_size, settings.eval_tokens, settings.text_column, settings.split,
-        settings.eval_dataset, settings.eval_fraction, settings.max_blocks)
+        settings.eval_dataset, settings.eval_fraction, settings.max_blocks, settings.train_on_prompt)
+    train, held_out = data.train, data.held_out
 
     model = from_pretrained(model_dir, model_class=transformers.AutoModelForCausalLM)
     original_perplexity = held_out_perplexity(model, held_out, desc="starting model")
@@ -143,14 +152,15 @@ def run_finetune(settings: FinetuneSettings) -> dict:
     if settings.balance and checkpoint is None:  # a resumed run loads the balanced, trained weights
         from ..balancing.balance import balance_kv
 
-        calibration = [text for text in texts[:64][settings.text_column] if text.strip()]
+        calibration = [tokenizer.decode(ids) for ids in train[:64]["input_ids"]]
         report = balance_kv(model, tokenizer, calibration, settings.balance, progress=False)
         print(f"K/V balanced ({settings.balance}): max |logit change| {report.max_logit_change:.2e}")
     if normalization != "softmax" and patched_normalization(model) is None:
         patch(model, normalization)
     model.train()
 
-    args = transformers.TrainingArguments(
+    args = sft_config(
+        settings.block_size,
         output_dir=str(settings.out),
         max_steps=settings.max_steps,
         per_device_train_batch_size=settings.batch_size,
@@ -173,26 +183,29 @@ def run_finetune(settings: FinetuneSettings) -> dict:
         dataloader_pin_memory=torch.cuda.is_available(),
     )
     callback = NormLoggerCallback(stop_on_nonfinite_loss=settings.stop_on_nonfinite_loss)
-    trainer = PerplexityTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
-                                data_collator=transformers.default_data_collator, callbacks=[callback])
+    trainer = SFTPerplexityTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
+                                   processing_class=tokenizer, callbacks=[callback])
     output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    tokens_per_step = settings.batch_size * settings.block_size * settings.gradient_accumulation_steps
+    packed = data.format["format"] == "language_modeling"
+    example_tokens = settings.block_size if packed else sum(map(len, train["input_ids"])) / len(train)  # a mean
+    tokens_per_step = settings.batch_size * example_tokens * settings.gradient_accumulation_steps
     curve = perplexity_curve(trainer.state.log_history, tokens_per_step)
-    if curve and curve[-1][0] == trainer.state.global_step:  # the Trainer evaluates the last step itself
+    if packed and curve and curve[-1][0] == trainer.state.global_step:  # the Trainer evaluates the last step itself
         final_perplexity = curve[-1][2]
     elif callback.stopped_at_step is not None:  # stopped at a non-finite loss: the model has diverged
         final_perplexity = math.nan
-    else:
+    else:  # records of several lengths: token-weighted like the original's (the Trainer averages batch means)
         final_perplexity = held_out_perplexity(model, held_out, desc="fine-tuned model")
 
     summary = {
         "settings": {**asdict(settings), "report_to": list(settings.report_to)},
         "model_dir": str(model_dir),
         "normalization": normalization,
+        "data_format": data.format,
         "blocks": len(train),
         "global_step": trainer.state.global_step,
         "train_loss": output.training_loss,
-        "evaluation": dict(evaluation_record(held_out_text, held_out, settings.block_size, original_perplexity,
+        "evaluation": dict(evaluation_record(data.description, held_out, settings.block_size, original_perplexity,
                                              final_perplexity),
                            stages={"fine-tuning": curve}),
         "first_nonfinite": callback.first_nonfinite,

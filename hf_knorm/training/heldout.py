@@ -23,6 +23,7 @@ evaluation is never shortened to fit: a held-out text shorter than ``eval_tokens
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import transformers
 
@@ -89,28 +90,91 @@ def held_out_blocks(texts, tokenizer, block_size: int, eval_tokens: int, text_co
     return blocks.select(range(wanted))
 
 
+@dataclass
+class TrainingData:
+    """A job's data, ready for the Trainer.
+
+    Attributes:
+        records: the training records as loaded (texts, conversations or prompt/completion pairs).
+        train: the training examples (``input_ids``, ``labels``): blocks of text, or one example per record.
+        held_out: the held-out examples, built the same way.
+        description: which records are held out, in one sentence.
+        format: the dataset format (:mod:`.dataset_formats`) and where the loss falls.
+    """
+
+    records: object
+    train: object
+    held_out: object
+    description: str
+    format: dict
+
+
 def training_and_held_out(source: str, tokenizer, block_size: int, eval_tokens: int, text_column: str = "text",
                           split: str = "train", eval_source: str | None = None, eval_fraction: float = 0.1,
-                          max_blocks: int | None = None):
-    """Load, split and pack a job's texts: ``(training texts, training blocks, held-out blocks, description)``.
+                          max_blocks: int | None = None, train_on_prompt: bool = False) -> TrainingData:
+    """Load, check, split and tokenize a job's data in any of the three formats (:mod:`.dataset_formats`).
+
+    Text is packed into blocks (:func:`held_out_blocks`: exactly ``eval_tokens // block_size`` held-out blocks).
+    Conversations and prompt/completion pairs are one example per record, cut at ``block_size`` tokens, the loss on
+    the replies unless ``train_on_prompt``; the held-out examples are the first held-out records that together carry
+    ``eval_tokens`` loss tokens (all of them when they carry fewer: the record states the tokens scored).
 
     Raises:
-        ValueError, FileNotFoundError: as :func:`~hf_knorm.training.text_data.load_text_dataset`,
-            :func:`split_held_out` and :func:`held_out_blocks` do.
+        ValueError, FileNotFoundError: as :func:`~hf_knorm.training.text_data.load_records`,
+            :func:`~hf_knorm.training.dataset_formats.detect_format`, ``check_records``, :func:`split_held_out`
+            and :func:`held_out_blocks` do; an evaluation dataset of another format than the training data's.
     """
-    from .text_data import load_text_dataset
+    from .dataset_formats import (LANGUAGE_MODELING, check_records, detect_format, format_description,
+                                  tokenize_with_loss_mask)
+    from .text_data import EMBEDDED, check_text_column, load_records
 
-    texts = load_text_dataset(source, text_column, split)
-    evaluation = load_text_dataset(eval_source, text_column, split) if eval_source is not None else None
-    train_texts, held_texts, description = split_held_out(texts, source, text_column, evaluation, eval_fraction)
-    blocks = held_out_blocks(held_texts, tokenizer, block_size, eval_tokens, text_column)
-    train = pack_dataset(train_texts, tokenizer, block_size, text_column, max_blocks)
-    return train_texts, train, blocks, description
+    records = load_records(source, split)
+    text_column = "text" if source in EMBEDDED else text_column
+    data_format = detect_format(records.column_names, text_column)
+    evaluation = load_records(eval_source, split) if eval_source is not None else None
+    if evaluation is not None and detect_format(evaluation.column_names, text_column) != data_format:
+        raise ValueError(f"--eval-dataset {eval_source} is not in the training data's format ({data_format}): "
+                         f"its columns are {', '.join(evaluation.column_names)}.")
+    for dataset, name in ((records, source), (evaluation, eval_source)):
+        if dataset is None:
+            continue
+        if data_format == LANGUAGE_MODELING:
+            check_text_column(dataset, name, text_column)
+        else:
+            check_records(dataset, data_format, tokenizer)
+    train_records, held_records, description = split_held_out(records, source, text_column, evaluation, eval_fraction)
+    if data_format == LANGUAGE_MODELING:
+        held_out = held_out_blocks(held_records, tokenizer, block_size, eval_tokens, text_column)
+        train = pack_dataset(train_records, tokenizer, block_size, text_column, max_blocks)
+    else:
+        held_out = _first_loss_tokens(
+            tokenize_with_loss_mask(held_records, data_format, tokenizer, block_size, train_on_prompt), eval_tokens)
+        train = tokenize_with_loss_mask(train_records, data_format, tokenizer, block_size, train_on_prompt)
+        if max_blocks is not None and len(train) > max_blocks:
+            train = train.select(range(max_blocks))
+    return TrainingData(train_records, train, held_out, description,
+                        format_description(data_format, train_on_prompt))
+
+
+def _first_loss_tokens(examples, tokens: int):
+    """The first examples that together carry ``tokens`` loss tokens (each example's first label is never scored)."""
+    total = 0
+    for index, labels in enumerate(examples["labels"]):
+        total += sum(label != -100 for label in labels[1:])
+        if total >= tokens:
+            return examples.select(range(index + 1))
+    return examples
+
+
+def loss_tokens(examples) -> int:
+    """The tokens the held-out evaluation scores in ``examples``: every label but each example's first, not -100."""
+    return sum(sum(label != -100 for label in labels[1:]) for labels in examples["labels"])
 
 
 def held_out_perplexity(model, blocks, desc: str = "held-out perplexity") -> float:
-    """The perplexity of ``model`` on the held-out blocks (:func:`~hf_knorm.evaluation.perplexity.perplexity_of_windows`,
-    one block a window: what the Trainer's ``eval_perplexity`` measures on them)."""
+    """The perplexity of ``model`` on the held-out examples (:func:`~hf_knorm.evaluation.perplexity.perplexity_of_windows`,
+    one example a window, scored where its ``labels`` are not -100: on text blocks, what the Trainer's
+    ``eval_perplexity`` measures on them)."""
     import torch
 
     from ..evaluation.perplexity import perplexity_of_windows
@@ -118,7 +182,8 @@ def held_out_perplexity(model, blocks, desc: str = "held-out perplexity") -> flo
     was_training = model.training
     model.eval()
     try:
-        return perplexity_of_windows(model, [torch.tensor(ids) for ids in blocks["input_ids"]], desc=desc).perplexity
+        return perplexity_of_windows(model, [torch.tensor(ids) for ids in blocks["input_ids"]], desc=desc,
+                                     labels=[torch.tensor(labels) for labels in blocks["labels"]]).perplexity
     finally:
         model.train(was_training)
 
@@ -164,8 +229,11 @@ def domains_record(blocks: dict, block_size: int, original: dict[str, float], fi
 
 
 def evaluation_record(description: str, blocks, block_size: int, original: float, final: float) -> dict:
-    """The ``evaluation`` entry of a job's summary (and of the model card)."""
-    return {"text": description, "tokens": len(blocks) * block_size, "block_size": block_size,
+    """The ``evaluation`` entry of a job's summary (and of the model card); ``tokens``: the held-out tokens (text
+    blocks: every token of every block; one example per record: the tokens scored, those carrying the loss)."""
+    packed = all(len(ids) == block_size for ids in blocks["input_ids"]) and blocks["input_ids"] == blocks["labels"]
+    tokens = len(blocks) * block_size if packed else loss_tokens(blocks)
+    return {"text": description, "tokens": tokens, "block_size": block_size,
             "original_perplexity": original, "perplexity": final, "ratio_to_original": final / original}
 
 
@@ -176,9 +244,9 @@ def perplexity_of(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf
 
 
-class PerplexityTrainer(transformers.Trainer):
-    """A ``Trainer`` whose evaluations also log ``eval_perplexity = exp(eval_loss)`` (``eval_<name>_perplexity`` for
-    each set of a dict of evaluation datasets).
+class PerplexityLogging:
+    """Mixed into a ``Trainer`` (before it): its evaluations also log ``eval_perplexity = exp(eval_loss)``
+    (``eval_<name>_perplexity`` for each set of a dict of evaluation datasets).
 
     ``Trainer.log`` is the public seam for metrics computed outside the training loop (TRL's trainers override it the
     same way): the value is added before the Trainer appends the entry to ``state.log_history`` and before any
@@ -189,3 +257,7 @@ class PerplexityTrainer(transformers.Trainer):
         for key in [key for key in logs if key.startswith("eval_") and key.endswith("_loss")]:
             logs[key.removesuffix("loss") + "perplexity"] = perplexity_of(float(logs[key]))
         super().log(logs, *args, **kwargs)
+
+
+class PerplexityTrainer(PerplexityLogging, transformers.Trainer):
+    """A ``Trainer`` whose evaluations also log the held-out perplexity (:class:`PerplexityLogging`)."""

@@ -76,23 +76,21 @@ def local_files(source: str) -> list[Path] | None:
     return paths
 
 
-def load_text_dataset(source: str, text_column: str = "text", split: str = "train"):
-    """Load ``source`` as a ``datasets.Dataset`` with a string column ``text_column``.
+def load_records(source: str, split: str = "train"):
+    """Load ``source`` as a ``datasets.Dataset``, whatever its columns (:func:`load_text_dataset` checks a text
+    column; :mod:`.dataset_formats` tells the formats apart).
 
     Args:
-        source: an embedded corpus name, local file(s), or a ``datasets`` name.
-        text_column: the column holding the text (local .txt files and embedded corpora have ``"text"``).
+        source: an embedded corpus name (a ``text`` column), local file(s), or a ``datasets`` name.
         split: the split to read (datasets names and local files).
 
     Raises:
-        FileNotFoundError: a missing local file.
-        ValueError: no ``text_column`` (the columns found are named), a non-text column, or no text at all.
+        FileNotFoundError: a missing local file. ValueError: a source that cannot be loaded, or no records.
     """
-    datasets = require("datasets", "Loading text datasets (hf-knorm finetune)")
+    datasets = require("datasets", "Loading datasets (hf-knorm finetune, convert)")
     files = local_files(source)
     if files is None and source in EMBEDDED:
         dataset = datasets.Dataset.from_dict({"text": embedded_texts(source)})
-        text_column = "text"
     elif files is not None:
         if any(path.is_dir() for path in files):
             tried = f"datasets.load_dataset({str(files[0])!r}, split={split!r}) on the local folder"
@@ -106,19 +104,46 @@ def load_text_dataset(source: str, text_column: str = "text", split: str = "trai
         if "/" in source:
             tried += f" (there is no local file or folder {source})"
         dataset = _load(datasets, tried, source, split=split)
+    if len(dataset) == 0:
+        raise ValueError(f"{source} is empty: no examples in split {split!r}.")
+    return dataset
+
+
+def load_text_dataset(source: str, text_column: str = "text", split: str = "train"):
+    """Load ``source`` as a ``datasets.Dataset`` with a string column ``text_column``.
+
+    Args:
+        source: an embedded corpus name, local file(s), or a ``datasets`` name.
+        text_column: the column holding the text (local .txt files and embedded corpora have ``"text"``).
+        split: the split to read (datasets names and local files).
+
+    Raises:
+        FileNotFoundError: a missing local file.
+        ValueError: no ``text_column`` (the columns found are named), a non-text column, or no text at all.
+    """
+    dataset = load_records(source, split)
+    if source in EMBEDDED:
+        text_column = "text"
+    check_text_column(dataset, source, text_column)
+    return dataset
+
+
+def check_text_column(dataset, source: str, text_column: str) -> None:
+    """``dataset`` has a column ``text_column`` of strings, not all blank.
+
+    Raises:
+        ValueError: no such column (the columns found are named), a non-text column, or no text at all.
+    """
     if text_column not in dataset.column_names:
         raise ValueError(
             f"{source} has no column {text_column!r}; columns found: {', '.join(dataset.column_names) or 'none'}. "
             "Name the text column with --text-column (text_column=...)."
         )
-    if len(dataset) == 0:
-        raise ValueError(f"{source} is empty: no examples in split {split!r}.")
     first = dataset[0][text_column]
     if not isinstance(first, str):
         raise ValueError(f"Column {text_column!r} of {source} holds {type(first).__name__}, not text.")
     if not any(text and text.strip() for text in dataset[text_column]):
         raise ValueError(f"{source} is empty: every {text_column!r} value is blank.")
-    return dataset
 
 
 def _may_be_datasets_name(part: str, path: Path) -> bool:
@@ -154,20 +179,21 @@ def pack_dataset(dataset, tokenizer, block_size: int, text_column: str = "text",
     Raises:
         ValueError: fewer tokens than one block.
     """
+    require("trl", "Packing text into blocks")
+    from trl.data_utils import pack_dataset as trl_pack_dataset
+
     eos = tokenizer.eos_token_id
 
     def tokenize(batch):
         ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
         return {"input_ids": [row + [eos] if eos is not None else row for row in ids]}
 
-    def group(batch):
-        tokens = [token for row in batch["input_ids"] for token in row]
-        usable = len(tokens) - len(tokens) % block_size
-        blocks = [tokens[start:start + block_size] for start in range(0, usable, block_size)]
-        return {"input_ids": blocks, "labels": [list(block) for block in blocks]}
-
     tokenized = dataset.map(tokenize, batched=True, remove_columns=dataset.column_names, desc="tokenizing")
-    packed = tokenized.map(group, batched=True, batch_size=1000, desc=f"packing into blocks of {block_size}")
+    # TRL's "wrapped" packing cuts the tokens of each 1,000 texts into blocks and keeps the short rest: dropped here
+    packed = trl_pack_dataset(tokenized, block_size, strategy="wrapped",
+                              map_kwargs={"desc": f"packing into blocks of {block_size}"})
+    packed = packed.filter(lambda ids: len(ids) == block_size, input_columns="input_ids", desc="dropping short blocks")
+    packed = packed.map(lambda batch: {"labels": batch["input_ids"]}, batched=True, desc="labels")
     if len(packed) == 0:
         total = sum(len(row) for row in tokenized["input_ids"])
         raise ValueError(f"The dataset has {total} tokens, fewer than one block of {block_size}; lower --block-size.")

@@ -60,7 +60,7 @@ def test_packing_cuts_blocks_with_end_of_text_between_texts(tmp_path):
 
 BAD_INPUTS = {
     "missing file": (["--dataset", "{tmp}/nowhere.jsonl"], "No such file: .*nowhere.jsonl"),
-    "no text column": (["--dataset", "{tmp}/table.csv"], "has no column 'text'; columns found: title, body"),
+    "no text column": (["--dataset", "{tmp}/table.csv"], "columns fit no format: found body, title; expected 'text'"),
     "empty dataset": (["--dataset", "{tmp}/blank.jsonl"], "is empty"),
     "empty file": (["--dataset", "{tmp}/empty.txt"], "empty.txt is empty: it holds no text to train on"),
     "unreadable file": (["--dataset", "{tmp}/broken.csv"], "tried reading .*broken.csv as csv with "

@@ -1,0 +1,184 @@
+"""The three dataset formats: detection, the checks on records, and the loss masks against the rendered template."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+from training_helpers import char_tokenizer, save_tiny_lm
+
+from hf_knorm.cli import main
+from hf_knorm.training.dataset_formats import (CONVERSATIONAL, LANGUAGE_MODELING, PROMPT_COMPLETION, check_records,
+                                               detect_format, tokenize_with_loss_mask)
+from hf_knorm.training.text_data import pack_dataset
+
+TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}</s>\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def chat_tokenizer():
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    return tokenizer
+
+
+def turns(*pairs):
+    return [{"role": role, "content": content} for role, content in pairs]
+
+
+CONVERSATION = turns(("system", "Be brief."), ("user", "Capital of France?"), ("assistant", "Paris."),
+                     ("user", "And of Italy?"), ("assistant", "Rome."))
+
+
+def _text(tokenizer, ids) -> str:
+    return "".join(tokenizer.convert_ids_to_tokens(ids))  # the character tokenizer has no decoder
+
+
+def _trained_text(tokenizer, example) -> list[str]:
+    """The runs of consecutive tokens that carry the loss, decoded."""
+    runs, current = [], []
+    for token, label in zip(example["input_ids"], example["labels"]):
+        if label != -100:
+            assert label == token
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return [_text(tokenizer, run) for run in runs]
+
+
+@pytest.mark.parametrize("columns, expected", [
+    (["text"], LANGUAGE_MODELING), (["messages"], CONVERSATIONAL), (["prompt", "completion"], PROMPT_COMPLETION),
+    (["messages", "text"], CONVERSATIONAL), (["id", "prompt", "completion"], PROMPT_COMPLETION)])
+def test_the_format_is_detected_from_the_columns(columns, expected):
+    assert detect_format(columns) == expected
+
+
+@pytest.mark.parametrize("columns, message", [
+    (["title", "body"], "fit no format: found body, title; expected 'text'"),
+    (["prompt", "answer"], "it has 'prompt' but no 'completion'"),
+    (["prompt", "chosen", "rejected"], "preference dataset .* DPOTrainer")])
+def test_columns_that_fit_no_format_are_named_with_the_formats_expected(columns, message):
+    with pytest.raises(ValueError, match=message):
+        detect_format(columns)
+
+
+def test_the_loss_falls_on_every_assistant_turn_with_its_end_of_turn_tokens():
+    tokenizer = chat_tokenizer()
+    example = tokenize_with_loss_mask(datasets.Dataset.from_dict({"messages": [CONVERSATION]}), CONVERSATIONAL,
+                                      tokenizer, max_length=512)[0]
+    assert _text(tokenizer, example["input_ids"]) == tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    assert _trained_text(tokenizer, example) == ["Paris.</s>\n", "Rome.</s>\n"]
+    everything = tokenize_with_loss_mask(datasets.Dataset.from_dict({"messages": [CONVERSATION]}), CONVERSATIONAL,
+                                         tokenizer, max_length=512, train_on_prompt=True)[0]
+    assert everything["labels"] == everything["input_ids"]
+
+
+def test_prompt_completion_pairs_train_on_the_completion_plain_or_conversational():
+    tokenizer = chat_tokenizer()
+    plain = tokenize_with_loss_mask(datasets.Dataset.from_dict({"prompt": ["2 + 2 ="], "completion": [" 4"]}),
+                                    PROMPT_COMPLETION, tokenizer, max_length=64)[0]
+    assert _text(tokenizer, plain["input_ids"]) == "2 + 2 = 4</s>"
+    assert _trained_text(tokenizer, plain) == [" 4</s>"]
+    chat = tokenize_with_loss_mask(datasets.Dataset.from_dict({
+        "prompt": [turns(("user", "2 + 2?"))], "completion": [turns(("assistant", "4"))]}),
+        PROMPT_COMPLETION, tokenizer, max_length=64)[0]
+    assert _text(tokenizer, chat["input_ids"]) == "[user] 2 + 2?</s>\n[assistant] 4</s>\n"
+    assert _trained_text(tokenizer, chat) == ["4</s>\n"]
+
+
+def test_examples_are_cut_at_the_block_size_and_those_left_without_loss_dropped():
+    tokenizer = chat_tokenizer()
+    records = datasets.Dataset.from_dict({"prompt": ["x" * 40, "short"], "completion": ["yes", "no"]})
+    kept = tokenize_with_loss_mask(records, PROMPT_COMPLETION, tokenizer, max_length=30)
+    assert len(kept) == 1 and _text(tokenizer, kept[0]["input_ids"]) == "shortno</s>"
+    with pytest.raises(ValueError, match="No example is left .* Raise --block-size"):
+        tokenize_with_loss_mask(records.select([0]), PROMPT_COMPLETION, tokenizer, max_length=30)
+
+
+@pytest.mark.parametrize("records, message", [
+    ({"messages": [turns(("user", "hi"), ("robot", "beep"))]}, "Record 0: unknown role 'robot'"),
+    ({"messages": [turns(("user", "hi"))]}, "Record 0: the conversation has no assistant turn"),
+    ({"messages": [[{"role": "user"}]]}, "Record 0: a user turn in 'messages' has no text content"),
+    ({"prompt": ["a", "b"], "completion": ["c", " "]}, "Record 1: its completion is missing or empty"),
+    ({"prompt": ["a"], "completion": [None]}, "Record 0: its completion is missing or empty"),
+    ({"prompt": [turns(("user", "a"))], "completion": ["b"]}, "Record 0: one side is text and the other"),
+])
+def test_bad_records_are_refused_with_their_index(records, message):
+    dataset = datasets.Dataset.from_list([dict(zip(records, values)) for values in zip(*records.values())])
+    with pytest.raises(ValueError, match=message):
+        check_records(dataset, detect_format(dataset.column_names), chat_tokenizer())
+
+
+def test_a_conversational_dataset_needs_a_chat_template():
+    dataset = datasets.Dataset.from_dict({"messages": [CONVERSATION]})
+    with pytest.raises(ValueError, match="the tokenizer has no chat template"):
+        check_records(dataset, CONVERSATIONAL, char_tokenizer())
+
+
+def test_packing_through_trl_equals_the_plain_reference():
+    """``pack_dataset`` (TRL's wrapped packing, short rests dropped) against run_clm's grouping, written out."""
+    import random
+
+    tokenizer = char_tokenizer()
+    rng = random.Random(0)
+    texts = ["".join(rng.choice("ab c\n") for _ in range(rng.randint(0, 120))) for _ in range(2300)]
+    packed = pack_dataset(datasets.Dataset.from_dict({"text": texts}), tokenizer, 32)
+    expected = []
+    for start in range(0, len(texts), 1000):  # every 1,000 texts, as run_clm's map batches
+        tokens = [t for ids in tokenizer(texts[start:start + 1000], add_special_tokens=False)["input_ids"]
+                  for t in ids + [tokenizer.eos_token_id]]
+        expected += [tokens[i:i + 32] for i in range(0, len(tokens) - len(tokens) % 32, 32)]
+    assert packed["input_ids"] == expected and packed["labels"] == expected
+
+
+@pytest.fixture(scope="module")
+def chat_lm_dir(tmp_path_factory):
+    folder = save_tiny_lm(tmp_path_factory.mktemp("chat_lm"))
+    tokenizer = chat_tokenizer()
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _write_jsonl(path, records):
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+QUESTIONS = [(f"What is {a} + {b}?", f"{a + b}.") for a in range(6) for b in range(5)]
+
+
+@pytest.mark.parametrize("kind", ["messages", "prompt_completion", "conversational_prompt_completion"])
+def test_finetune_trains_each_format_on_its_replies_and_records_it(tmp_path, chat_lm_dir, kind):
+    if kind == "messages":
+        records = [{"messages": turns(("user", q), ("assistant", a))} for q, a in QUESTIONS]
+    elif kind == "prompt_completion":
+        records = [{"prompt": q, "completion": " " + a} for q, a in QUESTIONS]
+    else:
+        records = [{"prompt": turns(("user", q)), "completion": turns(("assistant", a))} for q, a in QUESTIONS]
+    data = _write_jsonl(tmp_path / "chat.jsonl", records)
+    out = tmp_path / "run"
+    assert main(["finetune", "--model", str(chat_lm_dir), "--dataset", str(data), "--out", str(out),
+                 "--normalization", "x^3/16", "--max-steps", "3", "--eval-steps", "3", "--batch-size", "4",
+                 "--logging-steps", "1", "--block-size", "64", "--eval-tokens", "6", "--report-to", "none"]) == 0
+    summary = json.loads((out / "finetune.json").read_text())
+    expected_format = "conversational" if kind == "messages" else "prompt_completion"
+    assert summary["data_format"]["format"] == expected_format
+    assert summary["data_format"]["loss_on"] in ("the assistant turns", "the completions")
+    evaluation = summary["evaluation"]  # the last 3 of 30 records held out; scored on their replies only
+    assert evaluation["text"] == f"the last 3 of 30 texts of {data} (not trained on)"
+    reply_tokens = [len(a) + 2 for _, a in QUESTIONS[-3:]]  # + "</s>\n" (chat), " " + ... + "</s>" (plain)
+    assert evaluation["tokens"] == sum(reply_tokens[:2])  # the first records carrying eval_tokens=6 loss tokens
+    assert evaluation["perplexity"] > 0 and evaluation["original_perplexity"] > 0
+    assert len((out / "norms.jsonl").read_text().splitlines()) == 3
+
+
+def test_finetune_refuses_bad_chat_data_before_the_model_loads(tmp_path, chat_lm_dir, capsys):
+    data = _write_jsonl(tmp_path / "bad.jsonl", [{"messages": turns(("user", "hi"))}])
+    out = tmp_path / "run"
+    assert main(["finetune", "--model", str(chat_lm_dir), "--dataset", str(data), "--out", str(out)]) == 2
+    assert "Record 0: the conversation has no assistant turn" in capsys.readouterr().err
+    assert not out.exists()
