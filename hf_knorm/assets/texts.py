@@ -63,24 +63,40 @@ def shakespeare_split(held_out: tuple[str, ...] = ("hamlet", "sonnets")) -> tupl
 
 
 @lru_cache(maxsize=1)
-def chatterbot_conversations() -> tuple[str, ...]:
-    """Return the English conversations of ``chatterbot-corpus==1.3.3`` (BSD-3-Clause), one text per conversation.
+def chatterbot_dialogues() -> tuple[tuple[str, ...], ...]:
+    """Return the English conversations of ``chatterbot-corpus==1.3.3`` (BSD-3-Clause), each a tuple of turns.
 
-    Turns alternate between two speakers and are written ``A: ...`` / ``B: ...``, one turn a line, the files in name
-    order (``ai.yml`` ... ``trivia.yml``), the conversations in file order.
+    The files in name order (``ai.yml`` ... ``trivia.yml``), the conversations in file order, whitespace collapsed;
+    empty turns and single-turn conversations are left out.
     """
     import yaml
 
     wheel = fetch_distribution("chatterbot-corpus", "1.3.3", "chatterbot_corpus-1.3.3")
-    conversations = []
+    dialogues = []
     with zipfile.ZipFile(wheel) as archive:
         names = sorted(n for n in archive.namelist() if "/data/english/" in n and n.endswith(".yml"))
         for name in names:
             for turns in yaml.safe_load(archive.read(name).decode("utf-8")).get("conversations") or []:
-                lines = [f"{'AB'[i % 2]}: {' '.join(str(turn).split())}" for i, turn in enumerate(turns) if turn]
-                if len(lines) > 1:
-                    conversations.append("\n".join(lines))
-    return tuple(conversations)
+                turns = tuple(" ".join(str(turn).split()) for turn in turns if turn)
+                if len(turns) > 1:
+                    dialogues.append(turns)
+    return tuple(dialogues)
+
+
+def chatterbot_conversations() -> tuple[str, ...]:
+    """The conversations of :func:`chatterbot_dialogues` as text: turns alternate between two speakers and are written
+    ``A: ...`` / ``B: ...``, one turn a line."""
+    return tuple("\n".join(f"{'AB'[i % 2]}: {turn}" for i, turn in enumerate(turns)) for turns in chatterbot_dialogues())
+
+
+def chatterbot_chats() -> tuple[list[dict], ...]:
+    """The conversations of :func:`chatterbot_dialogues` as chat messages: the first speaker is the user, the second
+    the assistant; a conversation ends on the assistant's last turn (a user turn left unanswered is dropped)."""
+    chats = []
+    for turns in chatterbot_dialogues():
+        turns = turns[:len(turns) - len(turns) % 2]
+        chats.append([{"role": ("user", "assistant")[i % 2], "content": turn} for i, turn in enumerate(turns)])
+    return tuple(chats)
 
 
 DOCUTILS_USER_GUIDES = "docs/user/"

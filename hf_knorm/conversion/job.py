@@ -38,6 +38,7 @@ from pathlib import Path
 from ..attention.normalizations import parse_normalization
 from ..evaluation.domains import domain
 from ..extras import require
+from ..training.dataset_formats import LANGUAGE_MODELING, format_description
 from ..training.finetune import check_sources
 from .mixture import GENERAL
 from .settings import RECOVERY_MODES, RECOVERY_TRAINABLE, SCALE_FOLDS, ConvertSettings
@@ -80,10 +81,15 @@ def check_settings(settings: ConvertSettings) -> None:
         raise ValueError("Recovery with next_token_weight 0 and distill_weight 0 has no loss: raise either.")
     for name in settings.domains():
         domain(name)
+    if settings.dataset == "chatterbot" and "conversation" in settings.domains():
+        raise ValueError("--dataset chatterbot trains on the conversation domain's own text, which would then not be "
+                         "held out: leave conversation out of --eval-domains (e.g. essays,plays,technical).")
     if "tensorboard" in settings.integrations():
         require("tensorboard", "report_to tensorboard (the default; --report-to none turns it off)")
     if settings.recovery == "lora":
         require("peft", "--recovery lora")
+    require("datasets", "hf-knorm convert's datasets")
+    require("trl", "hf-knorm convert (TRL packs its text)")
     check_sources(settings.dataset if settings.dataset != GENERAL else "paul-graham", settings.eval_dataset,
                   settings.model)
     out = Path(settings.out)
@@ -144,8 +150,9 @@ def run_convert(settings: ConvertSettings) -> dict:
                          "mixture's instructions use: pass --no-probe and another --dataset.")
     eval_sets = held_out_domain_blocks(settings.domains(), tokenizer, settings.block_size, settings.eval_tokens)
     train, own_held_out, mixture, descriptions = None, None, None, {}
+    data_format = format_description(LANGUAGE_MODELING)
     if settings.dataset != GENERAL:
-        train, own_held_out, descriptions[OWN_HELD_OUT] = _training_data(settings, tokenizer)
+        train, own_held_out, descriptions[OWN_HELD_OUT], data_format = _training_data(settings, tokenizer)
     if own_held_out is not None:
         eval_sets = {OWN_HELD_OUT: own_held_out, **eval_sets}
     if not eval_sets:
@@ -169,12 +176,14 @@ def run_convert(settings: ConvertSettings) -> dict:
 
     from .stages import run_recovery, run_transfer
 
-    model = run_transfer(model, settings, normalization, train, eval_sets, out, state)
-    model = run_recovery(model, settings, train, eval_sets, out, state, teacher)
+    collator = examples_collator(train, tokenizer)
+    model = run_transfer(model, settings, normalization, train, eval_sets, out, state, collator)
+    model = run_recovery(model, settings, train, eval_sets, out, state, teacher, collator)
 
     model.eval()
-    final = _final_perplexities(model, eval_sets, state)
+    final = _final_perplexities(model, eval_sets, state, settings.block_size)
     summary = _summary(settings, normalization, model_dir, eval_sets, descriptions, len(train), state, final, mixture)
+    summary["data_format"] = summary["evaluation"]["data_format"] = data_format
     if settings.probe:
         from ..evaluation.probe import ProbeAnswer, compare
 
@@ -211,19 +220,23 @@ OWN_HELD_OUT = "held_out"
 
 
 def _training_data(settings: ConvertSettings, tokenizer):
-    """``(training blocks, held-out blocks or None, their description)`` of a dataset named by ``--dataset`` (not the
-    mixture).
+    """``(training examples, held-out examples or None, their description, the data format)`` of a dataset named by
+    ``--dataset`` (not the mixture): text, conversations or prompt/completion pairs
+    (:mod:`hf_knorm.training.dataset_formats`).
 
-    The held-out blocks are the training data's own (``--eval-dataset`` or its last ``--eval-fraction``), evaluated
+    The held-out examples are the training data's own (``--eval-dataset`` or its last ``--eval-fraction``), evaluated
     beside the domains; ``paul-graham`` has none of its own: its held-out essays are the ``essays`` domain.
     """
     from ..training.heldout import training_and_held_out
 
-    _, train, blocks, description = training_and_held_out(
+    data = training_and_held_out(
         settings.dataset, tokenizer, settings.block_size, settings.eval_tokens, settings.text_column, settings.split,
-        settings.eval_dataset, settings.eval_fraction, settings.max_blocks)
+        settings.eval_dataset, settings.eval_fraction, settings.max_blocks, settings.train_on_prompt)
     own = settings.eval_dataset is not None or settings.dataset != "paul-graham"
-    return train, blocks if own else None, description
+    description = data.description
+    if data.format["format"] != LANGUAGE_MODELING:
+        description += f", scored on {data.format['loss_on']}"
+    return data.train, data.held_out if own else None, description, data.format
 
 
 def _general_training_data(model, tokenizer, model_dir: Path, settings: ConvertSettings):
@@ -247,22 +260,38 @@ def _general_training_data(model, tokenizer, model_dir: Path, settings: ConvertS
     return train, dict(description, blocks=len(train))
 
 
+def examples_collator(train, tokenizer):
+    """How a stage batches ``train``: blocks of one length are stacked (``default_data_collator``); examples of
+    several lengths (one per conversation or prompt/completion pair) are padded on the right, ``-100`` labels on the
+    padding, as TRL's ``SFTTrainer`` pads them under ``finetune``."""
+    import transformers
+
+    if len({len(ids) for ids in train["input_ids"]}) == 1:
+        return transformers.default_data_collator
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return DataCollatorForLanguageModeling(pad_token_id=pad)
+
+
 def _probe(model, tokenizer):
     from ..evaluation.probe import ask
 
     return ask(model, tokenizer)
 
 
-def _final_perplexities(model, eval_sets: dict, state: dict) -> dict[str, float]:
+def _final_perplexities(model, eval_sets: dict, state: dict, block_size: int) -> dict[str, float]:
     """Each set's perplexity of the converted model: the last stage's evaluation at its last step when there was
-    one (the Trainer evaluates at the end when the steps are a multiple of ``eval_steps``), else measured now."""
-    from ..training.heldout import held_out_perplexity
+    one (the Trainer evaluates at the end when the steps are a multiple of ``eval_steps``), else measured now; always
+    measured now on examples of several lengths (the Trainer averages batch means; the original's figure is
+    token-weighted)."""
+    from ..training.heldout import held_out_perplexity, is_packed
 
     stage = state.get("recovery") or state.get("transfer") or {}
     final = {}
     for name, blocks in eval_sets.items():
         curve = stage.get("curves", {}).get(name) or []
-        if curve and curve[-1][0] == stage.get("steps"):
+        if curve and curve[-1][0] == stage.get("steps") and is_packed(blocks, block_size):
             final[name] = curve[-1][2]
         else:
             final[name] = held_out_perplexity(model, blocks, desc=f"converted model, {name}")

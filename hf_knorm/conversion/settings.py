@@ -26,8 +26,9 @@ class ConvertSettings:
     model: str = field(default="default", metadata={
         "help": "'default' (SmolLM2-135M-Instruct, embedded) or the folder of a pretrained softmax causal LM"})
     dataset: str = field(default="general", metadata={
-        "help": "training text: general (the original model's own samples + Paul Graham essays 0-39) | shakespeare | "
-                "paul-graham | local file(s), comma-separated | a datasets name"})
+        "help": "training data: general (the original model's own samples + Paul Graham essays 0-39) | shakespeare | "
+                "paul-graham | chatterbot (conversations) | local file(s), comma-separated | a datasets name; text, "
+                "'messages' (conversations) or 'prompt' + 'completion' columns, detected"})
     teacher_tokens: int = field(default=65536, metadata={
         "help": "tokens the original model samples for the general mixture (generated once, then cached)"})
     pack_teacher_samples: bool = field(default=False, metadata={
@@ -38,6 +39,8 @@ class ConvertSettings:
         "help": "run folder: each stage's checkpoints and logs, the converted model, convert.json"})
     text_column: str = field(default="text", metadata={"help": "the column holding the text"})
     split: str = field(default="train", metadata={"help": "the split to read"})
+    train_on_prompt: bool = field(default=False, metadata={
+        "help": "conversations and prompt/completion pairs: the loss on every token, not only on the replies"})
     eval_dataset: str | None = field(default=None, metadata={
         "help": "held-out text of the training data (same forms as --dataset), evaluated beside the held-out "
                 "domains; default: none for general and paul-graham, shakespeare's Hamlet and sonnets, else the "

@@ -17,7 +17,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from ..models.patching import patch
 from ..training.callback import NormLoggerCallback
-from ..training.heldout import perplexity_curve
+from ..training.heldout import mean_example_tokens, perplexity_curve
 from ..training.precision import precision_arguments
 from .settings import ConvertSettings
 from .state import write_state
@@ -30,10 +30,11 @@ CALIBRATION_BLOCKS = 8
 
 
 def run_transfer(model, settings: ConvertSettings, normalization: str, train, eval_sets: dict, out: Path,
-                 state: dict):
+                 state: dict, collator=transformers.default_data_collator):
     """Stage 1: patch ``model`` with ``normalization`` and train its attention to match the original's.
 
-    With ``transfer_steps == 0`` the model is only patched. Returns the patched (transferred) model.
+    With ``transfer_steps == 0`` the model is only patched. Returns the patched (transferred) model. ``collator``
+    batches ``train`` (:func:`~hf_knorm.conversion.job.examples_collator`).
     """
     from ..models.persistence import from_pretrained, save_pretrained
 
@@ -49,7 +50,7 @@ def run_transfer(model, settings: ConvertSettings, normalization: str, train, ev
     patch(model, normalization)
     checkpoint = get_last_checkpoint(str(folder)) if folder.is_dir() else None
     if checkpoint is None:  # a checkpoint holds the scaled weights already
-        calibration = torch.stack([torch.tensor(train[i]["input_ids"]) for i in range(min(len(train), CALIBRATION_BLOCKS))])
+        calibration = _calibration_rows(train, settings.block_size)
         scales = transfer.match_scale(model, calibration, fold=settings.scale_fold)
         record["output_scales"] = [scale.tolist() for scale in scales]
         record["scale_fold"] = settings.scale_fold
@@ -57,7 +58,7 @@ def run_transfer(model, settings: ConvertSettings, normalization: str, train, ev
     model.train()
     trainer = TransferTrainer(
         model=model, args=_arguments(settings, folder, settings.transfer_steps, settings.transfer_learning_rate),
-        train_dataset=train, eval_dataset=eval_sets, data_collator=transformers.default_data_collator,
+        train_dataset=train, eval_dataset=eval_sets, data_collator=collator,
         callbacks=[NormLoggerCallback()], transfer=transfer,
     )
     measured = _train(trainer, checkpoint, settings)
@@ -74,7 +75,8 @@ def run_transfer(model, settings: ConvertSettings, normalization: str, train, ev
     return model
 
 
-def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: Path, state: dict, teacher=None):
+def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: Path, state: dict, teacher=None,
+                 collator=transformers.default_data_collator):
     """Stage 2: next-token training of the patched model, through LoRA (merged at the end) or in full, distilled from
     ``teacher``. The recovered model is saved in ``out/recovery/model`` before the stage is marked done."""
     from ..models.persistence import from_pretrained, save_pretrained
@@ -99,7 +101,7 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
     checkpoint = get_last_checkpoint(str(folder)) if folder.is_dir() else None
     trainer = DistillationTrainer(
         model=model, args=_arguments(settings, folder, settings.recovery_steps, settings.recovery_learning_rate),
-        train_dataset=train, eval_dataset=eval_sets, data_collator=transformers.default_data_collator,
+        train_dataset=train, eval_dataset=eval_sets, data_collator=collator,
         callbacks=[NormLoggerCallback()], teacher=teacher, distill_weight=settings.distill_weight,
         next_token_weight=settings.next_token_weight, non_attention_lr_scale=settings.non_attention_lr_scale,
     )
@@ -113,6 +115,19 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
     state["recovery"] = record
     write_state(out, state)
     return model
+
+
+def _calibration_rows(train, block_size: int) -> torch.Tensor:
+    """``(CALIBRATION_BLOCKS, N)`` ids the head scales are solved on: the first blocks, or the first examples'
+    tokens joined and cut into rows of ``block_size`` (one row of all of them when they are fewer)."""
+    first = [train[i]["input_ids"] for i in range(min(len(train), 64))]
+    if len({len(ids) for ids in first}) == 1:
+        return torch.tensor(first[:CALIBRATION_BLOCKS])
+    tokens = [token for ids in first for token in ids]
+    rows = len(tokens) // block_size
+    if rows == 0:
+        return torch.tensor([tokens])
+    return torch.tensor(tokens[:rows * block_size]).view(rows, block_size)[:CALIBRATION_BLOCKS]
 
 
 def _set_recovery_trainable(model, trainable: str) -> None:
@@ -161,7 +176,8 @@ def _train(trainer, checkpoint: str | None, settings: ConvertSettings) -> dict:
     output = trainer.train(resume_from_checkpoint=checkpoint)
     elapsed = time.perf_counter() - started
     history = trainer.state.log_history
-    tokens_per_step = settings.batch_size * settings.block_size * trainer.args.gradient_accumulation_steps
+    tokens_per_step = round(settings.batch_size * mean_example_tokens(trainer.train_dataset)
+                            * trainer.args.gradient_accumulation_steps)
     first = int(Path(checkpoint).name.split("-")[-1]) if checkpoint else 0
     evaluating = sum(entry.get("eval_runtime", 0.0) for entry in history if entry.get("step", 0) >= first)
     steps = trainer.state.global_step - first

@@ -130,7 +130,8 @@ def run_finetune(settings: FinetuneSettings) -> dict:
     from ..models.patching import patch, patched_normalization, unpatch
     from ..models.persistence import from_pretrained, save_pretrained
     from .callback import NormLoggerCallback
-    from .heldout import evaluation_record, held_out_perplexity, perplexity_curve, training_and_held_out
+    from .heldout import (evaluation_record, held_out_perplexity, mean_example_tokens, perplexity_curve,
+                          training_and_held_out)
     from .history import HISTORY_FILE
     from .norm_figure import plot_norm_history
     from .precision import precision_arguments
@@ -187,8 +188,7 @@ def run_finetune(settings: FinetuneSettings) -> dict:
                                    processing_class=tokenizer, callbacks=[callback])
     output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     packed = data.format["format"] == "language_modeling"
-    example_tokens = settings.block_size if packed else sum(map(len, train["input_ids"])) / len(train)  # a mean
-    tokens_per_step = settings.batch_size * example_tokens * settings.gradient_accumulation_steps
+    tokens_per_step = round(settings.batch_size * mean_example_tokens(train) * settings.gradient_accumulation_steps)
     curve = perplexity_curve(trainer.state.log_history, tokens_per_step)
     if packed and curve and curve[-1][0] == trainer.state.global_step:  # the Trainer evaluates the last step itself
         final_perplexity = curve[-1][2]
@@ -207,7 +207,7 @@ def run_finetune(settings: FinetuneSettings) -> dict:
         "train_loss": output.training_loss,
         "evaluation": dict(evaluation_record(data.description, held_out, settings.block_size, original_perplexity,
                                              final_perplexity),
-                           stages={"fine-tuning": curve}),
+                           stages={"fine-tuning": curve}, data_format=data.format),
         "first_nonfinite": callback.first_nonfinite,
         "stopped_at_step": callback.stopped_at_step,
     }

