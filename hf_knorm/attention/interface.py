@@ -51,7 +51,7 @@ def hf_knorm_attention(
     transform = current_kv_transform()
     if transform is not None:
         key, value = transform(module, key, value)
-    recorder = current_recorder()
+    recorder = current_recorder(module)
     frobenius_sq = None
     if recorder is not None:
         frobenius_sq = query.new_zeros(query.shape[0], key.shape[1], query.shape[1] // key.shape[1], dtype=torch.float32)

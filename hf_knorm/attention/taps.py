@@ -28,7 +28,13 @@ TransformFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], tuple[torc
 
 
 class Recorder(Protocol):
-    """What the attention function reports to: see :meth:`hf_knorm.norms.statistics.NormRecorder.record`."""
+    """What the attention function reports to: see :meth:`hf_knorm.norms.statistics.NormRecorder.record`.
+
+    ``records(module)`` says whether a layer is one of the recorder's: another model attending through the plugin in
+    the same step (a DPO reference model, a distillation teacher) is not reported.
+    """
+
+    def records(self, module) -> bool: ...
 
     def record(self, module, key, value, allowed, frobenius_sq) -> None: ...
 
@@ -42,9 +48,12 @@ def current_kv_transform() -> TransformFn | None:
     return _TRANSFORM.get()
 
 
-def current_recorder() -> Recorder | None:
-    """The norm recorder active in this context, if any."""
-    return _RECORDER.get()
+def current_recorder(module=None) -> Recorder | None:
+    """The norm recorder active in this context, if any (with ``module``: only if it records that layer)."""
+    recorder = _RECORDER.get()
+    if recorder is not None and module is not None and not recorder.records(module):
+        return None
+    return recorder
 
 
 def activate_recorder(recorder: Recorder) -> contextvars.Token:

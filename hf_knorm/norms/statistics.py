@@ -80,6 +80,10 @@ class NormRecorder:
     def __exit__(self, *exc) -> None:
         deactivate_recorder(self._token)
 
+    def records(self, module) -> bool:
+        """Whether ``module`` is one of the layers this recorder was built for."""
+        return id(module) in self._index
+
     def record(self, module, key, value, allowed, frobenius_sq) -> None:
         """Called by the attention function.
 

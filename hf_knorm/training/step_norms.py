@@ -99,6 +99,10 @@ class StepNormRecorder:
     def _count_forward(self, module, args) -> None:
         self._forwards += 1
 
+    def records(self, module) -> bool:
+        """Whether ``module`` is one of the layers this recorder was built for."""
+        return id(module) in self._index
+
     def record(self, module, key, value, allowed, frobenius_sq) -> None:
         """Called by the attention function, once per layer and forward pass.
 
