@@ -3,19 +3,28 @@
 TRL (``trl.SFTTrainer``) is what the field fine-tunes with; the job hands it examples already tokenized
 (:func:`hf_knorm.training.heldout.training_and_held_out`: text packed by TRL's own ``pack_dataset``, conversations and
 prompt/completion pairs with their loss masks), so that ``finetune`` and ``convert`` train on the same examples.
-``SFTTrainer`` then collates them (padding each batch, ``-100`` labels on the padding), truncates at ``max_length``
-and computes the next-token loss on the labels, logging its token accuracy and entropy beside the loss.
+``SFTTrainer`` then collates them (padding each batch, ``-100`` labels on the padding) and truncates at
+``max_length``. The loss is the model's own next-token loss on the labels, as ``Trainer.compute_loss`` computes it:
+TRL 1.16's fused LM head (log-probabilities in tiles, with entropy and token accuracy for its logs) gives the same
+loss but trained at 0.68x the plain loss's tokens per second on this 2-core CPU (``scripts/bench_finetune_trl.py``,
+BENCHMARKS.md), so its ``entropy`` and ``mean_token_accuracy`` are not logged.
 """
 
 from __future__ import annotations
 
+import transformers
 from trl import SFTConfig, SFTTrainer
 
 from .heldout import PerplexityLogging
 
 
 class SFTPerplexityTrainer(PerplexityLogging, SFTTrainer):
-    """``SFTTrainer`` whose evaluations also log ``eval_perplexity`` (:class:`~.heldout.PerplexityLogging`)."""
+    """``SFTTrainer`` whose evaluations also log ``eval_perplexity`` (:class:`~.heldout.PerplexityLogging`), with
+    the plain next-token loss (see the module docstring)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs["use_cache"] = False
+        return transformers.Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
 
 
 TRAINING_ARGUMENTS_DEFAULTS = {"bf16": False, "gradient_checkpointing": False}
