@@ -52,7 +52,7 @@ from .demo.settings import DemoSettings
 from .evaluation.needle import run_niah_job
 from .extras import MissingExtraError
 from .training.attention_norms import AttentionNormsSettings
-from .training.finetune import FinetuneSettings
+from .jobs.finetune import FinetuneSettings
 
 
 class _SettingsParser(HfArgumentParser):
@@ -223,7 +223,7 @@ def _run_push(settings: None, args: argparse.Namespace) -> int:
 # --- finetune, attention-norms ---
 
 def _run_finetune(settings: FinetuneSettings, args: argparse.Namespace) -> int:
-    from .training.finetune import run_finetune
+    from .jobs.finetune import run_finetune
 
     summary = run_finetune(settings)
     out = Path(settings.out)

@@ -68,7 +68,7 @@ def conversion_fields() -> dict:
 # --- the arms ----------------------------------------------------------------------------------------------------
 
 def run_softmax(args, out: Path) -> None:
-    from hf_knorm.training.finetune import FinetuneSettings, run_finetune
+    from hf_knorm.jobs.finetune import FinetuneSettings, run_finetune
 
     folder = out / "softmax"
     if (folder / "finetune.json").is_file():

@@ -11,7 +11,7 @@ import pytest
 from hf_knorm import cli
 from hf_knorm.cli import COMMANDS, Command, _build_parser, main, parse
 from hf_knorm.demo.settings import DemoSettings
-from hf_knorm.training.finetune import FinetuneSettings
+from hf_knorm.jobs.finetune import FinetuneSettings
 
 SETTINGS_COMMANDS = [command for command in COMMANDS if command.settings is not None]
 

@@ -79,13 +79,13 @@ def test_a_missing_optional_module_names_its_extra(monkeypatch, module):
 def test_the_jobs_stop_with_the_extra_to_install(monkeypatch, tmp_path, capsys):
     from hf_knorm.cli import main
     from hf_knorm.training.digits_vit import digits_splits
-    from hf_knorm.training.finetune import FinetuneSettings, check_settings
+    from hf_knorm.jobs.finetune import FinetuneSettings, check_settings
 
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     (tmp_path / "model").mkdir()
     assert main(["finetune", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "run")]) == 2
     error = capsys.readouterr().err
-    assert error.startswith("hf-knorm finetune: error: report_to tensorboard") and "hf_knorm[train]" in error
+    assert error.startswith("hf-knorm finetune: error: hf-knorm finetune's TensorBoard logs") and "hf_knorm[train]" in error
     without_logs = FinetuneSettings(model=str(tmp_path / "model"), out=str(tmp_path / "run"), report_to=("none",))
     assert check_settings(without_logs) is None  # TensorBoard is needed only to log to it
 
@@ -93,9 +93,9 @@ def test_the_jobs_stop_with_the_extra_to_install(monkeypatch, tmp_path, capsys):
     from hf_knorm.conversion.settings import ConvertSettings
 
     assert main(["convert", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "conversion")]) == 2
-    assert capsys.readouterr().err.startswith("hf-knorm convert: error: report_to tensorboard")
+    assert capsys.readouterr().err.startswith("hf-knorm convert: error: hf-knorm convert's TensorBoard logs")
     monkeypatch.setitem(sys.modules, "peft", None)
-    with pytest.raises(MissingExtraError, match=re.escape("--recovery lora needs peft")):
+    with pytest.raises(MissingExtraError, match=re.escape("hf-knorm convert with LoRA (--recovery lora) needs peft")):
         check_conversion(ConvertSettings(model=str(tmp_path / "model"), out=str(tmp_path / "c"), report_to=("none",),
                                          recovery="lora"))
     assert not (tmp_path / "conversion").exists() and not (tmp_path / "c").exists()  # nothing started

@@ -1,3 +1,3 @@
 """Conversion: a pretrained softmax model made to work under another normalization (``hf_knorm.convert``,
 ``hf-knorm convert``): attention transfer, then full or LoRA recovery, held-out perplexity at every stage (LoLCATs,
-arXiv 2410.10254). May import hub/, training/, evaluation/ and everything below them."""
+arXiv 2410.10254). May import jobs/, hub/, training/, evaluation/ and everything below them."""

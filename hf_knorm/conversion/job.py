@@ -29,17 +29,15 @@ from ``out/transfer/model``), an interrupted one continues from its last checkpo
 from __future__ import annotations
 
 import copy
-import json
-import os
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 from ..attention.normalizations import parse_normalization
 from ..evaluation.domains import domain
-from ..extras import require
+from ..jobs.run_folder import check_same_settings, settings_record, write_json
+from ..jobs.sources import causal_lm_source, check_extras, check_sources
 from ..training.dataset_formats import LANGUAGE_MODELING, format_description
-from ..training.finetune import check_sources
 from .mixture import GENERAL
 from .settings import RECOVERY_MODES, RECOVERY_TRAINABLE, SCALE_FOLDS, ConvertSettings
 from .state import STATE_FILE, read_state, write_state
@@ -84,12 +82,7 @@ def check_settings(settings: ConvertSettings) -> None:
     if settings.dataset == "chatterbot" and "conversation" in settings.domains():
         raise ValueError("--dataset chatterbot trains on the conversation domain's own text, which would then not be "
                          "held out: leave conversation out of --eval-domains (e.g. essays,plays,technical).")
-    if "tensorboard" in settings.integrations():
-        require("tensorboard", "report_to tensorboard (the default; --report-to none turns it off)")
-    if settings.recovery == "lora":
-        require("peft", "--recovery lora")
-    require("datasets", "hf-knorm convert's datasets")
-    require("trl", "hf-knorm convert (TRL packs its text)")
+    check_extras("hf-knorm convert", settings.integrations(), lora=settings.recovery == "lora")
     check_sources(settings.dataset if settings.dataset != GENERAL else "paul-graham", settings.eval_dataset,
                   settings.model)
     out = Path(settings.out)
@@ -102,7 +95,7 @@ def check_settings(settings: ConvertSettings) -> None:
     if settings.resume and not started:
         raise ValueError(f"--resume: {out} holds no conversion to continue ({STATE_FILE} is missing).")
     if settings.resume:
-        _check_same_run(read_state(out), settings)
+        check_same_settings(read_state(out).get("settings"), settings, RESUMABLE_FIELDS)
 
 
 def convert(settings: ConvertSettings | None = None, **fields) -> dict:
@@ -133,7 +126,6 @@ def run_convert(settings: ConvertSettings) -> dict:
     """
     import transformers
 
-    from ..training.finetune import causal_lm_source
     from ..training.heldout import held_out_domain_blocks, held_out_perplexity
 
     check_settings(settings)
@@ -170,7 +162,7 @@ def run_convert(settings: ConvertSettings) -> dict:
                                         for name, blocks in eval_sets.items()}
         if settings.probe:
             state["original_probe"] = [asdict(answer) for answer in _probe(model, tokenizer)]
-        state["settings"] = _settings_record(settings)
+        state["settings"] = settings_record(settings)
         write_state(out, state)
     teacher = copy.deepcopy(model).eval() if settings.distill_weight > 0 and settings.recovery != "none" else None
 
@@ -181,7 +173,7 @@ def run_convert(settings: ConvertSettings) -> dict:
     model = run_recovery(model, settings, train, eval_sets, out, state, teacher, collator)
 
     model.eval()
-    final = _final_perplexities(model, eval_sets, state, settings.block_size)
+    final = _final_perplexities(model, eval_sets, state)
     summary = _summary(settings, normalization, model_dir, eval_sets, descriptions, len(train), state, final, mixture)
     summary["data_format"] = summary["evaluation"]["data_format"] = data_format
     if settings.probe:
@@ -195,24 +187,6 @@ def run_convert(settings: ConvertSettings) -> dict:
 
 RESUMABLE_FIELDS = ("resume", "out", "report_to", "logging_steps", "save_steps")
 """Settings a resumed run may change: they do not shape the converted model."""
-
-
-def _settings_record(settings: ConvertSettings) -> dict:
-    """The settings as ``convert_state.json`` stores them (JSON values: tuples become lists)."""
-    return json.loads(json.dumps(asdict(settings), default=str))
-
-
-def _check_same_run(state: dict, settings: ConvertSettings) -> None:
-    """Refuse to resume a run with settings that shape the result changed (it would mix two runs)."""
-    stored = state.get("settings")
-    if not stored:
-        return
-    now = _settings_record(settings)
-    changed = [name for name in now if name not in RESUMABLE_FIELDS and stored.get(name) != now[name]]
-    if changed:
-        details = ", ".join(f"{name}: {stored.get(name)!r} then, {now[name]!r} now" for name in changed)
-        raise ValueError(f"--resume continues the run in {settings.out} with the settings it started with; these "
-                         f"differ: {details}. Resume with the same settings, or start another --out.")
 
 
 OWN_HELD_OUT = "held_out"
@@ -280,18 +254,16 @@ def _probe(model, tokenizer):
     return ask(model, tokenizer)
 
 
-def _final_perplexities(model, eval_sets: dict, state: dict, block_size: int) -> dict[str, float]:
+def _final_perplexities(model, eval_sets: dict, state: dict) -> dict[str, float]:
     """Each set's perplexity of the converted model: the last stage's evaluation at its last step when there was
-    one (the Trainer evaluates at the end when the steps are a multiple of ``eval_steps``), else measured now; always
-    measured now on examples of several lengths (the Trainer averages batch means; the original's figure is
-    token-weighted)."""
-    from ..training.heldout import held_out_perplexity, is_packed
+    one (the Trainer evaluates at the end when the steps are a multiple of ``eval_steps``), else measured now."""
+    from ..training.heldout import held_out_perplexity
 
     stage = state.get("recovery") or state.get("transfer") or {}
     final = {}
     for name, blocks in eval_sets.items():
         curve = stage.get("curves", {}).get(name) or []
-        if curve and curve[-1][0] == stage.get("steps") and is_packed(blocks, block_size):
+        if curve and curve[-1][0] == stage.get("steps"):
             final[name] = curve[-1][2]
         else:
             final[name] = held_out_perplexity(model, blocks, desc=f"converted model, {name}")
@@ -328,9 +300,7 @@ def _save(model, tokenizer, out: Path, summary: dict) -> None:
                                    title=f"||A||_F per layer, conversion to {summary['normalization']}")
     summary["perplexity_figure"] = str(plot_conversion_curve(summary, out / "perplexity.png"))
     save_pretrained(model, out, tokenizer=tokenizer, norm_history=figure, evaluation=card_evaluation(summary))
-    partial = out / (RESULT_FILE + ".partial")
-    partial.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    os.replace(partial, out / RESULT_FILE)
+    write_json(out / RESULT_FILE, summary)
 
 
 def card_evaluation(summary: dict) -> dict:

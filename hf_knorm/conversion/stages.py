@@ -15,10 +15,10 @@ import torch
 import transformers
 from transformers.trainer_utils import get_last_checkpoint
 
+from ..jobs.arguments import job_arguments
 from ..models.patching import patch
 from ..training.callback import NormLoggerCallback
 from ..training.heldout import mean_example_tokens, perplexity_curve
-from ..training.precision import precision_arguments
 from .settings import ConvertSettings
 from .state import write_state
 from .trainers import DistillationTrainer, TransferTrainer
@@ -64,10 +64,8 @@ def run_transfer(model, settings: ConvertSettings, normalization: str, train, ev
     measured = _train(trainer, checkpoint, settings)
     for parameter in model.parameters():
         parameter.requires_grad_(True)
-    first = next(iter(eval_sets.values()))
-    sample = [torch.tensor(first[i]["input_ids"]) for i in range(min(len(first), 8))]
     record.update(measured, trainable_parameters=trainable, trainable=settings.transfer_trainable,
-                  errors=transfer.errors_by_layer_and_position(model, sample))
+                  errors=transfer.errors_by_layer_and_position(model, _error_sample(eval_sets)))
     save_pretrained(model, folder / "model")
     record["done"] = True
     state["transfer"] = record
@@ -117,6 +115,16 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
     return model
 
 
+def _error_sample(eval_sets: dict) -> list[torch.Tensor]:
+    """Up to 8 held-out examples of one length for the transfer's error by position: the first set of blocks, or
+    (every set one example per record) the first set's first examples cut to the shortest of them."""
+    sets = list(eval_sets.values())
+    chosen = next((s for s in sets if len({len(ids) for ids in s["input_ids"]}) == 1), sets[0])
+    rows = [chosen[i]["input_ids"] for i in range(min(len(chosen), 8))]
+    length = min(map(len, rows))
+    return [torch.tensor(row[:length]) for row in rows]
+
+
 def _calibration_rows(train, block_size: int) -> torch.Tensor:
     """``(CALIBRATION_BLOCKS, N)`` ids the head scales are solved on: the first blocks, or the first examples'
     tokens joined and cut into rows of ``block_size`` (one row of all of them when they are fewer)."""
@@ -145,29 +153,11 @@ def _set_recovery_trainable(model, trainable: str) -> None:
 
 
 def _arguments(settings: ConvertSettings, folder: Path, steps: int, learning_rate: float):
-    return transformers.TrainingArguments(
-        output_dir=str(folder),
-        max_steps=steps,
-        per_device_train_batch_size=settings.batch_size,
-        per_device_eval_batch_size=settings.batch_size,
-        learning_rate=learning_rate,
-        warmup_steps=min(settings.warmup_steps, steps),
-        lr_scheduler_type="cosine",
-        weight_decay=0.0,
-        max_grad_norm=settings.max_grad_norm,
-        **precision_arguments(settings.bf16),
-        logging_steps=settings.logging_steps,
-        save_steps=settings.save_steps,
-        save_total_limit=1,
-        eval_strategy="steps",
-        eval_steps=settings.eval_steps,
-        eval_on_start=True,
-        prediction_loss_only=True,
-        report_to=settings.integrations() or "none",
-        seed=settings.seed,
-        data_seed=settings.seed,
-        dataloader_pin_memory=torch.cuda.is_available(),
-    )
+    return transformers.TrainingArguments(**job_arguments(
+        folder, steps=steps, batch_size=settings.batch_size, learning_rate=learning_rate,
+        warmup_steps=settings.warmup_steps, logging_steps=settings.logging_steps, save_steps=settings.save_steps,
+        eval_steps=settings.eval_steps, report_to=settings.integrations(), seed=settings.seed, bf16=settings.bf16,
+        save_total_limit=1, lr_scheduler_type="cosine", weight_decay=0.0, max_grad_norm=settings.max_grad_norm))
 
 
 def _train(trainer, checkpoint: str | None, settings: ConvertSettings) -> dict:

@@ -7,9 +7,10 @@ again. Written atomically, so an interrupted write never leaves half a file.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
+
+from ..jobs.run_folder import write_json
 
 STATE_FILE = "convert_state.json"
 
@@ -21,7 +22,5 @@ def read_state(out: Path) -> dict:
 
 
 def write_state(out: Path, state: dict) -> None:
-    """Write the run's state atomically (a temporary file, then ``os.replace``)."""
-    partial = out / (STATE_FILE + ".partial")
-    partial.write_text(json.dumps(state, indent=2, default=str) + "\n")
-    os.replace(partial, out / STATE_FILE)
+    """Write the run's state atomically (:func:`hf_knorm.jobs.run_folder.write_json`)."""
+    write_json(out / STATE_FILE, state)

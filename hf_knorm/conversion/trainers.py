@@ -6,6 +6,15 @@
 - :class:`DistillationTrainer` (stage 2, recovery): next-token loss, plus ``distill_weight`` times the KL divergence
   from the original model's next-token distribution when a teacher model is given (Hinton et al., 2015; LoLCATs'
   recovery uses the next-token loss alone).
+
+Why not TRL's distillation trainers (TRL 1.16): ``trl.DistillationTrainer`` (and ``trl.experimental``'s
+``GKDTrainer``) train on-policy: the student generates completions to a ``prompt`` column and matches the teacher's
+distribution on them under a generalized Jensen-Shannon divergence, with no next-token term. The recovery here is
+off-policy (the training data's own tokens, every position that carries the loss: text blocks, or the replies of
+conversations), next-token loss plus ``KL(teacher || student)``; a converted student that does not yet work would
+also generate poor completions, and generation on this CPU costs more than the training step. Not the same loss, so
+the project keeps its trainer (its KL scaled exactly as the Trainer scales the next-token loss, the teacher moved
+to the run's device).
 """
 
 from __future__ import annotations

@@ -257,14 +257,48 @@ def perplexity_of(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf
 
 
-class PerplexityLogging:
-    """Mixed into a ``Trainer`` (before it): its evaluations also log ``eval_perplexity = exp(eval_loss)``
-    (``eval_<name>_perplexity`` for each set of a dict of evaluation datasets).
+class HeldOutEvaluation:
+    """Mixed into a ``Trainer`` (before it): its evaluations are token-weighted and also log
+    ``eval_perplexity = exp(eval_loss)`` (``eval_<name>_perplexity`` for each set of a dict of evaluation datasets).
+
+    The Trainer's ``eval_loss`` is the mean over examples of their batch's mean loss: on examples of several lengths
+    (one per conversation) a short reply would weigh as much as a long one. Here each batch's loss is rescaled so that
+    the Trainer's mean is the mean over every scored token of the set (``labels`` not -100 after the shift), exactly
+    what :func:`held_out_perplexity` computes; on text blocks (equal lengths) the scale is 1.
 
     ``Trainer.log`` is the public seam for metrics computed outside the training loop (TRL's trainers override it the
-    same way): the value is added before the Trainer appends the entry to ``state.log_history`` and before any
+    same way): the perplexity is added before the Trainer appends the entry to ``state.log_history`` and before any
     ``report_to`` integration or callback sees it.
     """
+
+    _examples_per_token: float | None = None  # of the evaluation set being evaluated
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, str):  # the Trainer evaluating one set of its dict by name
+            dataset = self.eval_dataset[dataset]
+        if dataset is None or isinstance(dataset, dict):
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        self._examples_per_token = len(dataset) / max(loss_tokens(dataset), 1)
+        try:
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        finally:
+            self._examples_per_token = None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return self.token_weighted(model, inputs, result, return_outputs)
+
+    def token_weighted(self, model, inputs, result, return_outputs: bool):
+        """``result`` of ``compute_loss`` with an evaluation batch's mean loss rescaled by its scored tokens (see the
+        class docstring); training losses pass unchanged."""
+        if model.training or self._examples_per_token is None:
+            return result
+        loss = result[0] if return_outputs else result
+        labels = inputs["labels"]
+        scale = (labels[:, 1:] != -100).sum() * self._examples_per_token / labels.shape[0]
+        loss = loss * scale
+        return (loss, result[1]) if return_outputs else loss
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         for key in [key for key in logs if key.startswith("eval_") and key.endswith("_loss")]:
@@ -272,5 +306,5 @@ class PerplexityLogging:
         super().log(logs, *args, **kwargs)
 
 
-class PerplexityTrainer(PerplexityLogging, transformers.Trainer):
-    """A ``Trainer`` whose evaluations also log the held-out perplexity (:class:`PerplexityLogging`)."""
+class PerplexityTrainer(HeldOutEvaluation, transformers.Trainer):
+    """A ``Trainer`` whose evaluations are token-weighted and log the held-out perplexity (:class:`HeldOutEvaluation`)."""

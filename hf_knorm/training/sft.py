@@ -15,16 +15,22 @@ from __future__ import annotations
 import transformers
 from trl import SFTConfig, SFTTrainer
 
-from .heldout import PerplexityLogging
+from .heldout import HeldOutEvaluation
 
 
-class SFTPerplexityTrainer(PerplexityLogging, SFTTrainer):
-    """``SFTTrainer`` whose evaluations also log ``eval_perplexity`` (:class:`~.heldout.PerplexityLogging`), with
-    the plain next-token loss (see the module docstring)."""
+class SFTPerplexityTrainer(HeldOutEvaluation, SFTTrainer):
+    """``SFTTrainer`` whose evaluations are token-weighted and log ``eval_perplexity``
+    (:class:`~.heldout.HeldOutEvaluation`), with the plain next-token loss (see the module docstring)."""
+
+    def create_model_card(self, *args, **kwargs) -> None:
+        """Nothing: the run folder's card is hf_knorm's, written with the model at the end of the job
+        (``SFTTrainer`` writes its own ``README.md`` into the run folder at every checkpoint, which the final card
+        would keep as text of the user's)."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs["use_cache"] = False
-        return transformers.Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        result = transformers.Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        return self.token_weighted(model, inputs, result, return_outputs)
 
 
 TRAINING_ARGUMENTS_DEFAULTS = {"bf16": False, "gradient_checkpointing": False}

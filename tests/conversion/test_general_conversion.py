@@ -209,17 +209,18 @@ def test_a_general_conversion_records_every_domain_the_probe_and_its_mixture(cha
 
 def test_a_conversion_on_conversations_trains_and_scores_the_replies(chat_lm_dir, tmp_path):
     chats = [{"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
-                           {"role": "assistant", "content": f"{a + b}."}]} for a in range(6) for b in range(5)]
+                           {"role": "assistant", "content": f"{a + b}." + " Yes." * b}]} for a in range(6) for b in range(5)]
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps(chat) + "\n" for chat in chats))
     out = tmp_path / "run"
     summary = run_convert(ConvertSettings(
-        model=str(chat_lm_dir), out=str(out), dataset=str(data), eval_domains=("plays",), probe=False,
+        model=str(chat_lm_dir), out=str(out), dataset=str(data), eval_domains=("none",), probe=False,
         block_size=64, batch_size=4, eval_tokens=64, eval_steps=2, transfer_steps=2, recovery_steps=2,
         logging_steps=1, save_steps=2, warmup_steps=0, report_to=("none",)))
     assert summary["data_format"] == {"format": "conversational", "loss_on": "the assistant turns"}
     held_out = summary["evaluation"]["domains"]["held_out"]  # the last 3 records, fewer than 64 reply tokens: all
-    assert held_out["text"].endswith("scored on the assistant turns") and held_out["tokens"] == 3 * len(" 7.\n")
+    replies = [" 7." + " Yes." * b + "\n" for b in (2, 3, 4)]  # examples of several lengths, the only held-out set
+    assert held_out["text"].endswith("scored on the assistant turns") and held_out["tokens"] == sum(map(len, replies))
     assert summary["stages"]["recovery"]["tokens"] < 2 * 4 * 64  # examples are shorter than a block
     card = (out / "README.md").read_text()
     assert "Trained on conversational data, the loss on the assistant turns." in card

@@ -182,3 +182,62 @@ def test_finetune_refuses_bad_chat_data_before_the_model_loads(tmp_path, chat_lm
     assert main(["finetune", "--model", str(chat_lm_dir), "--dataset", str(data), "--out", str(out)]) == 2
     assert "Record 0: the conversation has no assistant turn" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_every_format_runs_end_to_end_on_the_default_model(tmp_path):
+    """Two steps of each format on SmolLM2-135M-Instruct with its own chat template; the labels of a conversation
+    are checked against the template's rendering: the replies and their end-of-turn tokens, nothing else."""
+    from hf_knorm.assets.default_model import default_model_dir
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    chat = turns(("user", "What is the capital of France?"), ("assistant", "Paris."))
+    example = tokenize_with_loss_mask(datasets.Dataset.from_dict({"messages": [chat]}), CONVERSATIONAL, tokenizer,
+                                      max_length=128)[0]
+    trained = [token for token, label in zip(example["input_ids"], example["labels"]) if label != -100]
+    assert tokenizer.decode(trained) == "Paris.<|im_end|>\n"
+    assert tokenizer.decode(example["input_ids"]) == tokenizer.apply_chat_template(chat, tokenize=False)
+
+    records = {
+        "text": [{"text": f"{q} {a}"} for q, a in QUESTIONS],
+        "messages": [{"messages": turns(("user", q), ("assistant", a))} for q, a in QUESTIONS],
+        "pairs": [{"prompt": turns(("user", q)), "completion": turns(("assistant", a))} for q, a in QUESTIONS],
+    }
+    for kind, rows in records.items():
+        data = _write_jsonl(tmp_path / f"{kind}.jsonl", rows)
+        out = tmp_path / kind
+        block = "16" if kind == "text" else "64"
+        assert main(["finetune", "--dataset", str(data), "--out", str(out), "--normalization", "softmax",
+                     "--max-steps", "2", "--batch-size", "2", "--eval-steps", "2", "--logging-steps", "1",
+                     "--block-size", block, "--eval-tokens", "16", "--report-to", "none"]) == 0
+        summary = json.loads((out / "finetune.json").read_text())
+        assert summary["global_step"] == 2 and summary["evaluation"]["perplexity"] > 0
+
+
+def test_the_trainers_held_out_perplexity_is_a_mean_over_scored_tokens(tmp_path):
+    """Examples of several lengths: the Trainer's eval_perplexity (batches of 4, padded) equals the plain count,
+    every scored token weighing the same (the Trainer alone would average batch means)."""
+    import torch
+    import transformers as tf
+    from training_helpers import lm
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from hf_knorm.training.heldout import PerplexityTrainer, held_out_perplexity
+
+    tokenizer = chat_tokenizer()
+    chats = [turns(("user", q), ("assistant", a * (1 + i % 5))) for i, (q, a) in enumerate(QUESTIONS)]
+    examples = tokenize_with_loss_mask(datasets.Dataset.from_dict({"messages": chats}), CONVERSATIONAL, tokenizer,
+                                       max_length=128)
+    model = lm().eval()
+    trainer = PerplexityTrainer(
+        model=model, args=tf.TrainingArguments(str(tmp_path), per_device_eval_batch_size=4, report_to="none",
+                                               use_cpu=True, prediction_loss_only=True),
+        eval_dataset=examples, data_collator=DataCollatorForLanguageModeling(pad_token_id=0))
+    metrics = trainer.evaluate()
+    expected = held_out_perplexity(model, examples)
+    assert metrics["eval_perplexity"] == pytest.approx(expected, rel=1e-5)
+    with torch.no_grad():  # and the unweighted mean of batch means differs: the weighting matters here
+        trainer._examples_per_token = None
+        unweighted = trainer.evaluation_loop(trainer.get_eval_dataloader(), "plain", True).metrics["eval_loss"]
+    assert abs(unweighted - metrics["eval_loss"]) > 1e-3

@@ -96,7 +96,7 @@ def test_bad_input_stops_with_its_message_before_training(tmp_path, tiny_lm_dir,
     assert not (out / "norms.jsonl").exists() and not list(out.glob("checkpoint-*"))
 
 
-def test_finetune_logs_norms_checkpoints_reloads_and_resumes(tmp_path, tiny_lm_dir, text_file):
+def test_finetune_logs_norms_checkpoints_reloads_and_resumes(tmp_path, tiny_lm_dir, text_file, capsys):
     out = tmp_path / "run"
     flags = ["--dataset", str(text_file), "--normalization", "x^3/16", "--balance", "layer", "--logging-steps", "2",
              "--save-steps", "2", "--batch-size", "2"]
@@ -121,7 +121,14 @@ def test_finetune_logs_norms_checkpoints_reloads_and_resumes(tmp_path, tiny_lm_d
     events = EventAccumulator(str(next((out / "runs").glob("*")))).Reload()
     assert "eval/perplexity" in events.Tags()["scalars"]
 
+    card = (out / "README.md").read_text()  # the card, as convert's: held-out section, data format, norm figure
+    assert "### Held-out perplexity" in card and "Trained on language modeling data, the loss on every token." in card
+    assert "figures/norm_history.png" in card and "huggingface/trl" not in card  # TRL's own card is not written
+
     assert _finetune(*flags, "--max-steps", "4", model=tiny_lm_dir, out=out) == 2  # would overwrite: refused
+    changed = [flag if flag != "x^3/16" else "x/1" for flag in flags]
+    assert _finetune(*changed, "--max-steps", "6", "--resume", model=tiny_lm_dir, out=out) == 2
+    assert "normalization: 'x^3/16' then, 'x/1' now" in capsys.readouterr().err
     assert _finetune(*flags, "--max-steps", "6", "--resume", model=tiny_lm_dir, out=out) == 0
     assert [line["step"] for line in history_lines(out / "norms.jsonl")] == [2, 4, 6]
     assert json.loads((out / "finetune.json").read_text())["global_step"] == 6

@@ -17,8 +17,8 @@ Steps, in order (everything that can be wrong with the input is checked before t
    comparison); TRL's ``SFTTrainer`` (:class:`~.sft.SFTPerplexityTrainer`: ``eval_perplexity`` beside
    ``eval_loss``, at step 0 and every ``eval_steps``) trains it with :class:`~hf_knorm.training.callback.NormLoggerCallback` and the
    TensorBoard integration, saving checkpoints (``resume`` continues from the last one);
-6. the run folder ends with the model saved so that it reloads with its normalization
-   (:func:`hf_knorm.models.persistence.save_pretrained`), its tokenizer, ``norms.jsonl``, ``norms.png`` (the
+6. the run folder ends with the model saved so that it reloads with its normalization, with its model card
+   (:func:`hf_knorm.save_pretrained`, as ``convert`` saves: the held-out section, the norm figure), its tokenizer, ``norms.jsonl``, ``norms.png`` (the
    per-layer figure, which ``hf_knorm.push_to_hub(..., norm_history=...)`` can put on the model card) and
    ``finetune.json`` (settings and outcome, with the ``evaluation`` record: held-out perplexity before and after,
    and the curve).
@@ -28,16 +28,21 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..attention.normalizations import parse_normalization
-from ..extras import require
-from ..models.architectures import architecture_of
-from .text_data import local_files, model_max_length
+from .arguments import job_arguments
+from .run_folder import check_same_settings, settings_record, write_json
+from .sources import causal_lm_source, check_extras, check_sources
+
+RESULT_FILE = "finetune.json"
+SETTINGS_FILE = "finetune_settings.json"
+"""The settings a run started with (compared on ``--resume``)."""
+RESUMABLE_FIELDS = ("resume", "out", "report_to", "logging_steps", "save_steps", "eval_steps", "max_steps")
+"""Settings a resumed run may change: ``max_steps`` continues a run further; the others do not shape the model."""
 
 
 @dataclass
@@ -105,16 +110,16 @@ def check_settings(settings: FinetuneSettings) -> Path | None:
         if getattr(settings, name) < 1:
             raise ValueError(f"{name} must be at least 1, not {getattr(settings, name)}.")
     check_sources(settings.dataset, settings.eval_dataset, settings.model)
-    require("datasets", "hf-knorm finetune's datasets")
-    require("trl", "hf-knorm finetune (TRL's SFTTrainer)")
-    if "tensorboard" in settings.report_to:
-        require("tensorboard", "report_to tensorboard (the default; --report-to none turns it off)")
+    check_extras("hf-knorm finetune", settings.report_to)
     out = Path(settings.out)
     last = get_last_checkpoint(str(out)) if out.is_dir() else None
     if settings.resume and last is None:
         raise ValueError(f"--resume: no checkpoint-* folder in {out} to resume from.")
     if not settings.resume and last is not None:
         raise ValueError(f"{out} already holds {Path(last).name}: pass --resume to continue it, or another --out.")
+    if settings.resume:
+        stored = out / SETTINGS_FILE
+        check_same_settings(json.loads(stored.read_text()) if stored.is_file() else None, settings, RESUMABLE_FIELDS)
     return Path(last) if last else None
 
 
@@ -124,18 +129,17 @@ def run_finetune(settings: FinetuneSettings) -> dict:
     Raises:
         ValueError, FileNotFoundError: bad input, always before the first training step.
     """
-    import torch
     import transformers
 
+    from ..hub.saving import save_pretrained
     from ..models.patching import patch, patched_normalization, unpatch
-    from ..models.persistence import from_pretrained, save_pretrained
-    from .callback import NormLoggerCallback
-    from .heldout import (evaluation_record, held_out_perplexity, mean_example_tokens, perplexity_curve,
-                          training_and_held_out)
-    from .history import HISTORY_FILE
-    from .norm_figure import plot_norm_history
-    from .precision import precision_arguments
-    from .sft import SFTPerplexityTrainer, sft_config
+    from ..models.persistence import from_pretrained
+    from ..training.callback import NormLoggerCallback
+    from ..training.heldout import (evaluation_record, held_out_perplexity, mean_example_tokens, perplexity_curve,
+                                    training_and_held_out)
+    from ..training.history import HISTORY_FILE
+    from ..training.norm_figure import plot_norm_history
+    from ..training.sft import SFTPerplexityTrainer, sft_config
 
     checkpoint = check_settings(settings)
     normalization = parse_normalization(settings.normalization).name
@@ -160,41 +164,25 @@ def run_finetune(settings: FinetuneSettings) -> dict:
         patch(model, normalization)
     model.train()
 
-    args = sft_config(
-        settings.block_size,
-        output_dir=str(settings.out),
-        max_steps=settings.max_steps,
-        per_device_train_batch_size=settings.batch_size,
-        gradient_accumulation_steps=settings.gradient_accumulation_steps,
-        learning_rate=settings.learning_rate,
-        warmup_steps=settings.warmup_steps,
-        weight_decay=settings.weight_decay,
-        **precision_arguments(settings.bf16),
-        logging_steps=settings.logging_steps,
-        save_steps=settings.save_steps,
-        save_total_limit=2,
-        report_to=list(settings.report_to) or "none",
-        eval_strategy="steps",
-        eval_steps=settings.eval_steps,
-        eval_on_start=True,
-        per_device_eval_batch_size=settings.batch_size,
-        prediction_loss_only=True,
-        seed=settings.seed,
-        data_seed=settings.seed,
-        dataloader_pin_memory=torch.cuda.is_available(),
-    )
+    args = sft_config(settings.block_size, **job_arguments(
+        settings.out, steps=settings.max_steps, batch_size=settings.batch_size, learning_rate=settings.learning_rate,
+        warmup_steps=settings.warmup_steps, logging_steps=settings.logging_steps, save_steps=settings.save_steps,
+        eval_steps=settings.eval_steps, report_to=settings.report_to, seed=settings.seed, bf16=settings.bf16,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps, weight_decay=settings.weight_decay))
+    if checkpoint is None and trainer_is_main_process(args):
+        Path(settings.out).mkdir(parents=True, exist_ok=True)
+        write_json(Path(settings.out) / SETTINGS_FILE, settings_record(settings))
     callback = NormLoggerCallback(stop_on_nonfinite_loss=settings.stop_on_nonfinite_loss)
     trainer = SFTPerplexityTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
                                    processing_class=tokenizer, callbacks=[callback])
     output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    packed = data.format["format"] == "language_modeling"
     tokens_per_step = round(settings.batch_size * mean_example_tokens(train) * settings.gradient_accumulation_steps)
     curve = perplexity_curve(trainer.state.log_history, tokens_per_step)
-    if packed and curve and curve[-1][0] == trainer.state.global_step:  # the Trainer evaluates the last step itself
+    if curve and curve[-1][0] == trainer.state.global_step:  # the Trainer evaluates the last step itself
         final_perplexity = curve[-1][2]
     elif callback.stopped_at_step is not None:  # stopped at a non-finite loss: the model has diverged
         final_perplexity = math.nan
-    else:  # records of several lengths: token-weighted like the original's (the Trainer averages batch means)
+    else:
         final_perplexity = held_out_perplexity(model, held_out, desc="fine-tuned model")
 
     summary = {
@@ -213,53 +201,19 @@ def run_finetune(settings: FinetuneSettings) -> dict:
     }
     if not trainer.is_world_process_zero():  # under torchrun, one process writes the run folder
         return summary
-    save_pretrained(model, settings.out)
-    tokenizer.save_pretrained(settings.out)
     history = Path(settings.out) / HISTORY_FILE
+    figure = None
     if history.is_file() and history.stat().st_size > 0:  # at least one logging step
-        summary["norms_figure"] = str(plot_norm_history(
-            settings.out, Path(settings.out) / "norms.png", title=f"||A||_F per layer, fine-tuning with {normalization}"
-        ))
-    summary_path = Path(settings.out) / "finetune.json"
-    partial = summary_path.with_name(summary_path.name + ".partial")
-    partial.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    os.replace(partial, summary_path)
+        figure = plot_norm_history(settings.out, Path(settings.out) / "norms.png",
+                                   title=f"||A||_F per layer, fine-tuning with {normalization}")
+        summary["norms_figure"] = str(figure)
+    evaluation = summary["evaluation"]
+    save_pretrained(model, settings.out, tokenizer=tokenizer, norm_history=figure,
+                    evaluation=evaluation if evaluation["perplexity"] > 0 else None)  # no card figure for NaN
+    write_json(Path(settings.out) / RESULT_FILE, summary)
     return summary
 
 
-def check_sources(dataset: str, eval_dataset: str | None, model: str) -> None:
-    """The data files and the model folder a job names exist (before anything is loaded).
-
-    Raises:
-        FileNotFoundError: a missing data file or model folder. ValueError: files of mixed or unsupported kinds.
-    """
-    local_files(dataset)
-    if eval_dataset is not None:
-        local_files(eval_dataset)
-    if model != "default" and not Path(model).is_dir():
-        raise FileNotFoundError(f"No model folder at {model!r}; pass 'default' or a checkpoint folder.")
-
-
-def causal_lm_source(model: str, block_size: int, job: str = "this job takes"):
-    """``(folder, config)`` of a job's model: ``"default"`` (the embedded SmolLM2-135M-Instruct) or a checkpoint
-    folder, checked to be a supported causal LM whose positions hold ``block_size`` tokens.
-
-    Raises:
-        ValueError: an unsupported architecture, an encoder, or a block size above the model's maximum.
-    """
-    import transformers
-
-    if model == "default":
-        from ..assets.default_model import default_model_dir
-
-        folder = default_model_dir()
-    else:
-        folder = Path(model)
-    config = transformers.AutoConfig.from_pretrained(folder)
-    spec = architecture_of(config)
-    if not spec.causal:
-        raise ValueError(f"{job} causal language models; {folder} is a {spec.model_type} encoder.")
-    maximum = model_max_length(config)
-    if maximum is not None and block_size > maximum:
-        raise ValueError(f"--block-size {block_size} is above the model's maximum of {maximum} positions.")
-    return folder, config
+def trainer_is_main_process(args) -> bool:
+    """Whether this process writes the run folder (the main process of a multi-process run, as the Trainer decides)."""
+    return args.process_index == 0

@@ -1,0 +1,58 @@
+"""``hf-knorm finetune`` under torchrun: 2 CPU processes (gloo) train the same steps as 1 process holding the same
+global batch through gradient accumulation, only the main process writes the run folder, and --resume works."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from training_helpers import history_lines, save_tiny_lm
+
+ROOT = Path(__file__).resolve().parents[2]
+LINES = [f"Line {i}: the lighthouse keeper counted {i * 7 % 13} ships and wrote their names down." for i in range(40)]
+
+
+def _finetune(out, *flags, processes: int = 1, timeout: int = 300):
+    """Run ``hf-knorm finetune`` in ``processes`` processes (torchrun for more than one); returns the result."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    command = (launcher if processes > 1 else [sys.executable]) + ["-m", "hf_knorm.cli", "finetune", "--out",
+                                                                   str(out), *flags]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def _losses(out) -> dict[int, float]:
+    state = json.loads((Path(out) / "finetune.json").read_text())
+    checkpoint = max(Path(out).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    history = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
+    assert state["global_step"] == max(entry["step"] for entry in history)
+    return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
+
+
+def test_two_processes_train_like_one_with_gradient_accumulation_and_resume(tmp_path):
+    model = save_tiny_lm(tmp_path / "model")
+    data = tmp_path / "lines.txt"
+    data.write_text("\n".join(LINES) + "\n")
+    common = ["--model", str(model), "--dataset", str(data), "--normalization", "x^3/16", "--block-size", "32",
+              "--logging-steps", "1", "--save-steps", "3", "--eval-steps", "3", "--eval-tokens", "64",
+              "--report-to", "none", "--learning-rate", "1e-3", "--warmup-steps", "0"]
+    _finetune(tmp_path / "one", *common, "--max-steps", "5", "--batch-size", "2", "--gradient-accumulation-steps", "2")
+    _finetune(tmp_path / "two", *common, "--max-steps", "5", "--batch-size", "2", processes=2)
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert sorted(two) == [1, 2, 3, 4, 5]
+    for step in one:  # fp32, the same 4 blocks per step: equal but for the order of floating-point sums
+        assert two[step] == pytest.approx(one[step], rel=1e-4), step
+    # written once, by the main process: each logging step once in norms.jsonl, one card, one record
+    assert [line["step"] for line in history_lines(tmp_path / "two" / "norms.jsonl")] == [1, 2, 3, 4, 5]
+    assert (tmp_path / "two" / "README.md").is_file() and (tmp_path / "two" / "finetune.json").is_file()
+    assert not list((tmp_path / "two").glob("*.partial"))
+
+    _finetune(tmp_path / "two", *common, "--max-steps", "7", "--batch-size", "2", "--resume", processes=2)
+    assert [line["step"] for line in history_lines(tmp_path / "two" / "norms.jsonl")] == [1, 2, 3, 4, 5, 6, 7]
+    assert json.loads((tmp_path / "two" / "finetune.json").read_text())["global_step"] == 7
