@@ -35,7 +35,7 @@ from pathlib import Path
 
 from ..attention.normalizations import parse_normalization
 from ..evaluation.domains import domain
-from ..jobs.run_folder import check_same_settings, settings_record, write_json
+from ..jobs.run_folder import check_same_settings, is_main_process, settings_record, write_json
 from ..jobs.sources import causal_lm_source, check_extras, check_sources
 from ..training.dataset_formats import LANGUAGE_MODELING, format_description
 from .mixture import GENERAL
@@ -63,7 +63,8 @@ def check_settings(settings: ConvertSettings) -> None:
                          f"{settings.recovery_trainable!r}.")
     if settings.scale_fold not in SCALE_FOLDS:
         raise ValueError(f"scale_fold must be one of {', '.join(SCALE_FOLDS)}, not {settings.scale_fold!r}.")
-    for name in ("block_size", "batch_size", "eval_tokens", "eval_steps", "logging_steps", "save_steps", "lora_rank"):
+    for name in ("block_size", "batch_size", "gradient_accumulation_steps", "eval_tokens", "eval_steps", "logging_steps",
+                 "save_steps", "lora_rank"):
         if getattr(settings, name) < 1:
             raise ValueError(f"{name} must be at least 1, not {getattr(settings, name)}.")
     for name in ("transfer_steps", "recovery_steps", "warmup_steps", "teacher_tokens", "distill_weight",
@@ -290,6 +291,9 @@ def _summary(settings, normalization, model_dir, eval_sets, descriptions, train_
 
 
 def _save(model, tokenizer, out: Path, summary: dict) -> None:
+    """The converted model with its card, the figures and ``convert.json`` (written last), from the main process."""
+    if not is_main_process():
+        return
     from ..hub.saving import save_pretrained
     from ..training.norm_figure import plot_norm_history
 

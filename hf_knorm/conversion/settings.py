@@ -53,7 +53,9 @@ class ConvertSettings:
         "help": "held-out tokens of each domain scored at each evaluation"})
     eval_steps: int = field(default=50, metadata={"help": "evaluate every N steps of each stage (and at its start)"})
     block_size: int = field(default=256, metadata={"help": "tokens per example"})
-    batch_size: int = field(default=4, metadata={"help": "examples per step"})
+    batch_size: int = field(default=4, metadata={"help": "examples per device and micro-batch"})
+    gradient_accumulation_steps: int = field(default=1, metadata={
+        "help": "micro-batches per optimizer step, in each process"})
     transfer_steps: int = field(default=25, metadata={
         "help": "attention-transfer steps after the closed-form head scales (0: skip the stage and the scales)"})
     transfer_learning_rate: float = field(default=1e-3, metadata={"help": "attention-transfer learning rate"})

@@ -16,6 +16,7 @@ import transformers
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..jobs.arguments import job_arguments
+from ..jobs.run_folder import is_main_process
 from ..models.patching import patch
 from ..training.callback import NormLoggerCallback
 from ..training.heldout import mean_example_tokens, perplexity_curve
@@ -66,7 +67,8 @@ def run_transfer(model, settings: ConvertSettings, normalization: str, train, ev
         parameter.requires_grad_(True)
     record.update(measured, trainable_parameters=trainable, trainable=settings.transfer_trainable,
                   errors=transfer.errors_by_layer_and_position(model, _error_sample(eval_sets)))
-    save_pretrained(model, folder / "model")
+    if is_main_process():  # the stage is marked done (write_state) after its model is saved
+        save_pretrained(model, folder / "model")
     record["done"] = True
     state["transfer"] = record
     write_state(out, state)
@@ -108,7 +110,8 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
         model = model.merge_and_unload()  # an ordinary model again: the adapters folded into q/k/v/o
     for parameter in model.parameters():
         parameter.requires_grad_(True)
-    save_pretrained(model, folder / "model")
+    if is_main_process():  # the stage is marked done (write_state) after its model is saved
+        save_pretrained(model, folder / "model")
     record.update(measured, trainable_parameters=trainable, mode=settings.recovery, done=True)
     state["recovery"] = record
     write_state(out, state)
@@ -157,7 +160,12 @@ def _arguments(settings: ConvertSettings, folder: Path, steps: int, learning_rat
         folder, steps=steps, batch_size=settings.batch_size, learning_rate=learning_rate,
         warmup_steps=settings.warmup_steps, logging_steps=settings.logging_steps, save_steps=settings.save_steps,
         eval_steps=settings.eval_steps, report_to=settings.integrations(), seed=settings.seed, bf16=settings.bf16,
-        save_total_limit=1, lr_scheduler_type="cosine", weight_decay=0.0, max_grad_norm=settings.max_grad_norm))
+        save_total_limit=1, lr_scheduler_type="cosine", weight_decay=0.0, max_grad_norm=settings.max_grad_norm,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        # Every trainable weight takes part in every step. The transfer's loss comes from hooks, not from the model's
+        # output, so DDP's search for unused weights (the Trainer's default) would find them all "unused", mark
+        # them ready, then meet them again in the backward pass ("marked as ready twice")
+        ddp_find_unused_parameters=False))
 
 
 def _train(trainer, checkpoint: str | None, settings: ConvertSettings) -> dict:
@@ -167,7 +175,7 @@ def _train(trainer, checkpoint: str | None, settings: ConvertSettings) -> dict:
     elapsed = time.perf_counter() - started
     history = trainer.state.log_history
     tokens_per_step = round(settings.batch_size * mean_example_tokens(trainer.train_dataset)
-                            * trainer.args.gradient_accumulation_steps)
+                            * trainer.args.gradient_accumulation_steps * trainer.args.world_size)  # every process
     first = int(Path(checkpoint).name.split("-")[-1]) if checkpoint else 0
     evaluating = sum(entry.get("eval_runtime", 0.0) for entry in history if entry.get("step", 0) >= first)
     steps = trainer.state.global_step - first

@@ -95,10 +95,12 @@ def teacher_samples(model, tokenizer, tokens: int, model_dir: Path, seed: int = 
     cost = {"samples": len(texts), "new_tokens": drawn, "asked": tokens, "seconds": time.perf_counter() - started,
             "model_dir": str(model_dir), "seed": seed, "top_p": TOP_P}
     cost["tokens_per_second"] = drawn / cost["seconds"]
-    partial = path.with_name(path.name + ".partial")
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # several processes may draw the same samples
     partial.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
     os.replace(partial, path)
-    path.with_suffix(".json").write_text(json.dumps(cost, indent=2) + "\n")
+    meta = path.with_name(f"{path.stem}.{os.getpid()}.json.partial")
+    meta.write_text(json.dumps(cost, indent=2) + "\n")
+    os.replace(meta, path.with_suffix(".json"))
     return texts
 
 

@@ -46,6 +46,10 @@ class TransferTrainer(PerplexityTrainer):
             outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
                             use_cache=False, logits_to_keep=1)  # the logits are not needed: one position only
             loss = self.transfer.loss()
+        if num_items_in_batch is not None and self.model_accepts_loss_kwargs:
+            # The Trainer then takes the loss as normalized over the whole accumulated batch and does not divide it
+            # by the accumulation steps itself; the transfer error is a mean over this micro-batch: divide here
+            loss = loss / getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
         self._layer_errors = [float(error.detach()) for _, error in sorted(self.transfer.layer_errors.items())]
         return (loss, outputs) if return_outputs else loss
 

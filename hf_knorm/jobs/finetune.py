@@ -35,7 +35,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from ..attention.normalizations import parse_normalization
 from .arguments import job_arguments
-from .run_folder import check_same_settings, settings_record, write_json
+from .run_folder import check_same_settings, is_main_process, settings_record, write_json
 from .sources import causal_lm_source, check_extras, check_sources
 
 RESULT_FILE = "finetune.json"
@@ -169,14 +169,15 @@ def run_finetune(settings: FinetuneSettings) -> dict:
         warmup_steps=settings.warmup_steps, logging_steps=settings.logging_steps, save_steps=settings.save_steps,
         eval_steps=settings.eval_steps, report_to=settings.report_to, seed=settings.seed, bf16=settings.bf16,
         gradient_accumulation_steps=settings.gradient_accumulation_steps, weight_decay=settings.weight_decay))
-    if checkpoint is None and trainer_is_main_process(args):
+    if checkpoint is None and is_main_process():
         Path(settings.out).mkdir(parents=True, exist_ok=True)
         write_json(Path(settings.out) / SETTINGS_FILE, settings_record(settings))
     callback = NormLoggerCallback(stop_on_nonfinite_loss=settings.stop_on_nonfinite_loss)
     trainer = SFTPerplexityTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
                                    processing_class=tokenizer, callbacks=[callback])
     output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    tokens_per_step = round(settings.batch_size * mean_example_tokens(train) * settings.gradient_accumulation_steps)
+    tokens_per_step = round(settings.batch_size * mean_example_tokens(train) * settings.gradient_accumulation_steps
+                            * args.world_size)  # the global batch: every process's
     curve = perplexity_curve(trainer.state.log_history, tokens_per_step)
     if curve and curve[-1][0] == trainer.state.global_step:  # the Trainer evaluates the last step itself
         final_perplexity = curve[-1][2]
@@ -199,7 +200,7 @@ def run_finetune(settings: FinetuneSettings) -> dict:
         "first_nonfinite": callback.first_nonfinite,
         "stopped_at_step": callback.stopped_at_step,
     }
-    if not trainer.is_world_process_zero():  # under torchrun, one process writes the run folder
+    if not is_main_process():  # under torchrun or accelerate launch, one process writes the run folder
         return summary
     history = Path(settings.out) / HISTORY_FILE
     figure = None
@@ -212,8 +213,3 @@ def run_finetune(settings: FinetuneSettings) -> dict:
                     evaluation=evaluation if evaluation["perplexity"] > 0 else None)  # no card figure for NaN
     write_json(Path(settings.out) / RESULT_FILE, summary)
     return summary
-
-
-def trainer_is_main_process(args) -> bool:
-    """Whether this process writes the run folder (the main process of a multi-process run, as the Trainer decides)."""
-    return args.process_index == 0

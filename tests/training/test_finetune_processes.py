@@ -56,3 +56,39 @@ def test_two_processes_train_like_one_with_gradient_accumulation_and_resume(tmp_
     _finetune(tmp_path / "two", *common, "--max-steps", "7", "--batch-size", "2", "--resume", processes=2)
     assert [line["step"] for line in history_lines(tmp_path / "two" / "norms.jsonl")] == [1, 2, 3, 4, 5, 6, 7]
     assert json.loads((tmp_path / "two" / "finetune.json").read_text())["global_step"] == 7
+
+
+def test_a_conversion_in_two_processes_trains_like_one_and_is_saved_once(tmp_path):
+    """Distilled recovery (next-token loss + KL): the KL is scaled like the next-token loss, so 2 processes and 1
+    process accumulating 2 micro-batches log the same losses; one model, one card, one record are written."""
+    import hf_knorm
+
+    model = save_tiny_lm(tmp_path / "model")
+    common = ["--model", str(model), "--dataset", "paul-graham", "--eval-domains", "essays", "--no-probe",
+              "--block-size", "32", "--batch-size", "2", "--eval-tokens", "64", "--eval-steps", "3",
+              "--transfer-steps", "2", "--recovery-steps", "3", "--logging-steps", "1", "--save-steps", "3",
+              "--warmup-steps", "0", "--max-blocks", "24", "--report-to", "none"]
+
+    def convert(out, *flags, processes=1):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+        command = (launcher if processes > 1 else [sys.executable]) + [
+            "-m", "hf_knorm.cli", "convert", "--out", str(out), *common, *flags]
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    convert(tmp_path / "one", "--gradient-accumulation-steps", "2")
+    convert(tmp_path / "two", processes=2)
+    for stage in ("transfer", "recovery"):
+        losses = []
+        for run in ("one", "two"):
+            history = json.loads((tmp_path / run / stage / "checkpoint-3" / "trainer_state.json").read_text()
+                                 if stage == "recovery" else
+                                 (max((tmp_path / run / stage).glob("checkpoint-*")) / "trainer_state.json")
+                                 .read_text())["log_history"]
+            losses.append([entry["loss"] for entry in history if "loss" in entry])
+        assert losses[1] == pytest.approx(losses[0], rel=1e-4), stage
+    record = json.loads((tmp_path / "two" / "convert.json").read_text())
+    assert record["stages"]["recovery"]["tokens"] == 3 * 2 * 2 * 32  # steps x batch x processes x block
+    assert (tmp_path / "two" / "README.md").is_file() and not list((tmp_path / "two").rglob("*.partial"))
+    hf_knorm.from_pretrained(tmp_path / "two")  # one model, saved once, loads
