@@ -1,5 +1,6 @@
-"""``hf-knorm finetune`` under torchrun: 2 CPU processes (gloo) train the same steps as 1 process holding the same
-global batch through gradient accumulation, only the main process writes the run folder, and --resume works."""
+"""The jobs in several processes: under torchrun and accelerate launch, 2 CPU processes (gloo) train the same steps as
+1 process holding the same global batch through gradient accumulation, only the main process writes the run folder,
+and --resume works."""
 
 from __future__ import annotations
 
@@ -16,12 +17,18 @@ ROOT = Path(__file__).resolve().parents[2]
 LINES = [f"Line {i}: the lighthouse keeper counted {i * 7 % 13} ships and wrote their names down." for i in range(40)]
 
 
-def _finetune(out, *flags, processes: int = 1, timeout: int = 300):
-    """Run ``hf-knorm finetune`` in ``processes`` processes (torchrun for more than one); returns the result."""
+LAUNCHERS = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
+    "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(ROOT / "configs" / "accelerate_cpu.yaml")],
+}
+
+
+def _finetune(out, *flags, processes: int = 1, launcher: str = "torchrun", timeout: int = 300):
+    """Run ``hf-knorm finetune`` in ``processes`` processes (``launcher`` for two); returns the result."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
-    command = (launcher if processes > 1 else [sys.executable]) + ["-m", "hf_knorm.cli", "finetune", "--out",
-                                                                   str(out), *flags]
+    command = (LAUNCHERS[launcher] if processes > 1 else [sys.executable]) + [
+        "-m", "hf_knorm.cli", "finetune", "--out", str(out), *flags]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
@@ -56,6 +63,12 @@ def test_two_processes_train_like_one_with_gradient_accumulation_and_resume(tmp_
     _finetune(tmp_path / "two", *common, "--max-steps", "7", "--batch-size", "2", "--resume", processes=2)
     assert [line["step"] for line in history_lines(tmp_path / "two" / "norms.jsonl")] == [1, 2, 3, 4, 5, 6, 7]
     assert json.loads((tmp_path / "two" / "finetune.json").read_text())["global_step"] == 7
+
+    # the same with accelerate launch (the README's command)
+    _finetune(tmp_path / "accelerate", *common, "--max-steps", "5", "--batch-size", "2", processes=2,
+              launcher="accelerate")
+    accelerated = _losses(tmp_path / "accelerate")
+    assert accelerated == pytest.approx(one, rel=1e-4)
 
 
 def test_a_conversion_in_two_processes_trains_like_one_and_is_saved_once(tmp_path):
