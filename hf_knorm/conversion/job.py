@@ -63,8 +63,8 @@ def check_settings(settings: ConvertSettings) -> None:
                          f"{settings.recovery_trainable!r}.")
     if settings.scale_fold not in SCALE_FOLDS:
         raise ValueError(f"scale_fold must be one of {', '.join(SCALE_FOLDS)}, not {settings.scale_fold!r}.")
-    for name in ("block_size", "batch_size", "gradient_accumulation_steps", "eval_tokens", "eval_steps", "logging_steps",
-                 "save_steps", "lora_rank"):
+    for name in ("block_size", "batch_size", "gradient_accumulation_steps", "eval_tokens", "eval_steps",
+                 "logging_steps", "save_steps", "lora_rank"):
         if getattr(settings, name) < 1:
             raise ValueError(f"{name} must be at least 1, not {getattr(settings, name)}.")
     for name in ("transfer_steps", "recovery_steps", "warmup_steps", "teacher_tokens", "distill_weight",

@@ -1,27 +1,29 @@
-"""The fine-tuning job behind ``hf-knorm finetune``: a causal LM, a normalization, any text dataset, norms logged.
+"""The fine-tuning job behind ``hf-knorm finetune``: a causal LM, a normalization, any dataset, norms logged.
 
 Steps, in order (everything that can be wrong with the input is checked before the model is loaded):
 
-1. the normalization, the data source and the run folder are checked (an unknown normalization, a missing file,
-   checkpoints already in ``out`` without ``resume``, ``resume`` without checkpoints);
+1. the normalization, the data source, the extras and the run folder are checked (an unknown normalization, a
+   missing file, a missing ``datasets``/``trl``/``tensorboard``, checkpoints already in ``out`` without ``resume``,
+   ``resume`` without checkpoints or with settings that shape the model changed);
 2. the model's config and tokenizer are read: a block size above the model's maximum is refused;
-3. the dataset is loaded, its format detected from its columns (:mod:`.dataset_formats`: text, conversations or
-   prompt/completion pairs), split into training and held-out records (:mod:`.heldout`) and tokenized: text packed
-   into blocks, every token trained on; the others one example per record, the loss on the replies (columns that fit
-   no format, a bad record, a missing chat template, an empty dataset, too few tokens, a held-out text shorter than
-   ``eval_tokens``);
+3. the dataset is loaded, its format detected from its columns (:mod:`hf_knorm.training.dataset_formats`: text,
+   conversations or prompt/completion pairs), split into training and held-out records
+   (:mod:`hf_knorm.training.heldout`) and tokenized: text packed into blocks, every token trained on; the others one
+   example per record, the loss on the replies (columns that fit no format, a bad record, a missing chat template,
+   an empty dataset, too few tokens, a held-out text shorter than ``eval_tokens``);
 4. the model is loaded; with ``balance`` its keys and values are balanced first (exact, on the first training
-   texts; not again on resume, whose checkpoint holds the balanced weights); then it is patched with the
+   examples; not again on resume, whose checkpoint holds the balanced weights); then it is patched with the
    normalization (``softmax`` keeps the model's own attention);
 5. its held-out perplexity is measured on the tokens that carry the loss (the starting point of the model card's
-   comparison); TRL's ``SFTTrainer`` (:class:`~.sft.SFTPerplexityTrainer`: ``eval_perplexity`` beside
-   ``eval_loss``, at step 0 and every ``eval_steps``) trains it with :class:`~hf_knorm.training.callback.NormLoggerCallback` and the
-   TensorBoard integration, saving checkpoints (``resume`` continues from the last one);
+   comparison); TRL's ``SFTTrainer`` (:class:`~hf_knorm.training.sft.SFTPerplexityTrainer`: ``eval_perplexity``
+   beside ``eval_loss``, token-weighted, at step 0 and every ``eval_steps``) trains it with
+   :class:`~hf_knorm.training.callback.NormLoggerCallback` and the TensorBoard integration, saving checkpoints
+   (``resume`` continues from the last one); in several processes (torchrun, accelerate launch) the main process
+   alone writes;
 6. the run folder ends with the model saved so that it reloads with its normalization, with its model card
-   (:func:`hf_knorm.save_pretrained`, as ``convert`` saves: the held-out section, the norm figure), its tokenizer, ``norms.jsonl``, ``norms.png`` (the
-   per-layer figure, which ``hf_knorm.push_to_hub(..., norm_history=...)`` can put on the model card) and
-   ``finetune.json`` (settings and outcome, with the ``evaluation`` record: held-out perplexity before and after,
-   and the curve).
+   (:func:`hf_knorm.save_pretrained`, as ``convert`` saves: the held-out section, the data format, the norm figure),
+   its tokenizer, ``norms.jsonl``, ``norms.png`` (the per-layer figure) and ``finetune.json`` (settings and outcome,
+   with the ``evaluation`` record: held-out perplexity before and after, and the curve), written last.
 """
 
 from __future__ import annotations

@@ -107,8 +107,8 @@ def check_records(dataset, dataset_format: str, tokenizer=None) -> None:
             _check_turns(completion, index, "completion")
             conversational = True
     if conversational and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("The dataset is conversational but the tokenizer has no chat template to render it with: "
-                         "use a model whose tokenizer has one (e.g. an instruct model), or set tokenizer.chat_template.")
+        raise ValueError("The dataset is conversational but the tokenizer has no chat template to render it with: use "
+                         "a model whose tokenizer has one (e.g. an instruct model), or set tokenizer.chat_template.")
 
 
 def _check_turns(turns, index: int, column: str) -> None:

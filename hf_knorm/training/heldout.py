@@ -186,9 +186,9 @@ def loss_tokens(examples) -> int:
 
 
 def held_out_perplexity(model, blocks, desc: str = "held-out perplexity") -> float:
-    """The perplexity of ``model`` on the held-out examples (:func:`~hf_knorm.evaluation.perplexity.perplexity_of_windows`,
-    one example a window, scored where its ``labels`` are not -100: on text blocks, what the Trainer's
-    ``eval_perplexity`` measures on them)."""
+    """The perplexity of ``model`` on the held-out examples
+    (:func:`~hf_knorm.evaluation.perplexity.perplexity_of_windows`, one example a window, scored where its ``labels``
+    are not -100): what the Trainer's token-weighted ``eval_perplexity`` measures on them."""
     import torch
 
     from ..evaluation.perplexity import perplexity_of_windows
@@ -307,4 +307,5 @@ class HeldOutEvaluation:
 
 
 class PerplexityTrainer(HeldOutEvaluation, transformers.Trainer):
-    """A ``Trainer`` whose evaluations are token-weighted and log the held-out perplexity (:class:`HeldOutEvaluation`)."""
+    """A ``Trainer`` whose evaluations are token-weighted and log the held-out perplexity
+    (:class:`HeldOutEvaluation`)."""

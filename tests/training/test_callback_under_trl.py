@@ -30,7 +30,8 @@ def _records(kind: str) -> datasets.Dataset:
     if kind == "text":
         rows = [{"text": f"{q} {a}"} for q, a, _ in PAIRS]
     elif kind == "messages":
-        rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a, _ in PAIRS]
+        rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+                for q, a, _ in PAIRS]
     elif kind == "prompt_completion":
         rows = [{"prompt": q, "completion": " " + a} for q, a, _ in PAIRS]
     else:  # preference pairs
