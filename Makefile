@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test compat matrix device bench clean
+.PHONY: setup demo test compat matrix device device-check bench clean
 
 setup: $(STAMP)
 
@@ -67,6 +67,11 @@ matrix:
 # The device set (tests/test_devices.py and the bf16 conversion): on CUDA where there is one, on the CPU in bf16.
 device: $(STAMP)
 	$(PY) -m pytest -q -ra -m device -p no:cacheprovider
+
+# The accelerator check: the device tests, the attention against SDPA (flash on CUDA), a short conversion's speed, in
+# one table; on a machine without a GPU it runs the CPU half and says what it skipped.
+device-check: $(STAMP)
+	$(PY) scripts/device_check.py
 
 bench: $(STAMP)
 	$(PY) scripts/bench_attention.py

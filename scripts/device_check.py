@@ -1,0 +1,158 @@
+"""The accelerator check: one command, one table, for a machine with a GPU; it also runs on the CPU, smaller.
+
+``make device-check`` runs it. In order:
+
+1. **tests**: ``pytest -m device`` (kernels against the reference, patched softmax against native attention,
+   generation, recorded norms, a bf16 conversion) on CUDA when there is one, the CPU-bf16 half otherwise;
+2. **attention**: one causal layer shaped like SmolLM2-135M's (9 query / 3 KV heads, head dim 64), bf16 on CUDA
+   (fp32 on the CPU), forward and forward+backward time and peak memory of SDPA (its flash backend on CUDA), the
+   plugin's quadratic kernel (``x^3/16``) and its linear kernel (``x/1``), at 4k-32k tokens on CUDA (1k-2k on the
+   CPU); times are medians of 3 after a warm-up, the ratios are to SDPA in the same run;
+3. **conversion**: a short ``hf_knorm.convert`` of the default model (2 transfer + 3 recovery steps on the essays,
+   ``--bf16`` on CUDA) and each stage's training tokens per second.
+
+Every part says what it skipped and why (e.g. peak memory on the CPU, the flash backend without CUDA). Meant to fit in
+10 minutes on one GPU; on the 2-core CPU it takes about as long.
+
+Usage:
+    python scripts/device_check.py                        # everything
+    python scripts/device_check.py --skip-tests --skip-conversion --lengths 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from hf_knorm.attention.kernel import chunked_attention
+from hf_knorm.attention.linear_kernel import linear_attention
+from hf_knorm.attention.normalizations import parse_normalization
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA = torch.cuda.is_available()
+
+
+def run_tests() -> tuple[str, str]:
+    """``pytest -m device``: (status, summary line)."""
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "device", "-p", "no:cacheprovider"],
+                            cwd=ROOT, capture_output=True, text=True)
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    summary = lines[-1] if lines else result.stderr.strip()[-200:]
+    return ("pass" if result.returncode == 0 else "FAIL"), summary
+
+
+def _sdpa(query, key, value):
+    if CUDA:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+    return F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+
+
+IMPLEMENTATIONS = {
+    "sdpa": _sdpa,
+    "x^3/16 (quadratic)": lambda q, k, v: chunked_attention(q, k, v, None, parse_normalization("x^3/16"),
+                                                            causal=True)[0],
+    "x/1 (linear)": lambda q, k, v: linear_attention(q, k, v, None, parse_normalization("x/1")),
+}
+
+
+def _time(function, repeats: int = 3) -> float:
+    function()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if CUDA:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        function()
+        if CUDA:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def attention_rows(lengths: list[int]) -> list[dict]:
+    """Forward and forward+backward time (and peak memory on CUDA) of each implementation at each length."""
+    device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
+    rows = []
+    for length in lengths:
+        generator = torch.Generator(device=device).manual_seed(0)
+        shapes = [(1, 9, length, 64), (1, 3, length, 64), (1, 3, length, 64)]
+        inputs = [torch.randn(shape, generator=generator, device=device, dtype=dtype) for shape in shapes]
+        baseline = {}
+        for name, attention in IMPLEMENTATIONS.items():
+            leaves = [tensor.detach().requires_grad_() for tensor in inputs]
+
+            def forward():
+                with torch.no_grad():
+                    attention(*inputs)
+
+            def forward_backward():
+                attention(*leaves).float().sum().backward()
+
+            if CUDA:
+                torch.cuda.reset_peak_memory_stats()
+            seconds = _time(forward), _time(forward_backward)
+            peak = torch.cuda.max_memory_allocated() / 2**20 if CUDA else None
+            baseline.setdefault("times", seconds)
+            rows.append({"length": length, "implementation": name, "forward_ms": 1e3 * seconds[0],
+                         "forward_backward_ms": 1e3 * seconds[1],
+                         "forward_ratio": seconds[0] / baseline["times"][0],
+                         "forward_backward_ratio": seconds[1] / baseline["times"][1], "peak_mib": peak})
+    return rows
+
+
+def conversion_speed() -> dict:
+    """Tokens per second of each stage of a short conversion of the default model."""
+    import hf_knorm
+
+    with tempfile.TemporaryDirectory() as out:
+        summary = hf_knorm.convert(
+            out=out, dataset="paul-graham", eval_domains=("essays",), probe=False, transfer_steps=2,
+            recovery_steps=3, eval_steps=3, eval_tokens=512, logging_steps=1, save_steps=3, warmup_steps=0,
+            max_blocks=32, bf16=CUDA, report_to=("none",))
+    return {name: stage["tokens_per_second"] for name, stage in summary["stages"].items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default=None,
+                        help="comma-separated sequence lengths (default: 4096..32768 on CUDA, 1024,2048 on the CPU)")
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--skip-conversion", action="store_true")
+    args = parser.parse_args()
+    lengths = [int(n) for n in (args.lengths or ("4096,8192,16384,32768" if CUDA else "1024,2048")).split(",")]
+    device = torch.cuda.get_device_name() if CUDA else "CPU (no CUDA device: bf16, flash and peak memory skipped)"
+    print(f"device: {device}; torch {torch.__version__}\n")
+
+    print("| part | result |\n|---|---|")
+    if args.skip_tests:
+        print("| tests (pytest -m device) | skipped (--skip-tests) |")
+    else:
+        status, summary = run_tests()
+        print(f"| tests (pytest -m device) | {status}: {summary} |")
+    rows = attention_rows(lengths)
+    dtype = "bf16, SDPA flash" if CUDA else "fp32, SDPA default backend"
+    for row in rows:
+        peak = f", peak {row['peak_mib']:.0f} MiB" if row["peak_mib"] is not None else ""
+        print(f"| attention N={row['length']} {row['implementation']} ({dtype}) | forward {row['forward_ms']:.1f} ms "
+              f"({row['forward_ratio']:.2f}x SDPA), forward+backward {row['forward_backward_ms']:.1f} ms "
+              f"({row['forward_backward_ratio']:.2f}x){peak} |", flush=True)
+    if args.skip_conversion:
+        print("| conversion | skipped (--skip-conversion) |")
+    else:
+        for stage, speed in conversion_speed().items():
+            print(f"| conversion, {stage} ({'bf16' if CUDA else 'fp32'}) | {speed:.0f} tokens/s |")
+
+
+if __name__ == "__main__":
+    main()
