@@ -296,12 +296,16 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "finetune",
-        help="fine-tune a causal LM with a normalization on any text dataset; per-layer norms logged while it trains",
-        description="Fine-tune the model (default: SmolLM2-135M-Instruct) with --normalization on a text dataset: "
-        "an embedded corpus (shakespeare, paul-graham), local files (.txt, .json/.jsonl, .csv, .parquet) or a "
-        "datasets name, packed into blocks. Per-layer attention and K/V norms go to TensorBoard and norms.jsonl; "
-        "checkpoints to --out, which ends with the model saved so that it reloads with its normalization. Bad input "
-        "is refused before training starts. Needs the train extra: pip install 'hf_knorm[train]'.",
+        help="fine-tune a causal LM with a normalization on text, conversations or prompt/completion pairs (TRL's "
+        "SFTTrainer); per-layer norms logged while it trains",
+        description="Fine-tune the model (default: SmolLM2-135M-Instruct) with --normalization through TRL's "
+        "SFTTrainer on an embedded corpus (shakespeare, paul-graham; chatterbot: conversations), local files (.txt, "
+        ".json/.jsonl, .csv, .parquet) or a datasets name, in the format its columns say: text (packed into blocks), "
+        "'messages' (rendered with the chat template, the loss on the assistant turns) or 'prompt' + 'completion' "
+        "(the loss on the completions; --train-on-prompt: every token). Per-layer attention and K/V norms go to "
+        "TensorBoard and norms.jsonl; checkpoints to --out, which ends with the model saved with its model card so "
+        "that it reloads with its normalization. Bad input is refused before the model loads. Several processes: "
+        "torchrun or accelerate launch -m hf_knorm.cli finetune. Needs the train extra: pip install 'hf_knorm[train]'.",
         settings=FinetuneSettings, run=_run_finetune,
     ),
     Command(
@@ -313,7 +317,8 @@ COMMANDS: tuple[Command, ...] = (
         "reproduce the original attention's output on the original layer inputs, after a closed-form per-head scale; "
         "(2) recovery: next-token training of the whole model or through LoRA adapters (merged before saving), "
         "distilled from the original (--distill-weight; 0: none). Trains on the general mixture by default (the "
-        "original model's own samples, drawn once and cached, and essays); measured on four held-out domains (the "
+        "original model's own samples, drawn once and cached, and essays), or on --dataset in any format finetune "
+        "takes; measured on four held-out domains (the "
         "worst is the headline) and an ability probe of 40 greedy answers against the original's. --out ends with "
         "the converted model (hf_knorm.from_pretrained), its card, norms.png, perplexity.png and convert.json; "
         "--resume continues an interrupted run with the same settings. Time and figures: BENCHMARKS.md. Needs the "

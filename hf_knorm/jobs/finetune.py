@@ -53,9 +53,9 @@ class FinetuneSettings:
     ``metadata["help"]`` is that flag's help, so the command line and this class cannot disagree."""
 
     dataset: str = field(default="shakespeare", metadata={
-        "help": "shakespeare | paul-graham (embedded) | local file(s), comma-separated (.txt, .json/.jsonl, .csv, "
-                ".parquet) | a datasets name (namespace/name); text, 'messages' (conversations) or 'prompt' + "
-                "'completion' columns, detected"})
+        "help": "shakespeare | paul-graham | chatterbot (embedded) | local file(s), comma-separated (.txt, "
+                ".json/.jsonl, .csv, .parquet) | a datasets name (namespace/name); text, 'messages' (conversations) "
+                "or 'prompt' + 'completion' columns, detected"})
     out: str = field(default="outputs/finetune", metadata={
         "help": "the run folder: checkpoints, TensorBoard logs, norms.jsonl, finally the model"})
     model: str = field(default="default", metadata={
@@ -84,8 +84,9 @@ class FinetuneSettings:
     save_steps: int = field(default=50, metadata={"help": "a checkpoint every N steps (the last two are kept)"})
     max_blocks: int | None = field(default=None, metadata={"help": "use at most N blocks of the dataset"})
     eval_dataset: str | None = field(default=None, metadata={
-        "help": "held-out text (same forms as --dataset); default: paul-graham essays 40-48, shakespeare's Hamlet "
-                "and sonnets, else the last --eval-fraction of the texts"})
+        "help": "held-out records (same forms and format as --dataset); default: paul-graham essays 40-48, "
+                "shakespeare's Hamlet and sonnets, every tenth chatterbot conversation, else the last --eval-fraction "
+                "of the records"})
     eval_fraction: float = field(default=0.1, metadata={"help": "share of texts held out of other datasets"})
     eval_tokens: int = field(default=8192, metadata={"help": "held-out tokens scored at each evaluation"})
     eval_steps: int = field(default=50, metadata={"help": "held-out perplexity every N steps (and at step 0)"})
