@@ -5,6 +5,12 @@ Registered under the name ``"hf_knorm"`` (``registration.py``). Each model reads
 ``kernel.py`` (any normalization, quadratic time) and ``linear_kernel.py`` (``p = 1``, linear time; ``paths.py``
 chooses); this module adapts Transformers' arguments to them (mask forms, kwargs, output recording), reports to an
 active norm recorder or K/V transform, and continues the recurrent state a cache hands over (``taps.py``).
+
+Under ``torch.compile`` the function has no graph break. The taps are read only while one is set (``taps.taps_set``).
+With none set, and no dropout or returned weights (training and inference), the call is one custom op running the
+eager kernels (``compiled.py``); otherwise the kernels are traced with their data-dependent shortcuts left out (which
+keys a chunk attends; the linear path with a mask). Either way the results are the eager ones
+(``tests/attention/test_compile.py``).
 """
 
 from __future__ import annotations
@@ -12,11 +18,12 @@ from __future__ import annotations
 import torch
 
 from ..compat import attentions_being_collected
+from .compiled import compiled_attention
 from .kernel import chunked_attention
 from .linear_kernel import linear_attention
 from .normalizations import Normalization, parse_normalization
 from .paths import choose_path, note_path
-from .taps import current_kv_transform, current_recorder, take_state_for
+from .taps import current_kv_transform, current_recorder, take_state_for, taps_set
 
 ATTENTION_NAME = "hf_knorm"
 
@@ -47,22 +54,29 @@ def hf_knorm_attention(
         ``(output (B, q, H_q, D), weights (B, H_q, q, kv) or None)``; weights only when attentions are recorded.
     """
     normalization = normalization_of(module)
-    handover = take_state_for(key)
-    transform = current_kv_transform()
+    compiling = torch.compiler.is_compiling()
+    read_taps = not compiling or taps_set()  # compiled code cannot read a ContextVar without a graph break
+    handover = take_state_for(key) if read_taps else None
+    transform = current_kv_transform() if read_taps else None
     if transform is not None:
         key, value = transform(module, key, value)
-    recorder = current_recorder(module)
+    recorder = current_recorder(module) if read_taps else None
     frobenius_sq = None
     if recorder is not None:
         frobenius_sq = query.new_zeros(query.shape[0], key.shape[1], query.shape[1] // key.shape[1], dtype=torch.float32)
-    allowed, bias = split_mask(attention_mask)
+    allowed, bias = split_mask(attention_mask, compiling)
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
     softcap = kwargs.get("softcap")
     dropout = dropout if module.training else 0.0
     return_weights = _attentions_requested(kwargs)
+    if compiling and not read_taps and dropout == 0.0 and not return_weights:
+        return compiled_attention(query, key, value, allowed, bias, normalization, scaling=scaling, softcap=softcap,
+                                  causal=causal), None
     path = choose_path(normalization, query.shape[2], key.shape[2], allowed, bias, causal=causal, softcap=softcap,
-                       dropout=dropout, return_weights=return_weights, has_state=handover is not None)
-    note_path(path, module)
+                       dropout=dropout, return_weights=return_weights, has_state=handover is not None,
+                       compiling=compiling)
+    if read_taps:
+        note_path(path, module)
     if handover is not None and not path.linear:
         raise ValueError(f"A recurrent state cache decodes with linear attention only, and this call cannot: "
                          f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")
@@ -74,7 +88,7 @@ def hf_knorm_attention(
     else:
         output, weights = chunked_attention(
             query, key, value, allowed, normalization, bias=bias, scaling=scaling, softcap=softcap, dropout=dropout,
-            causal=causal, return_weights=return_weights, frobenius_sq=frobenius_sq,
+            causal=causal, return_weights=return_weights, frobenius_sq=frobenius_sq, trim_keys=not compiling,
         )
     if recorder is not None:
         recorder.record(module, key, value, allowed, frobenius_sq.reshape(query.shape[0], query.shape[1]))
@@ -114,13 +128,22 @@ def normalization_of(module: torch.nn.Module) -> Normalization:
             f"{type(module).__name__} runs attn_implementation='{ATTENTION_NAME}' but its config has no hf_knorm "
             "normalization. Call hf_knorm.patch(model, normalization=...) or load the model with hf_knorm.from_pretrained."
         )
-    return parse_normalization(spelling)
+    normalization = _PARSED.get(spelling)
+    if normalization is None:  # a plain dict, not parse_normalization's lru_cache: Dynamo traces a dict lookup
+        normalization = _PARSED[spelling] = parse_normalization(spelling)
+    return normalization
 
 
-def split_mask(mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Return (bool allowed mask, additive float bias or None) from a bool or an additive float mask."""
+_PARSED: dict[str, Normalization] = {}
+
+
+def split_mask(mask: torch.Tensor | None, compiling: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Return (bool allowed mask, additive float bias or None) from a bool or an additive float mask.
+
+    An all-zero bias is dropped (so the linear path stays open), except while compiling: that check reads the data.
+    """
     if mask is None or mask.dtype == torch.bool:
         return mask, None
     allowed = mask > torch.finfo(mask.dtype).min / 2
     bias = torch.where(allowed, mask, torch.zeros((), dtype=mask.dtype, device=mask.device)).float()
-    return allowed, (bias if bool(bias.any()) else None)
+    return allowed, (bias if compiling or bool(bias.any()) else None)

@@ -39,6 +39,7 @@ class _Plan:
     scaling: float
     softcap: float | None
     implicit_causal: bool
+    trim_keys: bool
     rows: int
     q_len: int
     kv_len: int
@@ -54,7 +55,7 @@ class _Plan:
                 allowed = allowed[None, None, None]
             else:
                 allowed = None
-            lo, hi = _attended_key_range(allowed, self.kv_len)
+            lo, hi = _attended_key_range(allowed, self.kv_len) if self.trim_keys else (0, self.kv_len)
             bias = None if self.bias is None else self.bias[..., start:stop, lo:hi]
             yield start, stop, None if allowed is None else allowed[..., lo:hi], bias, lo, hi
 
@@ -74,6 +75,7 @@ def chunked_attention(
     return_weights: bool = False,
     frobenius_sq: torch.Tensor | None = None,
     chunk_elements: int | None = None,
+    trim_keys: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention with ``normalization``, processed in query-row chunks.
 
@@ -89,10 +91,54 @@ def chunked_attention(
         frobenius_sq: optional ``(B, H_kv, G)`` accumulator; receives the squared Frobenius norm of each head's
             weight matrix (before dropout; no gradient), without materializing the matrix.
         chunk_elements: at most this many scores per chunk (default: ``DEFAULT_CHUNK_ELEMENTS``, read at call time).
+        trim_keys: skip the keys no row of a chunk may attend (beyond the causal diagonal, outside a sliding window).
+            Finding them reads the mask's values: ``False`` under ``torch.compile`` (no graph break; same result).
 
     Returns:
         ``(output (B, q, H_q, D_v) in the query dtype, weights or None)``; computed in fp32 (fp64 for fp64 inputs).
     """
+    plan, q, k, v = _prepare(query, key, value, allowed, normalization, bias, scaling, softcap, causal,
+                             chunk_elements, trim_keys)
+    batch, q_heads, q_len = query.shape[:3]
+    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    weights = None
+    if not differentiable:
+        output, weights = _forward(q, k, v, plan, query.dtype, return_weights, frobenius_sq)
+    elif dropout == 0.0 and not return_weights:
+        output = _ChunkedAttention.apply(q, k, v, plan, frobenius_sq)
+    else:
+        output, weights = _forward_autograd(q, k, v, plan, dropout, return_weights, frobenius_sq)
+    output = output.reshape(batch, q_len, q_heads, -1).to(query.dtype)  # query head h reads kv head h // G
+    if weights is not None:
+        weights = weights.reshape(batch, q_heads, q_len, plan.kv_len)
+    return output, weights
+
+
+def chunked_forward(query, key, value, allowed, normalization, *, bias=None, scaling=None, softcap=None,
+                    causal=False) -> torch.Tensor:
+    """The inference forward of :func:`chunked_attention` (same arguments), output ``(B, q, H_q, D_v)`` in the
+    compute dtype (fp32, fp64 for fp64 inputs): what :func:`chunked_backward` takes."""
+    plan, q, k, v = _prepare(query, key, value, allowed, normalization, bias, scaling, softcap, causal)
+    output, _ = _forward(q, k, v, plan, q.dtype)
+    batch, q_heads, q_len = query.shape[:3]
+    return output.reshape(batch, q_len, q_heads, -1)
+
+
+def chunked_backward(grad_output, query, key, value, output, allowed, normalization, *, bias=None, scaling=None,
+                     softcap=None, causal=False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`chunked_forward` with respect to ``query``, ``key``, ``value`` (in their dtypes), given
+    its ``output`` and ``grad_output`` ``(B, q, H_q, D_v)``: the same computation as the training path's backward."""
+    plan, q, k, v = _prepare(query, key, value, allowed, normalization, bias, scaling, softcap, causal)
+    batch, kv_heads, groups, q_len, _ = q.shape
+    as_groups = lambda t: t.to(q.dtype).reshape(batch, q_len, kv_heads, groups, -1)  # noqa: E731
+    dq, dk, dv = _backward(q, k, v, as_groups(output), as_groups(grad_output), plan)
+    pad = (0, 0, 0, key.shape[2] - plan.kv_len)  # keys an implicit causal mask cut get no gradient
+    return (dq.reshape(query.shape).to(query.dtype), F.pad(dk, pad).to(key.dtype), F.pad(dv, pad).to(value.dtype))
+
+
+def _prepare(query, key, value, allowed, normalization, bias, scaling, softcap, causal, chunk_elements=None,
+             trim_keys=True):
+    """The plan, and q ``(B, H_kv, G, q, D)``, k, v in the compute dtype (fp32, fp64 for fp64 inputs)."""
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     if q_heads % kv_heads:
@@ -109,6 +155,7 @@ def chunked_attention(
         scaling=scaling,
         softcap=softcap,
         implicit_causal=implicit_causal,
+        trim_keys=trim_keys,
         rows=max(1, (chunk_elements or DEFAULT_CHUNK_ELEMENTS) // max(1, batch * q_heads * kv_len)),
         q_len=q_len,
         kv_len=kv_len,
@@ -116,20 +163,7 @@ def chunked_attention(
     # fp32 (fp64 for fp64 inputs): q/k/v are linear in N, so upcast copies are cheap next to the scores.
     compute = torch.promote_types(query.dtype, torch.float32)
     q = query.to(compute).reshape(batch, kv_heads, groups, q_len, head_dim)  # (B, H_kv, G, q, D): a view
-    k, v = key.to(compute), value.to(compute)
-
-    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    weights = None
-    if not differentiable:
-        output, weights = _forward(q, k, v, plan, query.dtype, return_weights, frobenius_sq)
-    elif dropout == 0.0 and not return_weights:
-        output = _ChunkedAttention.apply(q, k, v, plan, frobenius_sq)
-    else:
-        output, weights = _forward_autograd(q, k, v, plan, dropout, return_weights, frobenius_sq)
-    output = output.reshape(batch, q_len, q_heads, -1).to(query.dtype)  # query head h reads kv head h // G
-    if weights is not None:
-        weights = weights.reshape(batch, q_heads, q_len, kv_len)
-    return output, weights
+    return plan, q, key.to(compute), value.to(compute)
 
 
 def _forward(q, k, v, plan: _Plan, dtype, return_weights=False, frobenius_sq=None):
@@ -184,31 +218,37 @@ class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         q, k, v, output = ctx.saved_tensors
-        plan: _Plan = ctx.plan
-        normalization = plan.normalization
-        batch, kv_heads, groups, _, dim = q.shape
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for start, stop, allowed, bias, lo, hi in plan.chunks(q.device):
-            rows = groups * (stop - start)
-            q_chunk = q[:, :, :, start:stop] * plan.scaling
-            scores, capped = _scores(q_chunk, k[:, :, lo:hi], bias, plan.softcap)
-            weights = normalization.weights(scores, allowed)  # (B, H_kv, G, c, n)
-            grad_out = grad_output[:, start:stop].permute(0, 2, 3, 1, 4)  # (B, H_kv, G, c, D_v)
-            grad_out_rows = grad_out.reshape(batch, kv_heads, rows, -1)
-            dv[:, :, lo:hi] += weights.reshape(batch, kv_heads, rows, -1).transpose(-1, -2) @ grad_out_rows
-            grad_weights = (grad_out_rows @ v[:, :, lo:hi].transpose(-1, -2)).view_as(weights)
-            if normalization.is_softmax:
-                out = output[:, start:stop].permute(0, 2, 3, 1, 4)
-                row_dot = (grad_out * out).sum(dim=-1, keepdim=True)  # rowsum(dW * w) = dO . O
-                grad_scores = weights * (grad_weights - row_dot)
-            else:
-                grad_scores = grad_weights * _power_derivative(scores, allowed, normalization)
-            if capped is not None:
-                grad_scores = grad_scores * (1 - capped.square())
-            grad_scores = grad_scores.reshape(batch, kv_heads, rows, -1)
-            dq[:, :, :, start:stop] = (grad_scores @ k[:, :, lo:hi]).view(batch, kv_heads, groups, -1, dim) * plan.scaling
-            dk[:, :, lo:hi] += grad_scores.transpose(-1, -2) @ q_chunk.reshape(batch, kv_heads, rows, dim)
+        dq, dk, dv = _backward(q, k, v, output, grad_output, ctx.plan)
         return dq, dk, dv, None, None
+
+
+def _backward(q, k, v, output, grad_output, plan: _Plan):
+    """dq ``(B, H_kv, G, q, D)``, dk, dv: each chunk's scores recomputed; ``output`` and ``grad_output`` are
+    ``(B, q, H_kv, G, D_v)``."""
+    normalization = plan.normalization
+    batch, kv_heads, groups, _, dim = q.shape
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for start, stop, allowed, bias, lo, hi in plan.chunks(q.device):
+        rows = groups * (stop - start)
+        q_chunk = q[:, :, :, start:stop] * plan.scaling
+        scores, capped = _scores(q_chunk, k[:, :, lo:hi], bias, plan.softcap)
+        weights = normalization.weights(scores, allowed)  # (B, H_kv, G, c, n)
+        grad_out = grad_output[:, start:stop].permute(0, 2, 3, 1, 4)  # (B, H_kv, G, c, D_v)
+        grad_out_rows = grad_out.reshape(batch, kv_heads, rows, -1)
+        dv[:, :, lo:hi] += weights.reshape(batch, kv_heads, rows, -1).transpose(-1, -2) @ grad_out_rows
+        grad_weights = (grad_out_rows @ v[:, :, lo:hi].transpose(-1, -2)).view_as(weights)
+        if normalization.is_softmax:
+            out = output[:, start:stop].permute(0, 2, 3, 1, 4)
+            row_dot = (grad_out * out).sum(dim=-1, keepdim=True)  # rowsum(dW * w) = dO . O
+            grad_scores = weights * (grad_weights - row_dot)
+        else:
+            grad_scores = grad_weights * _power_derivative(scores, allowed, normalization)
+        if capped is not None:
+            grad_scores = grad_scores * (1 - capped.square())
+        grad_scores = grad_scores.reshape(batch, kv_heads, rows, -1)
+        dq[:, :, :, start:stop] = (grad_scores @ k[:, :, lo:hi]).view(batch, kv_heads, groups, -1, dim) * plan.scaling
+        dk[:, :, lo:hi] += grad_scores.transpose(-1, -2) @ q_chunk.reshape(batch, kv_heads, rows, dim)
+    return dq, dk, dv
 
 
 def _power_derivative(scores, allowed, normalization: Normalization) -> torch.Tensor:

@@ -7,6 +7,8 @@ length. It is chosen automatically when it computes exactly what the quadratic k
 - the mask is causal (bottom-right, as with a cache) with padded keys at most: no sliding window, no packed sequences,
   no bidirectional attention, no additive float bias;
 - no softcap, no attention dropout in training, no request for the attention weights;
+- not under ``torch.compile`` with a mask: checking the mask's structure reads its values, which compiled code
+  cannot branch on without a graph break (the quadratic kernel computes the same weights);
 - at least :data:`LINEAR_MIN_QUERIES` queries (below that the quadratic kernel is faster: one decoded token reads a
   K/V cache in ``O(N * D)``, the linear form needs ``O(N * D^2)``), or a recurrent state to continue.
 
@@ -27,6 +29,7 @@ import torch
 
 from .linear_kernel import is_linear
 from .normalizations import Normalization
+from .taps import count_tap
 
 LINEAR_MIN_QUERIES = 128
 """Fewest queries for which the linear path is chosen without a recurrent state (read at call time). The crossover
@@ -56,7 +59,7 @@ class Path:
 
 def choose_path(normalization: Normalization, q_len: int, kv_len: int, allowed: torch.Tensor | None,
                 bias: torch.Tensor | None, *, causal: bool, softcap: float | None, dropout: float,
-                return_weights: bool, has_state: bool) -> Path:
+                return_weights: bool, has_state: bool, compiling: bool = False) -> Path:
     """The path for one call (see the module docstring); ``allowed``/``bias`` as the kernels take them."""
     reason = _blocker(normalization, bias, softcap, dropout, return_weights)
     if not reason and not has_state and q_len < LINEAR_MIN_QUERIES:
@@ -66,6 +69,8 @@ def choose_path(normalization: Normalization, q_len: int, kv_len: int, allowed: 
         if allowed is None:
             if not causal:
                 reason = "bidirectional attention (no causal mask)"
+        elif compiling:
+            reason = "under torch.compile a mask's structure cannot be checked without a graph break"
         else:
             is_causal, key_valid = causal_key_validity(allowed, q_len, kv_len)
             if not is_causal:
@@ -130,7 +135,9 @@ def attention_paths():
     (``"linear"``, ``"quadratic"``) made inside the block."""
     paths = Counter()
     token = _PATHS.set(paths)
+    count_tap(+1)
     try:
         yield paths
     finally:
         _PATHS.reset(token)
+        count_tap(-1)

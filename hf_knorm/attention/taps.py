@@ -14,6 +14,11 @@
 All live here, below everything that uses them, so that the attention never imports the layers built on it. The
 model must be routed through the plugin: :func:`hf_knorm.norms.recording.routed_through_plugin` does it for a model
 that is not patched.
+
+**Under torch.compile.** Dynamo cannot trace ``ContextVar.get``. Compiled code first reads one plain flag,
+:func:`taps_set`: True while a tap is set in any context (a process-wide over-approximation). Dynamo guards on it, so
+setting a tap makes the next call recompile with the tap reads in place (a graph break at each, and correct results);
+while no tap is set, the compiled attention reads none and has no graph break.
 """
 
 from __future__ import annotations
@@ -39,6 +44,22 @@ class Recorder(Protocol):
     def record(self, module, key, value, allowed, frobenius_sq) -> None: ...
 
 
+_taps = 0
+TAPS_SET = False  # read by compiled code; always ``_taps > 0``
+
+
+def taps_set() -> bool:
+    """Whether a tap (recorder, K/V transform, pending handover, path log) is set in any context."""
+    return TAPS_SET
+
+
+def count_tap(delta: int) -> None:
+    """Count a tap set (``+1``) or cleared (``-1``), in any context: what :func:`taps_set` reads."""
+    global _taps, TAPS_SET
+    _taps += delta
+    TAPS_SET = _taps > 0
+
+
 _TRANSFORM: contextvars.ContextVar[TransformFn | None] = contextvars.ContextVar("hf_knorm_kv_transform", default=None)
 _RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("hf_knorm_recorder", default=None)
 
@@ -58,12 +79,14 @@ def current_recorder(module=None) -> Recorder | None:
 
 def activate_recorder(recorder: Recorder) -> contextvars.Token:
     """Make ``recorder`` the active one; returns the token :func:`deactivate_recorder` takes."""
+    count_tap(+1)
     return _RECORDER.set(recorder)
 
 
 def deactivate_recorder(token: contextvars.Token) -> None:
     """Restore the recorder that was active before :func:`activate_recorder` returned ``token``."""
     _RECORDER.reset(token)
+    count_tap(-1)
 
 
 class KVTransform:
@@ -75,10 +98,12 @@ class KVTransform:
 
     def __enter__(self) -> KVTransform:
         self._token = _TRANSFORM.set(self.fn)
+        count_tap(+1)
         return self
 
     def __exit__(self, *exc) -> None:
         _TRANSFORM.reset(self._token)
+        count_tap(-1)
 
 
 # --- the recurrent-state handover ------------------------------------------------------------------------------------
@@ -104,6 +129,7 @@ _HANDOVER: contextvars.ContextVar[StateHandover | None] = contextvars.ContextVar
 
 def hand_over_state(handover: StateHandover | None) -> None:
     """Make ``handover`` the one the next attention call takes (``None`` clears it)."""
+    count_tap((handover is not None) - (_HANDOVER.get() is not None))
     _HANDOVER.set(handover)
 
 
@@ -117,5 +143,5 @@ def take_state_for(key: torch.Tensor) -> StateHandover | None:
     handover = _HANDOVER.get()
     if handover is None or handover.key is not key:
         return None
-    _HANDOVER.set(None)
+    hand_over_state(None)
     return handover

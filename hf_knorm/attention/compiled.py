@@ -1,0 +1,122 @@
+"""The attention as a PyTorch custom op, so that ``torch.compile`` takes it whole and computes what eager mode does.
+
+Compiled code cannot branch on tensor values without a graph break, and the attention does, for speed: the chunked
+kernel skips the keys no row of a chunk may attend (half of the work under a causal mask), and the path choice reads
+the mask to know whether the linear kernel computes the same weights (``paths.py``). As custom ops
+(``torch.library.custom_op``: ``hf_knorm::attention`` and its backward ``hf_knorm::attention_backward``), that eager
+code runs unchanged inside a compiled graph: Dynamo sees one op whose output shape its fake implementation gives, the
+compiler fuses what lies around it, and the attention's values are the eager ones.
+
+The op serves the calls of training and inference: no attention dropout, no weights returned, and no tap set (norm
+recorder, K/V transform, recurrent state, path log); ``interface.py`` sends the others, under compile, through the
+kernels traced with their data-dependent shortcuts left out.
+
+Backward: the chunked kernel's own backward (``kernel.chunked_backward``, from the saved output). The linear kernel
+(``x/c`` with a causal mask) is differentiated by autograd, which cannot run inside a custom op: when gradients are
+needed, ``x/c`` takes the quadratic kernel in a compiled model (the same weights; time quadratic in N); in inference
+it takes the linear one, as in eager mode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernel import chunked_backward, chunked_forward
+from .linear_kernel import linear_attention
+from .normalizations import Normalization
+from .paths import choose_path
+
+
+def compiled_attention(query, key, value, allowed, bias, normalization: Normalization, *, scaling: float | None,
+                       softcap: float | None, causal: bool) -> torch.Tensor:
+    """The attention of one call through the custom op: output ``(B, q, H_q, D_v)`` in the query dtype.
+
+    Arguments as :func:`hf_knorm.attention.kernel.chunked_attention` takes them (``allowed`` bool or ``None``,
+    ``bias`` an additive float mask or ``None``).
+    """
+    scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    power = 0 if normalization.is_softmax else normalization.power
+    constant = float(normalization.constant or 0.0)
+    softcap = None if softcap is None else float(softcap)
+    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    output = attention_op(query, key, value, allowed, bias, power, constant, normalization.sqrt_n, scaling, softcap,
+                          causal, not differentiable)
+    return output.to(query.dtype)
+
+
+def _normalization(power: int, constant: float, sqrt_n: bool) -> Normalization:
+    if power == 0:
+        return Normalization(power=None)
+    return Normalization(power=power, constant=None if sqrt_n else constant, sqrt_n=sqrt_n)
+
+
+def _nonzero(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """An all-zero bias is none (as eager mode's ``split_mask`` has it), which keeps the linear path open."""
+    return bias if bias is not None and bool(bias.any()) else None
+
+
+def _linear_inputs(query, key, value, allowed, bias, normalization, softcap, causal):
+    """``(key, value, key_valid)`` for the linear kernel when it computes this call exactly, else ``None``."""
+    path = choose_path(normalization, query.shape[2], key.shape[2], allowed, bias, causal=causal, softcap=softcap,
+                       dropout=0.0, return_weights=False, has_state=False)
+    if not path.linear:
+        return None
+    if allowed is None and causal and query.shape[2] > 1:  # top-left causal, keys cut to the queries (sdpa's rule)
+        key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
+    return key, value, path.key_valid
+
+
+@torch.library.custom_op("hf_knorm::attention", mutates_args=())
+def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None,
+                 bias: torch.Tensor | None, power: int, constant: float, sqrt_n: bool, scaling: float,
+                 softcap: float | None, causal: bool, linear_ok: bool) -> torch.Tensor:
+    """Output ``(B, q, H_q, D_v)`` in the compute dtype (fp32, fp64 for fp64 inputs). ``power`` 0 is softmax;
+    ``linear_ok``: the linear kernel may compute the call (no gradient will be asked for)."""
+    normalization = _normalization(power, constant, sqrt_n)
+    bias = _nonzero(bias)
+    compute = torch.promote_types(query.dtype, torch.float32)
+    linear = _linear_inputs(query, key, value, allowed, bias, normalization, softcap, causal) if linear_ok else None
+    if linear is not None:
+        key, value, key_valid = linear
+        return linear_attention(query, key, value, key_valid, normalization, scaling=scaling).to(compute).contiguous()
+    return chunked_forward(query, key, value, allowed, normalization, bias=bias, scaling=scaling, softcap=softcap,
+                           causal=causal).contiguous()
+
+
+@attention_op.register_fake
+def _attention_shape(query, key, value, allowed, bias, power, constant, sqrt_n, scaling, softcap, causal, linear_ok):
+    batch, q_heads, q_len = query.shape[:3]
+    return query.new_empty((batch, q_len, q_heads, value.shape[-1]), dtype=torch.promote_types(query.dtype, torch.float32))
+
+
+@torch.library.custom_op("hf_knorm::attention_backward", mutates_args=())
+def attention_backward_op(grad_output: torch.Tensor, output: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, allowed: torch.Tensor | None, bias: torch.Tensor | None, power: int,
+                          constant: float, sqrt_n: bool, scaling: float, softcap: float | None,
+                          causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`attention_op` (computed with ``linear_ok=False``) with respect to query, key and value."""
+    grads = chunked_backward(grad_output, query, key, value, output, allowed, _normalization(power, constant, sqrt_n),
+                             bias=_nonzero(bias), scaling=scaling, softcap=softcap, causal=causal)
+    return tuple(grad.contiguous() for grad in grads)
+
+
+@attention_backward_op.register_fake
+def _attention_backward_shape(grad_output, output, query, key, value, *options):
+    return tuple(t.new_empty(t.shape) for t in (query, key, value))  # contiguous, as the real gradients are
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, allowed, bias, *options, linear_ok = inputs
+    ctx.save_for_backward(query, key, value, allowed, bias, output)
+    ctx.options, ctx.linear_ok = options, linear_ok
+
+
+def _backward(ctx, grad_output):
+    if ctx.linear_ok:  # compiled_attention passes linear_ok only where no gradient is needed
+        raise RuntimeError("hf_knorm::attention was called with linear_ok=True, so it has no gradient.")
+    query, key, value, allowed, bias, output = ctx.saved_tensors
+    grads = attention_backward_op(grad_output, output, query, key, value, allowed, bias, *ctx.options)
+    return (*grads, *[None] * (3 + len(ctx.options)))
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,122 @@
+"""torch.compile: a patched model compiles with no graph break (``fullgraph=True``, the inductor backend) and computes
+what it computes in eager mode, through the custom op (training, inference) or the traced kernels (with a tap set);
+the taps (norm recording) still work in a compiled model.
+
+Tolerances (fp32): logits within 1e-5 absolute of eager; each parameter's gradient within 1e-4 of its largest entry.
+Measured on four of the cases: logits at most 2.8e-6 apart, gradients 5.6e-6 of their largest entry (the compiled
+kernels' summation order).
+Each case compiles the model forward and backward, 20-60 s on this machine's CPU.
+"""
+
+import pytest
+import torch
+
+import hf_knorm
+from hf_knorm.attention import compiled as compiled_module
+from hf_knorm.attention import paths
+from hf_knorm.attention.compiled import attention_op
+from hf_knorm.attention.normalizations import PAPER_NORMALIZATIONS
+from hf_knorm.attention.paths import attention_paths
+from hf_knorm.attention.taps import taps_set
+
+from tiny_models import tiny_inputs, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _padded_inputs(model_type: str, length: int) -> dict[str, torch.Tensor]:
+    inputs = tiny_inputs(model_type, length=length)
+    inputs["attention_mask"][0, :3] = 0  # left padding in the first row
+    return inputs
+
+
+def _logits_and_grads(model, inputs):
+    model.zero_grad()
+    output = model(**inputs, labels=inputs["input_ids"])
+    output.loss.backward()
+    return output.logits.detach(), {name.removeprefix("_orig_mod."): p.grad.clone() for name, p in model.named_parameters()}
+
+
+# x/1 at 130 tokens: eager takes the linear path, compiled the quadratic one (the mask's structure is data).
+CASES = [("llama", spelling, 130 if spelling == "x/1" else 12) for spelling in PAPER_NORMALIZATIONS]
+CASES += [
+    ("mistral", "x^3/sqrtN", 12),  # a sliding window shorter than the sequence
+    ("gemma2", "x/16", 12),  # softcapped scores
+]
+
+
+@pytest.mark.parametrize(("model_type", "spelling", "length"), CASES)
+def test_compiled_model_matches_eager_without_graph_breaks(model_type, spelling, length):
+    model = tiny_model(model_type).train()
+    hf_knorm.patch(model, normalization=spelling)
+    inputs = _padded_inputs(model_type, length)
+    with attention_paths() as paths:
+        eager_logits, eager_grads = _logits_and_grads(model, inputs)
+    assert paths["linear" if (spelling == "x/1" and length >= 128) else "quadratic"] > 0
+    assert not taps_set()
+
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)  # a graph break is an error
+    logits, grads = _logits_and_grads(compiled, inputs)
+
+    torch.testing.assert_close(logits, eager_logits, rtol=0, atol=1e-5)
+    for name, grad in grads.items():
+        scale = eager_grads[name].abs().max().item()
+        torch.testing.assert_close(grad, eager_grads[name], rtol=0, atol=1e-4 * scale + 1e-12, msg=name)
+
+
+def test_norm_recording_in_a_compiled_model_matches_eager():
+    """With a recorder set, the compiled model is recompiled with the tap reads (graph breaks) and the traced kernels:
+    the norms, the logits and the gradients are the eager ones."""
+    model = tiny_model("llama").train()
+    hf_knorm.patch(model, normalization="x^3/16")
+    inputs = _padded_inputs("llama", 12)
+    with hf_knorm.record_norms(model) as eager:
+        eager_logits, eager_grads = _logits_and_grads(model, inputs)
+    compiled = torch.compile(model, backend="inductor")
+    _logits_and_grads(compiled, inputs)  # compiled without the taps: the custom op
+    with hf_knorm.record_norms(model) as recorder:  # a tap set: recompiled
+        logits, grads = _logits_and_grads(compiled, inputs)
+    assert not taps_set()
+    torch.testing.assert_close(logits, eager_logits, rtol=0, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], rtol=0, atol=1e-4 * eager_grads[name].abs().max().item())
+    for got, want in zip(recorder.layers, eager.layers, strict=True):
+        torch.testing.assert_close(got.attention_frobenius(), want.attention_frobenius(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got.key_channel_norms(), want.key_channel_norms(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(got.value_channel_norms(), want.value_channel_norms(), rtol=1e-6, atol=0)
+
+
+def test_compiled_inference_of_x1_takes_the_linear_kernel_inside_the_op(monkeypatch):
+    model = tiny_model("llama")
+    hf_knorm.patch(model, normalization="x/1")
+    inputs = _padded_inputs("llama", 130)
+    with torch.no_grad():
+        eager = model(**inputs).logits
+        calls = []
+        linear = compiled_module.linear_attention
+        monkeypatch.setattr(compiled_module, "linear_attention", lambda *a, **k: calls.append(1) or linear(*a, **k))
+        logits = torch.compile(model, backend="inductor", fullgraph=True)(**inputs).logits
+    assert len(calls) == model.config.num_hidden_layers  # the mask (causal, left padding) was read inside the op
+    torch.testing.assert_close(logits, eager, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("spelling", ["softmax", "x^3/16", "x/1"])
+def test_the_custom_op_passes_opcheck(spelling, monkeypatch):
+    """torch.library.opcheck: the fake implementation's shapes, the schema, the autograd registration."""
+    monkeypatch.setattr(paths, "LINEAR_MIN_QUERIES", 1)  # x/1 without gradients: the linear kernel on 6 queries
+    generator = torch.Generator().manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, generator=generator, dtype=torch.float64)  # noqa: E731
+    query, key, value = make(2, 4, 6, 8).requires_grad_(), make(2, 2, 6, 8).requires_grad_(), make(2, 2, 6, 8)
+    allowed = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    allowed[0, :, :, :2] = False
+    normalization = hf_knorm.parse_normalization(spelling)
+    power = 0 if normalization.is_softmax else normalization.power
+    for linear_ok, args in ((False, (query, key, value.requires_grad_())), (True, (query.detach(), key.detach(),
+                                                                                  value.detach()))):
+        torch.library.opcheck(attention_op, (*args, allowed, None, power, float(normalization.constant or 0.0),
+                                             normalization.sqrt_n, 0.35, None, True, linear_ok))
