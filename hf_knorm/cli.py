@@ -36,7 +36,6 @@ Errors: a ``ValueError``, ``FileNotFoundError``, ``RuntimeError`` or a missing o
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 import typing
 from collections.abc import Callable
@@ -46,13 +45,14 @@ from typing import Any
 
 from transformers import HfArgumentParser
 
-from .balancing.balance import balance_kv
+from .balancing.job import KVNormsSettings
 from .conversion.settings import ConvertSettings
 from .demo.settings import DemoSettings
-from .evaluation.needle import run_niah_job
+from .evaluation.niah_job import NiahSettings
 from .extras import MissingExtraError
-from .training.attention_norms import AttentionNormsSettings
+from .hub.push import PushSettings
 from .jobs.finetune import FinetuneSettings
+from .training.attention_norms import AttentionNormsSettings
 
 
 class _SettingsParser(HfArgumentParser):
@@ -105,24 +105,10 @@ class Command:
     preset: Callable[[argparse.Namespace], Any] | None = None
 
 
-def _default_of(function: Callable, parameter: str):
-    """The default of ``function``'s ``parameter``: a flag that feeds a library argument shows the library's own."""
-    return inspect.signature(function).parameters[parameter].default
-
-
-def _add_model_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a checkpoint folder")
-
-
-def _items(text: str, kind) -> tuple:
-    """A comma-separated flag as a tuple of ``kind``."""
-    return tuple(kind(item.strip()) for item in text.split(",") if item.strip())
-
-
 # --- demo ---
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_model_argument(parser)
+    parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a checkpoint folder")
     parser.add_argument("--out", type=Path, default=Path("outputs/demo"), help="output folder")
     parser.add_argument("--fast", action="store_true",
                         help="start from DemoSettings.fast(): every step shrunk to seconds (for tests and a first "
@@ -140,82 +126,32 @@ def _run_demo(settings: DemoSettings, args: argparse.Namespace) -> int:
     return 0
 
 
-# --- kv-norms ---
+# --- kv-norms, niah, push ---
 
-def _kv_norms_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_model_argument(parser)
-    parser.add_argument("--mode", choices=("layer", "channel"), default=_default_of(balance_kv, "mode"),
-                        help="one scale per layer or per channel")
-    parser.add_argument("--alpha", type=float, default=_default_of(balance_kv, "alpha"),
-                        help="migration strength of --mode channel, in (0, 1]")
-    parser.add_argument("--layer", type=int, default=None,
-                        help="layer of the figure (without it: the one with the largest K/V norm ratio)")
-    parser.add_argument("--calibration-tokens", type=int, default=_default_of(balance_kv, "max_tokens"),
-                        help="calibration tokens")
-    parser.add_argument("--out", type=Path, default=Path("outputs/kv_norms"), help="output folder")
+def _run_kv_norms(settings: KVNormsSettings, args: argparse.Namespace) -> int:
+    from .balancing.job import run_kv_norms
 
-
-def _run_kv_norms(settings: None, args: argparse.Namespace) -> int:
-    from .assets.texts import shakespeare_split
-    from .models.persistence import load_model
-
-    model, tokenizer = load_model(args.model)
-    layers = model.config.num_hidden_layers
-    if args.layer is not None and not 0 <= args.layer < layers:  # checked before the minute of calibration
-        raise ValueError(f"--layer {args.layer} is out of range: the model has layers 0..{layers - 1}.")
-    texts, _ = shakespeare_split()  # calibrate on the training split; Hamlet and the sonnets stay held out
-    report = balance_kv(model, tokenizer, texts, args.mode, alpha=args.alpha, max_tokens=args.calibration_tokens)
-    for name, path in report.save(args.out, args.layer).items():
+    for name, path in run_kv_norms(settings).items():
         print(f"{name}: {path}")
     return 0
 
 
-# --- niah ---
+def _run_niah(settings: NiahSettings, args: argparse.Namespace) -> int:
+    from .evaluation.niah_job import run_niah_job
 
-def _niah_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_model_argument(parser)
-    parser.add_argument("--ratios", default="0,0.5,0.75,0.9",
-                        help="comma-separated compression ratios (0 = uncompressed)")
-    parser.add_argument("--scores", default=",".join(_default_of(run_niah_job, "scores")),
-                        help="comma-separated eviction scores, one row per ratio and score: key_norm (the paper's), "
-                        "kv_diff (the recommended one), value_over_key, key_diff, recent, random; append +sinksK / "
-                        "+windowW to protect the first K / last W tokens (e.g. recent+sinks4 is StreamingLLM, "
-                        "kv_diff+sinks4+window64), +poolP to set the window of key_diff / kv_diff")
-    parser.add_argument("--lengths", default="1000,2000,4000,8000", help="comma-separated context lengths (tokens)")
-    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="comma-separated needle depths in [0, 1]")
-    parser.add_argument("--seeds", type=int, default=1, help="needle seeds per cell (1: ~40 min on 2 CPU cores)")
-    parser.add_argument("--passkey-seeds", type=int, default=1, help="passkey seeds per cell (0 = skip)")
-    parser.add_argument("--no-options", dest="options", action="store_false",
-                        help="skip the extra rows at ratio 0.5 (sinks+window, layers 0-1 kept, authors' protocol)")
-    parser.add_argument("--out", type=Path, default=Path("outputs/niah"), help="output folder (a rerun resumes)")
-
-
-def _run_niah(settings: None, args: argparse.Namespace) -> int:
-    run_niah_job(args.model, _items(args.ratios, float), _items(args.lengths, int), _items(args.depths, float),
-                 args.seeds, args.passkey_seeds, args.options, args.out, scores=list(_items(args.scores, str)))
+    run_niah_job(settings)
     return 0
 
-
-# --- push ---
 
 def _push_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", type=Path, metavar="MODEL_DIR", help="the saved model folder")
     parser.add_argument("repo_id", metavar="REPO_ID", help="namespace/name on the Hub (created if missing)")
-    parser.add_argument("--private", action="store_true",
-                        help="create the repo private (an existing repo keeps its visibility)")
-    parser.add_argument("--token", default=None,
-                        help="a Hugging Face write token (without it: HF_TOKEN, else the saved login)")
-    parser.add_argument("--commit-message", default=None,
-                        help="the commit message (without it: one saying what is pushed)")
-    parser.add_argument("--no-tokenizer", action="store_true",
-                        help="push a causal LM whose folder has no tokenizer (refused otherwise)")
 
 
-def _run_push(settings: None, args: argparse.Namespace) -> int:
-    from .hub.push import push_folder
+def _run_push(settings: PushSettings, args: argparse.Namespace) -> int:
+    from .hub.push import run_push
 
-    commit = push_folder(args.model_dir, args.repo_id, private=args.private or None, token=args.token,
-                         commit_message=args.commit_message, without_tokenizer=args.no_tokenizer)
+    commit = run_push(args.model_dir, args.repo_id, settings)
     print(f"pushed {args.model_dir} to {args.repo_id}: {commit.commit_url}")
     return 0
 
@@ -276,7 +212,7 @@ COMMANDS: tuple[Command, ...] = (
         help="K/V balancing: per-channel key/value norms before and after (TransMLA's 'Original vs. Balanced kv-norm')",
         description="Balance the model's keys and values exactly (hf_knorm.balance_kv) on Shakespeare's works and write "
         "the figure for one layer, the K/V mean-norm ratio of every layer before and after, and the numbers as JSON.",
-        run=_run_kv_norms, arguments=_kv_norms_arguments,
+        settings=KVNormsSettings, run=_run_kv_norms,
     ),
     Command(
         "niah",
@@ -284,7 +220,7 @@ COMMANDS: tuple[Command, ...] = (
         description="Needle-in-a-haystack (Paul Graham essays) and passkey retrieval with the context's KV cache "
         "compressed by KNorm (kvpress protocol: context compressed, question not). Writes results.json/csv "
         "(resumable), one heatmap per task and ratio, and summary.md to --out.",
-        run=_run_niah, arguments=_niah_arguments,
+        settings=NiahSettings, run=_run_niah,
     ),
     Command(
         "push",
@@ -292,7 +228,7 @@ COMMANDS: tuple[Command, ...] = (
         description="Push MODEL_DIR (saved by hf_knorm.save_pretrained or Transformers) to REPO_ID: every file, the "
         "model card rendered for REPO_ID (text written outside its generated block is kept), in one commit. "
         "The token comes from --token, else HF_TOKEN, else `hf auth login`.",
-        run=_run_push, arguments=_push_arguments,
+        settings=PushSettings, run=_run_push, arguments=_push_arguments,
     ),
     Command(
         "finetune",

@@ -14,6 +14,7 @@ from hf_knorm.demo.settings import DemoSettings
 from hf_knorm.jobs.finetune import FinetuneSettings
 
 SETTINGS_COMMANDS = [command for command in COMMANDS if command.settings is not None]
+POSITIONALS = {"push": ["folder", "me/model"]}  # the arguments a command needs besides its flags
 
 
 def _flat(text: str) -> str:
@@ -22,7 +23,7 @@ def _flat(text: str) -> str:
 
 @pytest.mark.parametrize("command", SETTINGS_COMMANDS, ids=lambda command: command.name)
 def test_parser_defaults_are_the_settings_defaults(command):
-    _, settings, _ = parse([command.name])
+    _, settings, _ = parse([command.name, *POSITIONALS.get(command.name, [])])
     assert settings == command.settings()
 
 
@@ -104,12 +105,39 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys, mon
 
 
 def test_library_defaults_are_shown_not_repeated():
-    """kv-norms and niah feed library functions: their flags default to those functions' own defaults."""
-    from hf_knorm.balancing.balance import balance_kv
-    from hf_knorm.evaluation.needle import run_niah_job
+    """kv-norms feeds balance_kv: its settings default to that function's own defaults."""
+    import inspect
 
-    args = _build_parser().parse_args(["kv-norms"])
-    assert (args.mode, args.alpha, args.calibration_tokens) == (
-        cli._default_of(balance_kv, "mode"), cli._default_of(balance_kv, "alpha"),
-        cli._default_of(balance_kv, "max_tokens"))
-    assert _build_parser().parse_args(["niah"]).scores.split(",") == list(cli._default_of(run_niah_job, "scores"))
+    from hf_knorm.balancing.balance import balance_kv
+
+    _, settings, _ = parse(["kv-norms"])
+    library = inspect.signature(balance_kv).parameters
+    assert (settings.mode, settings.alpha, settings.calibration_tokens) == (
+        library["mode"].default, library["alpha"].default, library["max_tokens"].default)
+
+
+def test_niah_kv_norms_and_push_flags_fill_their_settings(tmp_path):
+    from hf_knorm.balancing.job import KVNormsSettings
+    from hf_knorm.evaluation.niah_job import NiahSettings
+    from hf_knorm.hub.push import PushSettings
+
+    _, settings, _ = parse(["niah", "--ratios", "0,0.5", "--scores", "key_norm,kv_diff+sinks4", "--lengths", "500",
+                            "--depths", "0.5", "--passkey-seeds", "0", "--no-options", "--out", str(tmp_path)])
+    assert settings == NiahSettings(ratios=(0.0, 0.5), scores=("key_norm", "kv_diff+sinks4"), lengths=(500,),
+                                    depths=(0.5,), passkey_seeds=0, options=False, out=str(tmp_path))
+    _, settings, _ = parse(["kv-norms", "--mode", "channel", "--alpha", "0.25", "--layer", "3"])
+    assert settings == KVNormsSettings(mode="channel", alpha=0.25, layer=3)
+    _, settings, args = parse(["push", "folder", "me/model", "--private", "--no-tokenizer", "--token", "hf_x"])
+    assert settings == PushSettings(private=True, no_tokenizer=True, token="hf_x") and args.repo_id == "me/model"
+    assert "hf_x" not in repr(settings)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["niah", "--depths", "0,1.5"], "--depths takes comma-separated values in [0, 1]"),
+    (["niah", "--scores", "loudest"], "loudest"),
+    (["niah", "--seeds", "0", "--passkey-seeds", "0"], "nothing would run"),
+    (["kv-norms", "--alpha", "0"], "--alpha must be in (0, 1]"),
+])
+def test_bad_settings_are_refused_before_a_model_loads(argv, message, capsys):
+    assert main([*argv, "--model", "/no/such/model"]) == 2
+    assert message in capsys.readouterr().err

@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from ..balancing.balance import key_scales
 from ..compat import cache_kwargs, output_cache
 from ..knorm.pipeline import answer_after_context, encode_prompt, generate_after, knorm_cache_for
 
@@ -299,23 +298,3 @@ def write_report(records: list[dict], out_dir: Path) -> Path:
     summary.write_text("\n".join(parts))
     return summary
 
-
-def run_niah_job(model_name: str, ratios, lengths, depths, seeds: int, passkey_seeds: int, options: bool,
-                 out_dir: Path, scores=("key_norm",)) -> Path:
-    """The ``hf-knorm niah`` job: load the model, run NIAH and passkey grids, write results, heatmaps, summary.
-
-    ``scores``: the ``--scores`` entries (:func:`parse_score_spec`), one row per ratio and entry; checked before the
-    model is loaded.
-    """
-    from ..models.persistence import load_model
-
-    variants = score_variants(ratios, list(scores))
-    model, tokenizer = load_model(model_name)
-    balanced = key_scales(model.config) is not None
-    variants += option_variants(0.5, balanced=balanced) if options else []
-    tasks = tuple(task for task, n in (("niah", seeds), ("passkey", passkey_seeds)) if n > 0)
-    records = run_needle(model, tokenizer, out_dir, tasks=tasks, variants=variants, lengths=lengths, depths=depths,
-                         seeds={"niah": seeds, "passkey": passkey_seeds})
-    summary = write_report(records, out_dir)
-    print(summary.read_text())
-    return summary
