@@ -36,6 +36,7 @@ from pathlib import Path
 from ..attention.normalizations import parse_normalization
 from ..evaluation.domains import domain
 from ..jobs.run_folder import check_same_settings, is_main_process, settings_record, write_json
+from ..jobs.sharding import check_fsdp
 from ..jobs.sources import causal_lm_source, check_extras, check_sources
 from ..training.dataset_formats import LANGUAGE_MODELING, format_description
 from .mixture import GENERAL
@@ -84,6 +85,7 @@ def check_settings(settings: ConvertSettings) -> None:
         raise ValueError("--dataset chatterbot trains on the conversation domain's own text, which would then not be "
                          "held out: leave conversation out of --eval-domains (e.g. essays,plays,technical).")
     check_extras("hf-knorm convert", settings.integrations(), lora=settings.recovery == "lora")
+    check_fsdp("hf-knorm convert", supported=False)
     check_sources(settings.dataset if settings.dataset != GENERAL else "paul-graham", settings.eval_dataset,
                   settings.model)
     out = Path(settings.out)

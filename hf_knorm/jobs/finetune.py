@@ -38,6 +38,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from ..attention.normalizations import parse_normalization
 from .arguments import job_arguments
 from .run_folder import check_same_settings, is_main_process, settings_record, write_json
+from .sharding import check_fsdp, gathered_state_dict
 from .sources import causal_lm_source, check_extras, check_sources
 
 RESULT_FILE = "finetune.json"
@@ -114,6 +115,7 @@ def check_settings(settings: FinetuneSettings) -> Path | None:
             raise ValueError(f"{name} must be at least 1, not {getattr(settings, name)}.")
     check_sources(settings.dataset, settings.eval_dataset, settings.model)
     check_extras("hf-knorm finetune", settings.report_to)
+    check_fsdp("hf-knorm finetune", supported=True)
     out = Path(settings.out)
     last = get_last_checkpoint(str(out)) if out.is_dir() else None
     if settings.resume and last is None:
@@ -203,6 +205,7 @@ def run_finetune(settings: FinetuneSettings) -> dict:
         "first_nonfinite": callback.first_nonfinite,
         "stopped_at_step": callback.stopped_at_step,
     }
+    state_dict = gathered_state_dict(trainer)  # under FSDP: a collective, so before the main-process check
     if not is_main_process():  # under torchrun or accelerate launch, one process writes the run folder
         return summary
     history = Path(settings.out) / HISTORY_FILE
@@ -213,6 +216,7 @@ def run_finetune(settings: FinetuneSettings) -> dict:
         summary["norms_figure"] = str(figure)
     evaluation = summary["evaluation"]
     save_pretrained(model, settings.out, tokenizer=tokenizer, norm_history=figure,
-                    evaluation=evaluation if evaluation["perplexity"] > 0 else None)  # no card figure for NaN
+                    evaluation=evaluation if evaluation["perplexity"] > 0 else None,  # no card figure for NaN
+                    **({"state_dict": state_dict} if state_dict is not None else {}))
     write_json(Path(settings.out) / RESULT_FILE, summary)
     return summary

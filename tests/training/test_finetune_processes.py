@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from training_helpers import history_lines, save_tiny_lm
 
+from hf_knorm.training.precision import has_accelerator
+
 ROOT = Path(__file__).resolve().parents[2]
 LINES = [f"Line {i}: the lighthouse keeper counted {i * 7 % 13} ships and wrote their names down." for i in range(40)]
 
@@ -105,3 +107,26 @@ def test_a_conversion_in_two_processes_trains_like_one_and_is_saved_once(tmp_pat
     assert record["stages"]["recovery"]["tokens"] == 3 * 2 * 2 * 32  # steps x batch x processes x block
     assert (tmp_path / "two" / "README.md").is_file() and not list((tmp_path / "two").rglob("*.partial"))
     hf_knorm.from_pretrained(tmp_path / "two")  # one model, saved once, loads
+
+
+@pytest.mark.skipif(has_accelerator(), reason="the refusal is for machines without an accelerator")
+def test_fsdp_on_a_cpu_only_machine_is_refused_not_run_as_ddp(tmp_path):
+    """accelerate ignores an FSDP config in a CPU process group (it would train plain DDP): the job says so instead."""
+    model = save_tiny_lm(tmp_path / "model")
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "configs" / "accelerate_fsdp.yaml"), "-m", "hf_knorm.cli", "finetune", "--model", str(model),
+               "--dataset", "paul-graham", "--out", str(tmp_path / "run"), "--report-to", "none"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "FSDP was requested" in result.stderr and "silently train with plain DDP" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_convert_refuses_fsdp_before_loading_a_model(tmp_path, monkeypatch, capsys):
+    from hf_knorm.cli import main
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert main(["convert", "--model", str(save_tiny_lm(tmp_path / "model")), "--out", str(tmp_path / "run"),
+                 "--report-to", "none"]) == 2
+    assert "does not run under FSDP" in capsys.readouterr().err and not (tmp_path / "run").exists()
