@@ -120,3 +120,27 @@ def test_the_custom_op_passes_opcheck(spelling, monkeypatch):
                                                                                   value.detach()))):
         torch.library.opcheck(attention_op, (*args, allowed, None, power, float(normalization.constant or 0.0),
                                              normalization.sqrt_n, 0.35, None, True, linear_ok))
+
+
+@pytest.mark.parametrize("spelling", ["softmax", "x^3/sqrtN"])
+@pytest.mark.parametrize("masked", [True, False], ids=["bool-mask", "implicit-causal-keys-cut"])
+def test_the_ops_kernels_give_the_training_paths_values(spelling, masked):
+    """chunked_forward / chunked_backward (what the op runs) against chunked_attention under autograd, fp64."""
+    from hf_knorm.attention.kernel import chunked_attention, chunked_backward, chunked_forward
+
+    generator = torch.Generator().manual_seed(1)
+    make = lambda *shape: torch.randn(*shape, generator=generator, dtype=torch.float64)  # noqa: E731
+    query, key, value = make(2, 4, 5, 8).requires_grad_(), make(2, 2, 7, 8).requires_grad_(), make(2, 2, 7, 8)
+    value.requires_grad_()
+    allowed = torch.ones(2, 1, 5, 7, dtype=torch.bool).tril(diagonal=2) if masked else None
+    normalization = hf_knorm.parse_normalization(spelling)
+    options = dict(scaling=0.3, causal=True)
+    reference, _ = chunked_attention(query, key, value, allowed, normalization, **options)
+    upstream = make(*reference.shape)
+    expected = torch.autograd.grad(reference, (query, key, value), upstream)
+    with torch.no_grad():
+        output = chunked_forward(query, key, value, allowed, normalization, **options)
+        grads = chunked_backward(upstream, query, key, value, output, allowed, normalization, **options)
+    torch.testing.assert_close(output, reference, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
