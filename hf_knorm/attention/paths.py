@@ -7,8 +7,9 @@ length. It is chosen automatically when it computes exactly what the quadratic k
 - the mask is causal (bottom-right, as with a cache) with padded keys at most: no sliding window, no packed sequences,
   no bidirectional attention, no additive float bias;
 - no softcap, no attention dropout in training, no request for the attention weights;
-- not under ``torch.compile`` with a mask: checking the mask's structure reads its values, which compiled code
-  cannot branch on without a graph break (the quadratic kernel computes the same weights);
+- not traced by ``torch.compile`` with a mask (a compiled call with a tap set; without one the call is a custom op
+  that runs this choice as it is, ``compiled.py``): checking the mask's structure reads its values, which traced
+  code cannot branch on without a graph break (the quadratic kernel computes the same weights);
 - at least :data:`LINEAR_MIN_QUERIES` queries (below that the quadratic kernel is faster: one decoded token reads a
   K/V cache in ``O(N * D)``, the linear form needs ``O(N * D^2)``), or a recurrent state to continue.
 
