@@ -9,14 +9,19 @@
    plugin's quadratic kernel (``x^3/16``) and its linear kernel (``x/1``), at 4k-32k tokens on CUDA (1k-2k on the
    CPU); times are medians of 3 after a warm-up, the ratios are to SDPA in the same run;
 3. **conversion**: a short ``hf_knorm.convert`` of the default model (2 transfer + 3 recovery steps on the essays,
-   ``--bf16`` on CUDA) and each stage's training tokens per second.
+   ``--bf16`` on CUDA) and each stage's training tokens per second;
+4. **compile**: the default model under ``torch.compile(fullgraph=True)`` against eager mode on 512 tokens (bf16 on
+   CUDA), through the plugin (softmax) and through SDPA: the largest logit difference of each;
+5. **FSDP** (CUDA only: accelerate runs FSDP on accelerators alone): ``hf-knorm finetune`` of the default model for 3
+   steps under ``accelerate launch --config_file configs/accelerate_fsdp.yaml`` on every GPU, and the saved model
+   loaded back.
 
 Every part says what it skipped and why (e.g. peak memory on the CPU, the flash backend without CUDA). Meant to fit in
 10 minutes on one GPU; on the 2-core CPU it takes about as long.
 
 Usage:
     python scripts/device_check.py                        # everything
-    python scripts/device_check.py --skip-tests --skip-conversion --lengths 512
+    python scripts/device_check.py --skip-tests --skip-conversion --skip-compile --lengths 512
 """
 
 from __future__ import annotations
@@ -123,12 +128,58 @@ def conversion_speed() -> dict:
     return {name: stage["tokens_per_second"] for name, stage in summary["stages"].items()}
 
 
+def compile_check() -> str:
+    """The default model under ``torch.compile(fullgraph=True)`` against eager mode on 512 tokens: the largest logit
+    difference through the plugin (softmax) beside Transformers' SDPA (the same model, compiled the same way).
+
+    Softmax, not a polynomial: the default model is not converted, and with ``x^3/16`` its activations reach ~4e9,
+    where fp32 rounding alone moves the logits by ~1e-2 (measured on the CPU); the polynomial normalizations' compiled
+    values are checked on tiny models by ``tests/attention/test_compile.py``.
+    """
+    import hf_knorm
+    from hf_knorm.assets.default_model import load_default_model
+
+    device = "cuda" if CUDA else "cpu"
+    model, _ = load_default_model(dtype=torch.bfloat16 if CUDA else torch.float32)
+    model = model.to(device)
+    ids = torch.randint(0, model.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(0)).to(device)
+    differences = {}
+    for name in ("SDPA", "plugin"):
+        if name == "plugin":
+            hf_knorm.patch(model, "softmax")
+        torch._dynamo.reset()
+        with torch.no_grad():
+            eager = model(input_ids=ids).logits.float()
+            compiled = torch.compile(model, fullgraph=True)(input_ids=ids).logits.float()
+        differences[name] = (compiled - eager).abs().max().item()
+    return (f"largest logit difference, plugin {differences['plugin']:.2e}, SDPA {differences['SDPA']:.2e} "
+            f"(largest logit {eager.abs().max().item():.1f})")
+
+
+def fsdp_check() -> str:
+    """``hf-knorm finetune`` under the FSDP accelerate config on every GPU, 3 steps; the saved model loads back."""
+    import hf_knorm
+
+    with tempfile.TemporaryDirectory() as out:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(ROOT / "configs" / "accelerate_fsdp.yaml"), "--num_processes", str(torch.cuda.device_count()),
+                   "-m", "hf_knorm.cli", "finetune", "--out", out, "--dataset", "paul-graham", "--max-steps", "3",
+                   "--block-size", "256", "--eval-tokens", "512", "--eval-steps", "3", "--save-steps", "3",
+                   "--bf16", "--report-to", "none"]
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        if result.returncode != 0:
+            return "FAIL: " + " ".join(result.stderr.strip().splitlines()[-2:])[-300:]
+        model = hf_knorm.from_pretrained(out)
+        return f"pass: 3 steps on {torch.cuda.device_count()} GPU(s), the saved model loads ({type(model).__name__})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default=None,
                         help="comma-separated sequence lengths (default: 4096..32768 on CUDA, 1024,2048 on the CPU)")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-conversion", action="store_true")
+    parser.add_argument("--skip-compile", action="store_true")
     args = parser.parse_args()
     lengths = [int(n) for n in (args.lengths or ("4096,8192,16384,32768" if CUDA else "1024,2048")).split(",")]
     device = torch.cuda.get_device_name() if CUDA else "CPU (no CUDA device: bf16, flash and peak memory skipped)"
@@ -152,6 +203,14 @@ def main() -> None:
     else:
         for stage, speed in conversion_speed().items():
             print(f"| conversion, {stage} ({'bf16' if CUDA else 'fp32'}) | {speed:.0f} tokens/s |")
+    if args.skip_compile:
+        print("| compile | skipped (--skip-compile) |")
+    else:
+        print(f"| compile, default model, fullgraph ({'bf16' if CUDA else 'fp32'}) | {compile_check()} |")
+    if CUDA:
+        print(f"| FSDP finetune (configs/accelerate_fsdp.yaml) | {fsdp_check()} |")
+    else:
+        print("| FSDP finetune | skipped: accelerate runs FSDP on accelerators only (the jobs refuse it on the CPU) |")
 
 
 if __name__ == "__main__":
