@@ -58,7 +58,7 @@ def main() -> None:
     print("| step | 1 process, accumulation 2: loss | 2 processes (torchrun, gloo): loss | relative difference |")
     print("|---|---:|---:|---:|")
     for step, loss in sorted(one["losses"].items()):
-        print(f"| {step} | {loss:.8g} | {two["losses"][step]:.8g} | {abs(two['losses'][step] - loss) / loss:.1e} |")
+        print(f"| {step} | {loss:.8g} | {two['losses'][step]:.8g} | {abs(two['losses'][step] - loss) / loss:.1e} |")
     print(f"\nwall time (loading and the start and end evaluations included): 1 process {one['seconds']:.0f} s, "
           f"2 processes {two['seconds']:.0f} s ({one['seconds'] / two['seconds']:.2f}x the speed)")
 
