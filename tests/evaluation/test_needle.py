@@ -10,7 +10,7 @@ from transformers import DynamicCache, pipeline
 
 from hf_knorm.evaluation import needle
 from hf_knorm.assets.texts import SAMPLE_TEXT
-from hf_knorm.cli import _build_parser
+from hf_knorm.cli import parse
 from hf_knorm.evaluation.needle import (
     Variant,
     accuracy_grid,
@@ -119,9 +119,10 @@ def test_pipeline_compresses_the_context_only(default_model_and_tokenizer):
 
 
 def test_niah_command_line():
-    args = _build_parser().parse_args(["niah", "--ratios", "0,0.5", "--lengths", "1000", "--seeds", "3",
-                                       "--no-options", "--out", "x"])
-    assert args.command == "niah" and args.seeds == 3 and args.options is False and args.ratios == "0,0.5"
+    command, settings, _ = parse(["niah", "--ratios", "0,0.5", "--lengths", "1000", "--seeds", "3", "--no-options",
+                                  "--out", "x"])
+    assert command.name == "niah" and settings.seeds == 3 and settings.options is False
+    assert settings.ratios == (0.0, 0.5) and settings.lengths == (1000,)
 
 
 def test_heatmap_grid_draws_one_panel_per_row_and_column(tmp_path):
