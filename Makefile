@@ -68,8 +68,9 @@ matrix:
 device: $(STAMP)
 	$(PY) -m pytest -q -ra -m device -p no:cacheprovider
 
-# The accelerator check: the device tests, the attention against SDPA (flash on CUDA), a short conversion's speed, in
-# one table; on a machine without a GPU it runs the CPU half and says what it skipped.
+# The accelerator check: the device tests, the attention against SDPA (flash on CUDA), a short conversion's speed,
+# compiled against eager, an FSDP finetune (CUDA), in one table; without a GPU it runs the CPU half and says what it
+# skipped.
 device-check: $(STAMP)
 	$(PY) scripts/device_check.py
 

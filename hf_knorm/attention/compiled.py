@@ -24,7 +24,7 @@ import torch
 from .kernel import chunked_backward, chunked_forward
 from .linear_kernel import linear_attention
 from .normalizations import Normalization
-from .paths import choose_path
+from .paths import choose_path, linear_keys
 
 
 def compiled_attention(query, key, value, allowed, bias, normalization: Normalization, *, scaling: float | None,
@@ -61,9 +61,7 @@ def _linear_inputs(query, key, value, allowed, bias, normalization, softcap, cau
                        dropout=0.0, return_weights=False, has_state=False)
     if not path.linear:
         return None
-    if allowed is None and causal and query.shape[2] > 1:  # top-left causal, keys cut to the queries (sdpa's rule)
-        key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
-    return key, value, path.key_valid
+    return (*linear_keys(query, key, value, allowed, causal), path.key_valid)
 
 
 @torch.library.custom_op("hf_knorm::attention", mutates_args=())

@@ -22,7 +22,7 @@ from .compiled import compiled_attention
 from .kernel import chunked_attention
 from .linear_kernel import linear_attention
 from .normalizations import Normalization, parse_normalization
-from .paths import choose_path, note_path
+from .paths import choose_path, linear_keys, note_path
 from .taps import current_kv_transform, current_recorder, take_state_for, taps_set
 
 ATTENTION_NAME = "hf_knorm"
@@ -82,8 +82,7 @@ def hf_knorm_attention(
                          f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")
     weights = None
     if path.linear:
-        if allowed is None and causal and query.shape[2] > 1:  # top-left causal, keys cut to the queries (sdpa's rule)
-            key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
+        key, value = linear_keys(query, key, value, allowed, causal)
         output = _linear(query, key, value, path, normalization, scaling, handover, frobenius_sq)
     else:
         output, weights = chunked_attention(

@@ -92,7 +92,8 @@ def chunked_attention(
             weight matrix (before dropout; no gradient), without materializing the matrix.
         chunk_elements: at most this many scores per chunk (default: ``DEFAULT_CHUNK_ELEMENTS``, read at call time).
         trim_keys: skip the keys no row of a chunk may attend (beyond the causal diagonal, outside a sliding window).
-            Finding them reads the mask's values: ``False`` under ``torch.compile`` (no graph break; same result).
+            Finding them reads the mask's values: ``False`` where compiled code traces the kernel (``interface.py``;
+            no graph break, the same result).
 
     Returns:
         ``(output (B, q, H_q, D_v) in the query dtype, weights or None)``; computed in fp32 (fp64 for fp64 inputs).

@@ -79,6 +79,15 @@ def choose_path(normalization: Normalization, q_len: int, kv_len: int, allowed: 
     return Path(linear=not reason, key_valid=key_valid, reason=reason)
 
 
+def linear_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None,
+                causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values the linear path reads: with no mask and ``causal``, a top-left causal mask over as many
+    keys as queries (sdpa's rule, as the quadratic kernel has it); otherwise all of them. Shapes ``(B, H_kv, kv, D)``."""
+    if allowed is None and causal and query.shape[2] > 1:
+        return key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
+    return key, value
+
+
 def _blocker(normalization, bias, softcap, dropout, return_weights) -> str:
     if not is_linear(normalization):
         return f"{normalization.name} is not linear (p = {normalization.power})"
