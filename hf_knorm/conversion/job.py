@@ -39,6 +39,7 @@ from ..jobs.run_folder import check_same_settings, is_main_process, settings_rec
 from ..jobs.sharding import check_fsdp
 from ..jobs.sources import causal_lm_source, check_extras, check_sources
 from ..training.dataset_formats import LANGUAGE_MODELING, format_description
+from ..training.precision import check_precision
 from .mixture import GENERAL
 from .settings import RECOVERY_MODES, RECOVERY_TRAINABLE, SCALE_FOLDS, ConvertSettings
 from .state import STATE_FILE, read_state, write_state
@@ -86,6 +87,7 @@ def check_settings(settings: ConvertSettings) -> None:
                          "held out: leave conversation out of --eval-domains (e.g. essays,plays,technical).")
     check_extras("hf-knorm convert", settings.integrations(), lora=settings.recovery == "lora")
     check_fsdp("hf-knorm convert", supported=False)
+    check_precision(settings.bf16, settings.fp16)
     check_sources(settings.dataset if settings.dataset != GENERAL else "paul-graham", settings.eval_dataset,
                   settings.model)
     out = Path(settings.out)

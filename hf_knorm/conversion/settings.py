@@ -91,6 +91,9 @@ class ConvertSettings:
     bf16: bool = field(default=False, metadata={
         "help": "mixed precision in bf16 (TrainingArguments(bf16=True): autocast on CPU and GPU; the attention "
                 "kernel computes its normalization in fp32)"})
+    fp16: bool = field(default=False, metadata={
+        "help": "mixed precision in fp16 with loss scaling (TrainingArguments(fp16=True)), on an accelerator only; "
+                "fp16 ends at 65,504, which an unnormalized x^p/c row can pass: prefer --bf16 where the device has it"})
     probe: bool = field(default=True, metadata={
         "help": "ask the ability probe (40 greedy answers) of the original and the converted model"})
     report_to: tuple[str, ...] = field(default=("tensorboard",), metadata={

@@ -160,7 +160,8 @@ def _arguments(settings: ConvertSettings, folder: Path, steps: int, learning_rat
         folder, steps=steps, batch_size=settings.batch_size, learning_rate=learning_rate,
         warmup_steps=settings.warmup_steps, logging_steps=settings.logging_steps, save_steps=settings.save_steps,
         eval_steps=settings.eval_steps, report_to=settings.integrations(), seed=settings.seed, bf16=settings.bf16,
-        save_total_limit=1, lr_scheduler_type="cosine", weight_decay=0.0, max_grad_norm=settings.max_grad_norm,
+        fp16=settings.fp16, save_total_limit=1, lr_scheduler_type="cosine", weight_decay=0.0,
+        max_grad_norm=settings.max_grad_norm,
         gradient_accumulation_steps=settings.gradient_accumulation_steps,
         # Every trainable weight takes part in every step. The transfer's loss comes from hooks, not from the model's
         # output, so DDP's search for unused weights (the Trainer's default) would find them all "unused", mark

@@ -9,13 +9,13 @@ from ..training.precision import precision_arguments
 
 def job_arguments(out: str | Path, *, steps: int, batch_size: int, learning_rate: float, warmup_steps: int,
                   logging_steps: int, save_steps: int, eval_steps: int, report_to, seed: int, bf16: bool,
-                  save_total_limit: int = 2, **extra) -> dict:
+                  fp16: bool = False, save_total_limit: int = 2, **extra) -> dict:
     """Keyword arguments of ``TrainingArguments`` (or TRL's configs) for a job's Trainer run.
 
     Held-out evaluation at the start and every ``eval_steps`` (the loss only: ``eval_loss``, and ``eval_perplexity``
     through :class:`~hf_knorm.training.heldout.HeldOutEvaluation`, token-weighted), checkpoints every
     ``save_steps`` (the last ``save_total_limit`` kept), the same seed for weights and data order, mixed precision by
-    ``bf16`` (:func:`~hf_knorm.training.precision.precision_arguments`), memory pinned only where there is a GPU.
+    ``bf16`` or ``fp16`` (:func:`~hf_knorm.training.precision.precision_arguments`), memory pinned only where there is a GPU.
     ``extra`` adds or overrides fields (``lr_scheduler_type``, ``max_grad_norm``, ...).
     """
     import torch
@@ -38,7 +38,7 @@ def job_arguments(out: str | Path, *, steps: int, batch_size: int, learning_rate
         seed=seed,
         data_seed=seed,
         dataloader_pin_memory=torch.cuda.is_available(),
-        **precision_arguments(bf16),
+        **precision_arguments(bf16, fp16),
     )
     arguments.update(extra)
     return arguments

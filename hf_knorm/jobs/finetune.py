@@ -36,6 +36,7 @@ from pathlib import Path
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..attention.normalizations import parse_normalization
+from ..training.precision import check_precision
 from .arguments import job_arguments
 from .run_folder import check_same_settings, is_main_process, settings_record, write_json
 from .sharding import check_fsdp, gathered_state_dict
@@ -81,6 +82,9 @@ class FinetuneSettings:
     bf16: bool = field(default=False, metadata={
         "help": "mixed precision in bf16 (TrainingArguments(bf16=True): autocast on CPU and GPU; the attention "
                 "kernel computes its normalization in fp32)"})
+    fp16: bool = field(default=False, metadata={
+        "help": "mixed precision in fp16 with loss scaling (TrainingArguments(fp16=True)), on an accelerator only; "
+                "fp16 ends at 65,504, which an unnormalized x^p/c row can pass: prefer --bf16 where the device has it"})
     logging_steps: int = field(default=10, metadata={"help": "log the loss and the per-layer norms every N steps"})
     save_steps: int = field(default=50, metadata={"help": "a checkpoint every N steps (the last two are kept)"})
     max_blocks: int | None = field(default=None, metadata={"help": "use at most N blocks of the dataset"})
@@ -116,6 +120,7 @@ def check_settings(settings: FinetuneSettings) -> Path | None:
     check_sources(settings.dataset, settings.eval_dataset, settings.model)
     check_extras("hf-knorm finetune", settings.report_to)
     check_fsdp("hf-knorm finetune", supported=True)
+    check_precision(settings.bf16, settings.fp16)
     out = Path(settings.out)
     last = get_last_checkpoint(str(out)) if out.is_dir() else None
     if settings.resume and last is None:
@@ -173,7 +178,8 @@ def run_finetune(settings: FinetuneSettings) -> dict:
         settings.out, steps=settings.max_steps, batch_size=settings.batch_size, learning_rate=settings.learning_rate,
         warmup_steps=settings.warmup_steps, logging_steps=settings.logging_steps, save_steps=settings.save_steps,
         eval_steps=settings.eval_steps, report_to=settings.report_to, seed=settings.seed, bf16=settings.bf16,
-        gradient_accumulation_steps=settings.gradient_accumulation_steps, weight_decay=settings.weight_decay))
+        fp16=settings.fp16, gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        weight_decay=settings.weight_decay))
     if checkpoint is None and is_main_process():
         Path(settings.out).mkdir(parents=True, exist_ok=True)
         write_json(Path(settings.out) / SETTINGS_FILE, settings_record(settings))

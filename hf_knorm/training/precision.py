@@ -1,4 +1,5 @@
-"""Devices and mixed precision for the training jobs (``--bf16`` of ``hf-knorm finetune`` and ``hf-knorm convert``)."""
+"""Devices and mixed precision for the training jobs (``--bf16`` and ``--fp16`` of ``hf-knorm finetune`` and
+``hf-knorm convert``)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,32 @@ def has_accelerator() -> bool:
                 or (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()))
 
 
-def precision_arguments(bf16: bool) -> dict:
-    """``TrainingArguments`` keywords for the device and ``--bf16``.
+def check_precision(bf16: bool, fp16: bool) -> None:
+    """Refuse a mixed precision this machine cannot run as asked, before any model loads.
+
+    fp16 is for accelerators (CUDA, XPU, MPS): on a CPU, PyTorch emulates fp16 matrix products, slower than fp32 and
+    with fp16's range (65,504) for nothing; the CPU's mixed precision is ``--bf16``. fp16 also caps the attention's
+    outputs: the kernel computes in fp32 and returns the query's dtype, so an unnormalized ``x^p/c`` row summing past
+    65,504 becomes inf (the loss scaler then skips the step); bf16 has fp32's range.
+
+    Raises:
+        ValueError: both asked for, or ``fp16`` on a machine without an accelerator.
+    """
+    if bf16 and fp16:
+        raise ValueError("--bf16 and --fp16 are two mixed precisions: choose one (bf16 where the device has it).")
+    if fp16 and not has_accelerator():
+        raise ValueError("--fp16 needs an accelerator (CUDA, XPU or MPS) and none is visible here. On the CPU use "
+                         "--bf16 (autocast in bf16, fp32's range) or neither (fp32).")
+
+
+def precision_arguments(bf16: bool, fp16: bool = False) -> dict:
+    """``TrainingArguments`` keywords for the device, ``--bf16`` and ``--fp16`` (checked by :func:`check_precision`).
 
     ``use_cpu`` is set wherever there is no accelerator: without it, processes started by ``torchrun`` or
     ``accelerate launch`` on a CPU-only machine do not join one process group (Transformers sets up gloo only for
     ``use_cpu``), each trains alone on all the data, and each writes the run folder (found by
     ``tests/training/test_finetune_processes.py``). ``bf16=True`` autocasts the forward passes (weights and optimizer
-    stay fp32), which on the CPU also needs ``use_cpu``.
+    stay fp32), which on the CPU also needs ``use_cpu``; ``fp16=True`` autocasts in fp16 with the Trainer's loss
+    scaler.
     """
-    return {"bf16": bool(bf16), "use_cpu": not has_accelerator()}
+    return {"bf16": bool(bf16), "fp16": bool(fp16), "use_cpu": not has_accelerator()}

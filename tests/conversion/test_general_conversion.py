@@ -20,6 +20,7 @@ from hf_knorm.conversion.settings import ConvertSettings  # noqa: E402
 from hf_knorm.evaluation import probe  # noqa: E402
 from hf_knorm.evaluation.domains import DOMAINS, domain  # noqa: E402
 from hf_knorm.training.heldout import domains_record, held_out_domain_blocks  # noqa: E402
+from hf_knorm.training.precision import has_accelerator  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -237,20 +238,22 @@ def test_a_tokenizer_without_a_chat_template_is_refused_before_the_model_loads(t
 
 
 @pytest.mark.device  # on a CUDA machine the Trainer trains there: the teachers must follow the model
-def test_a_bf16_conversion_trains_under_autocast_and_saves_an_fp32_model(chat_lm_dir, tmp_path):
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp16", marks=pytest.mark.skipif(
+    not has_accelerator(), reason="--fp16 is refused without an accelerator (test_precision.py)"))])
+def test_a_mixed_precision_conversion_trains_under_autocast_and_saves_an_fp32_model(chat_lm_dir, tmp_path, precision):
     import torch
 
-    out = tmp_path / "bf16"
+    out = tmp_path / precision
     summary = run_convert(ConvertSettings(
-        model=str(chat_lm_dir), out=str(out), dataset="paul-graham", eval_domains=("essays",), probe=False, bf16=True,
+        model=str(chat_lm_dir), out=str(out), dataset="paul-graham", eval_domains=("essays",), probe=False,
         block_size=32, batch_size=2, eval_tokens=64, eval_steps=2, transfer_steps=2, recovery_steps=2, max_blocks=16,
-        logging_steps=1, save_steps=2, warmup_steps=0, report_to=("none",)))
+        logging_steps=1, save_steps=2, warmup_steps=0, report_to=("none",), **{precision: True}))
     losses = [entry["loss"] for entry in json.loads((out / "recovery" / "checkpoint-2" / "trainer_state.json")
                                                      .read_text())["log_history"] if "loss" in entry]
     assert losses and all(map(lambda value: value == value and abs(value) < 1e4, losses))  # finite
     for stage in ("transfer", "recovery"):
         arguments = torch.load(out / stage / "checkpoint-2" / "training_args.bin", weights_only=False)
-        assert arguments.bf16 and arguments.use_cpu == (not torch.cuda.is_available())
+        assert getattr(arguments, precision) and arguments.use_cpu == (not has_accelerator())
     assert summary["evaluation"]["perplexity"] < summary["stages"]["transfer"]["curves"]["essays"][0][2]
     reloaded = hf_knorm.from_pretrained(out)
     assert all(parameter.dtype == torch.float32 for parameter in reloaded.parameters())  # autocast keeps fp32 weights
