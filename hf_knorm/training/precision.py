@@ -15,8 +15,8 @@ def has_accelerator() -> bool:
 def check_precision(bf16: bool, fp16: bool) -> None:
     """Refuse a mixed precision this machine cannot run as asked, before any model loads.
 
-    fp16 is for accelerators (CUDA, XPU, MPS): on a CPU, PyTorch emulates fp16 matrix products, slower than fp32 and
-    with fp16's range (65,504) for nothing; the CPU's mixed precision is ``--bf16``. fp16 also caps the attention's
+    fp16 mixed precision is an accelerator's (fp16 matrix units, the Trainer's loss scaler): the CPU's is ``--bf16``,
+    which keeps fp32's range and needs no loss scaling. fp16 also caps the attention's
     outputs: the kernel computes in fp32 and returns the query's dtype, so an unnormalized ``x^p/c`` row summing past
     65,504 becomes inf (the loss scaler then skips the step); bf16 has fp32's range.
 
