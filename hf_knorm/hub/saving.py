@@ -27,7 +27,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, toke
 
     ``config.json`` always carries the plugin's settings (normalization, K/V balancing record, plugin version) and,
     for a patched model, the ``attn_implementation`` marker. The card (``README.md``) is rendered from
-    ``model_cards/``; text written outside its generated block in an earlier ``README.md`` in the folder is kept.
+    the template ``model_card.md``; text written outside its generated block in an earlier ``README.md`` in the folder is kept.
 
     Args:
         model: a Transformers model, patched or not.
