@@ -68,8 +68,9 @@ class ConvertSettings:
         "help": "recovery: full (every weight) | lora (adapters on q/k/v/o, merged before saving; cheaper per step, "
                 "slower to recover: BENCHMARKS.md) | none", "choices": RECOVERY_MODES})
     recovery_steps: int = field(default=150, metadata={"help": "recovery steps"})
-    recovery_learning_rate: float = field(default=1e-3, metadata={
-        "help": "recovery learning rate (full and LoRA recovery of the default model: BENCHMARKS.md)"})
+    recovery_learning_rate: float = field(default=5e-4, metadata={
+        "help": "recovery learning rate (5e-4: three runs over seeds and thread counts within 0.94-1.13x of their "
+                "median, where 1e-3 moved by 2.6x; BENCHMARKS.md, 'Spread')"})
     lora_rank: int = field(default=8, metadata={"help": "LoRA rank (q, k, v, o projections)"})
     distill_weight: float = field(default=1.0, metadata={
         "help": "weight of the KL divergence to the original model's next-token distribution in recovery (0: the "
