@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..training.precision import BF16_HELP, FP16_HELP
+
 RECOVERY_MODES = ("lora", "full", "none")
 RECOVERY_TRAINABLE = ("all", "no-embeddings", "attention")
 SCALE_FOLDS = ("scores", "output")
@@ -89,12 +91,8 @@ class ConvertSettings:
     save_steps: int = field(default=50, metadata={"help": "checkpoint every N steps"})
     max_blocks: int | None = field(default=None, metadata={"help": "use at most N training blocks"})
     seed: int = field(default=0, metadata={"help": "random seed"})
-    bf16: bool = field(default=False, metadata={
-        "help": "mixed precision in bf16 (TrainingArguments(bf16=True): autocast on CPU and GPU; the attention "
-                "kernel computes its normalization in fp32)"})
-    fp16: bool = field(default=False, metadata={
-        "help": "mixed precision in fp16 with loss scaling (TrainingArguments(fp16=True)), on an accelerator only; "
-                "fp16 ends at 65,504, which an unnormalized x^p/c row can pass: prefer --bf16 where the device has it"})
+    bf16: bool = field(default=False, metadata={"help": BF16_HELP})
+    fp16: bool = field(default=False, metadata={"help": FP16_HELP})
     probe: bool = field(default=True, metadata={
         "help": "ask the ability probe (40 greedy answers) of the original and the converted model"})
     report_to: tuple[str, ...] = field(default=("tensorboard",), metadata={

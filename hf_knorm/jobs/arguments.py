@@ -15,7 +15,8 @@ def job_arguments(out: str | Path, *, steps: int, batch_size: int, learning_rate
     Held-out evaluation at the start and every ``eval_steps`` (the loss only: ``eval_loss``, and ``eval_perplexity``
     through :class:`~hf_knorm.training.heldout.HeldOutEvaluation`, token-weighted), checkpoints every
     ``save_steps`` (the last ``save_total_limit`` kept), the same seed for weights and data order, mixed precision by
-    ``bf16`` or ``fp16`` (:func:`~hf_knorm.training.precision.precision_arguments`), memory pinned only where there is a GPU.
+    ``bf16`` or ``fp16`` (:func:`~hf_knorm.training.precision.precision_arguments`), memory pinned only where there
+    is a GPU.
     ``extra`` adds or overrides fields (``lr_scheduler_type``, ``max_grad_norm``, ...).
     """
     import torch

@@ -36,7 +36,7 @@ from pathlib import Path
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..attention.normalizations import parse_normalization
-from ..training.precision import check_precision
+from ..training.precision import BF16_HELP, FP16_HELP, check_precision
 from .arguments import job_arguments
 from .run_folder import check_same_settings, is_main_process, settings_record, write_json
 from .sharding import check_fsdp, gathered_state_dict
@@ -79,12 +79,8 @@ class FinetuneSettings:
     warmup_steps: int = field(default=10, metadata={"help": "linear warmup steps"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     seed: int = field(default=0, metadata={"help": "random seed (weights of new layers, data order)"})
-    bf16: bool = field(default=False, metadata={
-        "help": "mixed precision in bf16 (TrainingArguments(bf16=True): autocast on CPU and GPU; the attention "
-                "kernel computes its normalization in fp32)"})
-    fp16: bool = field(default=False, metadata={
-        "help": "mixed precision in fp16 with loss scaling (TrainingArguments(fp16=True)), on an accelerator only; "
-                "fp16 ends at 65,504, which an unnormalized x^p/c row can pass: prefer --bf16 where the device has it"})
+    bf16: bool = field(default=False, metadata={"help": BF16_HELP})
+    fp16: bool = field(default=False, metadata={"help": FP16_HELP})
     logging_steps: int = field(default=10, metadata={"help": "log the loss and the per-layer norms every N steps"})
     save_steps: int = field(default=50, metadata={"help": "a checkpoint every N steps (the last two are kept)"})
     max_blocks: int | None = field(default=None, metadata={"help": "use at most N blocks of the dataset"})
