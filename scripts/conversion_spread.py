@@ -114,10 +114,23 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def write_report(stem: Path, record: dict, table: str) -> None:
+    """``stem.json`` (the figures) and ``stem.md`` (the table), and the table printed."""
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(table + "\n")
+    print(table)
+
+
+def split_flags(argv: list[str] | None) -> tuple[list[str], list[str]]:
+    """The script's own arguments, and the ``hf-knorm convert`` flags after ``--``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    flags = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[:argv.index("--")] if "--" in argv else argv
+    if "--" not in argv:
+        return argv, []
+    return argv[:argv.index("--")], argv[argv.index("--") + 1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    own, flags = split_flags(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--out", required=True, help="folder of the runs (one sub-folder each)")
     parser.add_argument("--runs", default="0:2,1:2,0:1", help="comma-separated SEED:THREADS (default: 0:2,1:2,0:1)")
@@ -131,10 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             convert(run_folder(out, seed, threads), seed, threads, flags)
     result = gather([run_folder(out, seed, threads) for seed, threads in runs])
     result["flags"] = flags
-    (out / "spread.json").write_text(json.dumps(result, indent=2) + "\n")
-    table = markdown(result)
-    (out / "spread.md").write_text(table + "\n")
-    print(table)
+    write_report(out / "spread", result, markdown(result))
     return 0
 
 
