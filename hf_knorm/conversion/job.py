@@ -16,7 +16,8 @@ the input is checked before the model is loaded):
    transferred model is saved in ``out/transfer/model``, with the transfer error per layer and position;
 5. **recovery** (``out/recovery``): next-token training of the whole model or through LoRA adapters on q/k/v/o
    (peft), distilled from the original model (``distill_weight``; 0 turns it off); LoRA adapters are merged before
-   saving;
+   saving; ``x^p/c`` with a constant ``c`` is trained in both stages as its twin ``x^p/1`` and the constant folded
+   into the queries at the end (:mod:`.twin`: the same function; ``fold_constant=False`` trains ``x^p/c`` itself);
 6. ``out`` ends with the converted model (an ordinary hf_knorm checkpoint: ``hf_knorm.from_pretrained(out)``), its
    tokenizer, its model card with the held-out perplexities, ``norms.png`` and ``convert.json`` (settings,
    each stage's curve, tokens, trainable parameters, throughput). ``convert.json`` is written last: its presence
@@ -43,6 +44,7 @@ from ..training.precision import check_precision
 from .mixture import GENERAL
 from .settings import RECOVERY_MODES, RECOVERY_TRAINABLE, SCALE_FOLDS, ConvertSettings
 from .state import STATE_FILE, read_state, write_state
+from .twin import fold_constant, training_normalization
 
 RESULT_FILE = "convert.json"
 
@@ -163,6 +165,8 @@ def run_convert(settings: ConvertSettings) -> dict:
     if settings.dataset == GENERAL:
         train, mixture = _general_training_data(model, tokenizer, model_dir, settings)
     if "original_perplexity" not in state:
+        state["trained_as"] = (training_normalization(model, normalization).name if settings.fold_constant
+                               else normalization)
         state["original_perplexity"] = {name: held_out_perplexity(model, blocks, desc=f"original model, {name}")
                                         for name, blocks in eval_sets.items()}
         if settings.probe:
@@ -174,12 +178,16 @@ def run_convert(settings: ConvertSettings) -> dict:
     from .stages import run_recovery, run_transfer
 
     collator = examples_collator(train, tokenizer)
-    model = run_transfer(model, settings, normalization, train, eval_sets, out, state, collator)
+    trained = state.get("trained_as", normalization)  # a run started before twins trained x^p/c itself
+    model = run_transfer(model, settings, trained, train, eval_sets, out, state, collator)
     model = run_recovery(model, settings, train, eval_sets, out, state, teacher, collator)
+    if trained != normalization:
+        fold_constant(model, normalization)  # the same function under x^p/c (twin.py)
 
     model.eval()
     final = _final_perplexities(model, eval_sets, state)
     summary = _summary(settings, normalization, model_dir, eval_sets, descriptions, len(train), state, final, mixture)
+    summary["trained_as"] = trained
     summary["data_format"] = summary["evaluation"]["data_format"] = data_format
     if settings.probe:
         from ..evaluation.probe import ProbeAnswer, compare

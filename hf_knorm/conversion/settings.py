@@ -37,6 +37,10 @@ class ConvertSettings:
         "help": "pack the teacher samples into blocks with the essays (default: each sample is one example from "
                 "position 0, padded, as a prompt starts)"})
     normalization: str = field(default="x^3/16", metadata={"help": "the normalization to convert to (not softmax)"})
+    fold_constant: bool = field(default=True, metadata={
+        "help": "x^p/c with a constant c: train the same function as x^p/1, then fold c^(1/p) into the queries "
+                "(AdamW's steps suit the smaller q and k: BENCHMARKS.md, 'Per normalization'); --no-fold-constant "
+                "trains x^p/c itself"})
     out: str = field(default="outputs/convert", metadata={
         "help": "run folder: each stage's checkpoints and logs, the converted model, convert.json"})
     text_column: str = field(default="text", metadata={"help": "the column holding the text"})

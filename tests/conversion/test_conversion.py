@@ -218,6 +218,7 @@ def test_a_converted_model_reloads_with_its_normalization_and_its_measured_perpl
     summary = run_convert(_settings(tiny_lm_dir, texts, out, recovery=recovery_mode))
     record = json.loads((out / RESULT_FILE).read_text())
     assert record["normalization"] == "x^3/16" and record["evaluation"]["perplexity"] == summary["evaluation"]["perplexity"]
+    assert record["trained_as"] == "x^3/1"  # trained as the twin, the constant folded into the queries at the end
     assert list(record["evaluation"]["domains"]) == ["held_out"]  # --eval-dataset alone: the headline is its figure
     transfer, recovery = record["stages"]["transfer"], record["stages"]["recovery"]
     assert [point[0] for point in transfer["curve"]] == [0, 2, 4] and recovery["curve"][0][0] == 0
@@ -241,6 +242,17 @@ def test_a_converted_model_reloads_with_its_normalization_and_its_measured_perpl
     card = (out / "README.md").read_text()
     assert "held-out perplexity" in card and "model-index" in card
     assert (out / "norms.png").is_file() and (out / "transfer" / "norms.jsonl").is_file()
+
+
+@pytest.mark.parametrize(("fold", "trained"), [(True, "x^3/1"), (False, "x^3/16")])
+def test_the_stages_train_the_twin_unless_told_to_train_the_constant_itself(tiny_lm_dir, texts, tmp_path, fold,
+                                                                            trained):
+    out = tmp_path / "run"
+    summary = run_convert(_settings(tiny_lm_dir, texts, out, transfer_steps=2, recovery_steps=2, fold_constant=fold))
+    assert summary["trained_as"] == trained and summary["normalization"] == "x^3/16"
+    stage_model = hf_knorm.from_pretrained(out / "recovery" / "model")
+    assert hf_knorm.patched_normalization(stage_model) == trained  # the stages' own models are the trained form
+    assert hf_knorm.patched_normalization(hf_knorm.from_pretrained(out)) == "x^3/16"
 
 
 def test_lora_adapters_merge_into_an_identical_plain_model():
