@@ -321,11 +321,13 @@ def _save(model, tokenizer, out: Path, summary: dict) -> None:
 
 def card_evaluation(summary: dict) -> dict:
     """What the model card shows of a conversion (``convert.json``): the held-out record, each stage's headline
-    curve, the ability probe's figures."""
+    curve, the ability probe's figures, the twin the stages trained (:mod:`.twin`) where it differs."""
     evaluation = dict(summary["evaluation"], stages={
         name: stage.get("curve", []) for name, stage in summary["stages"].items()})
     if "probe" in summary:
         evaluation["probe"] = {key: value for key, value in summary["probe"].items() if key != "answers"}
+    if summary.get("trained_as", summary["normalization"]) != summary["normalization"]:
+        evaluation["trained_as"] = summary["trained_as"]
     return evaluation
 
 

@@ -253,6 +253,7 @@ def test_the_stages_train_the_twin_unless_told_to_train_the_constant_itself(tiny
     stage_model = hf_knorm.from_pretrained(out / "recovery" / "model")
     assert hf_knorm.patched_normalization(stage_model) == trained  # the stages' own models are the trained form
     assert hf_knorm.patched_normalization(hf_knorm.from_pretrained(out)) == "x^3/16"
+    assert ("Both conversion stages trained its twin `x^3/1`" in (out / "README.md").read_text()) == fold
 
 
 def test_lora_adapters_merge_into_an_identical_plain_model():
