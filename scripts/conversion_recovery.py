@@ -61,8 +61,10 @@ def common(args) -> dict:
 
 
 def conversion_fields() -> dict:
-    """What convert takes beyond :func:`common`: this script's protocol, one held-out text (the essays), no probe."""
-    return dict(eval_domains=("essays",), probe=False)
+    """What convert takes beyond :func:`common`: this script's protocol, one held-out text (the essays), no probe,
+    each normalization trained as itself (``convert`` trains ``x^p/c`` as its twin ``x^p/1`` by default, a choice
+    this comparison helped make: BENCHMARKS.md, "Per normalization")."""
+    return dict(eval_domains=("essays",), probe=False, fold_constant=False)
 
 
 # --- the arms ----------------------------------------------------------------------------------------------------

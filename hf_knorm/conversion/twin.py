@@ -2,12 +2,12 @@
 
 A constant ``c`` is a reparametrization: ``(alpha * s)^p / c = s^p`` for ``alpha = c^(1/p)``, so a model patched
 with ``x^p/1`` computes exactly what the same model computes under ``x^p/c`` once every query is multiplied by
-``c^(1/p)`` (the rows of ``q_proj``, and its bias). The
-function is the same; the training is not: AdamW takes steps of a fixed size whatever the size of the weights, and
-the closed-form head scales of the attention transfer (:mod:`.transfer`) leave the ``x^p/c`` model's q and k larger
-by ``c^(1/2p)`` each. Measured on the default model, the ``c = 1`` member of each pair recovered better at every
-budget tried ("Rethinking Softmax"'s ``x^3/16`` against ``x^3/1``, ``x/16`` against ``x/1``: BENCHMARKS.md, "Per
-normalization"), so ``hf-knorm convert`` trains the twin and folds (``--no-fold-constant``: train ``x^p/c`` itself).
+``c^(1/p)`` (the rows of ``q_proj``, and its bias). The function is the same; the training is not: AdamW takes
+steps of a fixed size whatever the size of the weights, and the closed-form head scales of the attention transfer
+(:mod:`.transfer`) leave the ``x^p/c`` model's q and k larger by ``c^(1/2p)`` each. Measured on the default model,
+``x^3/1`` recovered better than "Rethinking Softmax"'s ``x^3/16`` at both budgets tried (50 and 150 recovery steps:
+1.13-1.32x lower held-out perplexity on every domain at 150; BENCHMARKS.md, "Per normalization"), so ``hf-knorm
+convert`` trains the twin and folds (``--no-fold-constant``: train ``x^p/c`` itself).
 
 ``x^p/sqrtN`` has no constant to fold (``c`` depends on the number of keys) and is trained as it is; so is a model
 whose queries have no projection of their own to scale (fused QKV) or are not linear in it (a q/k norm, a logit
@@ -54,16 +54,17 @@ def fold_constant(model: nn.Module, normalization: str | Normalization) -> nn.Mo
     if target.constant is None or patched_normalization(model) != twin.name:
         raise ValueError(f"Folding the constant of {target.name} needs a model patched with {twin.name}, not "
                          f"{patched_normalization(model)}.")
+    sites = {name: _query_scale_site(module) for name, module in attention_modules(model)}
+    unfoldable = [name for name, site in sites.items() if site is None]
+    if unfoldable:  # checked for every module before any weight changes
+        raise ValueError(f"{unfoldable[0]}: its queries have no projection of their own that scales them linearly "
+                         f"(fused QKV, a q/k norm or a softcap); the constant of {target.name} cannot be folded "
+                         "into them.")
     factor = target.constant ** (1.0 / target.power)
     with torch.no_grad():
-        for name, module in attention_modules(model):
-            site = _query_scale_site(module)
-            if site is None:
-                raise ValueError(f"{name}: its queries have no projection of their own that scales them linearly "
-                                 f"(fused QKV, a q/k norm or a softcap); the constant of {target.name} cannot be "
-                                 "folded into them.")
+        for site in sites.values():
             site.weight.mul_(factor)
-            if getattr(site, "bias", None) is not None:
+            if site.bias is not None:
                 site.bias.mul_(factor)
     unpatch(model)
     return patch(model, target)
