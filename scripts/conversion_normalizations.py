@@ -23,16 +23,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conversion_spread import convert, gather, split_flags, write_report  # noqa: E402  (a sibling script)
+from conversion_recovery import NORMALIZATIONS, folder_name  # noqa: E402  (sibling scripts)
+from conversion_spread import convert, gather, split_flags, write_report  # noqa: E402
 
-NORMALIZATIONS = ("x/1", "x/16", "x^3/1", "x^3/16", "x^3/sqrtN")
 LATE_STEP = 100
 """Gradient norms up to this recovery step are the early, violent part; after it a run should have settled."""
-
-
-def folder_name(normalization: str) -> str:
-    """``"x^3/16"`` -> ``"x3_16"``: the run's folder under ``--out``."""
-    return normalization.replace("/", "_").replace("^", "")
 
 
 def largest_gradient_norms(grad_norms: list[list[float]] | None) -> tuple[float | None, float | None]:

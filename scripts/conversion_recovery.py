@@ -51,6 +51,7 @@ COLOURS = {"plain": "tab:red", "transfer": "tab:gray", "transfer+full": "tab:blu
 
 
 def folder_name(normalization: str) -> str:
+    """``"x^3/16"`` -> ``"x3_16"``: a normalization's folder under ``--out``."""
     return normalization.replace("/", "_").replace("^", "")
 
 

@@ -32,7 +32,7 @@ def training_normalization(model: nn.Module, normalization: str | Normalization)
         normalization: the normalization the converted model will have.
     """
     target = parse_normalization(normalization)
-    if target.is_softmax or target.constant is None or target.constant == 1:
+    if target.constant in (None, 1):  # softmax, sqrtN, or already its own twin
         return target
     if not all(_query_scale_site(module) is not None for _, module in attention_modules(model)):
         return target
