@@ -2,16 +2,16 @@ r"""Each normalization converted at the full default budget: held-out perplexity
 
 Issue "general conversion", item 5: the recipe measured for every normalization. One ordinary ``hf-knorm convert
 --normalization NAME`` per ``--normalizations`` entry, one after the other (never two at once on 2 cores), each in
-its own folder (``x/16`` -> ``x_16``) with the flags after ``--``; then one row per normalization: the recovery's
-learning rate (from the run's own ``convert.json``), the perplexity of every held-out domain against the original
-model, the worst of them (the headline), the ability probe, the largest gradient norm of the recovery before and
-after its step 100 (a spike early is recovered from; one late is what derails a run) and the wall time. A run whose
+its own folder (``x/16`` -> ``x_16``) with the flags after ``--`` (none: each at its own defaults, the recovery rate
+by its power); then one row per normalization: the recovery's learning rate (from the run's own ``convert.json``),
+the perplexity of every held-out domain against the original model, the worst of them (the headline), the ability
+probe, the largest gradient norm of the recovery before and after its step 100 (a spike early is recovered from; one
+late is what derails a run) and the wall time. A run whose
 ``convert.json`` exists is not run again, so the script resumes; ``--report`` only gathers the folders.
 
 Usage (BENCHMARKS.md, "Per normalization"):
     python scripts/conversion_normalizations.py --out runs/normalizations
-    python scripts/conversion_normalizations.py --out runs/normalizations --normalizations x/1 -- \
-        --recovery-learning-rate 1e-3
+    python scripts/conversion_normalizations.py --out runs/normalizations --normalizations x/1,x^3/1 -- --seed 1
     python scripts/conversion_normalizations.py --out runs/normalizations --report
 """
 

@@ -75,7 +75,12 @@ def check_settings(settings: ConvertSettings) -> None:
                  "next_token_weight"):
         if getattr(settings, name) < 0:
             raise ValueError(f"{name} must be >= 0, not {getattr(settings, name)}.")
-    if settings.transfer_steps == 0 and (settings.recovery == "none" or settings.recovery_steps == 0):
+    if not settings.budget > 0:
+        raise ValueError(f"budget must be > 0 (a multiple of --recovery-steps), not {settings.budget}; "
+                         "--recovery none skips the recovery.")
+    if settings.recovery_learning_rate is not None and not settings.recovery_learning_rate > 0:
+        raise ValueError(f"recovery_learning_rate must be > 0, not {settings.recovery_learning_rate}.")
+    if settings.transfer_steps == 0 and (settings.recovery == "none" or settings.scheduled_recovery_steps() == 0):
         raise ValueError("Both stages are off (transfer_steps 0, no recovery): there is nothing to convert.")
     if settings.non_attention_lr_scale <= 0:
         raise ValueError(f"non_attention_lr_scale must be > 0, not {settings.non_attention_lr_scale} (freeze "
@@ -101,8 +106,8 @@ def check_settings(settings: ConvertSettings) -> None:
         raise ValueError(f"{out} holds an interrupted conversion: pass --resume to continue it, or another --out.")
     if settings.resume and not started:
         raise ValueError(f"--resume: {out} holds no conversion to continue ({STATE_FILE} is missing).")
-    if settings.resume:
-        check_same_settings(read_state(out).get("settings"), settings, RESUMABLE_FIELDS)
+    if settings.resume:  # a run records its settings resolved (settings.resolved), so compare them resolved
+        check_same_settings(read_state(out).get("settings"), settings.resolved(), RESUMABLE_FIELDS)
 
 
 def convert(settings: ConvertSettings | None = None, **fields) -> dict:
@@ -136,6 +141,7 @@ def run_convert(settings: ConvertSettings) -> dict:
     from ..training.heldout import held_out_domain_blocks, held_out_perplexity
 
     check_settings(settings)
+    settings = settings.resolved()
     normalization = parse_normalization(settings.normalization).name
     model_dir, config = causal_lm_source(settings.model, settings.block_size, "convert converts")
     already = (getattr(config, "hf_knorm", None) or {}).get("normalization")

@@ -8,7 +8,7 @@ The defaults convert the embedded default model (SmolLM2-135M-Instruct) to ``x^3
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..training.precision import BF16_HELP, FP16_HELP
 
@@ -16,6 +16,13 @@ RECOVERY_MODES = ("lora", "full", "none")
 RECOVERY_TRAINABLE = ("all", "no-embeddings", "attention")
 SCALE_FOLDS = ("scores", "output")
 """Where the transfer's closed-form head scales go (:meth:`~.transfer.AttentionTransfer.match_scale`)."""
+RECOVERY_LEARNING_RATES = {1: 1e-3}
+"""The recovery's default rate by the normalization's power where it is not ``DEFAULT_RECOVERY_LEARNING_RATE``: the
+linear ones were measured at the full budget at 1e-3 only, and trained stably there (BENCHMARKS.md, 'Per
+normalization')."""
+DEFAULT_RECOVERY_LEARNING_RATE = 5e-4
+"""The cubic ones': three x^3/16 runs over seeds and thread counts within 0.94-1.13x of their median, where 1e-3 moved
+them by 2.6x (BENCHMARKS.md, 'Spread')."""
 
 
 @dataclass
@@ -73,10 +80,14 @@ class ConvertSettings:
     recovery: str = field(default="full", metadata={
         "help": "recovery: full (every weight) | lora (adapters on q/k/v/o, merged before saving; cheaper per step, "
                 "slower to recover: BENCHMARKS.md) | none", "choices": RECOVERY_MODES})
-    recovery_steps: int = field(default=150, metadata={"help": "recovery steps"})
-    recovery_learning_rate: float = field(default=5e-4, metadata={
-        "help": "recovery learning rate (5e-4: three runs over seeds and thread counts within 0.94-1.13x of their "
-                "median, where 1e-3 moved by 2.6x; BENCHMARKS.md, 'Spread')"})
+    recovery_steps: int = field(default=150, metadata={"help": "recovery steps at --budget 1"})
+    budget: float = field(default=1.0, metadata={
+        "help": "the recovery's length as a multiple of its steps (recovery_steps): time for quality along the measured curve "
+                "(BENCHMARKS.md, 'Budget'): 1 is the default conversion, 43 min on 2 cores; 2 runs 300 steps"})
+    recovery_learning_rate: float | None = field(default=None, metadata={
+        "help": "recovery learning rate; default by the normalization's power: 1e-3 for the linear ones (x/c, "
+                "x/sqrtN; x/1 measured stable at the full budget), 5e-4 for the others (1e-3 moved x^3/16 by 2.6x "
+                "between runs; BENCHMARKS.md, 'Spread')"})
     lora_rank: int = field(default=8, metadata={"help": "LoRA rank (q, k, v, o projections)"})
     distill_weight: float = field(default=1.0, metadata={
         "help": "weight of the KL divergence to the original model's next-token distribution in recovery (0: the "
@@ -103,6 +114,16 @@ class ConvertSettings:
         "help": "Trainer integrations, comma-separated (tensorboard, wandb, ...; 'none' for none)"})
     resume: bool = field(default=False, metadata={"help": "continue an interrupted conversion in --out"})
 
+    def resolved(self) -> ConvertSettings:
+        """These settings with the defaults that depend on the normalization filled in (the recovery rate)."""
+        if self.recovery_learning_rate is not None:
+            return self
+        return replace(self, recovery_learning_rate=default_recovery_learning_rate(self.normalization))
+
+    def scheduled_recovery_steps(self) -> int:
+        """The recovery's steps: ``recovery_steps`` times ``budget``, rounded."""
+        return round(self.recovery_steps * self.budget)
+
     def domains(self) -> list[str]:
         """``eval_domains`` as a list of names."""
         names = [self.eval_domains] if isinstance(self.eval_domains, str) else list(self.eval_domains)
@@ -112,3 +133,10 @@ class ConvertSettings:
         """``report_to`` as the Trainer takes it."""
         names = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
         return [name for name in names if name and name != "none"]
+
+
+def default_recovery_learning_rate(normalization: str) -> float:
+    """The recovery's default learning rate for ``normalization`` (by its power: ``RECOVERY_LEARNING_RATES``)."""
+    from ..attention.normalizations import parse_normalization
+
+    return RECOVERY_LEARNING_RATES.get(parse_normalization(normalization).power, DEFAULT_RECOVERY_LEARNING_RATE)

@@ -81,7 +81,7 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
     ``teacher``. The recovered model is saved in ``out/recovery/model`` before the stage is marked done."""
     from ..models.persistence import from_pretrained, save_pretrained
 
-    if settings.recovery == "none" or settings.recovery_steps == 0:
+    if settings.recovery == "none" or settings.scheduled_recovery_steps() == 0:
         return model
     folder = out / "recovery"
     record = state.get("recovery", {})
@@ -100,7 +100,7 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
     model.train()
     checkpoint = get_last_checkpoint(str(folder)) if folder.is_dir() else None
     trainer = DistillationTrainer(
-        model=model, args=_arguments(settings, folder, settings.recovery_steps, settings.recovery_learning_rate),
+        model=model, args=_arguments(settings, folder, settings.scheduled_recovery_steps(), settings.recovery_learning_rate),
         train_dataset=train, eval_dataset=eval_sets, data_collator=collator,
         callbacks=[NormLoggerCallback()], teacher=teacher, distill_weight=settings.distill_weight,
         next_token_weight=settings.next_token_weight, non_attention_lr_scale=settings.non_attention_lr_scale,

@@ -183,7 +183,7 @@ def conversion_step(model, tokenizer, model_name: str, settings: DemoSettings, o
         tables=tables,
         text=f"tensorboard --logdir {out_dir}\n{out_dir / 'convert.json'}",
         settings={"normalization": normalization, "transfer_steps": conversion.transfer_steps,
-                  "recovery": f"{conversion.recovery}, {conversion.recovery_steps} steps",
+                  "recovery": f"{conversion.recovery}, {conversion.scheduled_recovery_steps()} steps",
                   "block_size": conversion.block_size, "batch_size": conversion.batch_size,
                   "data": f"{conversion.dataset}: {parts}" if parts else conversion.dataset},
         seconds=time.perf_counter() - started,
