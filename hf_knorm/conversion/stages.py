@@ -99,8 +99,9 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     model.train()
     checkpoint = get_last_checkpoint(str(folder)) if folder.is_dir() else None
+    arguments = _arguments(settings, folder, settings.scheduled_recovery_steps(), settings.recovery_learning_rate)
     trainer = DistillationTrainer(
-        model=model, args=_arguments(settings, folder, settings.scheduled_recovery_steps(), settings.recovery_learning_rate),
+        model=model, args=arguments,
         train_dataset=train, eval_dataset=eval_sets, data_collator=collator,
         callbacks=[NormLoggerCallback()], teacher=teacher, distill_weight=settings.distill_weight,
         next_token_weight=settings.next_token_weight, non_attention_lr_scale=settings.non_attention_lr_scale,
