@@ -11,7 +11,7 @@ late is what derails a run) and the wall time. A run whose
 
 Usage (BENCHMARKS.md, "Per normalization"):
     python scripts/conversion_normalizations.py --out runs/normalizations
-    python scripts/conversion_normalizations.py --out runs/normalizations --normalizations x/1,x^3/1 -- --seed 1
+    python scripts/conversion_normalizations.py --out runs/normalizations --normalizations x/1,x^3/1 --seed 1
     python scripts/conversion_normalizations.py --out runs/normalizations --report
 """
 
