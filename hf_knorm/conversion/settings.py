@@ -82,9 +82,9 @@ class ConvertSettings:
                 "slower to recover: BENCHMARKS.md) | none", "choices": RECOVERY_MODES})
     recovery_steps: int = field(default=150, metadata={"help": "recovery steps at --budget 1"})
     budget: float = field(default=1.0, metadata={
-        "help": "the recovery's length as a multiple of its steps (recovery_steps): time for quality along the "
-                "measured curve (BENCHMARKS.md, 'Budget'): 1 is the default conversion, 43 min on 2 cores; 2 runs "
-                "300 steps"})
+        "help": "the recovery's length as a multiple of its steps (recovery_steps), to trade time for quality: 1 is "
+                "the default conversion (150 steps, 43 min on 2 cores), 2 runs 300 steps (about 80 min); "
+                "BENCHMARKS.md, 'Budget', has what each measured budget buys"})
     recovery_learning_rate: float | None = field(default=None, metadata={
         "help": "recovery learning rate; default by the normalization's power: 1e-3 for the linear ones (x/c, "
                 "x/sqrtN; x/1 measured stable at the full budget), 5e-4 for the others (1e-3 moved x^3/16 by 2.6x "
