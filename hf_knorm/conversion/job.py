@@ -78,6 +78,9 @@ def check_settings(settings: ConvertSettings) -> None:
     if not settings.budget > 0:
         raise ValueError(f"budget must be > 0 (a multiple of --recovery-steps), not {settings.budget}; "
                          "--recovery none skips the recovery.")
+    if settings.recovery_steps > 0 and settings.scheduled_recovery_steps() == 0:
+        raise ValueError(f"budget {settings.budget} times {settings.recovery_steps} recovery steps rounds to no step: "
+                         "raise --budget, or pass --recovery none to skip the recovery.")
     if settings.recovery_learning_rate is not None and not settings.recovery_learning_rate > 0:
         raise ValueError(f"recovery_learning_rate must be > 0, not {settings.recovery_learning_rate}.")
     if settings.transfer_steps == 0 and (settings.recovery == "none" or settings.scheduled_recovery_steps() == 0):

@@ -39,7 +39,8 @@ def test_the_budget_multiplies_the_recovery_steps(steps, budget, scheduled):
 
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"budget": 0}, "budget must be > 0"), ({"budget": -1.0}, "budget must be > 0"),
-    ({"budget": float("nan")}, "budget must be > 0"), ({"recovery_learning_rate": 0.0}, "must be > 0"),
+    ({"budget": float("nan")}, "budget must be > 0"), ({"budget": 0.001}, "rounds to no step"),
+    ({"recovery_learning_rate": 0.0}, "must be > 0"),
 ])
 def test_a_bad_budget_or_rate_is_refused(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
