@@ -83,8 +83,8 @@ class ConvertSettings:
     recovery_steps: int = field(default=150, metadata={"help": "recovery steps at --budget 1"})
     budget: float = field(default=1.0, metadata={
         "help": "the recovery's length as a multiple of its steps (recovery_steps), to trade time for quality: 1 is "
-                "the default conversion (150 steps, 43 min on 2 cores), 2 runs 300 steps (about 80 min); "
-                "BENCHMARKS.md, 'Budget', has what each measured budget buys"})
+                "the default conversion (150 steps, 35-43 min on 2 cores), 2 runs 300 steps (1.55x the time) and "
+                "brought the worst held-out domain from 12.9x to 9.7x the original (BENCHMARKS.md, 'Budget')"})
     recovery_learning_rate: float | None = field(default=None, metadata={
         "help": "recovery learning rate; default by the normalization's power: 1e-3 for the linear ones (x/c, "
                 "x/sqrtN; x/1 measured stable at the full budget), 5e-4 for the others (1e-3 moved x^3/16 by 2.6x "
