@@ -105,7 +105,8 @@ def check_settings(settings: ConvertSettings) -> None:
     started = (out / STATE_FILE).is_file()
     if finished:
         raise ValueError(f"{out} holds a finished conversion ({RESULT_FILE}); pass another --out.")
-    if started and not settings.resume:
+    if started and not settings.resume and is_main_process():  # another process may see its own launch's main
+        # process's state file already (written after the original's evaluation): the main process decides
         raise ValueError(f"{out} holds an interrupted conversion: pass --resume to continue it, or another --out.")
     if settings.resume and not started:
         raise ValueError(f"--resume: {out} holds no conversion to continue ({STATE_FILE} is missing).")

@@ -295,6 +295,22 @@ def test_bad_input_is_refused_before_training(tiny_lm_dir, texts, tmp_path, over
     assert not list(out.glob("*/checkpoint-*"))
 
 
+def test_only_the_main_process_refuses_a_started_folder(tiny_lm_dir, texts, tmp_path, monkeypatch):
+    """In a launch of several processes the main one writes the state file early (after the original's
+    evaluation); a slower process checking the folder afterwards must not take it for an interrupted run."""
+    from hf_knorm.conversion.job import check_settings
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / STATE_FILE).write_text("{}")
+    settings = _settings(tiny_lm_dir, texts, out)
+    monkeypatch.setenv("RANK", "1")
+    check_settings(settings)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="holds an interrupted conversion"):
+        check_settings(settings)
+
+
 def test_an_already_patched_model_and_a_missing_file_are_refused(tiny_lm_dir, texts, tmp_path):
     patched = tmp_path / "patched"
     hf_knorm.save_pretrained(hf_knorm.patch(lm(), "x/16"), patched, tokenizer=char_tokenizer())
