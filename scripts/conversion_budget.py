@@ -18,12 +18,11 @@ Usage (BENCHMARKS.md, "Budget"):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conversion_spread import convert, gather, split_flags, write_report  # noqa: E402  (sibling script)
+from conversion_spread import convert, finished_run, split_flags, write_report  # noqa: E402  (sibling script)
 
 
 def folder_name(budget: float) -> str:
@@ -46,14 +45,13 @@ def worst_ratio_curve(summary: dict) -> list[list[float]]:
 
 
 def rows(out: Path, budgets: list[float]) -> list[dict]:
-    """One row per finished run: its budget, recovery steps and tokens, the curve, and ``gather``'s figures."""
+    """One row per finished run: its budget, recovery steps and tokens, the curve, and ``finished_run``'s figures."""
     table = []
     for budget in budgets:
-        folder = out / folder_name(budget)
-        run = gather([folder])["runs"].get(folder.name)
-        if run is None:
+        found = finished_run(out / folder_name(budget))
+        if found is None:
             continue
-        summary = json.loads((folder / "convert.json").read_text())
+        run, summary = found
         recovery = summary["stages"].get("recovery", {})
         table.append({"budget": budget, "recovery_steps": recovery.get("steps"),
                       "recovery_tokens": recovery.get("tokens"), "worst_curve": worst_ratio_curve(summary), **run})

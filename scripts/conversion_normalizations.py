@@ -6,8 +6,8 @@ its own folder (``x/16`` -> ``x_16``) with the flags after ``--`` (none: each at
 by its power); then one row per normalization: the recovery's learning rate (from the run's own ``convert.json``),
 the perplexity of every held-out domain against the original model, the worst of them (the headline), the ability
 probe, the largest gradient norm of the recovery before and after its step 100 (a spike early is recovered from; one
-late is what derails a run) and the wall time. A run whose
-``convert.json`` exists is not run again, so the script resumes; ``--report`` only gathers the folders.
+late is what derails a run) and the wall time. A run whose ``convert.json`` exists is not run again, so the script
+resumes; ``--report`` only gathers the folders.
 
 Usage (BENCHMARKS.md, "Per normalization"):
     python scripts/conversion_normalizations.py --out runs/normalizations
@@ -18,13 +18,12 @@ Usage (BENCHMARKS.md, "Per normalization"):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conversion_recovery import NORMALIZATIONS, folder_name  # noqa: E402  (sibling scripts)
-from conversion_spread import convert, gather, split_flags, write_report  # noqa: E402
+from conversion_spread import convert, finished_run, split_flags, write_report  # noqa: E402
 
 LATE_STEP = 100
 """Gradient norms up to this recovery step are the early, violent part; after it a run should have settled."""
@@ -39,14 +38,14 @@ def largest_gradient_norms(grad_norms: list[list[float]] | None) -> tuple[float 
 
 
 def rows(out: Path, normalizations: list[str]) -> list[dict]:
-    """One row per finished run: its normalization, recovery rate and :func:`conversion_spread.gather`'s figures."""
+    """One row per finished run: its normalization, recovery rate and :func:`conversion_spread.finished_run`'s figures."""
     table = []
     for normalization in normalizations:
-        folder = out / folder_name(normalization)
-        run = gather([folder])["runs"].get(folder.name)
-        if run is None:
+        found = finished_run(out / folder_name(normalization))
+        if found is None:
             continue
-        settings = json.loads((folder / "convert.json").read_text())["settings"]
+        run, summary = found
+        settings = summary["settings"]
         early, late = largest_gradient_norms(run["grad_norms"])
         table.append({"normalization": normalization, "recovery_learning_rate": settings["recovery_learning_rate"],
                       "early_grad_norm": early, "late_grad_norm": late, **run})

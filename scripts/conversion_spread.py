@@ -62,22 +62,28 @@ def spread(values: list[float]) -> dict:
             "max_deviation": max(abs(value - median) / median for value in values)}
 
 
+def finished_run(folder: Path) -> tuple[dict, dict] | None:
+    """A finished run's figures (held-out sets, worst ratio, probe, seconds, recovery gradient norms) and its whole
+    ``convert.json``; ``None`` for a run that has not finished."""
+    path = folder / "convert.json"
+    if not path.is_file():
+        return None
+    summary = json.loads(path.read_text())
+    wall = folder / "wall_seconds.json"
+    figures = {
+        "domains": {name: {"perplexity": record["perplexity"], "ratio": record["ratio_to_original"]}
+                    for name, record in summary["evaluation"]["domains"].items()},
+        "worst": summary["evaluation"]["ratio_to_original"],
+        "probe": summary.get("probe", {}).get("agreement"),
+        "seconds": json.loads(wall.read_text())["seconds"] if wall.is_file() else summary.get("seconds"),
+        "grad_norms": summary["stages"].get("recovery", {}).get("grad_norms"),
+    }
+    return figures, summary
+
+
 def gather(folders: list[Path]) -> dict:
     """Every finished run's figures, and their spread per held-out set (perplexity and ratio) and for the probe."""
-    runs = {}
-    for folder in folders:
-        path = folder / "convert.json"
-        if path.is_file():
-            summary = json.loads(path.read_text())
-            wall = folder / "wall_seconds.json"
-            runs[folder.name] = {
-                "domains": {name: {"perplexity": record["perplexity"], "ratio": record["ratio_to_original"]}
-                            for name, record in summary["evaluation"]["domains"].items()},
-                "worst": summary["evaluation"]["ratio_to_original"],
-                "probe": summary.get("probe", {}).get("agreement"),
-                "seconds": json.loads(wall.read_text())["seconds"] if wall.is_file() else summary.get("seconds"),
-                "grad_norms": summary["stages"].get("recovery", {}).get("grad_norms"),
-            }
+    runs = {folder.name: found[0] for folder in folders if (found := finished_run(folder)) is not None}
     if not runs:
         return {"runs": {}}
     names = list(next(iter(runs.values()))["domains"])
