@@ -11,10 +11,13 @@ The op serves the calls of training and inference: no attention dropout, no weig
 recorder, K/V transform, recurrent state, path log); ``interface.py`` sends the others, under compile, through the
 kernels traced with their data-dependent shortcuts left out.
 
-Backward: the chunked kernel's own backward (``kernel.chunked_backward``, from the saved output). The linear kernel
-(``x/c`` with a causal mask) is differentiated by autograd, which cannot run inside a custom op: when gradients are
-needed, ``x/c`` takes the quadratic kernel in a compiled model (the same weights; time quadratic in N); in inference
-it takes the linear one, as in eager mode.
+Backward: the chunked kernel's own backward (``kernel.chunked_backward``, from the saved output).
+
+The linear kernel (``x/c`` with a causal mask) is not in the op where the mask is key padding or ``None``
+(:mod:`.masks`, every plain causal model call): its form says the call is causal, so ``interface.py`` traces the
+linear kernel itself, forward and backward (autograd), with no data-dependent branch. Only an explicit 4-D mask (a
+user's, whose structure traced code cannot read) reaches the op with ``x/c``: there the linear kernel runs in
+inference, after the op's eager check, and the quadratic one when gradients are needed (the same weights).
 """
 
 from __future__ import annotations

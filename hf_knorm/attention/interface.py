@@ -6,11 +6,15 @@ Registered under the name ``"hf_knorm"`` (``registration.py``). Each model reads
 chooses); this module adapts Transformers' arguments to them (mask forms, kwargs, output recording), reports to an
 active norm recorder or K/V transform, and continues the recurrent state a cache hands over (``taps.py``).
 
+Masks arrive in two forms (``masks.py``): key padding ``(B, kv)`` for a plain causal call, so that the linear path
+never sees an ``N x N`` tensor, and the explicit bool mask otherwise; ``read_mask`` turns either into what the paths
+take, and only the quadratic kernel builds the ``N x N`` form from key padding (``quadratic_mask``).
+
 Under ``torch.compile`` the function has no graph break. The taps are read only while one is set (``taps.taps_set``).
-With none set, and no dropout or returned weights (training and inference), the call is one custom op running the
-eager kernels (``compiled.py``); otherwise the kernels are traced with their data-dependent shortcuts left out (which
-keys a chunk attends; the linear path with a mask). Either way the results are the eager ones
-(``tests/attention/test_compile.py``).
+The linear path is traced as it is (its choice needs no data when the mask is key padding). Otherwise, with no tap
+set and no dropout or returned weights (training and inference), the call is one custom op running the eager kernels
+(``compiled.py``); with a tap, the kernels are traced with their data-dependent shortcuts left out (which keys a
+chunk attends). Either way the results are the eager ones (``tests/attention/test_compile.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from .compiled import compiled_attention
 from .kernel import chunked_attention
 from .linear_kernel import linear_attention
 from .normalizations import Normalization, parse_normalization
-from .paths import choose_path, linear_keys, note_path
+from .masks import KeyPadding, Mask
+from .paths import check_linear_policy, choose_path, linear_keys, linear_policy_of, note_path
 from .taps import current_kv_transform, current_recorder, take_state_for, taps_set
 
 ATTENTION_NAME = "hf_knorm"
@@ -64,33 +69,36 @@ def hf_knorm_attention(
     frobenius_sq = None
     if recorder is not None:
         frobenius_sq = query.new_zeros(query.shape[0], key.shape[1], query.shape[1] // key.shape[1], dtype=torch.float32)
-    allowed, bias = split_mask(attention_mask, compiling)
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
+    mask, bias = read_mask(attention_mask, query.shape[2], key.shape[2], causal, compiling)
     softcap = kwargs.get("softcap")
     dropout = dropout if module.training else 0.0
     return_weights = _attentions_requested(kwargs)
-    if compiling and not read_taps and dropout == 0.0 and not return_weights:
-        return compiled_attention(query, key, value, allowed, bias, normalization, scaling=scaling, softcap=softcap,
-                                  causal=causal), None
-    path = choose_path(normalization, query.shape[2], key.shape[2], allowed, bias, causal=causal, softcap=softcap,
+    path = choose_path(normalization, query.shape[2], key.shape[2], mask, bias, causal=causal, softcap=softcap,
                        dropout=dropout, return_weights=return_weights, has_state=handover is not None,
                        compiling=compiling)
     if read_taps:
-        note_path(path, module)
+        note_path(path, module, query.shape[2], linear_policy_of(module))
+    elif path.fallback:
+        check_linear_policy(path, linear_policy_of(module))
     if handover is not None and not path.linear:
         raise ValueError(f"A recurrent state cache decodes with linear attention only, and this call cannot: "
                          f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")
     weights = None
     if path.linear:
-        key, value = linear_keys(query, key, value, allowed, causal)
+        key, value = linear_keys(query, key, value, mask, causal)
         output = _linear(query, key, value, path, normalization, scaling, handover, frobenius_sq)
+    elif compiling and not read_taps and dropout == 0.0 and not return_weights:
+        output = compiled_attention(query, key, value, quadratic_mask(mask, query.shape[2], compiling), bias,
+                                    normalization, scaling=scaling, softcap=softcap, causal=causal)
     else:
         output, weights = chunked_attention(
-            query, key, value, allowed, normalization, bias=bias, scaling=scaling, softcap=softcap, dropout=dropout,
-            causal=causal, return_weights=return_weights, frobenius_sq=frobenius_sq, trim_keys=not compiling,
+            query, key, value, quadratic_mask(mask, query.shape[2], compiling), normalization, bias=bias,
+            scaling=scaling, softcap=softcap, dropout=dropout, causal=causal, return_weights=return_weights,
+            frobenius_sq=frobenius_sq, trim_keys=not compiling,
         )
     if recorder is not None:
-        recorder.record(module, key, value, allowed, frobenius_sq.reshape(query.shape[0], query.shape[1]))
+        recorder.record(module, key, value, mask, frobenius_sq.reshape(query.shape[0], query.shape[1]))
     return output, weights
 
 
@@ -136,13 +144,32 @@ def normalization_of(module: torch.nn.Module) -> Normalization:
 _PARSED: dict[str, Normalization] = {}
 
 
-def split_mask(mask: torch.Tensor | None, compiling: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Return (bool allowed mask, additive float bias or None) from a bool or an additive float mask.
+def read_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, causal: bool,
+              compiling: bool = False) -> tuple[Mask, torch.Tensor | None]:
+    """The mask the attention received, as the paths take it: ``(mask, additive float bias or None)``.
 
-    An all-zero bias is dropped (so the linear path stays open), except while compiling: that check reads the data.
+    ``mask`` is :class:`~.masks.KeyPadding` for the ``(B, kv)`` form of :func:`~.masks.hf_knorm_mask`, a bool
+    ``(B or 1, 1 or H_q, q, kv)`` mask for a 4-D bool or additive float mask, or ``None``. An all-zero bias is dropped
+    (so the linear path stays open), except while compiling: that check reads the data.
     """
-    if mask is None or mask.dtype == torch.bool:
+    if mask is None:
+        return None, None
+    if mask.dim() == 2:
+        return KeyPadding.of(mask, q_len, kv_len, causal), None
+    if mask.dtype == torch.bool:
         return mask, None
     allowed = mask > torch.finfo(mask.dtype).min / 2
     bias = torch.where(allowed, mask, torch.zeros((), dtype=mask.dtype, device=mask.device)).float()
     return allowed, (bias if compiling or bool(bias.any()) else None)
+
+
+def quadratic_mask(mask: Mask, q_len: int, compiling: bool = False) -> torch.Tensor | None:
+    """The mask as the quadratic kernels take it (bool 4-D or ``None``): key padding becomes ``None`` where every key
+    is real and the kernel's implicit causal mask is the same (as many queries as keys, or one query), the ``N x N``
+    bool mask otherwise (only this path builds it)."""
+    if not isinstance(mask, KeyPadding):
+        return mask
+    implicit = not mask.causal or q_len in (1, mask.key_valid.shape[-1])  # the kernel's mask when all keys are real
+    if implicit and not compiling and bool(mask.key_valid.all()):
+        return None
+    return mask.dense()

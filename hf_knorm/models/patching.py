@@ -17,6 +17,7 @@ import torch.nn as nn
 from ..attention.interface import ATTENTION_NAME
 from ..attention.linear_kernel import is_linear
 from ..attention.normalizations import Normalization, parse_normalization
+from ..attention.paths import LINEAR_POLICIES
 from ..compat import attn_implementation_of
 from ..recurrent import generation
 from ..version import __version__
@@ -25,19 +26,28 @@ from .architectures import architecture_of, attention_modules
 SECTION = "hf_knorm"
 
 
-def patch(model: nn.Module, normalization: str | Normalization = "softmax") -> nn.Module:
+def patch(model: nn.Module, normalization: str | Normalization = "softmax", *, linear: str = "auto") -> nn.Module:
     """Replace softmax in ``model``'s attention by ``normalization``; returns the same model.
 
     Args:
         model: a Transformers model of a supported architecture (``hf_knorm.SUPPORTED_ARCHITECTURES``).
         normalization: ``"softmax"``, ``"x/1"``, ``"x/16"``, ``"x^3/1"``, ``"x^3/16"``, ``"x^3/sqrtN"`` or ``"x^p/c"``.
+        linear: for a ``p = 1`` normalization, what a call that cannot take the linear-time path does
+            (:mod:`hf_knorm.attention.paths`): ``"auto"`` computes it with the quadratic kernel (warning once per
+            reason from 4k queries on), ``"require"`` raises. Saved in the config with the normalization.
 
     Raises:
-        ValueError: unsupported architecture, unknown normalization, or a model already patched with a different
-            normalization (call :func:`unpatch` first). Patching again with the same one warns and does nothing.
+        ValueError: unsupported architecture, unknown normalization or ``linear`` policy, ``linear="require"`` with a
+            normalization that has no linear path, or a model already patched with a different normalization (call
+            :func:`unpatch` first). Patching again with the same one warns and does nothing.
     """
     architecture_of(model)
     normalization = parse_normalization(normalization)
+    if linear not in LINEAR_POLICIES:
+        raise ValueError(f"linear={linear!r} is not a policy; choose one of {', '.join(LINEAR_POLICIES)}.")
+    if linear == "require" and not is_linear(normalization):
+        raise ValueError(f"linear='require' needs a p = 1 normalization (x/1, x/16, x/sqrtN); {normalization.name} "
+                         "has no linear-time path.")
     current = patched_normalization(model)
     if current is not None:
         if current == normalization.name:
@@ -51,6 +61,8 @@ def patch(model: nn.Module, normalization: str | Normalization = "softmax") -> n
     for config in _configs(model):
         section = dict(getattr(config, SECTION, None) or {})
         section.update(normalization=normalization.name, original_attn_implementation=original, version=__version__)
+        if linear != "auto":
+            section["linear"] = linear
         setattr(config, SECTION, section)
     model.set_attn_implementation(ATTENTION_NAME)
     if is_linear(normalization):
@@ -72,7 +84,7 @@ def unpatch(model: nn.Module) -> nn.Module:
     generation.uninstall(model)
     for config in _configs(model):
         section = dict(getattr(config, SECTION, None) or {})
-        for key in ("normalization", "original_attn_implementation"):
+        for key in ("normalization", "original_attn_implementation", "linear"):
             section.pop(key, None)
         if set(section) <= {"version"}:
             config.__dict__.pop(SECTION, None)

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from ..attention.interface import ATTENTION_NAME
 from ..attention.linear_kernel import is_linear
+from ..attention.paths import LINEAR_POLICIES
 from ..attention.normalizations import parse_normalization
 from ..recurrent import generation
 from ..version import __version__
@@ -61,6 +62,9 @@ def from_pretrained(path: str | os.PathLike, model_class=None, **kwargs) -> nn.M
     normalization = section.get("normalization")
     if normalization is not None:
         parse_normalization(normalization)
+        if section.get("linear", "auto") not in LINEAR_POLICIES:
+            raise ValueError(f"{path}'s config names linear={section['linear']!r}; the policies are "
+                             f"{', '.join(LINEAR_POLICIES)}. Fix config.json's hf_knorm section.")
         requested = kwargs.get("attn_implementation", ATTENTION_NAME)
         if requested != ATTENTION_NAME:
             raise ValueError(

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..attention.masks import attended_keys
 from ..attention.taps import activate_recorder, deactivate_recorder
 
 
@@ -87,7 +88,8 @@ class NormRecorder:
     def record(self, module, key, value, allowed, frobenius_sq) -> None:
         """Called by the attention function.
 
-        Shapes: key/value ``(B, H_kv, kv, D)``; allowed: bool ``(B or 1, 1 or H_q, q, kv)`` or None; frobenius_sq
+        Shapes: key/value ``(B, H_kv, kv, D)``; allowed: the mask as the attention read it (bool ``(B or 1, 1 or H_q,
+        q, kv)``, key padding ``(B, kv)`` or None: :mod:`hf_knorm.attention.masks`); frobenius_sq
         ``(B, H_q)`` squared Frobenius norms.
         """
         index = self._index.get(id(module))
@@ -98,17 +100,10 @@ class NormRecorder:
             layer.frobenius.append(frobenius_sq.detach().sqrt().cpu())
         if not self.keys_values:
             return
-        valid = real_key_tokens(allowed, key.shape[0], key.shape[2], key.device)  # (B, kv)
+        valid = attended_keys(allowed, key.shape[0], key.shape[2], key.device)  # (B, kv)
         weights = valid.to(torch.float64)[:, None, :, None]
         key_sq = (key.detach().double().square() * weights).sum(dim=(0, 2)).flatten().cpu()  # (H_kv * D,)
         value_sq = (value.detach().double().square() * weights).sum(dim=(0, 2)).flatten().cpu()
         layer.key_sq = key_sq if layer.key_sq is None else layer.key_sq + key_sq
         layer.value_sq = value_sq if layer.value_sq is None else layer.value_sq + value_sq
         layer.tokens += int(valid.sum())
-
-
-def real_key_tokens(allowed: torch.Tensor | None, batch: int, kv_len: int, device) -> torch.Tensor:
-    """``(B, kv)`` bool: key positions some query may attend (padding keys are attended by none)."""
-    if allowed is None:
-        return torch.ones(batch, kv_len, dtype=torch.bool, device=device)
-    return allowed[..., :kv_len].any(dim=-2).any(dim=1).expand(batch, kv_len)

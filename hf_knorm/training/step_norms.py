@@ -30,8 +30,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..attention.masks import attended_keys, attending_rows
 from ..attention.taps import activate_recorder, deactivate_recorder
-from ..norms.statistics import real_key_tokens
 
 STATISTICS = ("attn_fro", "attn_fro_max", "attn_fro_sqrtn", "attn_fro_sqrtn_max", "key_norm", "value_norm", "kv_ratio")
 
@@ -109,8 +109,9 @@ class StepNormRecorder:
         Args:
             module: the calling attention module.
             key, value: ``(B, H_kv, kv, D)`` as attended (post-RoPE).
-            allowed: bool ``(B or 1, 1 or H_q, q, kv)`` (True = attend) or ``None`` (everything attended; the
-                query rows are then the ``kv`` tokens: a training forward pass, self-attention without a cache).
+            allowed: the mask as the attention read it (:data:`hf_knorm.attention.masks.Mask`): bool ``(B or 1,
+                1 or H_q, q, kv)`` (True = attend), key padding, or ``None`` (everything attended; the query rows are
+                then the ``kv`` tokens: a training forward pass, self-attention without a cache).
             frobenius_sq: ``(B, H_q)`` squared Frobenius norms of the attention matrices.
         """
         index = self._index.get(id(module))
@@ -127,14 +128,11 @@ class StepNormRecorder:
             self._maxes = torch.full((self.num_layers, 2), -math.inf, dtype=dtype, device=key.device)
 
         fro = frobenius_sq.detach().to(dtype).sqrt()  # (B, H_q)
-        if allowed is None:
-            rows = torch.full((batch, heads), float(kv_len), dtype=dtype, device=key.device)
-        else:
-            rows = allowed[..., :kv_len].any(dim=-1).sum(dim=-1).to(dtype).expand(batch, heads)  # (B, H_q)
+        rows = attending_rows(allowed, batch, heads, kv_len, dtype, key.device)  # (B, H_q)
         counted = rows > 0  # an item with no real token has no attention matrix to speak of
         fro_sqrtn = fro / rows.clamp(min=1).sqrt()
 
-        tokens = real_key_tokens(allowed, batch, kv_len, key.device)  # (B, kv)
+        tokens = attended_keys(allowed, batch, kv_len, key.device)  # (B, kv)
         weights = tokens.to(dtype)[:, None, :]  # (B, 1, kv)
         compute = torch.promote_types(key.dtype, torch.float32)  # per-vector norms in fp32, sums in fp64
         key_norms = key.detach().to(compute).norm(dim=-1).to(dtype)  # (B, H_kv, kv)

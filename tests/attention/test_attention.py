@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hf_knorm.attention.interface import split_mask
+from hf_knorm.attention.interface import read_mask
 from hf_knorm.attention.kernel import chunked_attention
 from hf_knorm.attention.normalizations import PAPER_NORMALIZATIONS, parse_normalization
 from hf_knorm.attention.reference import reference_attention
@@ -122,7 +122,7 @@ def test_half_precision_computes_the_power_in_fp32(dtype):
     q, k = q * 4, k * 4
     mask = _padded_causal_mask(2, 16, 16, pad=4)
     additive = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)  # eager-style mask
-    allowed, bias = split_mask(additive)
+    allowed, bias = read_mask(additive, 16, 16, causal=True)
     assert bias is None and torch.equal(allowed, mask)
     out, _ = chunked_attention(q.to(dtype), k.to(dtype), v.to(dtype), allowed, normalization)
     ref, _ = reference_attention(q.to(dtype).double(), k.to(dtype).double(), v.to(dtype).double(), mask, normalization)
@@ -174,6 +174,6 @@ def test_all_training_paths_agree(spelling):
 
 def test_additive_mask_with_biases_is_split():
     mask = torch.tensor([[0.0, -1.5, torch.finfo(torch.float32).min]]).view(1, 1, 1, 3)
-    allowed, bias = split_mask(mask)
+    allowed, bias = read_mask(mask, 1, 3, causal=False)
     assert allowed.tolist() == [[[[True, True, False]]]]
     assert bias.tolist() == [[[[0.0, -1.5, 0.0]]]]

@@ -42,7 +42,7 @@ def _logits_and_grads(model, inputs):
     return output.logits.detach(), {name.removeprefix("_orig_mod."): p.grad.clone() for name, p in model.named_parameters()}
 
 
-# x/1 at 130 tokens: eager takes the linear path, compiled the quadratic one (the mask's structure is data).
+# x/1 at 130 tokens: eager and compiled take the linear path (the mask is key padding: its form says it is causal).
 CASES = [("llama", spelling, 130 if spelling == "x/1" else 12) for spelling in PAPER_NORMALIZATIONS]
 CASES += [
     ("mistral", "x^3/sqrtN", 12),  # a sliding window shorter than the sequence
@@ -91,18 +91,39 @@ def test_norm_recording_in_a_compiled_model_matches_eager():
         torch.testing.assert_close(got.value_channel_norms(), want.value_channel_norms(), rtol=1e-6, atol=0)
 
 
-def test_compiled_inference_of_x1_takes_the_linear_kernel_inside_the_op(monkeypatch):
-    model = tiny_model("llama")
+@pytest.mark.parametrize("train", [True, False], ids=["forward-backward", "inference"])
+def test_compiled_x1_traces_the_linear_kernel_with_no_n_by_n_tensor(train):
+    """A left-padded batch of 130 tokens: the compiled graph (fullgraph) holds the linear kernel, not the custom op,
+    and no tensor with two axes of the sequence's length (no mask, no scores); logits and gradients are eager's."""
+    from torch._inductor.compile_fx import compile_fx
+
+    length = 130
+    model = tiny_model("llama").train(train)
     hf_knorm.patch(model, normalization="x/1")
-    inputs = _padded_inputs("llama", 130)
-    with torch.no_grad():
-        eager = model(**inputs).logits
-        calls = []
-        linear = compiled_module.linear_attention
-        monkeypatch.setattr(compiled_module, "linear_attention", lambda *a, **k: calls.append(1) or linear(*a, **k))
-        logits = torch.compile(model, backend="inductor", fullgraph=True)(**inputs).logits
-    assert len(calls) == model.config.num_hidden_layers  # the mask (causal, left padding) was read inside the op
-    torch.testing.assert_close(logits, eager, rtol=0, atol=1e-5)
+    inputs = _padded_inputs("llama", length)
+    eager_logits, eager_grads = _logits_and_grads(model, inputs)
+    graphs = []
+
+    def recording(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return compile_fx(graph_module, example_inputs)
+
+    compiled = torch.compile(model, backend=recording, fullgraph=True)
+    if train:
+        logits, grads = _logits_and_grads(compiled, inputs)
+    else:
+        with torch.no_grad():
+            logits, grads = compiled(**inputs).logits, {}
+    (graph,) = graphs
+    targets = {str(node.target) for node in graph.graph.nodes}
+    assert not any("hf_knorm" in target for target in targets), sorted(targets)
+    shapes = [tuple(node.meta["example_value"].shape) for node in graph.graph.nodes
+              if isinstance(node.meta.get("example_value"), torch.Tensor)]
+    assert not [shape for shape in shapes if list(shape).count(length) >= 2], "an N x N tensor in the graph"
+    torch.testing.assert_close(logits, eager_logits, rtol=0, atol=1e-5)
+    for name, grad in grads.items():
+        scale = eager_grads[name].abs().max().item()
+        torch.testing.assert_close(grad, eager_grads[name], rtol=0, atol=1e-4 * scale + 1e-12, msg=name)
 
 
 @pytest.mark.parametrize("spelling", ["softmax", "x^3/16", "x/1"])

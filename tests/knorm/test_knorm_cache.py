@@ -13,7 +13,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import hf_knorm
 from hf_knorm.assets.texts import SAMPLE_TEXT
-from hf_knorm.attention.registration import explicit_bool_mask
+from hf_knorm.attention.masks import explicit_bool_mask
 from hf_knorm.compat import cache_kwargs, output_cache
 from hf_knorm.knorm.cache import KNormCache, KNormLayer, kept_count
 from hf_knorm.knorm.eviction import EvictionSettings
