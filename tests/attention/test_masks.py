@@ -23,6 +23,8 @@ from hf_knorm.compat import cache_kwargs
 
 from tiny_models import tiny_inputs, tiny_model
 
+pytestmark = pytest.mark.compat  # Transformers' mask plumbing, on every supported release
+
 EXPLICIT = "hf_knorm_explicit_mask"
 AttentionInterface.register(EXPLICIT, hf_knorm_attention)
 AttentionMaskInterface.register(EXPLICIT, explicit_bool_mask)

@@ -4,6 +4,7 @@ gives eager's tokens, every attention call on the linear path, and the cache hol
 Compiling the forward takes ~20 s on this machine's CPU.
 """
 
+import pytest
 import torch
 
 import hf_knorm
@@ -14,6 +15,7 @@ from hf_knorm.recurrent.cache import RecurrentStateCache
 from tiny_models import tiny_inputs, tiny_model
 
 
+@pytest.mark.compat
 def test_compiled_forward_generates_with_the_recurrent_state():
     torch._dynamo.reset()
     model = hf_knorm.patch(tiny_model("llama"), "x/1")
