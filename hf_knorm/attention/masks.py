@@ -106,6 +106,15 @@ class KeyPadding:
         return (self.key_valid.cumsum(dim=-1)[:, kv_len - self.q_len:] > 0).sum(dim=-1)
 
 
+def explicit_mask(mask: torch.Tensor | None, q_len: int, causal: bool = True) -> torch.Tensor | None:
+    """``mask`` in the form any attention implementation takes: key padding ``(B, kv)`` becomes the bool
+    ``(B, 1, q, kv)`` mask it stands for, anything else is returned as it is. For a module that receives the
+    plugin's masks but attends with another implementation (the attention-transfer teacher runs SDPA on them)."""
+    if mask is None or mask.dim() != 2:
+        return mask
+    return KeyPadding.of(mask, q_len, mask.shape[-1], causal).dense()
+
+
 Mask = torch.Tensor | KeyPadding | None
 """What the kernels and recorders take: a bool ``(B or 1, 1 or H_q, q, kv)`` mask, :class:`KeyPadding`, or ``None``."""
 

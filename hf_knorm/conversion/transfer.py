@@ -40,6 +40,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
+from ..attention.masks import explicit_mask
 from ..attention.normalizations import parse_normalization
 from ..models.architectures import attention_modules
 from ..models.patching import patched_normalization
@@ -130,7 +131,7 @@ class AttentionTransfer:
 
         def hook(module, args, kwargs, output):
             with torch.no_grad():
-                target = teacher(*args, **_without_cache(kwargs))[0]  # (B, q, hidden)
+                target = teacher(*args, **_teacher_kwargs(teacher, args, kwargs))[0]  # (B, q, hidden)
             self.layer_errors[index] = (output[0] - target).pow(2).mean() / target.pow(2).mean().clamp_min(1e-30)
             return (target,) + tuple(output[1:])
 
@@ -211,7 +212,7 @@ class AttentionTransfer:
             teacher = self.teachers[index]
 
             def hook(module, args, kwargs, output):
-                target = teacher(*args, **_without_cache(kwargs))[0]  # (B, q, hidden)
+                target = teacher(*args, **_teacher_kwargs(teacher, args, kwargs))[0]  # (B, q, hidden)
                 error = (output[0] - target).pow(2).double().sum(dim=(0, 2))  # (q,)
                 energy = target.pow(2).double().sum(dim=(0, 2))
                 totals = squared.setdefault(index, [0, 0])
@@ -291,8 +292,15 @@ def _scores_are_bilinear(module: nn.Module) -> bool:
     return not normed and softcap is None
 
 
-def _without_cache(kwargs: dict) -> dict:
-    return {name: value for name, value in kwargs.items() if name not in CACHE_ARGUMENTS}
+def _teacher_kwargs(teacher: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """The student's call arguments as the teacher takes them: no cache, and the plugin's key-padding mask made
+    explicit (the teacher attends with the original implementation, e.g. SDPA, which reads a 2-D mask otherwise)."""
+    kwargs = {name: value for name, value in kwargs.items() if name not in CACHE_ARGUMENTS}
+    if kwargs.get("attention_mask") is not None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        kwargs["attention_mask"] = explicit_mask(kwargs["attention_mask"], hidden.shape[1],
+                                                 getattr(teacher, "is_causal", True))
+    return kwargs
 
 
 def _frozen_copy(module: nn.Module) -> nn.Module:

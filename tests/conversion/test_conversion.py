@@ -70,6 +70,24 @@ def test_inside_teaching_the_student_model_computes_the_original_models_logits()
     assert sorted(transfer.layer_errors) == list(range(len(hf_knorm.attention_modules(student))))
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_teacher_attends_causally_over_the_real_keys_of_a_padded_batch(batch):
+    """The student's attention receives key padding (B, kv); the teacher (SDPA) must get the mask it stands for: a
+    (1, kv) mask read as is would broadcast to bidirectional attention."""
+    original = lm().eval()
+    student = copy.deepcopy(original)
+    transfer = AttentionTransfer(student)
+    hf_knorm.patch(student, "x^3/16")
+    ids = _ids(batch=batch)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    with torch.no_grad():
+        expected = original(input_ids=ids, attention_mask=mask).logits
+        with transfer.teaching():
+            taught = student(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(taught[:, 5:], expected[:, 5:], atol=1e-5, rtol=1e-5)
+
+
 def test_match_scale_is_the_least_squares_optimum_and_lowers_the_error():
     model = lm().eval()
     transfer = AttentionTransfer(model)
