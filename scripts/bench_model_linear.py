@@ -16,9 +16,9 @@ Passes (what is timed, the same call on both sides):
 Each (implementation, N, pass) runs in its own process: the peak resident memory it adds above the model and the
 inputs (``VmHWM`` reset after they are built; the first call included) is its own. Times are the minimum of ``--repeats`` calls after the
 first (the first, a warm-up, is also reported). Every ``x/1`` case checks with ``attention_paths()`` that every layer
-took the linear path. ``--floor`` also times the model with an attention that computes nothing (zeros): its ratio
+took the linear path (the compiled ones are tested to: ``tests/attention/test_compile.py``). ``--floor`` also times the model with an attention that computes nothing (zeros): its ratio
 to SDPA is the least any attention can reach inside this model (the projections, MLP and norms cost the same on
-every side). ``--batch 2 --left-pad 100`` times a left-padded batch; ``--normalization x/sqrtN`` the paper's
+every side). ``--compare-compiled`` times the patched decoder under ``torch.compile`` against eager. ``--batch 2 --left-pad 100`` times a left-padded batch; ``--normalization x/sqrtN`` the paper's
 rule. The kernels alone: ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` against
 ``linear_attention`` on the same layer's shapes, forward, in the parent process.
 
@@ -31,6 +31,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -98,16 +99,18 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     model = build_model(args.model, args.implementation, args.normalization)
     model.train(args.backward)
+    if args.compile:
+        model.model = torch.compile(model.model)  # the decoder: what both passes call (the first call compiles)
     inputs = inputs_for(args.length, args.batch, args.left_pad, model.config.vocab_size)
     baseline = reset_peak_memory()
-    seconds = []
+    seconds, checked = [], args.implementation == "x/1" and not args.compile  # (a path log in compiled code recompiles)
     for repeat in range(args.repeats + 1):
         model.zero_grad(set_to_none=True)
-        with attention_paths() as paths:
+        with attention_paths() if checked else contextlib.nullcontext({}) as paths:
             start = time.perf_counter()
             call(model, inputs, args.backward)
             seconds.append(time.perf_counter() - start)
-        if args.implementation == "x/1" and (paths.get("quadratic") or not paths.get("linear")):
+        if checked and (paths.get("quadratic") or not paths.get("linear")):
             raise SystemExit(f"{paths['quadratic']} attention calls took the quadratic kernel: {dict(paths)}")
     peak = memory_kb("VmHWM") - baseline
     print(json.dumps(dict(first=seconds[0], best=min(seconds[1:]) if args.repeats else seconds[0],
@@ -133,6 +136,9 @@ def run_case(args, implementation: str, length: int, backward: bool) -> dict:
                "--normalization", args.normalization, "--length", str(length), "--batch", str(args.batch),
                "--left-pad", str(args.left_pad), "--threads", str(args.threads),
                "--repeats", str(args.repeats if length < args.single_from else 0)] + (["--backward"] if backward else [])
+    if implementation.endswith(" compiled"):
+        command[command.index("--implementation") + 1] = implementation.removesuffix(" compiled")
+        command += ["--compile", "--repeats", str(max(args.repeats, 1))]  # the first call compiles: never timed alone
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"{implementation} N={length}: {result.stderr[-2000:]}")
@@ -177,7 +183,11 @@ def main() -> None:
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernels-alone table")
     parser.add_argument("--floor", action="store_true",
                         help="also time the model with an attention that computes nothing: the floor of any ratio")
+    parser.add_argument("--compare-compiled", action="store_true",
+                        help="also time the patched model under torch.compile (the decoder compiled; its first call, "
+                        "which compiles, is not timed) against eager")
     parser.add_argument("--json", help="write every row to this file")
+    parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--implementation", default="x/1", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
@@ -193,8 +203,8 @@ def main() -> None:
           f"torch {torch.__version__}, {args.threads} thread(s); min of {args.repeats} after a warm-up "
           f"(one call from {args.single_from} on)")
     print("| N | pass | SDPA | SDPA peak | " + args.normalization + " | ratio | " + args.normalization + " peak | "
-          "no attention (ratio) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "no attention (ratio) | compiled " + args.normalization + " |")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for length in lengths:
         for name in passes:
@@ -202,13 +212,17 @@ def main() -> None:
             linear = run_case(args, "x/1", length, backward)
             sdpa = run_case(args, "sdpa", length, backward) if length <= args.sdpa_max else None
             floor = run_case(args, NO_ATTENTION, length, backward) if args.floor else None
-            rows.append(dict(length=length, passes=name, linear=linear, sdpa=sdpa, no_attention=floor))
+            compiled = run_case(args, "x/1 compiled", length, backward) if args.compare_compiled else None
+            rows.append(dict(length=length, passes=name, linear=linear, sdpa=sdpa, no_attention=floor,
+                             compiled=compiled))
             sdpa_cells = (f"{sdpa['best']:.2f} s | {sdpa['peak_mb']:.0f} MB" if sdpa else "- | -")
             ratio = f"{linear['best'] / sdpa['best']:.3f}x" if sdpa else "-"
             floor_cell = "-" if not floor else f"{floor['best']:.2f} s" + (
                 f" ({floor['best'] / sdpa['best']:.3f}x)" if sdpa else "")
+            compiled_cell = "-" if not compiled else (
+                f"{compiled['best']:.2f} s ({compiled['best'] / linear['best']:.2f}x eager)")
             print(f"| {length} | {name} | {sdpa_cells} | {linear['best']:.2f} s | {ratio} | "
-                  f"{linear['peak_mb']:.0f} MB | {floor_cell} |", flush=True)
+                  f"{linear['peak_mb']:.0f} MB | {floor_cell} | {compiled_cell} |", flush=True)
     for name in passes:
         by = {row["length"]: row for row in rows if row["passes"] == name}
         steps = [(a, b) for a, b in zip(lengths, lengths[1:]) if b == 2 * a]
