@@ -17,7 +17,7 @@ With ``s`` the (softcapped, biased) score, ``r_i = 1 / c_i`` the row scale and `
 Masks: an explicit bool mask ``(B or 1, 1 or H_q, q, kv)`` is read tile by tile (a sliding window, padding, packed
 sequences: whatever Transformers built), and the key blocks each query block may attend (and the query blocks each
 key block is attended by) are found on the device from it, before the launch, with no host synchronization
-(:func:`block_ranges`); without a mask and with ``causal``, the top-left causal mask (keys cut to ``q``, as in
+(:func:`block_ranges`, ``blocks.py``); without a mask and with ``causal``, the top-left causal mask (keys cut to ``q``, as in
 Transformers' sdpa path) is computed from indices. An additive float bias of the mask's shape is added to the scores.
 ``c = sqrtN`` counts each row's allowed keys in the forward and keeps the row scales for the backward.
 
@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from .blocks import block_any, first_last
 from .normalizations import Normalization
 
 BLOCK_M = 64
@@ -83,8 +84,7 @@ def triton_attention(
         raise ValueError("The Triton kernel computes x^p/c normalizations; softmax runs on the PyTorch kernel.")
     if not query.is_cuda and not INTERPRETED:
         raise ValueError(f"The Triton kernel runs on CUDA tensors, not {query.device.type} ones (on a CPU, only under "
-                         "Triton's interpreter: TRITON_INTERPRET=1 set before hf_knorm.attention.triton_kernel is "
-                         "imported).")
+                         "Triton's interpreter: TRITON_INTERPRET=1 set before triton is first imported).")
     if query.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"The Triton kernel takes fp32, bf16 or fp16 inputs, not {query.dtype}.")
     batch, q_heads, q_len, head_dim = query.shape
@@ -125,30 +125,8 @@ def block_ranges(allowed: torch.Tensor, block_m: int, block_n: int) -> tuple[tor
         ``key_blocks (Bm, Hm, nM, 2)`` int32: the key blocks ``[lo, hi)`` query block ``m`` may attend (``lo = hi``
         when none), and ``query_blocks (Bm, Hm, nN, 2)``: the query blocks ``[lo, hi)`` that attend key block ``n``.
     """
-    block_any = _block_any(_block_any(allowed, block_m, dim=2), block_n, dim=3)  # (Bm, Hm, nM, nN)
-    return _first_last(block_any), _first_last(block_any.transpose(2, 3))
-
-
-def _block_any(mask: torch.Tensor, block: int, dim: int) -> torch.Tensor:
-    """Whether any entry is True in each block of ``block`` entries along ``dim`` (the last block may be short)."""
-    size = mask.shape[dim]
-    full = size // block * block
-    head = mask.narrow(dim, 0, full)
-    head = head.unflatten(dim, (size // block, block)).any(dim=dim + 1)
-    if full == size:
-        return head
-    return torch.cat([head, mask.narrow(dim, full, size - full).any(dim=dim, keepdim=True)], dim=dim)
-
-
-def _first_last(block_any: torch.Tensor) -> torch.Tensor:
-    """``(..., rows, blocks)`` bool -> ``(..., rows, 2)`` int32 ``[first, last + 1)`` of the True blocks (0, 0: none)."""
-    blocks = block_any.shape[-1]
-    as_int = block_any.to(torch.uint8)
-    first = as_int.argmax(dim=-1)  # the first maximum: the first True block
-    last = blocks - 1 - as_int.flip(-1).argmax(dim=-1)
-    some = block_any.any(dim=-1)
-    ranges = torch.stack([torch.where(some, first, 0), torch.where(some, last + 1, 0)], dim=-1)
-    return ranges.to(torch.int32).contiguous()
+    blocks = block_any(block_any(allowed, block_m, dim=2), block_n, dim=3)  # (Bm, Hm, nM, nN)
+    return first_last(blocks), first_last(blocks.transpose(2, 3))
 
 
 def _mask_strides(mask: torch.Tensor | None, q_heads: int) -> tuple[int, int, int, int]:
@@ -465,4 +443,5 @@ def _dq_kernel(
 
 
 INTERPRETED = isinstance(_forward_kernel, InterpretedFunction)
-"""Whether these kernels run under Triton's interpreter (``TRITON_INTERPRET=1`` when this module was imported)."""
+"""Whether these kernels run under Triton's interpreter (``TRITON_INTERPRET=1`` when triton was first imported: its
+own library functions are decorated then, and an interpreted kernel cannot call compiled ones)."""
