@@ -3,7 +3,7 @@
 Registered under the name ``"hf_knorm"`` (``registration.py``). Each model reads its normalization from its own config
 (``config.hf_knorm["normalization"]``), so two models in one process can use different normalizations. The math is in
 ``kernel.py`` (any normalization, quadratic time) and ``linear_kernel.py`` (``p = 1``, linear time; ``paths.py``
-chooses); this module adapts Transformers' arguments to them (mask forms, kwargs, output recording), reports to an
+chooses; on CUDA ``backends.py`` runs them as Triton and flash-linear-attention kernels); this module adapts Transformers' arguments to them (mask forms, kwargs, output recording), reports to an
 active norm recorder or K/V transform, and continues the recurrent state a cache hands over (``taps.py``).
 
 Under ``torch.compile`` the function has no graph break. The taps are read only while one is set (``taps.taps_set``).
@@ -18,9 +18,8 @@ from __future__ import annotations
 import torch
 
 from ..compat import attentions_being_collected
+from .backends import run_linear, run_quadratic, with_kernel
 from .compiled import compiled_attention
-from .kernel import chunked_attention
-from .linear_kernel import linear_attention
 from .normalizations import Normalization, parse_normalization
 from .paths import choose_path, linear_keys, note_path
 from .taps import current_kv_transform, current_recorder, take_state_for, taps_set
@@ -75,6 +74,8 @@ def hf_knorm_attention(
     path = choose_path(normalization, query.shape[2], key.shape[2], allowed, bias, causal=causal, softcap=softcap,
                        dropout=dropout, return_weights=return_weights, has_state=handover is not None,
                        compiling=compiling)
+    path = with_kernel(path, query, normalization, dropout=dropout, return_weights=return_weights,
+                       recording=recorder is not None, compiling=compiling)
     if read_taps:
         note_path(path, module)
     if handover is not None and not path.linear:
@@ -85,9 +86,10 @@ def hf_knorm_attention(
         key, value = linear_keys(query, key, value, allowed, causal)
         output = _linear(query, key, value, path, normalization, scaling, handover, frobenius_sq)
     else:
-        output, weights = chunked_attention(
-            query, key, value, allowed, normalization, bias=bias, scaling=scaling, softcap=softcap, dropout=dropout,
-            causal=causal, return_weights=return_weights, frobenius_sq=frobenius_sq, trim_keys=not compiling,
+        output, weights = run_quadratic(
+            path, query, key, value, allowed, normalization, bias=bias, scaling=scaling, softcap=softcap,
+            dropout=dropout, causal=causal, return_weights=return_weights, frobenius_sq=frobenius_sq,
+            trim_keys=not compiling,
         )
     if recorder is not None:
         recorder.record(module, key, value, allowed, frobenius_sq.reshape(query.shape[0], query.shape[1]))
@@ -97,12 +99,12 @@ def hf_knorm_attention(
 def _linear(query, key, value, path, normalization, scaling, handover, frobenius_sq) -> torch.Tensor:
     """The linear path; with a recurrent state handed over, it continues from that state and writes the new one."""
     if handover is None:
-        return linear_attention(query, key, value, path.key_valid, normalization, scaling=scaling,
-                                frobenius_sq=frobenius_sq)
+        return run_linear(path, query, key, value, path.key_valid, normalization, scaling=scaling,
+                          frobenius_sq=frobenius_sq)
     state, count = handover.read()
-    output, state, count = linear_attention(query, key, value, path.key_valid, normalization, scaling=scaling,
-                                            initial_state=state, initial_count=count, frobenius_sq=frobenius_sq,
-                                            return_state=True)
+    output, state, count = run_linear(path, query, key, value, path.key_valid, normalization, scaling=scaling,
+                                      initial_state=state, initial_count=count, frobenius_sq=frobenius_sq,
+                                      return_state=True)
     handover.write(state, count)
     return output
 

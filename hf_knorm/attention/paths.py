@@ -14,7 +14,8 @@ length. It is chosen automatically when it computes exactly what the quadratic k
   K/V cache in ``O(N * D)``, the linear form needs ``O(N * D^2)``), or a recurrent state to continue.
 
 Which path ran is visible: ``with attention_paths() as paths:`` counts the calls per path (``paths["linear"]``,
-``paths["quadratic"]``), and the ``hf_knorm.attention`` logger says at DEBUG level why a call took the quadratic path.
+``paths["quadratic"]``; on CUDA ``paths["fla"]`` and ``paths["triton"]`` for the GPU kernels, ``backends.py``), and
+the ``hf_knorm.attention`` logger says at DEBUG level why a call took the quadratic path.
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ class Path:
     linear: bool
     key_valid: torch.Tensor | None = None
     reason: str = ""
+    kernel: str = ""  # a GPU kernel computing the path ("triton", "fla"; backends.py); "" = the PyTorch one
 
     @property
     def name(self) -> str:
-        return "linear" if self.linear else "quadratic"
+        return self.kernel or ("linear" if self.linear else "quadratic")
 
 
 def choose_path(normalization: Normalization, q_len: int, kv_len: int, allowed: torch.Tensor | None,
@@ -142,7 +144,7 @@ def note_path(path: Path, module: torch.nn.Module) -> None:
 @contextmanager
 def attention_paths():
     """``with attention_paths() as paths:`` -> a ``Counter`` of the plugin's attention calls per path
-    (``"linear"``, ``"quadratic"``) made inside the block."""
+    (``"linear"``, ``"quadratic"``, and on CUDA ``"fla"``, ``"triton"``) made inside the block."""
     paths = Counter()
     token = _PATHS.set(paths)
     count_tap(+1)

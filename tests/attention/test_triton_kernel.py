@@ -1,21 +1,17 @@
 """The Triton kernel of ``x^p/c`` against the plain reference: outputs and gradients, every case it serves.
 
-On a machine without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set here before the
-kernel module is imported: ``triton.jit`` reads it when it decorates), on the CPU; with CUDA they run compiled, on the
-GPU. Small shapes with 16 x 16 blocks, so every case crosses several query and key blocks and ragged edges (37 rows).
+On a machine without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set by
+``tests/conftest.py`` before triton is first imported: ``triton.jit`` reads it when it decorates), on the CPU; with
+CUDA they run compiled, on the GPU. Small shapes with 16 x 16 blocks, so every case crosses several query and key blocks and ragged edges (37 rows).
 
 Tolerances: fp32 inputs, ``rtol = atol = 1e-4`` relative to the largest reference value (measured errors ~1e-6 under
 the interpreter; TF32 is not used for fp32 inputs); bf16 and fp16 inputs against the reference in fp64 on the same
 rounded inputs, ``2e-2`` of the largest value (the output is rounded to 8 or 11 bits; the sums are fp32).
 """
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 triton_kernel = pytest.importorskip("hf_knorm.attention.triton_kernel",
                                     reason="triton is not installed (pip install 'hf_knorm[gpu]')")
 
@@ -162,3 +158,32 @@ def test_what_it_does_not_compute_is_refused():
         triton_kernel.triton_attention(q.double(), k.double(), v.double(), None, parse_normalization("x/1"))
     with pytest.raises(ValueError, match="cannot be grouped"):
         triton_kernel.triton_attention(q[:, :3], k, v, None, parse_normalization("x/1"))
+
+
+def test_a_patched_model_runs_the_triton_kernel_through_the_attention_interface(monkeypatch):
+    """The hook in ``interface.py``: every layer counted as "triton", logits and gradients those of the PyTorch
+    kernel (fp32, 1e-4 of the largest value)."""
+    import hf_knorm
+    from hf_knorm.attention import backends
+    from tests.tiny_models import tiny_model
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(backends, "_device_type", lambda tensor: "cuda")  # the interpreter stands in for CUDA
+    model = hf_knorm.patch(tiny_model("llama"), "x^3/16").to(DEVICE)
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    runs = {}
+    for kernel in ("triton", "pytorch"):
+        monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": kernel, "linear": "auto"})
+        model.zero_grad()
+        with hf_knorm.attention_paths() as taken:
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        (logits[mask.bool()] ** 2).mean().backward()
+        assert dict(taken) == {"triton" if kernel == "triton" else "quadratic": model.config.num_hidden_layers}
+        runs[kernel] = logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    (logits, grads), (ref_logits, ref_grads) = runs["triton"], runs["pytorch"]
+    scale = ref_logits[mask.bool()].abs().max().item()
+    torch.testing.assert_close(logits[mask.bool()], ref_logits[mask.bool()], rtol=1e-4, atol=1e-4 * scale)
+    for name, ref_grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref_grad, rtol=1e-4, atol=1e-4 * ref_grad.abs().max().item(), msg=name)
