@@ -57,6 +57,7 @@ def test_chunk_sizes_depend_on_the_device(monkeypatch):
     assert default_chunk_elements(torch.device("cpu")) == 123
 
 
+@pytest.mark.device
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host synchronizations are detected on CUDA only")
 def test_no_host_synchronization_on_cuda():
     """torch.cuda.set_sync_debug_mode("error") fails on any synchronizing call: the PyTorch kernel under the implicit

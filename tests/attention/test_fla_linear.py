@@ -13,6 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("fla", reason="fla-core is not installed (pip install 'hf_knorm[gpu]')")
+pytestmark = pytest.mark.device  # make device runs fla's kernels on a GPU
 
 from fla.ops.linear_attn.naive import naive_recurrent_linear_attn  # noqa: E402
 

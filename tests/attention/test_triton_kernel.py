@@ -19,7 +19,7 @@ from hf_knorm.attention.interface import split_mask  # noqa: E402
 from hf_knorm.attention.normalizations import parse_normalization  # noqa: E402
 from hf_knorm.attention.reference import reference_attention  # noqa: E402
 
-pytestmark = pytest.mark.triton
+pytestmark = [pytest.mark.triton, pytest.mark.device]  # make device runs them compiled on a GPU
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCKS = dict(block_m=16, block_n=16)
 
