@@ -128,9 +128,13 @@ def test_additive_bias_and_fully_masked_rows():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_precision_accumulates_in_fp32(dtype):
-    """Scores of ~60 (q and k scaled by 4): their cubes overflow fp16 (max 65504), so fp16 products are taken in
-    fp32; bf16 keeps its operands and sums in fp32. Outputs and gradients finite and right."""
-    q, k, v = _tensors(q_len=24, kv_len=24, dim=16, dtype=dtype, scale=2.0)
+    """Scores up to ~75 (q and k scaled by 4): their cubes (~4e5) overflow fp16 (max 65504), the output (small
+    values) does not. So fp16 products are taken on fp32 operands; bf16 keeps its operands and sums in fp32. Outputs
+    and gradients finite and right."""
+    q, k, v = _tensors(q_len=24, kv_len=24, dim=16, dtype=dtype, scale=4.0)
+    v = (v.detach() * 0.05).requires_grad_()
+    scores = q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) * 16**-0.5
+    assert scores.abs().max() ** 3 > torch.finfo(torch.float16).max  # the case this test is about
     _check("x^3/16", q, k, v, _padded_causal_mask(2, 24, 24, pad=4), rtol=2e-2)
 
 
