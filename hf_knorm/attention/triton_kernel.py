@@ -258,11 +258,14 @@ def _scores(q, k_ptrs, rows, keys, dims, b, h, q_len, kv_len, head_dim, mask_ptr
     allowed = inside
     if CAUSAL:
         allowed = allowed & (keys[None, :] <= rows[:, None])
+    # A mask holds B x q x kv entries: 64-bit offsets (2^31 entries are 46k x 46k, or two items at 32k).
+    b64, h64, rows64, keys64 = b.to(tl.int64), h.to(tl.int64), rows.to(tl.int64), keys.to(tl.int64)
     if HAS_MASK:
-        tile = tl.load(mask_ptr + b * smb + h * smh + rows[:, None] * smq + keys[None, :] * smk, mask=inside, other=0)
-        allowed = allowed & (tile != 0)
+        offsets = b64 * smb + h64 * smh + rows64[:, None] * smq + keys64[None, :] * smk
+        allowed = allowed & (tl.load(mask_ptr + offsets, mask=inside, other=0) != 0)
     if HAS_BIAS:
-        s += tl.load(bias_ptr + b * sbb + h * sbh + rows[:, None] * sbq + keys[None, :] * sbk, mask=inside, other=0.0)
+        offsets = b64 * sbb + h64 * sbh + rows64[:, None] * sbq + keys64[None, :] * sbk
+        s += tl.load(bias_ptr + offsets, mask=inside, other=0.0)
     return tl.where(allowed, s, 0.0), t, allowed
 
 
@@ -303,8 +306,8 @@ def _forward_kernel(
     """Output rows ``[m * BLOCK_M, (m + 1) * BLOCK_M)`` of query head ``h`` of batch item ``b``; grid
     ``(cdiv(q, BLOCK_M), B * H_q)``."""
     block = tl.program_id(0)
-    b = tl.program_id(1) // q_heads
-    h = tl.program_id(1) % q_heads
+    b = (tl.program_id(1) // q_heads).to(tl.int64)  # 64-bit offsets: a batch of long sequences passes 2^31
+    h = (tl.program_id(1) % q_heads).to(tl.int64)
     kv_head = h // groups
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
@@ -350,8 +353,8 @@ def _dkdv_kernel(
     B * H_kv)``. Sums over the ``groups`` query heads of the KV head and the query blocks that attend the keys."""
     block = tl.program_id(0)
     kv_heads = q_heads // groups
-    b = tl.program_id(1) // kv_heads
-    kv_head = tl.program_id(1) % kv_heads
+    b = (tl.program_id(1) // kv_heads).to(tl.int64)
+    kv_head = (tl.program_id(1) % kv_heads).to(tl.int64)
     keys = block * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     value_dims = tl.arange(0, BLOCK_DV)
@@ -409,8 +412,8 @@ def _dq_kernel(
     """dQ of query rows ``[m * BLOCK_M, (m + 1) * BLOCK_M)`` of query head ``h``; grid ``(cdiv(q, BLOCK_M),
     B * H_q)``."""
     block = tl.program_id(0)
-    b = tl.program_id(1) // q_heads
-    h = tl.program_id(1) % q_heads
+    b = (tl.program_id(1) // q_heads).to(tl.int64)  # 64-bit offsets: a batch of long sequences passes 2^31
+    h = (tl.program_id(1) % q_heads).to(tl.int64)
     kv_head = h // groups
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     in_rows = rows < q_len
