@@ -91,9 +91,10 @@ def test_every_power_and_constant_with_a_padded_causal_mask_and_gqa(spelling):
     _check(spelling, q, k, v, _padded_causal_mask(2, 37, 37, pad=5), scaling=0.4)
 
 
-@pytest.mark.parametrize("spelling", ["x^3/16", "x/1"])
+@pytest.mark.parametrize("spelling", ["x^3/16", "x/sqrtN"])
 def test_softcap_and_the_implicit_causal_mask(spelling):
-    """No mask and ``causal``: top-left causal, computed from indices; a softcap of 2 bends most scores."""
+    """No mask and ``causal``: top-left causal, computed from indices (sqrtN: row i counts i + 1 keys); a softcap of
+    2 bends most scores."""
     q, k, v = _tensors(q_heads=6, kv_heads=2)
     _check(spelling, q, k, v, None, softcap=2.0, causal=True)
 
@@ -106,9 +107,11 @@ def test_sliding_window_and_a_cache_longer_than_the_queries():
     _check("x^3/sqrtN", q, k, v, mask)
 
 
-def test_bidirectional_without_a_mask():
-    q, k, v = _tensors(q_len=20, kv_len=29)
-    _check("x^3/16", q, k, v, None)
+@pytest.mark.parametrize(("spelling", "q_len"), [("x^3/sqrtN", 20), ("x^3/16", 1)], ids=["encoder", "decode-step"])
+def test_no_mask(spelling, q_len):
+    """Every query attends every key: an encoder (sqrtN: c = sqrt(29)), or one decoded token against a cache."""
+    q, k, v = _tensors(q_len=q_len, kv_len=29)
+    _check(spelling, q, k, v, None)
 
 
 def test_additive_bias_and_fully_masked_rows():
