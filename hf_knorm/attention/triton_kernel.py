@@ -37,6 +37,8 @@ the PyTorch kernel serve it), attention dropout, returned weights, and recording
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -109,13 +111,19 @@ def triton_attention(
     return _TritonAttention.apply(query, key, value, allowed, bias, options)
 
 
+@dataclass(frozen=True)
 class _Options:
-    """What the kernels of one call share besides the tensors."""
+    """What the kernels of one call share besides the tensors. ``inv_constant``: ``1 / c`` (unused with ``sqrt_n``);
+    ``causal``: the implicit top-left causal mask (no mask tensor)."""
 
-    def __init__(self, power, inv_constant, sqrt_n, scaling, softcap, causal, block_m, block_n):
-        self.power, self.inv_constant, self.sqrt_n = power, inv_constant, sqrt_n
-        self.scaling, self.softcap, self.causal = scaling, softcap, causal
-        self.block_m, self.block_n = block_m, block_n
+    power: int
+    inv_constant: float
+    sqrt_n: bool
+    scaling: float
+    softcap: float | None
+    causal: bool
+    block_m: int
+    block_n: int
 
 
 def block_ranges(allowed: torch.Tensor, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
