@@ -15,7 +15,6 @@ import torch
 triton_kernel = pytest.importorskip("hf_knorm.attention.triton_kernel",
                                     reason="triton is not installed (pip install 'hf_knorm[gpu]')")
 
-from hf_knorm.attention.interface import split_mask  # noqa: E402
 from hf_knorm.attention.normalizations import parse_normalization  # noqa: E402
 from hf_knorm.attention.reference import reference_attention  # noqa: E402
 
@@ -115,15 +114,13 @@ def test_no_mask(spelling, q_len):
 
 
 def test_additive_bias_and_fully_masked_rows():
-    """A float mask with biases (split into allowed + bias, as interface.py does) and query rows that attend nothing
-    (left padding in a square mask): their output and gradients are exactly 0."""
+    """An additive float mask with biases, as the kernels take it (a bool mask and a bias that is 0 where masked), and
+    query rows that attend nothing (left padding in a square mask): their output is exactly 0."""
     q, k, v = _tensors()
     allowed = _padded_causal_mask(2, 37, 37, pad=5)
     allowed[1, :, :5] = False  # padded queries attend nothing
     generator = torch.Generator().manual_seed(3)
-    additive = torch.where(allowed.cpu(), 0.3 * torch.randn(allowed.shape, generator=generator), torch.finfo().min)
-    allowed, bias = split_mask(additive.to(DEVICE))
-    assert bias is not None
+    bias = torch.where(allowed.cpu(), 0.3 * torch.randn(allowed.shape, generator=generator), 0.0).to(DEVICE)
     _check("x^3/sqrtN", q, k, v, allowed, bias=bias, softcap=3.0)
     out = triton_kernel.triton_attention(q, k, v, allowed, parse_normalization("x^3/16"), bias=bias, **BLOCKS)
     assert (out[1, :5] == 0).all()
