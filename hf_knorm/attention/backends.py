@@ -110,5 +110,6 @@ def run_linear(path: Path, query, key, value, key_valid, normalization, **option
     from .fla_linear import fla_linear_attention
 
     if options.pop("frobenius_sq", None) is not None:
-        raise ValueError("flash-linear-attention records no norms (with_kernel keeps such calls on the PyTorch kernel).")
+        raise ValueError("flash-linear-attention records no norms (with_kernel keeps such calls on the PyTorch "
+                         "kernel).")
     return fla_linear_attention(query, key, value, key_valid, normalization, **options)

@@ -71,7 +71,8 @@ def fla_linear_attention(
         ``output (B, q, H_q, D_v)`` in the query dtype; with ``return_state`` also the state and the count (fp32).
     """
     if not is_linear(normalization):
-        raise ValueError(f"flash-linear-attention computes p = 1 normalizations (x/c, x/sqrtN), not {normalization.name}.")
+        raise ValueError(f"flash-linear-attention computes p = 1 normalizations (x/c, x/sqrtN), not "
+                         f"{normalization.name}.")
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     if q_heads % kv_heads:

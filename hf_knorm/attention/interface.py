@@ -3,8 +3,9 @@
 Registered under the name ``"hf_knorm"`` (``registration.py``). Each model reads its normalization from its own config
 (``config.hf_knorm["normalization"]``), so two models in one process can use different normalizations. The math is in
 ``kernel.py`` (any normalization, quadratic time) and ``linear_kernel.py`` (``p = 1``, linear time; ``paths.py``
-chooses; on CUDA ``backends.py`` runs them as Triton and flash-linear-attention kernels); this module adapts Transformers' arguments to them (mask forms, kwargs, output recording), reports to an
-active norm recorder or K/V transform, and continues the recurrent state a cache hands over (``taps.py``).
+chooses; on CUDA ``backends.py`` runs them as Triton and flash-linear-attention kernels); this module adapts
+Transformers' arguments to them (mask forms, kwargs, output recording), reports to an active norm recorder or K/V
+transform, and continues the recurrent state a cache hands over (``taps.py``).
 
 Under ``torch.compile`` the function has no graph break. The taps are read only while one is set (``taps.taps_set``).
 With none set, and no dropout or returned weights (training and inference), the call is one custom op running the

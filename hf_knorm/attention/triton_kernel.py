@@ -17,8 +17,8 @@ With ``s`` the (softcapped, biased) score, ``r_i = 1 / c_i`` the row scale and `
 Masks: an explicit bool mask ``(B or 1, 1 or H_q, q, kv)`` is read tile by tile (a sliding window, padding, packed
 sequences: whatever Transformers built), and the key blocks each query block may attend (and the query blocks each
 key block is attended by) are found on the device from it, before the launch, with no host synchronization
-(:func:`block_ranges`, ``blocks.py``); without a mask and with ``causal``, the top-left causal mask (keys cut to ``q``, as in
-Transformers' sdpa path) is computed from indices. An additive float bias of the mask's shape is added to the scores.
+(:func:`block_ranges`, ``blocks.py``); without a mask and with ``causal``, the top-left causal mask (keys cut to
+``q``, as in Transformers' sdpa path) is computed from indices. An additive float bias of the mask's shape is added to the scores.
 ``c = sqrtN`` counts each row's allowed keys in the forward and keeps the row scales for the backward.
 
 Precision: scores and weights in fp32; the products ``w V`` and ``dS K`` take bf16 operands for bf16 inputs (as

@@ -65,7 +65,8 @@ def test_use_kernels_overrides_and_refuses(on_cuda, monkeypatch):
     with pytest.raises(MissingExtraError, match=r"pip install 'hf_knorm\[gpu\]'"):
         backends.use_kernels(quadratic="triton")
     monkeypatch.setitem(sys.modules, "fla", None)
-    with pytest.raises(MissingExtraError, match=r"needs fla-core, which is not installed: pip install 'hf_knorm\[gpu\]'"):
+    with pytest.raises(MissingExtraError,
+                       match=r"needs fla-core, which is not installed: pip install 'hf_knorm\[gpu\]'"):
         backends.use_kernels(linear="fla")
 
 

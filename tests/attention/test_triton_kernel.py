@@ -2,7 +2,8 @@
 
 On a machine without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set by
 ``tests/conftest.py`` before triton is first imported: ``triton.jit`` reads it when it decorates), on the CPU; with
-CUDA they run compiled, on the GPU. Small shapes with 16 x 16 blocks, so every case crosses several query and key blocks and ragged edges (37 rows).
+CUDA they run compiled, on the GPU. Small shapes with 16 x 16 blocks, so every case crosses several query and key
+blocks and ragged edges (37 rows).
 
 Tolerances: fp32 inputs, ``rtol = atol = 1e-4`` relative to the largest reference value (measured errors ~1e-6 under
 the interpreter; TF32 is not used for fp32 inputs); bf16 and fp16 inputs against the reference in fp64 on the same
