@@ -9,14 +9,14 @@ STAMP := $(VENV)/.installed
 setup: $(STAMP)
 
 # torch is pinned to the CPU wheel (2.13.0); everything else comes from requirements.lock, which holds the core
-# dependencies and those of the train, demo and dev extras (the editable install names them; --no-deps: the lock
+# dependencies and those of the train, demo, gpu and dev extras (the editable install names them; --no-deps: the lock
 # already installed them).
 $(STAMP): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -r requirements.lock
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e ".[train,demo,dev]"
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e ".[train,demo,gpu,dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)

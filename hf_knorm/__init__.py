@@ -2,7 +2,8 @@
 
 - ``patch(model, "x^3/16")`` / ``unpatch(model)``: polynomial attention of "Rethinking Softmax" (arXiv 2410.18613);
   ``x/1`` and ``x/16`` run in linear time (``attention_paths()`` shows which kernel ran) and ``generate`` decodes them
-  with a constant-size state (``RecurrentStateCache``).
+  with a constant-size state (``RecurrentStateCache``); on CUDA, Triton and flash-linear-attention kernels run them
+  (``pip install 'hf_knorm[gpu]'``; ``use_kernels()`` forces or refuses them).
 - ``save_pretrained`` / ``from_pretrained``: checkpoints that keep their normalization, with their model card.
 - ``push_to_hub(model, "user/name", tokenizer=tok)``: weights, config, tokenizer and card in one commit.
 - ``record_norms(model)``: per-layer attention-matrix and K/V channel norms.
@@ -25,6 +26,7 @@ from .compat import check_transformers_version
 check_transformers_version()  # first: outside the supported range, one clear ImportError instead of a deep traceback
 
 from .assets.default_model import DEFAULT_MODEL_HUB_ID, load_default_model
+from .attention.backends import use_kernels
 from .attention.normalizations import PAPER_NORMALIZATIONS, Normalization, parse_normalization
 from .attention.paths import attention_paths
 from .attention.registration import register
@@ -87,5 +89,6 @@ __all__ = [
     "save_pretrained",
     "set_knorm_defaults",
     "unpatch",
+    "use_kernels",
     "value_scales",
 ]

@@ -7,7 +7,9 @@ are extras of ``pyproject.toml``, imported where they are used through :func:`re
   ``report_to``), ``scikit-learn`` (the 8x8 digits of ``hf-knorm attention-norms``), ``peft`` (LoRA), ``trl`` (``SFTTrainer`` and its
   packing, under ``finetune``);
 - ``demo``: what ``hf-knorm demo`` runs (it fine-tunes: the ``train`` extra);
-- ``dev``: the test suite and the import-layer linter.
+- ``gpu``: ``triton`` (the fused ``x^p/c`` kernel) and ``fla-core`` (flash-linear-attention's ``x/1``), used on
+  CUDA by ``hf_knorm/attention/backends.py``;
+- ``dev``: the test suite and the import-layer linter (and the ``gpu`` extra: the Triton tests run on a CPU too).
 
 ``OPTIONAL`` is the one table of module -> (extra, distribution); a test checks each entry against ``pyproject.toml``.
 """
@@ -24,6 +26,8 @@ OPTIONAL: dict[str, tuple[str, str]] = {
     "sklearn": ("train", "scikit-learn"),
     "peft": ("train", "peft"),
     "trl": ("train", "trl"),
+    "triton": ("gpu", "triton"),
+    "fla": ("gpu", "fla-core"),
 }
 
 

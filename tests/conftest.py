@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without CUDA the Triton kernels' tests (tests/attention/test_triton_kernel.py) run under Triton's interpreter. It
+# must be on before triton is first imported (importing hf_knorm does, through torch): Triton's own library functions
+# (tl.sum, tl.cdiv) are decorated then, and a kernel interpreted later cannot call compiled ones.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny_models.py
 

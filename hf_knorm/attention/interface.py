@@ -3,8 +3,9 @@
 Registered under the name ``"hf_knorm"`` (``registration.py``). Each model reads its normalization from its own config
 (``config.hf_knorm["normalization"]``), so two models in one process can use different normalizations. The math is in
 ``kernel.py`` (any normalization, quadratic time) and ``linear_kernel.py`` (``p = 1``, linear time; ``paths.py``
-chooses); this module adapts Transformers' arguments to them (mask forms, kwargs, output recording), reports to an
-active norm recorder or K/V transform, and continues the recurrent state a cache hands over (``taps.py``).
+chooses; on CUDA ``backends.py`` runs them as Triton and flash-linear-attention kernels); this module adapts
+Transformers' arguments to them (mask forms, kwargs, output recording), reports to an active norm recorder or K/V
+transform, and continues the recurrent state a cache hands over (``taps.py``).
 
 Masks arrive in two forms (``masks.py``): key padding ``(B, kv)`` for a plain causal call, so that the linear path
 never sees an ``N x N`` tensor, and the explicit bool mask otherwise; ``read_mask`` turns either into what the paths
@@ -22,11 +23,10 @@ from __future__ import annotations
 import torch
 
 from ..compat import attentions_being_collected
+from .backends import run_linear, run_quadratic, with_kernel
 from .compiled import compiled_attention
-from .kernel import chunked_attention
-from .linear_kernel import linear_attention
-from .normalizations import Normalization, parse_normalization
 from .masks import KeyPadding, Mask
+from .normalizations import Normalization, parse_normalization
 from .paths import check_linear_policy, choose_path, linear_keys, linear_policy_of, note_path
 from .taps import current_kv_transform, current_recorder, take_state_for, taps_set
 
@@ -77,6 +77,8 @@ def hf_knorm_attention(
     path = choose_path(normalization, query.shape[2], key.shape[2], mask, bias, causal=causal, softcap=softcap,
                        dropout=dropout, return_weights=return_weights, has_state=handover is not None,
                        compiling=compiling)
+    path = with_kernel(path, query, normalization, dropout=dropout, return_weights=return_weights,
+                       recording=recorder is not None, compiling=compiling)
     if read_taps:
         note_path(path, module, query.shape[2], linear_policy_of(module))
     elif path.fallback:
@@ -92,8 +94,8 @@ def hf_knorm_attention(
         output = compiled_attention(query, key, value, quadratic_mask(mask, query.shape[2], compiling), bias,
                                     normalization, scaling=scaling, softcap=softcap, causal=causal)
     else:
-        output, weights = chunked_attention(
-            query, key, value, quadratic_mask(mask, query.shape[2], compiling), normalization, bias=bias,
+        output, weights = run_quadratic(
+            path, query, key, value, quadratic_mask(mask, query.shape[2], compiling), normalization, bias=bias,
             scaling=scaling, softcap=softcap, dropout=dropout, causal=causal, return_weights=return_weights,
             frobenius_sq=frobenius_sq, trim_keys=not compiling,
         )
@@ -105,12 +107,12 @@ def hf_knorm_attention(
 def _linear(query, key, value, path, normalization, scaling, handover, frobenius_sq) -> torch.Tensor:
     """The linear path; with a recurrent state handed over, it continues from that state and writes the new one."""
     if handover is None:
-        return linear_attention(query, key, value, path.key_valid, normalization, scaling=scaling,
-                                frobenius_sq=frobenius_sq)
+        return run_linear(path, query, key, value, path.key_valid, normalization, scaling=scaling,
+                          frobenius_sq=frobenius_sq)
     state, count = handover.read()
-    output, state, count = linear_attention(query, key, value, path.key_valid, normalization, scaling=scaling,
-                                            initial_state=state, initial_count=count, frobenius_sq=frobenius_sq,
-                                            return_state=True)
+    output, state, count = run_linear(path, query, key, value, path.key_valid, normalization, scaling=scaling,
+                                      initial_state=state, initial_count=count, frobenius_sq=frobenius_sq,
+                                      return_state=True)
     handover.write(state, count)
     return output
 

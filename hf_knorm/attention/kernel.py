@@ -1,9 +1,13 @@
 """The attention kernel: any normalization, query-row chunks, memory linear in N in the forward and backward pass.
 
 The B x H x N x N scores are never materialized. Queries are processed in row chunks of at most ``chunk_elements``
-scores (every chunk holds whole rows, so softmax needs no running statistics), and keys a chunk cannot attend
-(beyond the causal diagonal, outside a sliding window) are skipped. GQA groups the query heads of each KV head
-instead of repeating K and V.
+scores (every chunk holds whole rows, so softmax needs no running statistics; the default depends on the device:
+:func:`default_chunk_elements`), and keys a chunk cannot attend (beyond the causal diagonal, outside a sliding window,
+padding) are skipped. GQA groups the query heads of each KV head instead of repeating K and V.
+
+No host synchronization per chunk: the key range of every chunk comes from the shapes (no mask, or the implicit
+causal mask) or, with an explicit mask, from one pass over it for all chunks at once (``blocks.py``), read to the host
+once per call. On CUDA, ``backends.py`` runs the polynomial normalizations on the Triton kernel instead.
 
 Training uses :class:`_ChunkedAttention`, a hand-written backward in the FlashAttention style: each chunk's scores
 are recomputed and dQ, dK, dV are accumulated chunk by chunk into preallocated buffers. With attention dropout, or
@@ -24,9 +28,20 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .blocks import chunk_key_ranges
 from .normalizations import Normalization
 
-DEFAULT_CHUNK_ELEMENTS = 1 << 21  # scores per chunk: 8 MiB in fp32; smaller chunks make small, slow matmuls
+DEFAULT_CHUNK_ELEMENTS = 1 << 21  # scores per chunk on the CPU: 8 MiB in fp32; smaller chunks make small, slow matmuls
+DEVICE_CHUNK_ELEMENTS = {"cuda": 1 << 25}
+"""Scores per chunk on an accelerator: 128 MiB in fp32 (the backward holds ~5 such tensors). A GPU wants few, large
+matmuls: at 32k keys and 9 heads, 2^21 scores are 7 query rows (~4,700 chunks a pass), 2^25 are 113. Not tuned on a
+GPU yet (BENCHMARKS.md, "Attention on a GPU")."""
+
+
+def default_chunk_elements(device: torch.device) -> int:
+    """Scores per chunk on ``device``: :data:`DEVICE_CHUNK_ELEMENTS`, else :data:`DEFAULT_CHUNK_ELEMENTS` (both read
+    at call time)."""
+    return DEVICE_CHUNK_ELEMENTS.get(device.type, DEFAULT_CHUNK_ELEMENTS)
 
 
 @dataclass
@@ -46,18 +61,28 @@ class _Plan:
 
     def chunks(self, device):
         """Yield ``(start, stop, allowed, bias, lo, hi)`` per row chunk; masks cut to the attended keys ``lo:hi``."""
-        for start in range(0, self.q_len, self.rows):
+        ranges = self._key_ranges()
+        for index, start in enumerate(range(0, self.q_len, self.rows)):
             stop = min(self.q_len, start + self.rows)
+            lo, hi = ranges[index] if ranges is not None else (0, self.kv_len)
             if self.allowed is not None:
-                allowed = self.allowed[..., start:stop, :]
+                allowed = self.allowed[..., start:stop, lo:hi]
             elif self.implicit_causal:  # top-left causal, built per chunk
-                allowed = (torch.arange(self.kv_len, device=device) <= torch.arange(start, stop, device=device)[:, None])
+                allowed = (torch.arange(lo, hi, device=device) <= torch.arange(start, stop, device=device)[:, None])
                 allowed = allowed[None, None, None]
             else:
                 allowed = None
-            lo, hi = _attended_key_range(allowed, self.kv_len) if self.trim_keys else (0, self.kv_len)
             bias = None if self.bias is None else self.bias[..., start:stop, lo:hi]
-            yield start, stop, None if allowed is None else allowed[..., lo:hi], bias, lo, hi
+            yield start, stop, allowed, bias, lo, hi
+
+    def _key_ranges(self) -> list[list[int]] | None:
+        """Each chunk's attended keys ``[lo, hi)`` (``None``: all keys for every chunk). Implicit causal: from the
+        shapes; an explicit mask: one pass over it and one read to the host for the whole call."""
+        if not self.trim_keys or (self.allowed is None and not self.implicit_causal):
+            return None
+        if self.allowed is None:  # top-left causal: row r attends keys 0..r
+            return [[0, min(self.kv_len, start + self.rows)] for start in range(0, self.q_len, self.rows)]
+        return chunk_key_ranges(self.allowed, self.rows).tolist()
 
 
 def chunked_attention(
@@ -90,7 +115,8 @@ def chunked_attention(
         return_weights: also return the ``(B, H_q, q, kv)`` weights (materializes them).
         frobenius_sq: optional ``(B, H_kv, G)`` accumulator; receives the squared Frobenius norm of each head's
             weight matrix (before dropout; no gradient), without materializing the matrix.
-        chunk_elements: at most this many scores per chunk (default: ``DEFAULT_CHUNK_ELEMENTS``, read at call time).
+        chunk_elements: at most this many scores per chunk (default: :func:`default_chunk_elements` of the query's
+            device, read at call time).
         trim_keys: skip the keys no row of a chunk may attend (beyond the causal diagonal, outside a sliding window).
             Finding them reads the mask's values: ``False`` where compiled code traces the kernel (``interface.py``;
             no graph break, the same result).
@@ -157,7 +183,7 @@ def _prepare(query, key, value, allowed, normalization, bias, scaling, softcap, 
         softcap=softcap,
         implicit_causal=implicit_causal,
         trim_keys=trim_keys,
-        rows=max(1, (chunk_elements or DEFAULT_CHUNK_ELEMENTS) // max(1, batch * q_heads * kv_len)),
+        rows=max(1, (chunk_elements or default_chunk_elements(query.device)) // max(1, batch * q_heads * kv_len)),
         q_len=q_len,
         kv_len=kv_len,
     )
@@ -295,13 +321,3 @@ def _grouped(mask: torch.Tensor | None, kv_heads: int, groups: int, kv_len: int)
     if mask.shape[1] == 1:
         return mask.unsqueeze(2)
     return mask.reshape(mask.shape[0], kv_heads, groups, *mask.shape[2:])
-
-
-def _attended_key_range(allowed: torch.Tensor | None, kv_len: int) -> tuple[int, int]:
-    """The smallest key range ``[lo, hi)`` that holds every key some row of the chunk may attend."""
-    if allowed is None:
-        return 0, kv_len
-    columns = allowed.reshape(-1, allowed.shape[-1]).any(dim=0).nonzero()
-    if columns.numel() == 0:
-        return 0, 0
-    return int(columns[0]), int(columns[-1]) + 1

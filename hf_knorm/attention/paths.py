@@ -15,7 +15,8 @@ length. It is chosen automatically when it computes exactly what the quadratic k
   K/V cache in ``O(N * D)``, the linear form needs ``O(N * D^2)``), or a recurrent state to continue.
 
 Which path ran is visible: ``with attention_paths() as paths:`` counts the calls per path (``paths["linear"]``,
-``paths["quadratic"]``), and the ``hf_knorm.attention`` logger says at DEBUG level why a call took the quadratic path.
+``paths["quadratic"]``; on CUDA ``paths["fla"]`` and ``paths["triton"]`` for the GPU kernels, ``backends.py``), and
+the ``hf_knorm.attention`` logger says at DEBUG level why a call took the quadratic path.
 A *fallback* (a ``p = 1`` call that could not take the linear path for a reason other than its few queries) is never
 silent on a long input: from :data:`LONG_INPUT` queries on it warns once per reason. A model patched with
 ``linear="require"`` (:func:`hf_knorm.patch`) raises instead, at any length, for users who need the guarantee.
@@ -67,10 +68,11 @@ class Path:
     key_valid: torch.Tensor | None = None
     reason: str = ""
     fallback: bool = False
+    kernel: str = ""  # a GPU kernel computing the path ("triton", "fla"; backends.py); "" = the PyTorch one
 
     @property
     def name(self) -> str:
-        return "linear" if self.linear else "quadratic"
+        return self.kernel or ("linear" if self.linear else "quadratic")
 
 
 def choose_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mask, bias: torch.Tensor | None, *,
@@ -189,7 +191,7 @@ def linear_policy_of(module: torch.nn.Module) -> str:
 @contextmanager
 def attention_paths():
     """``with attention_paths() as paths:`` -> a ``Counter`` of the plugin's attention calls per path
-    (``"linear"``, ``"quadratic"``) made inside the block."""
+    (``"linear"``, ``"quadratic"``, and on CUDA ``"fla"``, ``"triton"``) made inside the block."""
     paths = Counter()
     token = _PATHS.set(paths)
     count_tap(+1)

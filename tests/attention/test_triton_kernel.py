@@ -1,0 +1,194 @@
+"""The Triton kernel of ``x^p/c`` against the plain reference: outputs and gradients, every case it serves.
+
+On a machine without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set by
+``tests/conftest.py`` before triton is first imported: ``triton.jit`` reads it when it decorates), on the CPU; with
+CUDA they run compiled, on the GPU. Small shapes with 16 x 16 blocks, so every case crosses several query and key
+blocks and ragged edges (37 rows).
+
+Tolerances: fp32 inputs, ``rtol = atol = 1e-4`` relative to the largest reference value (measured errors ~1e-6 under
+the interpreter; TF32 is not used for fp32 inputs); bf16 and fp16 inputs against the reference in fp64 on the same
+rounded inputs, ``2e-2`` of the largest value (the output is rounded to 8 or 11 bits; the sums are fp32).
+"""
+
+import pytest
+import torch
+
+triton_kernel = pytest.importorskip("hf_knorm.attention.triton_kernel",
+                                    reason="triton is not installed (pip install 'hf_knorm[gpu]')")
+
+from hf_knorm.attention.normalizations import parse_normalization  # noqa: E402
+from hf_knorm.attention.reference import reference_attention  # noqa: E402
+
+pytestmark = [pytest.mark.triton, pytest.mark.device]  # make device runs them compiled on a GPU
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCKS = dict(block_m=16, block_n=16)
+
+
+def _tensors(batch=2, q_heads=4, kv_heads=2, q_len=37, kv_len=37, dim=8, dtype=torch.float32, seed=0, scale=1.0):
+    generator = torch.Generator().manual_seed(seed)
+    make = lambda *shape: (scale * torch.randn(*shape, generator=generator)).to(DEVICE, dtype)  # noqa: E731
+    tensors = make(batch, q_heads, q_len, dim), make(batch, kv_heads, kv_len, dim), make(batch, kv_heads, kv_len, dim)
+    return tuple(t.requires_grad_() for t in tensors)
+
+
+def _padded_causal_mask(batch, q_len, kv_len, pad, window=None):
+    """Bottom-right causal bool ``(B, 1, q, kv)``; item 1 left-padded by ``pad``; optionally a sliding window."""
+    rows = torch.arange(q_len)[:, None] + (kv_len - q_len)
+    keys = torch.arange(kv_len)[None, :]
+    mask = keys <= rows
+    if window is not None:
+        mask &= keys > rows - window
+    mask = mask.expand(batch, 1, q_len, kv_len).clone()
+    mask[1, :, :, :pad] = False
+    return mask.to(DEVICE)
+
+
+def _check(spelling, q, k, v, mask, *, rtol=1e-4, grads=True, **options):
+    """Output and gradients of the Triton kernel against the reference (fp64 on the same inputs)."""
+    normalization = parse_normalization(spelling)
+    out = triton_kernel.triton_attention(q, k, v, mask, normalization, **options, **BLOCKS)
+    reference_options = {key: value for key, value in options.items() if key != "bias"}
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    if "bias" in options:  # the reference takes no bias: add it through the scores' definition, by hand
+        ref = _reference_with_bias(*leaves, mask, normalization, options["bias"], **reference_options)
+    else:
+        ref, _ = reference_attention(*leaves, mask, normalization, **reference_options)
+    assert out.dtype == q.dtype and out.shape == ref.shape
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(out.double(), ref, rtol=rtol, atol=rtol * scale, msg=lambda m: f"output: {m}")
+    if not grads:
+        return
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    got = torch.autograd.grad((out.float() * upstream).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * upstream.double()).sum(), leaves)
+    for name, grad, ref_grad in zip("qkv", got, want):
+        assert grad.dtype == q.dtype
+        torch.testing.assert_close(grad.double(), ref_grad, rtol=rtol, atol=rtol * ref_grad.abs().max().item(),
+                                   msg=lambda m: f"d{name}: {m}")
+
+
+def _reference_with_bias(q, k, v, allowed, normalization, bias, scaling=None, softcap=None, causal=False):
+    """The reference with an additive bias on the (softcapped) scores, written out: ``s = cap*tanh(r/cap) + bias``."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores + bias.double()
+    allowed = allowed.expand_as(scores)
+    weights = torch.where(allowed, scores, 0.0) ** normalization.power
+    if normalization.sqrt_n:
+        weights = weights / allowed.sum(-1, keepdim=True).clamp_min(1).double().sqrt()
+    else:
+        weights = weights / normalization.constant
+    return (weights @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("spelling", ["x/1", "x/16", "x^2/4", "x^3/1", "x^3/16", "x^3/sqrtN"])
+def test_every_power_and_constant_with_a_padded_causal_mask_and_gqa(spelling):
+    """4 query heads over 2 KV heads (K and V are never repeated: query head h reads KV head h // 2)."""
+    q, k, v = _tensors()
+    _check(spelling, q, k, v, _padded_causal_mask(2, 37, 37, pad=5), scaling=0.4)
+
+
+@pytest.mark.parametrize("spelling", ["x^3/16", "x/sqrtN"])
+def test_softcap_and_the_implicit_causal_mask(spelling):
+    """No mask and ``causal``: top-left causal, computed from indices (sqrtN: row i counts i + 1 keys); a softcap of
+    2 bends most scores."""
+    q, k, v = _tensors(q_heads=6, kv_heads=2)
+    _check(spelling, q, k, v, None, softcap=2.0, causal=True)
+
+
+def test_sliding_window_and_a_cache_longer_than_the_queries():
+    """5 queries against 40 keys (a chunked prefill with a cache), a 12-key window, a per-head mask, sqrtN."""
+    q, k, v = _tensors(q_len=5, kv_len=40)
+    mask = _padded_causal_mask(2, 5, 40, pad=30, window=12).expand(2, 4, 5, 40).clone()
+    mask[:, 3, :, -1] = False  # one query head's mask differs: the mask is read per head
+    _check("x^3/sqrtN", q, k, v, mask)
+
+
+@pytest.mark.parametrize(("spelling", "q_len"), [("x^3/sqrtN", 20), ("x^3/16", 1)], ids=["encoder", "decode-step"])
+def test_no_mask(spelling, q_len):
+    """Every query attends every key: an encoder (sqrtN: c = sqrt(29)), or one decoded token against a cache."""
+    q, k, v = _tensors(q_len=q_len, kv_len=29)
+    _check(spelling, q, k, v, None)
+
+
+def test_additive_bias_and_fully_masked_rows():
+    """An additive float mask with biases, as the kernels take it (a bool mask and a bias that is 0 where masked), and
+    query rows that attend nothing (left padding in a square mask): their output is exactly 0."""
+    q, k, v = _tensors()
+    allowed = _padded_causal_mask(2, 37, 37, pad=5)
+    allowed[1, :, :5] = False  # padded queries attend nothing
+    generator = torch.Generator().manual_seed(3)
+    bias = torch.where(allowed.cpu(), 0.3 * torch.randn(allowed.shape, generator=generator), 0.0).to(DEVICE)
+    _check("x^3/sqrtN", q, k, v, allowed, bias=bias, softcap=3.0)
+    out = triton_kernel.triton_attention(q, k, v, allowed, parse_normalization("x^3/16"), bias=bias, **BLOCKS)
+    assert (out[1, :5] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_accumulates_in_fp32(dtype):
+    """Scores up to ~75 (q and k scaled by 4): their cubes (~4e5) overflow fp16 (max 65504), the output (small
+    values) does not. So fp16 products are taken on fp32 operands; bf16 keeps its operands and sums in fp32. Outputs
+    and gradients finite and right."""
+    q, k, v = _tensors(q_len=24, kv_len=24, dim=16, dtype=dtype, scale=4.0)
+    v = (v.detach() * 0.05).requires_grad_()
+    scores = q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) * 16**-0.5
+    assert scores.abs().max() ** 3 > torch.finfo(torch.float16).max  # the case this test is about
+    _check("x^3/16", q, k, v, _padded_causal_mask(2, 24, 24, pad=4), rtol=2e-2)
+
+
+def test_block_ranges_from_a_window_mask():
+    """The key blocks each query block visits and the query blocks each key block serves, against a plain loop."""
+    mask = _padded_causal_mask(2, 37, 45, pad=30, window=9)
+    key_blocks, query_blocks = triton_kernel.block_ranges(mask, 16, 8)
+    for b in range(2):
+        for m in range(3):
+            columns = mask[b, 0, m * 16:(m + 1) * 16].any(dim=0).nonzero().flatten().tolist()
+            expected = [columns[0] // 8, columns[-1] // 8 + 1] if columns else [0, 0]
+            assert key_blocks[b, 0, m].tolist() == expected
+        for n in range(6):
+            rows = mask[b, 0, :, n * 8:(n + 1) * 8].any(dim=1).nonzero().flatten().tolist()
+            expected = [rows[0] // 16, rows[-1] // 16 + 1] if rows else [0, 0]
+            assert query_blocks[b, 0, n].tolist() == expected
+    assert key_blocks[1, 0, 0].tolist() == [0, 0]  # rows 0-15 of item 1 (keys <= 23) attend nothing: 30 keys of padding
+
+
+def test_what_it_does_not_compute_is_refused():
+    q, k, v = _tensors(q_len=4, kv_len=4)
+    with pytest.raises(ValueError, match="softmax runs on the PyTorch kernel"):
+        triton_kernel.triton_attention(q, k, v, None, parse_normalization("softmax"))
+    with pytest.raises(ValueError, match="fp32, bf16 or fp16"):
+        triton_kernel.triton_attention(q.double(), k.double(), v.double(), None, parse_normalization("x/1"))
+    with pytest.raises(ValueError, match="cannot be grouped"):
+        triton_kernel.triton_attention(q[:, :3], k, v, None, parse_normalization("x/1"))
+
+
+def test_a_patched_model_runs_the_triton_kernel_through_the_attention_interface(monkeypatch):
+    """The hook in ``interface.py``: every layer counted as "triton", logits and gradients those of the PyTorch
+    kernel (fp32, 1e-4 of the largest value)."""
+    import hf_knorm
+    from hf_knorm.attention import backends
+    from tests.tiny_models import tiny_model
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(backends, "_device_type", lambda tensor: "cuda")  # the interpreter stands in for CUDA
+    model = hf_knorm.patch(tiny_model("llama"), "x^3/16").to(DEVICE)
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    runs = {}
+    for kernel in ("triton", "pytorch"):
+        monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": kernel, "linear": "auto"})
+        model.zero_grad()
+        with hf_knorm.attention_paths() as taken:
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        (logits[mask.bool()] ** 2).mean().backward()
+        assert dict(taken) == {"triton" if kernel == "triton" else "quadratic": model.config.num_hidden_layers}
+        runs[kernel] = logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    (logits, grads), (ref_logits, ref_grads) = runs["triton"], runs["pytorch"]
+    scale = ref_logits[mask.bool()].abs().max().item()
+    torch.testing.assert_close(logits[mask.bool()], ref_logits[mask.bool()], rtol=1e-4, atol=1e-4 * scale)
+    for name, ref_grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref_grad, rtol=1e-4, atol=1e-4 * ref_grad.abs().max().item(), msg=name)
