@@ -1,0 +1,152 @@
+"""A softmax window in patched models: ``hf_knorm.patch(model, "x^3/16", softmax_window=W)``.
+
+- The whole model against the same model whose attention is the plain reference (explicit masks), fp64: logits and
+  every parameter's gradient within 1e-9 of their largest entry; left padding, GQA, the model's own sliding window
+  (mistral, gemma2, gemma3: 5 positions, shorter and longer than the softmax window) and softcap (gemma2).
+- Token-by-token decoding with the K/V cache equals the full forward (fp32, 1e-4 as tests/models/test_generation.py).
+- ``W = 0`` is the pure normalization bit for bit; a window longer than the text is softmax.
+- The window travels with the model: config, save and reload, the card; bad windows are refused.
+"""
+
+import pytest
+import torch
+from tiny_models import tiny_inputs, tiny_model
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+import hf_knorm
+from hf_knorm.attention.interface import normalization_of
+from hf_knorm.attention.masks import explicit_bool_mask
+from hf_knorm.attention.paths import attention_paths
+from hf_knorm.attention.reference import reference_window_attention
+from hf_knorm.compat import cache_kwargs, output_cache
+
+REFERENCE = "test_reference_window"
+WINDOW_TYPES = ("llama", "mistral", "gemma2", "gemma3_text", "qwen3", "gpt2", "phi3")
+ATOL = 1e-4  # fp32 decoding against the full forward (logits of size ~10)
+
+
+def reference_window(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The plain reference of the model's windowed normalization, as an ``AttentionInterface`` function."""
+    output, _ = reference_window_attention(query, key, value, attention_mask, normalization_of(module),
+                                           scaling=scaling, softcap=kwargs.get("softcap"))
+    return output, None
+
+
+AttentionInterface.register(REFERENCE, reference_window)
+AttentionMaskInterface.register(REFERENCE, explicit_bool_mask)
+
+
+def _twins(model_type, spelling, window, dtype=torch.float64):
+    model = hf_knorm.patch(tiny_model(model_type, dtype=dtype), spelling, softmax_window=window)
+    reference = tiny_model(model_type, dtype=dtype)
+    reference.config.hf_knorm = dict(model.config.hf_knorm)
+    reference.set_attn_implementation(REFERENCE)
+    return model, reference
+
+
+def _logits_and_grads(model, inputs):
+    model.zero_grad()
+    output = model(**inputs, labels=inputs["input_ids"])
+    output.loss.backward()
+    return output.logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("spelling, window", [("x^3/16", 3), ("x/1", 4), ("x/sqrtN", 7), ("x^3/sqrtN", 2)])
+@pytest.mark.parametrize("model_type", WINDOW_TYPES)
+def test_models_equal_the_reference_attention(model_type, spelling, window):
+    model, reference = _twins(model_type, spelling, window)
+    inputs = tiny_inputs(model_type, length=14)
+    inputs["attention_mask"][1, :4] = 0  # left padding: its queries attend nothing on either side
+    logits, grads = _logits_and_grads(model, inputs)  # eval mode: no dropout (gpt2 has some), gradients all the same
+    want_logits, want_grads = _logits_and_grads(reference, inputs)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-9 * want_logits.abs().max().item())
+    for name, grad in grads.items():
+        scale = want_grads[name].abs().max().item()
+        torch.testing.assert_close(grad, want_grads[name], rtol=0, atol=1e-9 * scale + 1e-15, msg=name)
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("spelling", ["x^3/16", "x/1", "x/sqrtN"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "gemma2", "gemma3_text"])
+def test_token_by_token_decoding_with_the_kv_cache_equals_the_full_forward(model_type, spelling):
+    model = hf_knorm.patch(tiny_model(model_type), spelling, softmax_window=3)
+    ids = tiny_inputs(model_type, batch=1, length=14)["input_ids"]
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        out = model(input_ids=ids[:, :4], use_cache=True, **cache_kwargs(_kv_cache(model)))
+        steps = [out.logits]
+        for position in range(4, 14):
+            out = model(input_ids=ids[:, position: position + 1], **cache_kwargs(output_cache(out)), use_cache=True)
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=ATOL)
+
+
+def _kv_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def test_a_window_of_zero_is_the_pure_normalization_bit_for_bit():
+    inputs = tiny_inputs("llama", length=20)
+    pure = hf_knorm.patch(tiny_model("llama"), "x^3/16")
+    zero = hf_knorm.patch(tiny_model("llama"), "x^3/16", softmax_window=0)
+    assert zero.config.hf_knorm["normalization"] == "x^3/16"
+    with torch.no_grad():
+        assert torch.equal(zero(**inputs).logits, pure(**inputs).logits)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+def test_a_window_longer_than_the_text_is_softmax(model_type):
+    inputs = tiny_inputs(model_type, length=12)
+    softmax = hf_knorm.patch(tiny_model(model_type), "softmax")
+    windowed = hf_knorm.patch(tiny_model(model_type), "x^3/16", softmax_window=12)
+    with torch.no_grad():
+        torch.testing.assert_close(windowed(**inputs).logits, softmax(**inputs).logits, rtol=0, atol=1e-5)
+
+
+def test_the_p1_hybrid_runs_in_linear_time_in_a_model():
+    model = hf_knorm.patch(tiny_model("llama"), "x/1", softmax_window=16)
+    inputs = tiny_inputs("llama", length=200)
+    with attention_paths() as taken, torch.no_grad():
+        model(**inputs)
+    assert dict(taken) == {"linear": model.config.num_hidden_layers}
+    cubic = hf_knorm.patch(tiny_model("llama"), "x^3/16", softmax_window=16)
+    with attention_paths() as taken, torch.no_grad():
+        cubic(**inputs)
+    assert dict(taken) == {"quadratic": model.config.num_hidden_layers}
+
+
+def test_the_window_travels_with_the_model(tmp_path):
+    model = hf_knorm.patch(tiny_model("qwen3"), "x^3/16", softmax_window=4)
+    assert model.config.hf_knorm["normalization"] == "x^3/16 + softmax window 4"
+    assert hf_knorm.patched_normalization(model) == "x^3/16 + softmax window 4"
+    hf_knorm.save_pretrained(model, tmp_path / "model")
+    loaded = hf_knorm.from_pretrained(tmp_path / "model").eval()
+    assert loaded.config.hf_knorm["normalization"] == "x^3/16 + softmax window 4"
+    inputs = tiny_inputs("qwen3", length=12)
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs).logits, model.eval()(**inputs).logits)
+    card = (tmp_path / "model" / "README.md").read_text()
+    assert "x^3/16 + softmax window 4" in card and "normalization-x3-16-softmax-window-4" in card
+    assert "softmax over the keys of each query's last 4 positions" in card
+
+
+def test_patching_with_another_window_or_a_bad_one_is_refused():
+    model = hf_knorm.patch(tiny_model("llama"), "x^3/16", softmax_window=4)
+    with pytest.raises(ValueError, match="unpatch"):
+        hf_knorm.patch(model, "x^3/16", softmax_window=8)
+    with pytest.warns(UserWarning, match="already patched"):
+        hf_knorm.patch(model, "x^3/16 + softmax window 4")
+    with pytest.raises(ValueError, match="integer >= 0"):
+        hf_knorm.patch(tiny_model("llama"), "x^3/16", softmax_window=-1)
+    with pytest.raises(ValueError, match="already weighted by softmax"):
+        hf_knorm.patch(tiny_model("llama"), "softmax", softmax_window=4)
+    with pytest.raises(ValueError, match="attends both ways"):
+        hf_knorm.patch(tiny_model("bert"), "x^3/16", softmax_window=4)
+    with pytest.raises(ValueError, match="contradicts"):
+        hf_knorm.patch(tiny_model("llama"), "x^3/16 + softmax window 8", softmax_window=4)
+    hf_knorm.unpatch(model)
+    assert hf_knorm.patched_normalization(hf_knorm.patch(model, "x^3/16", softmax_window=8)) == \
+        "x^3/16 + softmax window 8"
