@@ -266,3 +266,49 @@ def test_what_the_window_cannot_compute_is_refused():
         window_attention(q, k, v, KeyPadding(torch.ones(2, 5, dtype=torch.bool), 5, causal=False), windowed)
     with pytest.raises(ValueError, match="not x\\^3/16"):
         window_attention(q, k, v, None, parse_normalization("x^3/16"))
+
+
+def test_the_kernels_refuse_a_window_instead_of_dropping_it():
+    from hf_knorm.attention.compiled import compiled_attention
+    from hf_knorm.attention.kernel import chunked_attention
+    from hf_knorm.attention.linear_kernel import linear_attention
+
+    q, k, v = _inputs(q_len=5, kv_len=5)
+    windowed = parse_normalization("x/1 + softmax window 2")
+    with pytest.raises(ValueError, match="window_attention"):
+        linear_attention(q, k, v, None, windowed)
+    with pytest.raises(ValueError, match="window_attention"):
+        chunked_attention(q, k, v, None, windowed, causal=True)
+    with pytest.raises(ValueError, match="window_attention"):
+        compiled_attention(q, k, v, None, None, windowed, scaling=None, softcap=None, causal=True)
+
+
+@pytest.mark.parametrize("spelling", ["x^3/16", "x/1"])
+def test_an_additive_bias_enters_both_parts(spelling):
+    """A rank-one bias ``b_ij = a_i c_j`` is the score of one more channel (``q`` gets ``a / scaling``, ``k`` gets
+    ``c``): the reference on those channels is the exact answer."""
+    normalization = with_window(parse_normalization(spelling), 4)
+    q, k, v = _inputs(q_len=12, kv_len=12)
+    generator = torch.Generator().manual_seed(1)
+    a, c = torch.randn(2, 6, 12, 1, generator=generator, dtype=torch.float64), torch.randn(2, 2, 12, 1,
+                                                                                          generator=generator,
+                                                                                          dtype=torch.float64)
+    scaling = 8 ** -0.5
+    allowed = torch.ones(12, 12, dtype=torch.bool).tril()[None, None]
+    bias = (a @ c.repeat_interleave(3, dim=1).transpose(-1, -2))[:, :, :, :]  # (B, H_q, q, kv)
+    got, _ = window_attention(q, k, v, allowed.expand(2, 6, 12, 12), normalization, bias=bias, scaling=scaling)
+    want, _ = reference_window_attention(torch.cat([q, a / scaling], dim=-1), torch.cat([k, c], dim=-1), v,
+                                         allowed, normalization, scaling=scaling)
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+
+
+def test_dropout_reaches_both_parts(monkeypatch):
+    monkeypatch.setattr(paths, "LINEAR_MIN_QUERIES", 1)
+    normalization = parse_normalization("x/1 + softmax window 3")
+    q, k, v = _inputs(q_len=20, kv_len=20)
+    mask = KeyPadding(torch.ones(2, 20, dtype=torch.bool), 20, causal=True)
+    dropped, _ = window_attention(q, k, v, mask, normalization, dropout=1.0)
+    assert dropped.abs().max() == 0
+    path = window_path(normalization, 20, 20, mask, None, causal=True, softcap=None, dropout=0.5,
+                       return_weights=False, has_state=False)
+    assert not path.linear and "dropout" in path.reason

@@ -150,3 +150,27 @@ def test_patching_with_another_window_or_a_bad_one_is_refused():
     hf_knorm.unpatch(model)
     assert hf_knorm.patched_normalization(hf_knorm.patch(model, "x^3/16", softmax_window=8)) == \
         "x^3/16 + softmax window 8"
+
+
+@pytest.mark.parametrize("spelling", ["x^3/16", "x/1"])
+def test_returned_attentions_are_both_parts_and_change_nothing(spelling):
+    """``output_attentions=True`` takes the explicit route (weights materialized): the same logits as key padding,
+    rows whose window holds every key they attend sum to 1 (softmax alone)."""
+    model = hf_knorm.patch(tiny_model("llama"), spelling, softmax_window=4)
+    inputs = tiny_inputs("llama", length=12)
+    inputs["attention_mask"][1, :3] = 0
+    with torch.no_grad():
+        plain = model(**inputs).logits
+        out = model(**inputs, output_attentions=True)
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(out.logits[real], plain[real], rtol=0, atol=1e-5)
+    weights = out.attentions[0]  # (B, H, q, kv)
+    assert weights.shape == (2, 4, 12, 12)
+    torch.testing.assert_close(weights[0, :, :4].sum(-1), torch.ones(4, 4), rtol=0, atol=1e-6)
+    assert weights[0, :, 6, :3].abs().sum() > 0  # keys older than the window: the polynomial weights
+
+
+def test_knorm_eviction_is_refused_with_a_window():
+    model = hf_knorm.patch(tiny_model("llama"), "x^3/16", softmax_window=4)
+    with pytest.raises(ValueError, match="no longer holds those positions"):
+        hf_knorm.KNormCache(0.5, config=model.config)
