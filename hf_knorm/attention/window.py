@@ -34,9 +34,9 @@ Definition (ours; the reference is :func:`.reference.reference_window_attention`
 
 Fast paths (memory linear in ``N`` for a fixed ``W``):
 
-- The softmax part, key padding or none: the chunked kernel (:mod:`.kernel`) with softmax, on blocks of
-  :data:`BAND_ROWS` queries and the ``rows + W - 1`` keys their band covers, each block with its small band mask:
-  ``O(N * (rows + W) * D)``.
+- The softmax part, key padding or none: one call of the chunked kernel (:mod:`.kernel`) with softmax, the queries
+  cut into blocks of ``rows = max(BAND_ROWS, W)``, each block a batch entry with the ``rows + W - 1`` keys its band
+  covers and the same small band mask: ``O(N * (rows + W) * D)`` time, ``O(N * (rows + W))`` memory.
 - The polynomial part: the same attention as the pure normalization on the keys delayed by ``W``: queries
   ``i >= W - (kv - q)`` on keys ``0 .. kv - W - 1``, bottom-right causal (query ``i`` then sees exactly the keys
   ``j <= a_i - W``), the key padding cut to those keys. So any ``p`` runs the chunked kernel as today, and ``p = 1``
@@ -64,9 +64,9 @@ from .masks import KeyPadding, Mask
 from .normalizations import Normalization
 from .paths import Path, choose_path, linear_keys
 
-BAND_ROWS = 128
-"""Queries per block of the softmax part (at least ``W``; read at call time): a block's scores are
-``rows x (rows + W - 1)``, of which ``rows x W`` are in the window."""
+BAND_ROWS = 32
+"""Queries per block of the softmax part (at least ``W``, at most ``q``; read at call time): a block's scores are
+``rows x (rows + W - 1)``, of which ``rows x W`` are in the window (all blocks in one kernel call)."""
 
 SOFTMAX = Normalization(power=None)
 
@@ -189,22 +189,36 @@ def _older_shape(q_len: int, kv_len: int, window: int) -> tuple[int, int]:
 
 
 def _softmax_band(query, key, value, key_valid, window, frobenius_sq, options) -> torch.Tensor:
-    """The softmax part under a bottom-right causal mask: ``(B, q, H_q, D_v)``, block by block of queries."""
-    q_len, kv_len = query.shape[2], key.shape[2]
-    offset = kv_len - q_len  # query i sits at key index offset + i
-    rows = max(BAND_ROWS, window)
-    outputs = []
-    for start in range(0, q_len, rows):
-        stop = min(q_len, start + rows)
-        lo, hi = max(0, offset + start - window + 1), offset + stop  # the keys the block's windows cover
-        query_positions = torch.arange(offset + start, offset + stop, device=query.device)[:, None]
-        key_positions = torch.arange(lo, hi, device=query.device)[None, :]
-        band = (key_positions <= query_positions) & (key_positions > query_positions - window)  # (c, n)
-        allowed = band[None, None] if key_valid is None else band[None, None] & key_valid[:, None, None, lo:hi]
-        output, _ = _quadratic(query[:, :, start:stop], key[:, :, lo:hi], value[:, :, lo:hi], allowed, SOFTMAX,
-                               frobenius_sq=frobenius_sq, **options)
-        outputs.append(output)
-    return torch.cat(outputs, dim=1)
+    """The softmax part under a bottom-right causal mask: ``(B, q, H_q, D_v)``.
+
+    One call of the chunked kernel on the queries cut into blocks of ``rows``, each block a batch entry with the
+    ``rows + W - 1`` keys its windows cover (``unfold``: the keys are copied about ``1 + W / rows`` times, no
+    ``N x N`` tensor). In block coordinates query ``r`` sees keys ``r .. r + W - 1``, the same band in every block;
+    the keys before the first and the queries after the last are padding, masked out."""
+    batch, q_heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    rows = min(q_len, max(BAND_ROWS, window))
+    blocks, span = -(-q_len // rows), rows + window - 1
+    first = kv_len - q_len - window + 1  # the key index the first block's span starts at (< 0: padding before)
+    front, back = max(0, -first), blocks * rows - q_len  # zero keys before key 0, after the last key
+    valid = (key.new_ones(batch, kv_len, dtype=torch.bool) if key_valid is None
+             else key_valid.expand(batch, kv_len))[:, max(0, first):]
+    valid = F.pad(valid, (front, back), value=False).unfold(1, span, rows)  # (B, blocks, span)
+    k, v = (F.pad(tensor[:, :, max(0, first):], (0, 0, front, back)).unfold(2, span, rows)  # (B, H_kv, T, D, span)
+            .permute(0, 2, 1, 4, 3).reshape(batch * blocks, kv_heads, span, -1) for tensor in (key, value))
+    q = (F.pad(query, (0, 0, 0, back)).view(batch, q_heads, blocks, rows, dim)
+         .transpose(1, 2).reshape(batch * blocks, q_heads, rows, dim))
+    positions = torch.arange(span, device=query.device)
+    row_positions = torch.arange(rows, device=query.device)[:, None]
+    band = (positions >= row_positions) & (positions < row_positions + window)  # (rows, span)
+    real_rows = (torch.arange(blocks * rows, device=query.device) < q_len).view(blocks, rows, 1)
+    allowed = (band & real_rows)[None] & valid[:, :, None, :]  # (B, T, rows, span)
+    block_sq = None if frobenius_sq is None else frobenius_sq.new_zeros(batch * blocks, *frobenius_sq.shape[1:])
+    output, _ = _quadratic(q, k, v, allowed.reshape(batch * blocks, 1, rows, span), SOFTMAX, frobenius_sq=block_sq,
+                           **options)
+    if block_sq is not None:
+        frobenius_sq += block_sq.view(batch, blocks, *frobenius_sq.shape[1:]).sum(dim=1)
+    return output.reshape(batch, blocks * rows, q_heads, -1)[:, :q_len]
 
 
 def _older_keys(query, key, value, key_valid, normalization, path, frobenius_sq, mix, handover, options):
