@@ -123,8 +123,13 @@ def window_attention(
         raise ValueError(f"A recurrent state cache decodes with linear attention only, and this call cannot: "
                          f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")
     options = dict(scaling=scaling, softcap=softcap, dropout=dropout, op=op, compiling=compiling)
+    dtype = query.dtype  # the parts are computed and added in fp32 (fp64 for fp64 inputs), as the kernels compute
+    compute = torch.promote_types(dtype, torch.float32)
+    query, key, value = query.to(compute), key.to(compute), value.to(compute)
     if _explicit_route(mask, bias, return_weights):
-        return _explicit(query, key, value, mask, normalization, bias, return_weights, frobenius_sq, mix, options)
+        output, weights = _explicit(query, key, value, mask, normalization, bias, return_weights, frobenius_sq, mix,
+                                    options)
+        return output.to(dtype), weights
     if mask is None:
         key, value = linear_keys(query, key, value, None, causal=True)
     key_valid = None if mask is None else mask.key_valid
@@ -132,7 +137,7 @@ def window_attention(
     polynomial = _older_keys(query, key, value, key_valid, normalization, path, frobenius_sq, mix, handover, options)
     if polynomial is not None:
         output = output + polynomial
-    return output.to(query.dtype), None
+    return output.to(dtype), None
 
 
 def window_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mask, bias: torch.Tensor | None, *,
@@ -276,7 +281,7 @@ def _explicit(query, key, value, mask, normalization, bias, return_weights, frob
     weights = None
     if return_weights:
         weights = soft_weights + poly_weights * (1.0 if mix is None else mix.to(poly_weights.dtype)[None, :, None, None])
-    return (soft + poly * factor).to(query.dtype), weights
+    return soft + poly * factor, weights
 
 
 def _quadratic(query, key, value, allowed, normalization, *, scaling, softcap, dropout, op, compiling,

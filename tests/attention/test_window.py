@@ -314,3 +314,18 @@ def test_dropout_reaches_both_parts(monkeypatch):
     path = window_path(normalization, 20, 20, mask, None, causal=True, softcap=None, dropout=0.5,
                        return_weights=False, has_state=False)
     assert not path.linear and "dropout" in path.reason
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_adds_the_parts_in_fp32(dtype, monkeypatch):
+    """bf16/fp16 inputs: the output is the fp64 reference on the same (rounded) inputs, rounded once to the dtype."""
+    monkeypatch.setattr(paths, "LINEAR_MIN_QUERIES", 1)
+    for spelling in ("x^3/16", "x/1"):
+        normalization = with_window(parse_normalization(spelling), 4)
+        q, k, v = (t.detach().to(dtype) for t in _inputs(q_len=20, kv_len=20))
+        got, _ = window_attention(q, k, v, KeyPadding(torch.ones(2, 20, dtype=torch.bool), 20, causal=True),
+                                  normalization)
+        assert got.dtype == dtype
+        want, _ = reference_window_attention(q.double(), k.double(), v.double(), None, normalization)
+        eps = torch.finfo(dtype).eps  # one rounding: within half a unit of the exact value, elementwise
+        torch.testing.assert_close(got.double(), want, rtol=0.5 * eps * 1.001, atol=1e-5)

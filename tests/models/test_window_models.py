@@ -174,3 +174,31 @@ def test_knorm_eviction_is_refused_with_a_window():
     model = hf_knorm.patch(tiny_model("llama"), "x^3/16", softmax_window=4)
     with pytest.raises(ValueError, match="no longer holds those positions"):
         hf_knorm.KNormCache(0.5, config=model.config)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_p1_hybrid_builds_no_n_by_n_tensor(padded):
+    """600 tokens, window 16, forward and backward: every tensor any op returns has at most one axis of 200 or more
+    (no mask, score or weight matrix of the sequence's length; the logits have one, the vocabulary is 128)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.large = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(tensor, torch.Tensor) and sum(size >= 200 for size in tensor.shape) >= 2:
+                    self.large.append((str(func), tuple(tensor.shape)))
+            return out
+
+    model = hf_knorm.patch(tiny_model("llama"), "x/1", softmax_window=16).train()
+    inputs = tiny_inputs("llama", batch=1, length=600)
+    if padded:
+        inputs["attention_mask"][0, :5] = 0
+    with attention_paths() as taken, Shapes() as shapes:
+        model(**inputs, labels=inputs["input_ids"]).loss.backward()
+    assert dict(taken) == {"linear": model.config.num_hidden_layers}
+    assert shapes.large == []
