@@ -113,12 +113,16 @@ def window_attention(
         ``(output (B, q, H_q, D_v) in the query dtype, weights or None)``.
 
     Raises:
-        ValueError: no window, softmax, a bidirectional call, or a state that the call cannot continue.
+        ValueError: no window, softmax, a bidirectional call, a mix of another shape, or a state that the call cannot
+            continue.
     """
     path = window_path(normalization, query.shape[2], key.shape[2], mask, bias, causal=causal, softcap=softcap,
                        dropout=dropout, return_weights=return_weights, has_state=handover is not None,
                        compiling=compiling)
     check_state_window(handover, normalization)
+    if mix is not None and tuple(mix.shape) != (query.shape[1],):
+        raise ValueError(f"mix scales the polynomial part per query head: shape ({query.shape[1]},), got "
+                         f"{tuple(mix.shape)}.")
     if handover is not None and not path.linear:
         raise ValueError(f"A recurrent state cache decodes with linear attention only, and this call cannot: "
                          f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")

@@ -268,6 +268,8 @@ def test_what_the_window_cannot_compute_is_refused():
         window_attention(q, k, v, KeyPadding(torch.ones(2, 5, dtype=torch.bool), 5, causal=False), windowed)
     with pytest.raises(ValueError, match="not x\\^3/16"):
         window_attention(q, k, v, None, parse_normalization("x^3/16"))
+    with pytest.raises(ValueError, match="per query head"):
+        window_attention(q, k, v, None, windowed, mix=torch.ones(2, dtype=torch.float64))
 
 
 def test_the_kernels_refuse_a_window_instead_of_dropping_it():

@@ -202,3 +202,19 @@ def test_the_p1_hybrid_builds_no_n_by_n_tensor(padded):
         model(**inputs, labels=inputs["input_ids"]).loss.backward()
     assert dict(taken) == {"linear": model.config.num_hidden_layers}
     assert shapes.large == []
+
+
+@pytest.mark.parametrize("spelling", ["x/1", "x^3/16"])
+def test_recorded_attention_norms_are_the_whole_matrixs(spelling):
+    """record_norms on the fast paths (x/1: linear, 140 tokens) gives the Frobenius norm of the weights that
+    output_attentions returns (both parts), per batch item and head."""
+    model = hf_knorm.patch(tiny_model("llama"), spelling, softmax_window=8)
+    inputs = tiny_inputs("llama", length=140)
+    with hf_knorm.record_norms(model) as recorder, torch.no_grad(), attention_paths() as taken:
+        model(**inputs)
+    assert dict(taken) == {("linear" if spelling == "x/1" else "quadratic"): model.config.num_hidden_layers}
+    with torch.no_grad():
+        attentions = model(**inputs, output_attentions=True).attentions
+    for layer, weights in zip(recorder.layers, attentions):
+        expected = weights.square().sum(dim=(-2, -1)).sqrt().flatten()
+        torch.testing.assert_close(layer.attention_frobenius(), expected, rtol=1e-5, atol=0)
