@@ -107,3 +107,14 @@ def test_a_state_kept_for_another_window_is_refused():
         WindowStateLayer(0, 0)
     with pytest.raises(NotImplementedError, match="assisted"):
         RecurrentStateCache(config=windowed.config).crop(1)
+
+
+@pytest.mark.compat
+def test_a_reloaded_windowed_model_decodes_with_the_window_and_the_state(tmp_path):
+    model = hf_knorm.patch(tiny_model("qwen3"), "x/1", softmax_window=3)
+    hf_knorm.save_pretrained(model, tmp_path / "model")
+    loaded = hf_knorm.from_pretrained(tmp_path / "model")
+    ids, mask = _prompts()
+    out = loaded.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **GREEDY)
+    assert all(isinstance(layer, WindowStateLayer) and layer.window == 3 for layer in output_cache(out).layers)
+    assert out.sequences.tolist() == model.generate(input_ids=ids, attention_mask=mask, **GREEDY).tolist()
