@@ -281,11 +281,11 @@ def _explicit(query, key, value, mask, normalization, bias, return_weights, frob
     poly, poly_weights = _quadratic(query, key, value, older, polynomial, frobenius_sq=part_sq, **options)
     if part_sq is not None:
         frobenius_sq += part_sq * _mix_squared(mix, frobenius_sq)
-    factor = 1.0 if mix is None else mix.to(poly.dtype)[None, None, :, None]
-    weights = None
-    if return_weights:
-        weights = soft_weights + poly_weights * (1.0 if mix is None else mix.to(poly_weights.dtype)[None, :, None, None])
-    return soft + poly * factor, weights
+    if mix is None:
+        return soft + poly, (soft_weights + poly_weights if return_weights else None)
+    mix = mix.to(poly.dtype)
+    weights = soft_weights + poly_weights * mix[None, :, None, None] if return_weights else None
+    return soft + poly * mix[None, None, :, None], weights
 
 
 def _quadratic(query, key, value, allowed, normalization, *, scaling, softcap, dropout, op, compiling,

@@ -194,11 +194,12 @@ def test_explicit_masks_equal_the_reference(spelling, case):
     else:
         q, k, v = _inputs(q_len=20, kv_len=20)
         allowed = (_sliding(20, 20, 7)[None] & _valid("left", 2, 20)[:, None, :])[:, None]
-    got, weights = window_attention(q, k, v, allowed, normalization, return_weights=True)
-    want, want_weights = reference_window_attention(q, k, v, allowed, normalization)
+    mix = torch.linspace(2.0, 0.5, 6, dtype=torch.float64).requires_grad_()
+    got, weights = window_attention(q, k, v, allowed, normalization, return_weights=True, mix=mix)
+    want, want_weights = reference_window_attention(q, k, v, allowed, normalization, mix=mix)
     torch.testing.assert_close(weights, want_weights, rtol=0, atol=ATOL)
-    _compare(got, want, (q, k, v), torch.ones(2, q.shape[2], dtype=torch.bool))
-    explicit, _ = window_attention(q, k, v, allowed, normalization)
+    _compare(got, want, (q, k, v), torch.ones(2, q.shape[2], dtype=torch.bool), extra=(mix,))
+    explicit, _ = window_attention(q, k, v, allowed, normalization, mix=mix)
     torch.testing.assert_close(explicit, got, rtol=0, atol=0)
 
 
