@@ -37,6 +37,9 @@ def compiled_attention(query, key, value, allowed, bias, normalization: Normaliz
     Arguments as :func:`hf_knorm.attention.kernel.chunked_attention` takes them (``allowed`` bool or ``None``,
     ``bias`` an additive float mask or ``None``).
     """
+    if normalization.window:  # the op carries (power, constant, sqrt_n) only
+        raise ValueError(f"The attention op computes one normalization over the mask; {normalization.name} needs its "
+                         "softmax window: hf_knorm.attention.window.window_attention.")
     scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     power = 0 if normalization.is_softmax else normalization.power
     constant = float(normalization.constant or 0.0)

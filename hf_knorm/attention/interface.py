@@ -3,9 +3,10 @@
 Registered under the name ``"hf_knorm"`` (``registration.py``). Each model reads its normalization from its own config
 (``config.hf_knorm["normalization"]``), so two models in one process can use different normalizations. The math is in
 ``kernel.py`` (any normalization, quadratic time) and ``linear_kernel.py`` (``p = 1``, linear time; ``paths.py``
-chooses; on CUDA ``backends.py`` runs them as Triton and flash-linear-attention kernels); this module adapts
-Transformers' arguments to them (mask forms, kwargs, output recording), reports to an active norm recorder or K/V
-transform, and continues the recurrent state a cache hands over (``taps.py``).
+chooses; on CUDA ``backends.py`` runs them as Triton and flash-linear-attention kernels), composed by ``window.py``
+for a normalization with a softmax window; this module adapts Transformers' arguments to them (mask forms, kwargs,
+output recording), reports to an active norm recorder or K/V transform, and continues the recurrent state a cache
+hands over (``taps.py``).
 
 Masks arrive in two forms (``masks.py``): key padding ``(B, kv)`` for a plain causal call, so that the linear path
 never sees an ``N x N`` tensor, and the explicit bool mask otherwise; ``read_mask`` turns either into what the paths
@@ -29,6 +30,7 @@ from .masks import KeyPadding, Mask
 from .normalizations import Normalization, parse_normalization
 from .paths import check_linear_policy, choose_path, linear_keys, linear_policy_of, note_path
 from .taps import current_kv_transform, current_recorder, take_state_for, taps_set
+from .window import check_state_window, window_attention, window_path
 
 ATTENTION_NAME = "hf_knorm"
 
@@ -74,11 +76,13 @@ def hf_knorm_attention(
     softcap = kwargs.get("softcap")
     dropout = dropout if module.training else 0.0
     return_weights = _attentions_requested(kwargs)
-    path = choose_path(normalization, query.shape[2], key.shape[2], mask, bias, causal=causal, softcap=softcap,
-                       dropout=dropout, return_weights=return_weights, has_state=handover is not None,
-                       compiling=compiling)
-    path = with_kernel(path, query, normalization, dropout=dropout, return_weights=return_weights,
-                       recording=recorder is not None, compiling=compiling)
+    check_state_window(handover, normalization)
+    path = (window_path if normalization.window else choose_path)(
+        normalization, query.shape[2], key.shape[2], mask, bias, causal=causal, softcap=softcap, dropout=dropout,
+        return_weights=return_weights, has_state=handover is not None, compiling=compiling)
+    if not normalization.window:  # window.py composes the PyTorch kernels
+        path = with_kernel(path, query, normalization, dropout=dropout, return_weights=return_weights,
+                           recording=recorder is not None, compiling=compiling)
     if read_taps:
         note_path(path, module, query.shape[2], linear_policy_of(module))
     elif path.fallback:
@@ -87,7 +91,12 @@ def hf_knorm_attention(
         raise ValueError(f"A recurrent state cache decodes with linear attention only, and this call cannot: "
                          f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")
     weights = None
-    if path.linear:
+    if normalization.window:  # a softmax window beside the polynomial part (window.py), on the path counted above
+        output, weights = window_attention(
+            query, key, value, mask, normalization, bias=bias, scaling=scaling, softcap=softcap, dropout=dropout,
+            causal=causal, return_weights=return_weights, frobenius_sq=frobenius_sq, handover=handover,
+            op=compiling and not read_taps, compiling=compiling)
+    elif path.linear:
         key, value = linear_keys(query, key, value, mask, causal)
         output = _linear(query, key, value, path, normalization, scaling, handover, frobenius_sq)
     elif compiling and not read_taps and dropout == 0.0 and not return_weights:

@@ -80,6 +80,9 @@ def linear_attention(
     """
     if not is_linear(normalization):
         raise ValueError(f"The linear path computes p = 1 normalizations (x/c, x/sqrtN), not {normalization.name}.")
+    if normalization.window:
+        raise ValueError(f"The linear kernel computes x/c over every key; {normalization.name} needs its softmax "
+                         "window: hf_knorm.attention.window.window_attention.")
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     if q_heads % kv_heads:

@@ -17,13 +17,20 @@ Semantics chosen here (the paper trained encoders only; causal masks, padding an
 
 Accepted spellings (the paper's legend): ``softmax``, ``x/1``, ``x/16``, ``x^3/1``, ``x^3/16`` (``x³/16`` too),
 ``x^3/sqrtN``; generally ``x^p/c`` with an integer ``p >= 1`` and a constant ``c > 0`` or ``sqrtN``.
+
+A polynomial normalization may carry a **softmax window** of ``W`` keys (``x^3/16 + softmax window 64``; in code
+``with_window(parse_normalization("x^3/16"), 64)`` or ``hf_knorm.patch(model, "x^3/16", softmax_window=64)``): for
+query ``i``, the keys of the last ``W`` positions are weighted by softmax over them, older keys by ``x^p/c``
+(:mod:`.window` defines and computes it; LoLCATs arXiv 2410.10254, Liger arXiv 2503.01496). ``W = 0`` is the pure
+normalization, the same object. The spelling with the window is the normalization's name everywhere (config, card,
+reports), and it parses back to the same object.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -32,6 +39,7 @@ ACCEPTED_FORMS = "softmax, x/1, x/16, x^3/1, x^3/16 (x³/16), x^3/sqrtN, or gene
 PAPER_NORMALIZATIONS = ("softmax", "x/1", "x/16", "x^3/1", "x^3/16", "x^3/sqrtN")
 
 _SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹", "0123456789")
+_WINDOW = re.compile(r"^(?P<base>.*?)\s*\+\s*softmax\s*window\s*(?P<window>\S*)\s*$", re.IGNORECASE)
 _POLYNOMIAL = re.compile(r"^x(?:\^(?P<power>[+-]?\d+)|(?P<sup>[⁰¹²³⁴⁵⁶⁷⁸⁹]+))?/(?P<constant>sqrt\(?N\)?|[^/]+)$")
 
 
@@ -43,21 +51,31 @@ class Normalization:
         power: the exponent ``p`` of ``x^p/c``; ``None`` for softmax.
         constant: the divisor ``c``; ``None`` for softmax and for the sqrtN rule.
         sqrt_n: divide each row by the square root of its number of attended keys.
+        window: ``W``, the keys of the last ``W`` positions weighted by softmax (:mod:`.window`); 0 = none.
     """
 
     power: int | None
     constant: float | None = None
     sqrt_n: bool = False
+    window: int = 0
 
     @property
     def is_softmax(self) -> bool:
         return self.power is None
 
     @property
+    def polynomial(self) -> Normalization:
+        """The normalization without its softmax window (itself when it has none): what weights the older keys."""
+        return replace(self, window=0) if self.window else self
+
+    @property
     def name(self) -> str:
-        """The canonical spelling, e.g. ``"x^3/16"``, ``"x/1"``, ``"x^3/sqrtN"``, ``"softmax"``."""
+        """The canonical spelling, e.g. ``"x^3/16"``, ``"x/1"``, ``"x^3/sqrtN"``, ``"softmax"``,
+        ``"x^3/16 + softmax window 64"``."""
         if self.is_softmax:
             return "softmax"
+        if self.window:
+            return f"{self.polynomial.name} + softmax window {self.window}"
         base = "x" if self.power == 1 else f"x^{self.power}"
         if self.sqrt_n:
             return f"{base}/sqrtN"
@@ -77,7 +95,13 @@ class Normalization:
 
         Returns:
             Weights of the shape of ``scores``; masked pairs are exactly 0, and so is a row with no allowed key.
+
+        Raises:
+            ValueError: the normalization has a softmax window (its weights depend on positions: :mod:`.window`).
         """
+        if self.window:
+            raise ValueError(f"{self.name} weights keys by their position; compute it with "
+                             "hf_knorm.attention.window.window_attention (the kernels take its two parts).")
         if self.is_softmax:
             if allowed is None:
                 return torch.softmax(scores, dim=-1)
@@ -109,6 +133,13 @@ def parse_normalization(spelling: str | Normalization) -> Normalization:
         return spelling
     if not isinstance(spelling, str):
         raise ValueError(f"A normalization is a string, got {type(spelling).__name__}. Accepted: {ACCEPTED_FORMS}.")
+    windowed = _WINDOW.match(spelling)
+    if windowed is not None:
+        window = windowed["window"]
+        if not window.isdigit():
+            raise ValueError(f"Normalization {spelling!r}: the softmax window is a number of keys, an integer >= 0, "
+                             f"got {window!r}. Spell it like 'x^3/16 + softmax window 64'.")
+        return with_window(parse_normalization(windowed["base"]), int(window))
     text = spelling.strip().replace(" ", "")
     if text.lower() == "softmax":
         return Normalization(power=None)
@@ -132,3 +163,22 @@ def parse_normalization(spelling: str | Normalization) -> Normalization:
     if not (constant > 0 and math.isfinite(constant)):
         raise ValueError(f"Normalization {spelling!r}: the constant c must be a finite number > 0, got {constant_text}.")
     return Normalization(power=power, constant=constant)
+
+
+def with_window(normalization: Normalization, window: int) -> Normalization:
+    """``normalization`` with a softmax window of ``window`` keys (``0``: without one, the pure normalization).
+
+    Raises:
+        ValueError: ``window`` is not an integer >= 0, ``normalization`` is softmax (a softmax window on softmax is
+            softmax: patch with ``"softmax"`` alone), or it already has another window.
+    """
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"softmax_window is a number of keys, an integer >= 0 (0 = no window), got {window!r}.")
+    if window and normalization.is_softmax:
+        raise ValueError(f"softmax_window={window} with softmax: every key is already weighted by softmax. Pass "
+                         "softmax_window=0, or a polynomial normalization such as 'x^3/16' to weight the keys "
+                         "older than the window.")
+    if normalization.window and window != normalization.window:
+        raise ValueError(f"{normalization.name} already has a softmax window of {normalization.window}; "
+                         f"softmax_window={window} contradicts it. Give the window once.")
+    return replace(normalization, window=window)

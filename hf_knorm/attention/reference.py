@@ -1,4 +1,5 @@
-"""A plain reference of the plugin's attention, for tests: the whole score matrix at once, K/V repeated for GQA.
+"""A plain reference of the plugin's attention, for tests: the whole score matrix at once, K/V repeated for GQA;
+and of a normalization with a softmax window (:func:`reference_window_attention`).
 
 Written independently of ``kernel.py`` and of ``Normalization.weights`` (it reads only ``power``, ``constant``
 and ``sqrt_n``), so that the memory-efficient path is checked against a second formulation of the same definition.
@@ -53,5 +54,61 @@ def reference_attention(
             weights = weights / allowed.sum(-1, keepdim=True).clamp_min(1).to(compute).sqrt()
         else:
             weights = weights / normalization.constant
+    output = (weights @ v).transpose(1, 2).to(query.dtype)
+    return output, weights
+
+
+def reference_window_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: torch.Tensor | None,
+    normalization: Normalization,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    mix: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of a normalization with a softmax window (``x^p/c + softmax window W``, :mod:`.window`), in fp32
+    (fp64 for fp64 inputs): the whole score matrix, the two parts side by side.
+
+    Row ``i``'s position ``a_i`` is the last key it may attend (its own, under a causal mask). Its window is the keys
+    it may attend with ``a_i - W < j <= a_i``: weighted by softmax over them. Its older keys (``j <= a_i - W``) are
+    weighted by ``s^p / c`` (``c = sqrtN``: the square root of the number of those older keys). The output is
+    ``softmax part + mix_h * polynomial part``.
+
+    Args:
+        query ``(B, H_q, q, D)``; key, value ``(B, H_kv, kv, D)``; allowed: bool ``(B or 1, 1, q, kv)``, or ``None``
+        for a bottom-right causal mask (query ``i`` attends keys ``j <= kv - q + i``); mix: ``(H_q,)`` factors of the
+        polynomial part, or ``None`` (1).
+
+    Returns:
+        ``(output (B, q, H_q, D) in the query dtype, weights (B, H_q, q, kv))``.
+    """
+    window = normalization.window
+    compute = torch.promote_types(query.dtype, torch.float32)
+    groups = query.shape[1] // key.shape[1]
+    k = key.to(compute).repeat_interleave(groups, dim=1)
+    v = value.to(compute).repeat_interleave(groups, dim=1)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = query.to(compute) @ k.transpose(-1, -2) * scaling
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    q_len, kv_len = scores.shape[-2:]
+    positions = torch.arange(kv_len, device=query.device)
+    if allowed is None:
+        allowed = positions[None, :] <= positions[:q_len, None] + (kv_len - q_len)
+    allowed = allowed.expand_as(scores)
+    last = torch.where(allowed, positions, -1).amax(dim=-1, keepdim=True)  # a_i; -1 for a row with no key
+    in_window = allowed & (positions > last - window)
+    older = allowed & (positions <= last - window)
+    soft = torch.nan_to_num(torch.softmax(torch.where(in_window, scores, float("-inf")), dim=-1), nan=0.0)
+    poly = torch.where(older, scores, torch.zeros_like(scores)) ** normalization.power
+    if normalization.sqrt_n:
+        poly = poly / older.sum(-1, keepdim=True).clamp_min(1).to(compute).sqrt()
+    else:
+        poly = poly / normalization.constant
+    if mix is not None:
+        poly = poly * mix.to(compute)[None, :, None, None]
+    weights = soft + poly
     output = (weights @ v).transpose(1, 2).to(query.dtype)
     return output, weights

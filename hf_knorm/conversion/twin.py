@@ -32,7 +32,7 @@ def training_normalization(model: nn.Module, normalization: str | Normalization)
         normalization: the normalization the converted model will have.
     """
     target = parse_normalization(normalization)
-    if target.constant in (None, 1):  # softmax, sqrtN, or already its own twin
+    if target.constant in (None, 1) or target.window:  # softmax, sqrtN, its own twin; a window: see fold_constant
         return target
     if not all(_query_scale_site(module) is not None for _, module in attention_modules(model)):
         return target
@@ -46,10 +46,13 @@ def fold_constant(model: nn.Module, normalization: str | Normalization) -> nn.Mo
     ``x^p/c`` instead of ``x^p/1``.
 
     Raises:
-        ValueError: the model is not patched with the twin of ``normalization``, or a module's queries cannot carry
-            the constant.
+        ValueError: the model is not patched with the twin of ``normalization``, a module's queries cannot carry
+            the constant, or ``normalization`` has a softmax window (the constant would scale its softmax scores).
     """
     target = parse_normalization(normalization)
+    if target.window:
+        raise ValueError(f"{target.name}: the queries also score the softmax window, which a constant folded into "
+                         "them would change; train it as it is (training_normalization returns it unchanged).")
     twin = Normalization(power=target.power, constant=1.0)
     if target.constant is None or patched_normalization(model) != twin.name:
         raise ValueError(f"Folding the constant of {target.name} needs a model patched with {twin.name}, not "

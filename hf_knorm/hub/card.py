@@ -49,8 +49,10 @@ INSTALL = "pip install hf_knorm=={version}"
 
 
 def normalization_tag(spelling: str) -> str:
-    """The card tag of a normalization: ``x^3/16`` -> ``normalization-x3-16``, ``x^3/sqrtN`` -> ``...-x3-sqrtn``."""
-    return NORMALIZATION_TAG_PREFIX + spelling.replace("^", "").replace("/", "-").lower()
+    """The card tag of a normalization: ``x^3/16`` -> ``normalization-x3-16``, ``x^3/sqrtN`` -> ``...-x3-sqrtn``,
+    ``x^3/16 + softmax window 64`` -> ``...-x3-16-softmax-window-64``."""
+    slug = re.sub(r"\s*\+\s*", "-", spelling.strip()).replace(" ", "-")
+    return NORMALIZATION_TAG_PREFIX + slug.replace("^", "").replace("/", "-").lower()
 
 
 def render_card(folder: Path, load_id: str, previous: str | None = None) -> ModelCard:
@@ -172,6 +174,10 @@ def _meaning(spelling: str) -> str:
         return "softmax computed by the plugin's attention, equal to the model's own to fp32 precision"
     divisor = "sqrt(N_i), N_i the number of keys query i may attend" if norm.sqrt_n else f"{norm.constant:g}"
     power = "s_ij" if norm.power == 1 else f"s_ij^{norm.power}"
+    if norm.window:
+        divisor = "sqrt(N_i), N_i the number of those older keys" if norm.sqrt_n else divisor
+        return (f"softmax over the keys of each query's last {norm.window} positions; w_ij = {power} / {divisor} on "
+                "the older keys, no row normalization there; masked pairs exactly 0")
     return f"w_ij = {power} / {divisor}, no row normalization, masked pairs exactly 0"
 
 

@@ -140,8 +140,15 @@ class KNormLayer(DynamicLayer):
 
 
 def _refuse_linear_attention(config) -> None:
-    """Raise for a model patched with a ``p = 1`` normalization: it has no growing K/V cache to evict from."""
+    """Raise for a model patched with a ``p = 1`` normalization (it has no growing K/V cache to evict from) or with a
+    softmax window (it reads the keys of the last positions, which eviction removes)."""
     normalization = (getattr(config, "hf_knorm", None) or {}).get("normalization")
+    if normalization is not None and parse_normalization(normalization).window:
+        raise ValueError(
+            f"KNormCache evicts keys by their norm, and {normalization} weights the keys of each query's last "
+            "positions by softmax: with keys evicted, the cache no longer holds those positions in order. Generate "
+            "this model with a normal cache (or RecurrentStateCache for p = 1)."
+        )
     if normalization is not None and is_linear(parse_normalization(normalization)):
         raise ValueError(
             f"KNormCache evicts keys from a K/V cache that grows with the context; a model patched with "

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ..attention.interface import ATTENTION_NAME
 from ..attention.linear_kernel import is_linear
-from ..attention.normalizations import Normalization, parse_normalization
+from ..attention.normalizations import Normalization, parse_normalization, with_window
 from ..attention.paths import LINEAR_POLICIES
 from ..compat import attn_implementation_of
 from ..recurrent import generation
@@ -26,23 +26,35 @@ from .architectures import architecture_of, attention_modules
 SECTION = "hf_knorm"
 
 
-def patch(model: nn.Module, normalization: str | Normalization = "softmax", *, linear: str = "auto") -> nn.Module:
+def patch(model: nn.Module, normalization: str | Normalization = "softmax", *, linear: str = "auto",
+          softmax_window: int | None = None) -> nn.Module:
     """Replace softmax in ``model``'s attention by ``normalization``; returns the same model.
 
     Args:
         model: a Transformers model of a supported architecture (``hf_knorm.SUPPORTED_ARCHITECTURES``).
-        normalization: ``"softmax"``, ``"x/1"``, ``"x/16"``, ``"x^3/1"``, ``"x^3/16"``, ``"x^3/sqrtN"`` or ``"x^p/c"``.
+        normalization: ``"softmax"``, ``"x/1"``, ``"x/16"``, ``"x^3/1"``, ``"x^3/16"``, ``"x^3/sqrtN"`` or ``"x^p/c"``
+            (or a :class:`Normalization`; its spelling with a window, ``"x^3/16 + softmax window 64"``, too).
+        softmax_window: ``W``: the keys of each query's last ``W`` positions are weighted by softmax over them, the
+            older keys by ``normalization`` (:mod:`hf_knorm.attention.window`); decoders only. ``0`` or ``None``: the
+            pure normalization (``None`` keeps a window the spelling names). Saved in the config as part of the
+            normalization's name (``"x^3/16 + softmax window 64"``).
         linear: for a ``p = 1`` normalization, what a call that cannot take the linear-time path does
             (:mod:`hf_knorm.attention.paths`): ``"auto"`` computes it with the quadratic kernel (warning once per
             reason from 4k queries on), ``"require"`` raises. Saved in the config with the normalization.
 
     Raises:
         ValueError: unsupported architecture, unknown normalization or ``linear`` policy, ``linear="require"`` with a
-            normalization that has no linear path, or a model already patched with a different normalization (call
-            :func:`unpatch` first). Patching again with the same one warns and does nothing.
+            normalization that has no linear path, a softmax window that is not an integer >= 0, on softmax or on an
+            encoder, or a model already patched with a different normalization (call :func:`unpatch` first).
+            Patching again with the same one warns and does nothing.
     """
-    architecture_of(model)
+    architecture = architecture_of(model)
     normalization = parse_normalization(normalization)
+    if softmax_window is not None:
+        normalization = with_window(normalization, softmax_window)
+    if normalization.window and not architecture.causal:
+        raise ValueError(f"{normalization.name}: a softmax window weights the keys before each query, and "
+                         f"{architecture.model_type} attends both ways. Patch it without softmax_window.")
     if linear not in LINEAR_POLICIES:
         raise ValueError(f"linear={linear!r} is not a policy; choose one of {', '.join(LINEAR_POLICIES)}.")
     if linear == "require" and not is_linear(normalization):

@@ -107,15 +107,16 @@ class RecurrentStateCache(Cache):
 
     Args:
         config: the model's config. With it the cache checks that the model decodes with the plugin's attention and a
-            ``p = 1`` normalization and has no sliding-window layers, and builds one layer per decoder layer; without
-            it, layers are created on first use.
+            ``p = 1`` normalization and has no sliding-window layers, and builds one layer per decoder layer (a
+            :class:`~.window_cache.WindowStateLayer` for a normalization with a softmax window); without it, layers
+            are created on first use (pure states).
 
     Raises:
         ValueError: the config selects another attention or normalization, or has sliding-window layers.
     """
 
     def __init__(self, config=None):
-        layers = [] if config is None else [RecurrentStateLayer(index) for index in range(_checked_layers(config))]
+        layers = [] if config is None else [state_layer(config, index) for index in range(_checked_layers(config))]
         super().__init__(layers=layers)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -171,3 +172,14 @@ def _checked_layers(config) -> int:
         raise ValueError(f"RecurrentStateCache holds full causal attention only; layers {windowed} are "
                          f"{layer_types[windowed[0]]!r}. Generate with a normal cache.")
     return len(layer_types)
+
+
+def state_layer(config, layer_idx: int) -> RecurrentStateLayer:
+    """The state layer a model of this config decodes with: a :class:`~.window_cache.WindowStateLayer` (the ``W``
+    last keys and values beside the state) when its normalization has a softmax window, else a
+    :class:`RecurrentStateLayer`."""
+    from .window_cache import WindowStateLayer  # here, not at the top: window_cache builds on this module
+
+    spelling = (getattr(config.get_text_config(decoder=True), ATTENTION_NAME, None) or {}).get("normalization")
+    window = parse_normalization(spelling).window if spelling is not None else 0
+    return WindowStateLayer(layer_idx, window) if window else RecurrentStateLayer(layer_idx)

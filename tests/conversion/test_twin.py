@@ -68,3 +68,13 @@ def test_folding_needs_a_model_patched_with_the_twin():
         fold_constant(model, "x^3/16")
     with pytest.raises(ValueError, match="needs a model patched with x\\^3/1"):
         fold_constant(model, "x^3/sqrtN")
+
+
+def test_a_softmax_window_is_trained_as_it_is():
+    """Folding c^(1/p) into the queries would scale the window's softmax scores too: no twin with a window."""
+    model = tiny_model("llama")
+    windowed = "x^3/16 + softmax window 4"
+    assert training_normalization(model, windowed).name == windowed
+    hf_knorm.patch(model, "x^3/1", softmax_window=4)
+    with pytest.raises(ValueError, match="softmax window"):
+        fold_constant(model, windowed)

@@ -1,0 +1,315 @@
+"""A softmax window beside the polynomial attention: ``x^p/c + softmax window W``, its fast paths composed of the
+existing kernels.
+
+Why. Converting a softmax model to a pure polynomial (or linear) attention loses what the model does locally; the
+conversions that work keep a short softmax window: LoLCATs (Zhang et al., arXiv 2410.10254) a 64-token sliding window
+of softmax beside linear attention, Liger (arXiv 2503.01496) ``0.5 x window(64) + 0.5 x gated linear attention``
+without a denominator (../shared/REFERENCE.md, "Conversion: what the field measured").
+
+Definition (ours; the reference is :func:`.reference.reference_window_attention`). Query ``i`` sits at position
+``a_i``; under a causal mask that is its own position, the last key it may attend. With ``s_ij`` the model's score
+(scaling, softcap and any additive mask included, as for every normalization):
+
+    o_i = sum_{j in window(i)} softmax_window(s_i)_j v_j  +  m_h * sum_{j older} (s_ij^p / c_i) v_j
+
+- ``window(i)``: the keys ``i`` may attend with ``a_i - W < j <= a_i`` (its own key and the ``W - 1`` before it);
+  softmax is normalized over them alone, so this part is a convex combination of the window's values (Liger's
+  window branch; not LoLCATs' joint denominator, which needs non-negative polynomial weights: ``x^3`` keeps the
+  sign of the score, and a denominator could vanish).
+- older keys: ``j <= a_i - W`` and allowed. They get the paper's unnormalized weight ``s^p / c`` (Liger's linear
+  branch has no denominator either). ``c`` is the paper's constant; ``c = sqrtN`` counts the keys this part reads,
+  ``c_i = sqrt(number of older keys of row i)``: the polynomial part is the paper's attention over the keys older
+  than the window, and the same rule holds in a prefill and in decoding.
+- ``m_h``: a per-query-head mix of the polynomial part, ``(H_q,)``, 1 when not given (what ``hf_knorm.patch`` runs
+  today). It is an argument of :func:`window_attention` and of the reference, differentiable, so that a conversion can
+  learn it (LoLCATs learns a per-head mix; a learnt mix needs to be saved with the model: not done yet).
+- ``W = 0`` is not a window: the pure normalization, computed by the existing paths bit for bit.
+- Masks. Key padding and bottom-right causal calls (every plain causal forward, prefill and decoding, with or without
+  a cache): positions are key indices, query ``i`` at ``kv - q + i``. An explicit mask (a model's own sliding window,
+  packed sequences, a static cache, a user's mask): ``a_i`` is the last key row ``i`` may attend, which is where the
+  query is whatever the layout; the two parts split what the mask allows, so a model's own sliding window ``W_m``
+  bounds both (``W_m <= W``: no older key, pure softmax). A padded query (its own key is padding) has no position: its
+  output is finite and read by nothing, and the paths may anchor it differently (every real query agrees exactly).
+- Causal only: for a bidirectional call there is no "older", and the window raises.
+
+Fast paths (memory linear in ``N`` for a fixed ``W``):
+
+- The softmax part, key padding or none: one call of the chunked kernel (:mod:`.kernel`) with softmax, the queries
+  cut into blocks of ``rows = max(BAND_ROWS, W)``, each block a batch entry with the ``rows + W - 1`` keys its band
+  covers and the same small band mask: ``O(N * (rows + W) * D)`` time, ``O(N * (rows + W))`` memory.
+- The polynomial part: the same attention as the pure normalization on the keys delayed by ``W``: queries
+  ``i >= W - (kv - q)`` on keys ``0 .. kv - W - 1``, bottom-right causal (query ``i`` then sees exactly the keys
+  ``j <= a_i - W``), the key padding cut to those keys. So any ``p`` runs the chunked kernel as today, and ``p = 1``
+  the linear kernel (:mod:`.linear_kernel`): the hybrid runs in ``O(N * W * D + N * D^2)``, and decoding continues a
+  recurrent state of the keys older than the window (:mod:`hf_knorm.recurrent.window_cache` keeps the ``W`` last
+  keys and values beside it).
+- An explicit mask, or the attention weights requested: both parts with the chunked kernel on the explicit masks
+  ``allowed & window`` and ``allowed & older`` (the kernel skips the keys a chunk does not attend); quadratic, as
+  every explicit mask is. For ``p = 1`` that is a fallback from the linear path (warned on long inputs, an error
+  under ``linear="require"``).
+
+Which ran is counted by ``attention_paths()`` under the polynomial part's path: ``"linear"`` when the ``p = 1``
+hybrid runs in linear time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .compiled import compiled_attention
+from .kernel import chunked_attention
+from .linear_kernel import is_linear, linear_attention
+from .masks import KeyPadding, Mask
+from .normalizations import Normalization
+from .paths import Path, choose_path, linear_keys
+
+BAND_ROWS = 32
+"""Queries per block of the softmax part (at least ``W``, at most ``q``; read at call time): a block's scores are
+``rows x (rows + W - 1)``, of which ``rows x W`` are in the window (all blocks in one kernel call)."""
+
+SOFTMAX = Normalization(power=None)
+
+
+def window_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: Mask,
+    normalization: Normalization,
+    *,
+    bias: torch.Tensor | None = None,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+    causal: bool = True,
+    return_weights: bool = False,
+    frobenius_sq: torch.Tensor | None = None,
+    mix: torch.Tensor | None = None,
+    handover=None,
+    op: bool = False,
+    compiling: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention with a softmax window of ``normalization.window`` keys beside ``normalization.polynomial``.
+
+    Args:
+        query: ``(B, H_q, q, D)``; key, value ``(B, H_kv, kv, D)``, not repeated for GQA.
+        mask: as :func:`.interface.read_mask` gives it: :class:`~.masks.KeyPadding`, a bool ``(B or 1, 1 or H_q, q,
+            kv)`` mask, or ``None`` (with ``causal``: sdpa's top-left causal mask, keys cut to ``q`` when ``q > 1``).
+        normalization: a polynomial normalization with ``window > 0``.
+        bias: an additive float mask of the explicit mask's shape, or ``None``.
+        scaling, softcap, dropout: as the kernels take them (dropout on both parts' weights).
+        causal: the call is causal (required).
+        return_weights: also return the ``(B, H_q, q, kv)`` weights of both parts (materialized).
+        frobenius_sq: optional ``(B, H_kv, G)`` accumulator of each head's squared Frobenius norm (the parts attend
+            disjoint keys: their squares add; the polynomial part's counts ``m_h^2`` times).
+        mix: ``(H_q,)`` factors of the polynomial part, or ``None`` (1).
+        handover: a recurrent state handed over by a window cache layer (``read() -> (state, count)`` of the keys
+            older than the ``kv`` keys of this call, ``write(state, count)``, ``window``), or ``None``.
+        op: run the quadratic parts through the custom op (``compiled.py``: compiled code with no tap).
+        compiling: traced by ``torch.compile``: nothing reads tensor values (the chunked kernel keeps every key).
+
+    Returns:
+        ``(output (B, q, H_q, D_v) in the query dtype, weights or None)``.
+
+    Raises:
+        ValueError: no window, softmax, a bidirectional call, a mix of another shape, or a state that the call cannot
+            continue.
+    """
+    path = window_path(normalization, query.shape[2], key.shape[2], mask, bias, causal=causal, softcap=softcap,
+                       dropout=dropout, return_weights=return_weights, has_state=handover is not None,
+                       compiling=compiling)
+    check_state_window(handover, normalization)
+    if mix is not None and tuple(mix.shape) != (query.shape[1],):
+        raise ValueError(f"mix scales the polynomial part per query head: shape ({query.shape[1]},), got "
+                         f"{tuple(mix.shape)}.")
+    if handover is not None and not path.linear:
+        raise ValueError(f"A recurrent state cache decodes with linear attention only, and this call cannot: "
+                         f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")
+    options = dict(scaling=scaling, softcap=softcap, dropout=dropout, op=op, compiling=compiling)
+    dtype = query.dtype  # the parts are computed and added in fp32 (fp64 for fp64 inputs), as the kernels compute
+    compute = torch.promote_types(dtype, torch.float32)
+    query, key, value = query.to(compute), key.to(compute), value.to(compute)
+    if _explicit_route(mask, bias, return_weights):
+        output, weights = _explicit(query, key, value, mask, normalization, bias, return_weights, frobenius_sq, mix,
+                                    options)
+        return output.to(dtype), weights
+    if mask is None:
+        key, value = linear_keys(query, key, value, None, causal=True)
+    key_valid = None if mask is None else mask.key_valid
+    output = _softmax_band(query, key, value, key_valid, normalization.window, frobenius_sq, options)
+    polynomial = _older_keys(query, key, value, key_valid, normalization, path, frobenius_sq, mix, handover, options)
+    if polynomial is not None:
+        output = output + polynomial
+    return output.to(dtype), None
+
+
+def window_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mask, bias: torch.Tensor | None, *,
+                causal: bool, softcap: float | None, dropout: float, return_weights: bool, has_state: bool,
+                compiling: bool = False) -> Path:
+    """The path of a call with a softmax window, as :func:`.paths.choose_path` gives it for the pure normalization
+    (same arguments): the polynomial part's path, the softmax part being linear in ``N`` on either.
+
+    Raises:
+        ValueError: ``normalization`` has no window or is softmax, or the call is bidirectional.
+    """
+    window = normalization.window
+    if window <= 0 or normalization.is_softmax:
+        raise ValueError(f"window_attention computes a polynomial normalization with a softmax window, not "
+                         f"{normalization.name}.")
+    if not causal or (isinstance(mask, KeyPadding) and not mask.causal):
+        raise ValueError(f"{normalization.name}: a softmax window weights the keys before a query; this call is "
+                         "bidirectional (an encoder). Use the normalization without softmax_window on encoders.")
+    polynomial = normalization.polynomial
+    if _explicit_route(mask, bias, return_weights):
+        reason = ("the attention weights were requested" if return_weights else "an explicit mask (sliding window, "
+                  "packed sequences, a static cache or a custom mask) or an additive bias with a softmax window")
+        return Path(linear=False, reason=reason, fallback=is_linear(polynomial))
+    if mask is None and q_len > 1:
+        kv_len = q_len  # sdpa's top-left causal mask: the keys are cut to the queries (linear_keys)
+    rows, older = _older_shape(q_len, kv_len, window)
+    older_mask = None if mask is None else KeyPadding(mask.key_valid[:, :older], rows, causal=True)
+    return choose_path(polynomial, rows, older, older_mask, None, causal=True, softcap=softcap, dropout=dropout,
+                       return_weights=False, has_state=has_state, compiling=compiling)
+
+
+def check_state_window(handover, normalization: Normalization) -> None:
+    """Raise unless a handed-over recurrent state (or ``None``) was kept for ``normalization``'s window.
+
+    A state layer says its window by a ``window`` attribute (none: a pure state, window 0)."""
+    if handover is None:
+        return
+    kept = getattr(handover, "window", 0)
+    if kept != normalization.window:
+        raise ValueError(f"The recurrent cache was built for a softmax window of {kept} keys and the model runs "
+                         f"{normalization.name}: build it from the model's config "
+                         f"(RecurrentStateCache(config=model.config)).")
+
+
+def _explicit_route(mask: Mask, bias, return_weights: bool) -> bool:
+    return isinstance(mask, torch.Tensor) or bias is not None or return_weights
+
+
+def _older_shape(q_len: int, kv_len: int, window: int) -> tuple[int, int]:
+    """``(rows, older)``: the queries ``q - rows ..`` that have a key older than their window, and the keys
+    ``0 .. older - 1`` older than the window of every one of them (query ``i`` at ``kv - q + i``)."""
+    older = max(0, kv_len - window)
+    return min(q_len, older), older
+
+
+def _softmax_band(query, key, value, key_valid, window, frobenius_sq, options) -> torch.Tensor:
+    """The softmax part under a bottom-right causal mask: ``(B, q, H_q, D_v)``.
+
+    One call of the chunked kernel on the queries cut into blocks of ``rows``, each block a batch entry with the
+    ``rows + W - 1`` keys its windows cover (``unfold``: the keys are copied about ``1 + W / rows`` times, no
+    ``N x N`` tensor). In block coordinates query ``r`` sees keys ``r .. r + W - 1``, the same band in every block;
+    the keys before the first and the queries after the last are padding, masked out."""
+    batch, q_heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    rows = min(q_len, max(BAND_ROWS, window))
+    blocks, span = -(-q_len // rows), rows + window - 1
+    first = kv_len - q_len - window + 1  # the key index the first block's span starts at (< 0: padding before)
+    front, back = max(0, -first), blocks * rows - q_len  # zero keys before key 0, after the last key
+    valid = (key.new_ones(batch, kv_len, dtype=torch.bool) if key_valid is None
+             else key_valid.expand(batch, kv_len))[:, max(0, first):]
+    valid = F.pad(valid, (front, back), value=False).unfold(1, span, rows)  # (B, blocks, span)
+    k, v = (F.pad(tensor[:, :, max(0, first):], (0, 0, front, back)).unfold(2, span, rows)  # (B, H_kv, T, D, span)
+            .permute(0, 2, 1, 4, 3).reshape(batch * blocks, kv_heads, span, -1) for tensor in (key, value))
+    q = (F.pad(query, (0, 0, 0, back)).view(batch, q_heads, blocks, rows, dim)
+         .transpose(1, 2).reshape(batch * blocks, q_heads, rows, dim))
+    positions = torch.arange(span, device=query.device)
+    row_positions = torch.arange(rows, device=query.device)[:, None]
+    band = (positions >= row_positions) & (positions < row_positions + window)  # (rows, span)
+    real_rows = (torch.arange(blocks * rows, device=query.device) < q_len).view(blocks, rows, 1)
+    allowed = (band & real_rows)[None] & valid[:, :, None, :]  # (B, T, rows, span)
+    block_sq = None if frobenius_sq is None else frobenius_sq.new_zeros(batch * blocks, *frobenius_sq.shape[1:])
+    output, _ = _quadratic(q, k, v, allowed.reshape(batch * blocks, 1, rows, span), SOFTMAX, frobenius_sq=block_sq,
+                           **options)
+    if block_sq is not None:
+        frobenius_sq += block_sq.view(batch, blocks, *frobenius_sq.shape[1:]).sum(dim=1)
+    return output.reshape(batch, blocks * rows, q_heads, -1)[:, :q_len]
+
+
+def _older_keys(query, key, value, key_valid, normalization, path, frobenius_sq, mix, handover, options):
+    """The polynomial part ``(B, q, H_q, D_v)``, ``None`` when no query has a key older than its window: queries
+    ``q - rows ..`` on the keys ``0 .. older - 1``, bottom-right causal, on ``path``."""
+    batch, _, q_len, _ = query.shape
+    rows, older = _older_shape(q_len, key.shape[2], normalization.window)
+    if rows == 0:  # every key is inside its query's window (and no state was kept: the cache holds W keys first)
+        if handover is not None:
+            handover.write(*handover.read())
+        return None
+    polynomial, start = normalization.polynomial, q_len - rows
+    q, k, v = query[:, :, start:], key[:, :, :older], value[:, :, :older]
+    part_sq = None if frobenius_sq is None else torch.zeros_like(frobenius_sq)
+    if path.linear and handover is not None:
+        state, count = handover.read()
+        output, state, count = linear_attention(q, k, v, path.key_valid, polynomial, scaling=options["scaling"],
+                                                initial_state=state, initial_count=count, frobenius_sq=part_sq,
+                                                return_state=True)
+        handover.write(state, count)
+    elif path.linear:
+        output = linear_attention(q, k, v, path.key_valid, polynomial, scaling=options["scaling"],
+                                  frobenius_sq=part_sq)
+    else:
+        older_valid = k.new_ones(batch, older, dtype=torch.bool) if key_valid is None else key_valid[:, :older]
+        allowed = _dense(KeyPadding(older_valid, rows, causal=True), options)
+        output, _ = _quadratic(q, k, v, allowed, polynomial, frobenius_sq=part_sq, **options)
+    if mix is not None:
+        output = output * mix.to(output.dtype)[None, None, :, None]
+    if part_sq is not None:
+        frobenius_sq += part_sq * _mix_squared(mix, frobenius_sq)
+    return F.pad(output, (0, 0, 0, 0, start, 0))
+
+
+def _explicit(query, key, value, mask, normalization, bias, return_weights, frobenius_sq, mix, options):
+    """Both parts with the chunked kernel on explicit masks (see the module docstring)."""
+    if mask is None:
+        key, value = linear_keys(query, key, value, None, causal=True)
+        positions = torch.arange(key.shape[2], device=query.device)
+        allowed = (positions[None, :] <= positions[: query.shape[2], None] + key.shape[2] - query.shape[2])[None, None]
+    else:
+        allowed = mask.dense() if isinstance(mask, KeyPadding) else mask[..., : key.shape[2]]
+    positions = torch.arange(allowed.shape[-1], device=query.device)
+    last = torch.where(allowed, positions, -1).amax(dim=-1, keepdim=True)  # a_i: the last key row i may attend
+    in_window = allowed & (positions > last - normalization.window)
+    older = allowed & (positions <= last - normalization.window)
+    polynomial = normalization.polynomial
+    options = dict(options, return_weights=return_weights, bias=bias)
+    soft, soft_weights = _quadratic(query, key, value, in_window, SOFTMAX, frobenius_sq=frobenius_sq, **options)
+    part_sq = None if frobenius_sq is None else torch.zeros_like(frobenius_sq)
+    poly, poly_weights = _quadratic(query, key, value, older, polynomial, frobenius_sq=part_sq, **options)
+    if part_sq is not None:
+        frobenius_sq += part_sq * _mix_squared(mix, frobenius_sq)
+    if mix is None:
+        return soft + poly, (soft_weights + poly_weights if return_weights else None)
+    mix = mix.to(poly.dtype)
+    weights = soft_weights + poly_weights * mix[None, :, None, None] if return_weights else None
+    return soft + poly * mix[None, None, :, None], weights
+
+
+def _quadratic(query, key, value, allowed, normalization, *, scaling, softcap, dropout, op, compiling,
+               frobenius_sq=None, bias=None, return_weights=False):
+    """The chunked kernel, or its custom op (compiled code with no tap, no dropout, no weights)."""
+    if op and dropout == 0.0 and not return_weights and frobenius_sq is None:
+        return compiled_attention(query, key, value, allowed, bias, normalization, scaling=scaling, softcap=softcap,
+                                  causal=allowed is None), None
+    return chunked_attention(query, key, value, allowed, normalization, bias=bias, scaling=scaling, softcap=softcap,
+                             dropout=dropout, causal=allowed is None, return_weights=return_weights,
+                             frobenius_sq=frobenius_sq, trim_keys=not compiling)
+
+
+def _dense(mask: KeyPadding, options) -> torch.Tensor | None:
+    """The polynomial part's mask for the chunked kernel: ``None`` where its implicit causal mask is the same (every
+    key real, as many queries as keys or one query; not read while compiling), the ``(B, 1, q, kv)`` mask otherwise."""
+    q_len, kv_len = mask.q_len, mask.key_valid.shape[-1]
+    if not options["compiling"] and q_len in (1, kv_len) and bool(mask.key_valid.all()):
+        return None
+    return mask.dense()
+
+
+def _mix_squared(mix, frobenius_sq) -> torch.Tensor | float:
+    """``m_h^2`` as ``(H_kv, G)`` for the ``(B, H_kv, G)`` accumulator (1 without a mix)."""
+    if mix is None:
+        return 1.0
+    return mix.detach().to(frobenius_sq.dtype).square().reshape(frobenius_sq.shape[1:])

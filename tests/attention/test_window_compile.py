@@ -1,0 +1,50 @@
+"""torch.compile of a model with a softmax window: no graph break (``fullgraph=True``, inductor), the eager values.
+
+The softmax part's blocks and the quadratic polynomial part run through the custom op, the ``p = 1`` part is traced
+(the linear kernel). Tolerances as tests/attention/test_compile.py (fp32): logits within 1e-5 absolute of eager; each
+parameter's gradient within 1e-4 of its largest entry. Each case compiles forward and backward (~30-60 s on a CPU).
+"""
+
+import pytest
+import torch
+
+import hf_knorm
+from hf_knorm.attention.paths import attention_paths
+from hf_knorm.attention.taps import taps_set
+
+from tiny_models import tiny_inputs, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _logits_and_grads(model, inputs):
+    model.zero_grad()
+    output = model(**inputs, labels=inputs["input_ids"])
+    output.loss.backward()
+    return output.logits.detach(), {name.removeprefix("_orig_mod."): p.grad.clone()
+                                    for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("model_type", "spelling", "window", "length", "path"), [
+    ("llama", "x/1", 8, 140, "linear"),  # key padding: the linear kernel traced, the band blocks through the op
+    ("mistral", "x^3/16", 3, 12, "quadratic"),  # the model's own sliding window: explicit masks through the op
+])
+def test_a_compiled_windowed_model_matches_eager(model_type, spelling, window, length, path):
+    model = hf_knorm.patch(tiny_model(model_type).train(), spelling, softmax_window=window)
+    inputs = tiny_inputs(model_type, length=length)
+    inputs["attention_mask"][0, :3] = 0
+    with attention_paths() as taken:
+        eager_logits, eager_grads = _logits_and_grads(model, inputs)
+    assert dict(taken) == {path: model.config.num_hidden_layers}
+    assert not taps_set()
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)  # a graph break is an error
+    logits, grads = _logits_and_grads(compiled, inputs)
+    torch.testing.assert_close(logits, eager_logits, rtol=0, atol=1e-5)
+    for name, grad in grads.items():
+        scale = eager_grads[name].abs().max().item()
+        torch.testing.assert_close(grad, eager_grads[name], rtol=0, atol=1e-4 * scale + 1e-12, msg=name)

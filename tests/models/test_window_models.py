@@ -1,0 +1,220 @@
+"""A softmax window in patched models: ``hf_knorm.patch(model, "x^3/16", softmax_window=W)``.
+
+- The whole model against the same model whose attention is the plain reference (explicit masks), fp64: logits and
+  every parameter's gradient within 1e-9 of their largest entry; left padding, GQA, the model's own sliding window
+  (mistral, gemma2, gemma3: 5 positions, shorter and longer than the softmax window) and softcap (gemma2).
+- Token-by-token decoding with the K/V cache equals the full forward (fp32, 1e-4 as tests/models/test_generation.py).
+- ``W = 0`` is the pure normalization bit for bit; a window longer than the text is softmax.
+- The window travels with the model: config, save and reload, the card; bad windows are refused.
+"""
+
+import pytest
+import torch
+from tiny_models import tiny_inputs, tiny_model
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+import hf_knorm
+from hf_knorm.attention.interface import normalization_of
+from hf_knorm.attention.masks import explicit_bool_mask
+from hf_knorm.attention.paths import attention_paths
+from hf_knorm.attention.reference import reference_window_attention
+from hf_knorm.compat import cache_kwargs, output_cache
+
+REFERENCE = "test_reference_window"
+WINDOW_TYPES = ("llama", "mistral", "gemma2", "gemma3_text", "qwen3", "gpt2", "phi3")
+ATOL = 1e-4  # fp32 decoding against the full forward (logits of size ~10)
+
+
+def reference_window(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The plain reference of the model's windowed normalization, as an ``AttentionInterface`` function."""
+    output, _ = reference_window_attention(query, key, value, attention_mask, normalization_of(module),
+                                           scaling=scaling, softcap=kwargs.get("softcap"))
+    return output, None
+
+
+AttentionInterface.register(REFERENCE, reference_window)
+AttentionMaskInterface.register(REFERENCE, explicit_bool_mask)
+
+
+def _twins(model_type, spelling, window, dtype=torch.float64):
+    model = hf_knorm.patch(tiny_model(model_type, dtype=dtype), spelling, softmax_window=window)
+    reference = tiny_model(model_type, dtype=dtype)
+    reference.config.hf_knorm = dict(model.config.hf_knorm)
+    reference.set_attn_implementation(REFERENCE)
+    return model, reference
+
+
+def _logits_and_grads(model, inputs):
+    model.zero_grad()
+    output = model(**inputs, labels=inputs["input_ids"])
+    output.loss.backward()
+    return output.logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("spelling, window", [("x^3/16", 3), ("x/1", 4), ("x/sqrtN", 7), ("x^3/sqrtN", 2)])
+@pytest.mark.parametrize("model_type", WINDOW_TYPES)
+def test_models_equal_the_reference_attention(model_type, spelling, window):
+    model, reference = _twins(model_type, spelling, window)
+    inputs = tiny_inputs(model_type, length=14)
+    inputs["attention_mask"][1, :4] = 0  # left padding: its queries attend nothing on either side
+    logits, grads = _logits_and_grads(model, inputs)  # eval mode: no dropout (gpt2 has some), gradients all the same
+    want_logits, want_grads = _logits_and_grads(reference, inputs)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-9 * want_logits.abs().max().item())
+    for name, grad in grads.items():
+        scale = want_grads[name].abs().max().item()
+        torch.testing.assert_close(grad, want_grads[name], rtol=0, atol=1e-9 * scale + 1e-15, msg=name)
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("spelling", ["x^3/16", "x/1", "x/sqrtN"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "gemma2", "gemma3_text"])
+def test_token_by_token_decoding_with_the_kv_cache_equals_the_full_forward(model_type, spelling):
+    model = hf_knorm.patch(tiny_model(model_type), spelling, softmax_window=3)
+    ids = tiny_inputs(model_type, batch=1, length=14)["input_ids"]
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        out = model(input_ids=ids[:, :4], use_cache=True, **cache_kwargs(_kv_cache(model)))
+        steps = [out.logits]
+        for position in range(4, 14):
+            out = model(input_ids=ids[:, position: position + 1], **cache_kwargs(output_cache(out)), use_cache=True)
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=ATOL)
+
+
+def _kv_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def test_a_window_of_zero_is_the_pure_normalization_bit_for_bit():
+    inputs = tiny_inputs("llama", length=20)
+    pure = hf_knorm.patch(tiny_model("llama"), "x^3/16")
+    zero = hf_knorm.patch(tiny_model("llama"), "x^3/16", softmax_window=0)
+    assert zero.config.hf_knorm["normalization"] == "x^3/16"
+    with torch.no_grad():
+        assert torch.equal(zero(**inputs).logits, pure(**inputs).logits)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+def test_a_window_longer_than_the_text_is_softmax(model_type):
+    inputs = tiny_inputs(model_type, length=12)
+    softmax = hf_knorm.patch(tiny_model(model_type), "softmax")
+    windowed = hf_knorm.patch(tiny_model(model_type), "x^3/16", softmax_window=12)
+    with torch.no_grad():
+        torch.testing.assert_close(windowed(**inputs).logits, softmax(**inputs).logits, rtol=0, atol=1e-5)
+
+
+def test_the_p1_hybrid_runs_in_linear_time_in_a_model():
+    model = hf_knorm.patch(tiny_model("llama"), "x/1", softmax_window=16)
+    inputs = tiny_inputs("llama", length=200)
+    with attention_paths() as taken, torch.no_grad():
+        model(**inputs)
+    assert dict(taken) == {"linear": model.config.num_hidden_layers}
+    cubic = hf_knorm.patch(tiny_model("llama"), "x^3/16", softmax_window=16)
+    with attention_paths() as taken, torch.no_grad():
+        cubic(**inputs)
+    assert dict(taken) == {"quadratic": model.config.num_hidden_layers}
+
+
+def test_the_window_travels_with_the_model(tmp_path):
+    model = hf_knorm.patch(tiny_model("qwen3"), "x^3/16", softmax_window=4)
+    assert model.config.hf_knorm["normalization"] == "x^3/16 + softmax window 4"
+    assert hf_knorm.patched_normalization(model) == "x^3/16 + softmax window 4"
+    hf_knorm.save_pretrained(model, tmp_path / "model")
+    loaded = hf_knorm.from_pretrained(tmp_path / "model").eval()
+    assert loaded.config.hf_knorm["normalization"] == "x^3/16 + softmax window 4"
+    inputs = tiny_inputs("qwen3", length=12)
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs).logits, model.eval()(**inputs).logits)
+    card = (tmp_path / "model" / "README.md").read_text()
+    assert "x^3/16 + softmax window 4" in card and "normalization-x3-16-softmax-window-4" in card
+    assert "softmax over the keys of each query's last 4 positions" in card
+
+
+def test_patching_with_another_window_or_a_bad_one_is_refused():
+    model = hf_knorm.patch(tiny_model("llama"), "x^3/16", softmax_window=4)
+    with pytest.raises(ValueError, match="unpatch"):
+        hf_knorm.patch(model, "x^3/16", softmax_window=8)
+    with pytest.warns(UserWarning, match="already patched"):
+        hf_knorm.patch(model, "x^3/16 + softmax window 4")
+    with pytest.raises(ValueError, match="integer >= 0"):
+        hf_knorm.patch(tiny_model("llama"), "x^3/16", softmax_window=-1)
+    with pytest.raises(ValueError, match="already weighted by softmax"):
+        hf_knorm.patch(tiny_model("llama"), "softmax", softmax_window=4)
+    with pytest.raises(ValueError, match="attends both ways"):
+        hf_knorm.patch(tiny_model("bert"), "x^3/16", softmax_window=4)
+    with pytest.raises(ValueError, match="contradicts"):
+        hf_knorm.patch(tiny_model("llama"), "x^3/16 + softmax window 8", softmax_window=4)
+    hf_knorm.unpatch(model)
+    assert hf_knorm.patched_normalization(hf_knorm.patch(model, "x^3/16", softmax_window=8)) == \
+        "x^3/16 + softmax window 8"
+
+
+@pytest.mark.parametrize("spelling", ["x^3/16", "x/1"])
+def test_returned_attentions_are_both_parts_and_change_nothing(spelling):
+    """``output_attentions=True`` takes the explicit route (weights materialized): the same logits as key padding,
+    rows whose window holds every key they attend sum to 1 (softmax alone)."""
+    model = hf_knorm.patch(tiny_model("llama"), spelling, softmax_window=4)
+    inputs = tiny_inputs("llama", length=12)
+    inputs["attention_mask"][1, :3] = 0
+    with torch.no_grad():
+        plain = model(**inputs).logits
+        out = model(**inputs, output_attentions=True)
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(out.logits[real], plain[real], rtol=0, atol=1e-5)
+    weights = out.attentions[0]  # (B, H, q, kv)
+    assert weights.shape == (2, 4, 12, 12)
+    torch.testing.assert_close(weights[0, :, :4].sum(-1), torch.ones(4, 4), rtol=0, atol=1e-6)
+    assert weights[0, :, 6, :3].abs().sum() > 0  # keys older than the window: the polynomial weights
+
+
+def test_knorm_eviction_is_refused_with_a_window():
+    model = hf_knorm.patch(tiny_model("llama"), "x^3/16", softmax_window=4)
+    with pytest.raises(ValueError, match="no longer holds those positions"):
+        hf_knorm.KNormCache(0.5, config=model.config)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_p1_hybrid_builds_no_n_by_n_tensor(padded):
+    """600 tokens, window 16, forward and backward: every tensor any op returns has at most one axis of 200 or more
+    (no mask, score or weight matrix of the sequence's length; the logits have one, the vocabulary is 128)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.large = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(tensor, torch.Tensor) and sum(size >= 200 for size in tensor.shape) >= 2:
+                    self.large.append((str(func), tuple(tensor.shape)))
+            return out
+
+    model = hf_knorm.patch(tiny_model("llama"), "x/1", softmax_window=16).train()
+    inputs = tiny_inputs("llama", batch=1, length=600)
+    if padded:
+        inputs["attention_mask"][0, :5] = 0
+    with attention_paths() as taken, Shapes() as shapes:
+        model(**inputs, labels=inputs["input_ids"]).loss.backward()
+    assert dict(taken) == {"linear": model.config.num_hidden_layers}
+    assert shapes.large == []
+
+
+@pytest.mark.parametrize("spelling", ["x/1", "x^3/16"])
+def test_recorded_attention_norms_are_the_whole_matrixs(spelling):
+    """record_norms on the fast paths (x/1: linear, 140 tokens) gives the Frobenius norm of the weights that
+    output_attentions returns (both parts), per batch item and head."""
+    model = hf_knorm.patch(tiny_model("llama"), spelling, softmax_window=8)
+    inputs = tiny_inputs("llama", length=140)
+    with hf_knorm.record_norms(model) as recorder, torch.no_grad(), attention_paths() as taken:
+        model(**inputs)
+    assert dict(taken) == {("linear" if spelling == "x/1" else "quadratic"): model.config.num_hidden_layers}
+    with torch.no_grad():
+        attentions = model(**inputs, output_attentions=True).attentions
+    for layer, weights in zip(recorder.layers, attentions):
+        expected = weights.square().sum(dim=(-2, -1)).sqrt().flatten()
+        torch.testing.assert_close(layer.attention_frobenius(), expected, rtol=1e-5, atol=0)
