@@ -15,7 +15,7 @@ function. It hands the attention one of two forms:
 
 So the linear path (``p = 1``, :mod:`.linear_kernel`) never sees an ``N x N`` tensor on a causal model's forward,
 ``generate`` or training step, with or without padding, and needs no scan of a mask to know it is causal; the
-quadratic kernel builds the ``N x N`` form (:func:`dense_mask`) only where it needs it (padding, a cache). A 4-D mask a
+quadratic kernel builds the ``N x N`` form (:meth:`KeyPadding.dense`) only where it needs it (padding, a cache). A 4-D mask a
 user passes is handed over as it is (Transformers does not call the mask function for it).
 
 The norm recorders read either form through :func:`attended_keys` and :func:`attending_rows`.
