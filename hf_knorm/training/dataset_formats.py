@@ -99,6 +99,10 @@ def check_records(dataset, dataset_format: str, tokenizer=None) -> None:
                                                                                    and not value):
                 raise ValueError(f"Record {index}: its {side} is missing or empty; every record needs both a prompt "
                                  "and a completion.")
+        for side, value in (("prompt", prompt), ("completion", completion)):
+            if not isinstance(value, (str, list)):
+                raise ValueError(f"Record {index}: its {side} is {type(value).__name__}, neither text nor a list of "
+                                 "role/content turns.")
         if isinstance(prompt, str) != isinstance(completion, str):
             raise ValueError(f"Record {index}: one side is text and the other a list of turns; both must be plain "
                              "text or both conversational.")

@@ -12,7 +12,8 @@ Sources (:func:`load_text_dataset`):
 
 Every check that can fail runs before a model is loaded or a step is trained: a missing file, an empty file, a
 file ``datasets`` cannot read, a datasets name that cannot be loaded (the message says what was tried and the
-reason ``datasets`` gave), a missing text column (the message lists the columns found), an empty dataset, fewer
+reason ``datasets`` gave), a missing text column (the message lists the columns found), a record whose text is
+missing or not text (every record is read; the first bad one is named by index and column), an empty dataset, fewer
 tokens than one block.
 
 :func:`pack_dataset` tokenizes the texts, appends the end-of-text token to each, concatenates everything and cuts it
@@ -133,21 +134,31 @@ def load_text_dataset(source: str, text_column: str = "text", split: str = "trai
 
 
 def check_text_column(dataset, source: str, text_column: str) -> None:
-    """``dataset`` has a column ``text_column`` of strings, not all blank.
+    """``dataset`` has a column ``text_column`` of strings in every record, not all blank.
 
     Raises:
-        ValueError: no such column (the columns found are named), a non-text column, or no text at all.
+        ValueError: no such column (the columns found are named), a record whose ``text_column`` is missing
+            (``None``) or not text (the first such record is named by index), or no text at all.
     """
     if text_column not in dataset.column_names:
         raise ValueError(
             f"{source} has no column {text_column!r}; columns found: {', '.join(dataset.column_names) or 'none'}. "
             "Name the text column with --text-column (text_column=...)."
         )
-    first = dataset[0][text_column]
-    if not isinstance(first, str):
-        raise ValueError(f"Column {text_column!r} of {source} holds {type(first).__name__}, not text.")
-    if not any(text and text.strip() for text in dataset[text_column]):
+    any_text = False
+    for start in range(0, len(dataset), CHECK_BATCH):  # every record, a batch at a time (the column may be large)
+        for offset, text in enumerate(dataset[start:start + CHECK_BATCH][text_column]):
+            if not isinstance(text, str):
+                found = "missing (null)" if text is None else f"{type(text).__name__}, not text"
+                raise ValueError(f"Record {start + offset} of {source}: its {text_column!r} is {found}; every record "
+                                 "needs a text: fix or drop that record.")
+            any_text = any_text or bool(text.strip())
+    if not any_text:
         raise ValueError(f"{source} is empty: every {text_column!r} value is blank.")
+
+
+CHECK_BATCH = 10_000
+"""Records read at a time by the checks."""
 
 
 def _may_be_datasets_name(part: str, path: Path) -> bool:

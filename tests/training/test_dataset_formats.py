@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import datasets
 import pytest
@@ -106,6 +107,7 @@ def test_examples_are_cut_at_the_block_size_and_those_left_without_loss_dropped(
     ({"prompt": ["a", "b"], "completion": ["c", " "]}, "Record 1: its completion is missing or empty"),
     ({"prompt": ["a"], "completion": [None]}, "Record 0: its completion is missing or empty"),
     ({"prompt": [turns(("user", "a"))], "completion": ["b"]}, "Record 0: one side is text and the other"),
+    ({"prompt": [7, 8], "completion": [9, 10]}, "Record 0: its prompt is int, neither text"),
 ])
 def test_bad_records_are_refused_with_their_index(records, message):
     dataset = datasets.Dataset.from_list([dict(zip(records, values)) for values in zip(*records.values())])
@@ -174,6 +176,20 @@ def test_finetune_trains_each_format_on_its_replies_and_records_it(tmp_path, cha
     assert evaluation["tokens"] == sum(reply_tokens[:2])  # the first records carrying eval_tokens=6 loss tokens
     assert evaluation["perplexity"] > 0 and evaluation["original_perplexity"] > 0
     assert len((out / "norms.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("bad, found", [(None, "missing \\(null\\)"), (7, "int, not text"),
+                                        (["a"], "list, not text")])
+def test_every_text_record_is_checked_and_the_bad_one_named(tmp_path, chat_lm_dir, capsys, bad, found):
+    """Not only the first record: a missing or non-text value in record 2 is refused by index and field before the
+    model loads (it used to end in the tokenizer's TypeError, with no record named)."""
+    data = _write_jsonl(tmp_path / "bad.jsonl", [{"body": "first text"}, {"body": "second"}, {"body": bad},
+                                                 {"body": "fourth"}])
+    out = tmp_path / "run"
+    assert main(["finetune", "--model", str(chat_lm_dir), "--dataset", str(data), "--text-column", "body",
+                 "--out", str(out), "--report-to", "none"]) == 2
+    assert re.search(f"Record 2 of {re.escape(str(data))}: its 'body' is {found}", capsys.readouterr().err)
+    assert not out.exists()
 
 
 def test_finetune_refuses_bad_chat_data_before_the_model_loads(tmp_path, chat_lm_dir, capsys):
