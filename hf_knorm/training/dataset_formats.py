@@ -15,8 +15,10 @@ into one row would let a reply attend to another conversation: sound only with d
 plugin's normalizations do not have).
 
 Tokenization (:func:`tokenize_with_loss_mask`): the text of a prompt/completion record is tokenized as TRL's
-``SFTTrainer`` tokenizes it (the completion starts where the tokenized prompt and prompt + completion diverge; a
-plain completion ends with the end-of-text token). TRL finds the assistant turns of a conversation only in chat
+``SFTTrainer`` tokenizes it (plain text with the tokenizer's special tokens, so ``<bos>`` leads where the tokenizer
+adds one, and the end-of-text token at the end of a plain completion; a rendered conversation without them, its
+template writes its own; the completion starts where the tokenized prompt and prompt + completion diverge, TRL's
+``common_prefix_length``). TRL finds the assistant turns of a conversation only in chat
 templates with ``{% generation %}`` markers, and patches only the templates it knows: SmolLM2's is neither (TRL's
 ``get_training_chat_template`` refuses it), so the turns are found here, for any template that renders a
 conversation's beginning as a prefix of the whole: assistant turn ``i`` spans the tokens between the rendering of the
@@ -165,17 +167,10 @@ def _render(tokenizer, turns, add_generation_prompt: bool = False) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _common_prefix(first: list[int], second: list[int]) -> int:
-    length = 0
-    for a, b in zip(first, second):
-        if a != b:
-            break
-        length += 1
-    return length
-
-
 def _conversation(turns: list[dict], tokenizer) -> tuple[list[int], list[int]]:
     """``(ids, mask)`` of a rendered conversation; ``mask`` is 1 on the assistant turns' tokens."""
+    from trl.data_utils import common_prefix_length
+
     ids = _render(tokenizer, turns)
     mask = [0] * len(ids)
     for index, turn in enumerate(turns):
@@ -186,21 +181,23 @@ def _conversation(turns: list[dict], tokenizer) -> tuple[list[int], list[int]]:
             raise ValueError("The chat template renders the beginning of a conversation differently from the whole "
                              "(it is not prefix-preserving), so the assistant turns cannot be located: use "
                              "--train-on-prompt, or a template that renders earlier turns unchanged.")
-        start = _common_prefix(_render(tokenizer, turns[:index], add_generation_prompt=True), upto)
+        start = common_prefix_length(_render(tokenizer, turns[:index], add_generation_prompt=True), upto)
         mask[start:len(upto)] = [1] * (len(upto) - start)
     return ids, mask
 
 
 def _prompt_completion(prompt, completion, tokenizer) -> tuple[list[int], list[int]]:
     """``(ids, mask)`` of a prompt/completion record, as TRL's SFTTrainer tokenizes it; ``mask`` is 1 on the
-    completion."""
+    completion (from where the tokenized prompt and prompt + completion diverge: TRL's ``common_prefix_length``)."""
+    from trl.data_utils import common_prefix_length
+
+    from .text_data import encode_texts
+
     if isinstance(prompt, list):
         prompt_ids = _render(tokenizer, prompt, add_generation_prompt=True)
         ids = _render(tokenizer, prompt + completion)
-    else:
-        eos = tokenizer.eos_token or ""
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        text = prompt + completion
-        ids = tokenizer(text if text.endswith(eos) else text + eos, add_special_tokens=False)["input_ids"]
-    start = _common_prefix(prompt_ids, ids)
+    else:  # plain text: special tokens added (BOS where the tokenizer adds one), the end-of-text token appended
+        prompt_ids = encode_texts(tokenizer, [prompt])[0]
+        ids = encode_texts(tokenizer, [prompt + completion], end_of_text=True)[0]
+    start = common_prefix_length(prompt_ids, ids)
     return ids, [0] * start + [1] * (len(ids) - start)

@@ -7,7 +7,8 @@ import re
 
 import datasets
 import pytest
-from training_helpers import char_tokenizer, save_tiny_lm
+import transformers
+from training_helpers import char_tokenizer, lm, save_tiny_lm
 
 from hf_knorm.cli import main
 from hf_knorm.training.dataset_formats import (CONVERSATIONAL, LANGUAGE_MODELING, PROMPT_COMPLETION, check_records,
@@ -135,6 +136,68 @@ def test_packing_through_trl_equals_the_plain_reference():
                   for t in ids + [tokenizer.eos_token_id]]
         expected += [tokens[i:i + 32] for i in range(0, len(tokens) - len(tokens) % 32, 32)]
     assert packed["input_ids"] == expected and packed["labels"] == expected
+
+
+def bos_tokenizer():
+    """The character tokenizer with a post-processor that puts ``<s>`` in front of every text, as Llama's and Gemma's
+    tokenizers do (built here, nothing downloaded)."""
+    from tokenizers import processors
+
+    tokenizer = char_tokenizer()
+    backend = tokenizer.backend_tokenizer
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", 1)])
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                                     pad_token="<pad>", unk_token="<unk>")
+    tokenizer.chat_template = TEMPLATE
+    assert tokenizer("ab")["input_ids"][0] == tokenizer.bos_token_id
+    return tokenizer
+
+
+def _trl_examples(records, tokenizer, tmp_path):
+    """What TRL's own ``SFTTrainer`` makes of ``records`` (its dataset preparation, not packed), the oracle."""
+    from trl import SFTConfig, SFTTrainer
+
+    config = SFTConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, packing=False, max_length=None,
+                       bf16=False)
+    trainer = SFTTrainer(model=lm(), args=config, train_dataset=datasets.Dataset.from_list(records),
+                         processing_class=tokenizer)
+    return trainer.train_dataset
+
+
+def test_records_are_tokenized_as_trl_tokenizes_them_bos_included(tmp_path):
+    """A tokenizer that adds ``<bos>`` (Llama, Gemma): text blocks, plain prompt/completion pairs and conversations
+    carry exactly the tokens and loss mask TRL's ``SFTTrainer`` gives them (they used to lose ``<bos>``)."""
+    tokenizer = bos_tokenizer()
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    texts = ["To be, or not", "to be", "that is the question"]
+    trl_text = _trl_examples([{"text": text} for text in texts], tokenizer, tmp_path / "text")
+    stream = [token for ids in trl_text["input_ids"] for token in ids]
+    assert stream.count(bos) == 3 and stream.count(eos) == 3
+    packed = pack_dataset(datasets.Dataset.from_dict({"text": texts}), tokenizer, 8)
+    assert [token for ids in packed["input_ids"] for token in ids] == stream[:len(stream) // 8 * 8]
+
+    pairs = [{"prompt": "Capital of France?", "completion": " Paris."}, {"prompt": "2+2=", "completion": "4"}]
+    trl_pairs = _trl_examples(pairs, tokenizer, tmp_path / "pairs")
+    ours = tokenize_with_loss_mask(datasets.Dataset.from_list(pairs), PROMPT_COMPLETION, tokenizer, max_length=64)
+    assert ours["input_ids"] == trl_pairs["input_ids"] and ours["labels"] == trl_pairs["labels"]
+    assert all(ids[0] == bos and ids.count(bos) == 1 for ids in ours["input_ids"])
+
+    trl_chat = _trl_examples([{"messages": CONVERSATION}], tokenizer, tmp_path / "chat")
+    chat = tokenize_with_loss_mask(datasets.Dataset.from_dict({"messages": [CONVERSATION]}), CONVERSATIONAL,
+                                   tokenizer, max_length=256)
+    assert chat["input_ids"] == trl_chat["input_ids"]
+
+
+def test_a_text_already_starting_with_bos_gets_no_second_one():
+    """A teacher sample rendered through a chat template that writes ``<s>`` itself starts with one ``<s>``."""
+    from hf_knorm.training.text_data import sequence_dataset
+
+    tokenizer = bos_tokenizer()
+    examples = sequence_dataset(datasets.Dataset.from_dict({"text": ["<s>[user] hi", "plain"]}), tokenizer, 16)
+    starts = [ids[:2] for ids in examples["input_ids"]]
+    assert starts == [[tokenizer.bos_token_id, tokenizer.convert_tokens_to_ids("[")],
+                      [tokenizer.bos_token_id, tokenizer.convert_tokens_to_ids("p")]]
 
 
 @pytest.fixture(scope="module")
