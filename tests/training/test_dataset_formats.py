@@ -232,7 +232,7 @@ def test_finetune_trains_each_format_on_its_replies_and_records_it(tmp_path, cha
     summary = json.loads((out / "finetune.json").read_text())
     expected_format = "conversational" if kind == "messages" else "prompt_completion"
     assert summary["data_format"]["format"] == expected_format
-    assert summary["data_format"]["loss_on"] in ("the assistant turns", "the completions")
+    assert summary["data_format"]["loss_on"] == ("the assistant turns" if kind == "messages" else "the completions")
     evaluation = summary["evaluation"]  # the last 3 of 30 records held out; scored on their replies only
     assert evaluation["text"] == f"the last 3 of 30 texts of {data} (not trained on)"
     reply_tokens = [len(a) + 2 for _, a in QUESTIONS[-3:]]  # + "</s>\n" (chat), " " + ... + "</s>" (plain)
