@@ -36,7 +36,8 @@ from pathlib import Path
 
 from ..attention.normalizations import parse_normalization
 from ..evaluation.domains import domain
-from ..jobs.run_folder import check_same_settings, is_main_process, settings_record, write_json
+from ..jobs.run_folder import (check_same_inputs, check_same_settings, inputs_fingerprint, is_main_process,
+                               settings_record, write_json)
 from ..jobs.sharding import check_fsdp
 from ..jobs.sources import causal_lm_source, check_extras, check_sources
 from ..training.dataset_formats import LANGUAGE_MODELING, format_description
@@ -111,7 +112,7 @@ def check_settings(settings: ConvertSettings) -> None:
     if settings.resume and not started:
         raise ValueError(f"--resume: {out} holds no conversion to continue ({STATE_FILE} is missing).")
     if settings.resume:  # a run records its settings resolved (settings.resolved), so compare them resolved
-        check_same_settings(read_state(out).get("settings"), settings.resolved(), RESUMABLE_FIELDS)
+        check_same_settings(read_state(out).get("settings"), settings.resolved())
 
 
 def convert(settings: ConvertSettings | None = None, **fields) -> dict:
@@ -174,7 +175,12 @@ def run_convert(settings: ConvertSettings) -> dict:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     if settings.dataset == GENERAL:
         train, mixture = _general_training_data(model, tokenizer, model_dir, settings)
+    inputs = inputs_fingerprint(model_dir, {"training": train, **{f"held-out {name}": blocks
+                                                                  for name, blocks in eval_sets.items()}})
+    if "original_perplexity" in state:  # resumed: the data and the model folder as the run started
+        check_same_inputs(state.get("inputs"), inputs, out)
     if "original_perplexity" not in state:
+        state["inputs"] = inputs
         state["trained_as"] = (training_normalization(model, normalization).name if settings.fold_constant
                                else normalization)
         state["original_perplexity"] = {name: held_out_perplexity(model, blocks, desc=f"original model, {name}")
@@ -206,10 +212,6 @@ def run_convert(settings: ConvertSettings) -> dict:
         summary["probe"] = compare(_probe(model, tokenizer), reference)
     _save(model, tokenizer, out, summary)
     return summary
-
-
-RESUMABLE_FIELDS = ("resume", "out", "report_to", "logging_steps", "save_steps")
-"""Settings a resumed run may change: they do not shape the converted model."""
 
 
 OWN_HELD_OUT = "held_out"

@@ -4,13 +4,15 @@ Steps, in order (everything that can be wrong with the input is checked before t
 
 1. the normalization, the data source, the extras and the run folder are checked (an unknown normalization, a
    missing file, a missing ``datasets``/``trl``/``tensorboard``, checkpoints already in ``out`` without ``resume``,
-   ``resume`` without checkpoints or with settings that shape the model changed);
+   ``resume`` without checkpoints, without the record of the settings it started with, or with settings that shape
+   the model changed);
 2. the model's config and tokenizer are read: a block size above the model's maximum is refused;
 3. the dataset is loaded, its format detected from its columns (:mod:`hf_knorm.training.dataset_formats`: text,
    conversations or prompt/completion pairs), split into training and held-out records
    (:mod:`hf_knorm.training.heldout`) and tokenized: text packed into blocks, every token trained on; the others one
    example per record, the loss on the replies (columns that fit no format, a bad record, a missing chat template,
-   an empty dataset, too few tokens, a held-out text shorter than ``eval_tokens``);
+   an empty dataset, too few tokens, a held-out text shorter than ``eval_tokens``); on ``resume``, the examples and
+   the model folder are compared with those the run started from (:func:`~.run_folder.check_same_inputs`);
 4. the model is loaded; with ``balance`` its keys and values are balanced first (exact, on the first training
    examples; not again on resume, whose checkpoint holds the balanced weights); then it is patched with the
    normalization (``softmax`` keeps the model's own attention);
@@ -38,15 +40,14 @@ from transformers.trainer_utils import get_last_checkpoint
 from ..attention.normalizations import parse_normalization
 from ..training.precision import BF16_HELP, FP16_HELP, check_precision
 from .arguments import job_arguments
-from .run_folder import check_same_settings, is_main_process, settings_record, write_json
+from .run_folder import (check_same_inputs, check_same_settings, inputs_fingerprint, is_main_process, settings_record,
+                         write_json)
 from .sharding import check_fsdp, gathered_state_dict
 from .sources import causal_lm_source, check_extras, check_sources
 
 RESULT_FILE = "finetune.json"
 SETTINGS_FILE = "finetune_settings.json"
-"""The settings a run started with (compared on ``--resume``)."""
-RESUMABLE_FIELDS = ("resume", "out", "report_to", "logging_steps", "save_steps", "eval_steps", "max_steps")
-"""Settings a resumed run may change: ``max_steps`` continues a run further; the others do not shape the model."""
+"""The settings a run started with and the fingerprint of its inputs (``"inputs"``), compared on ``--resume``."""
 
 
 @dataclass
@@ -124,9 +125,13 @@ def check_settings(settings: FinetuneSettings) -> Path | None:
     if not settings.resume and last is not None:
         raise ValueError(f"{out} already holds {Path(last).name}: pass --resume to continue it, or another --out.")
     if settings.resume:
-        stored = out / SETTINGS_FILE
-        check_same_settings(json.loads(stored.read_text()) if stored.is_file() else None, settings, RESUMABLE_FIELDS)
+        check_same_settings(_stored_record(out), settings)
     return Path(last) if last else None
+
+
+def _stored_record(out: Path) -> dict | None:
+    path = out / SETTINGS_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def run_finetune(settings: FinetuneSettings) -> dict:
@@ -155,6 +160,9 @@ def run_finetune(settings: FinetuneSettings) -> dict:
         settings.dataset, tokenizer, settings.block_size, settings.eval_tokens, settings.text_column, settings.split,
         settings.eval_dataset, settings.eval_fraction, settings.max_blocks, settings.train_on_prompt)
     train, held_out = data.train, data.held_out
+    inputs = inputs_fingerprint(model_dir, {"training": train, "held-out": held_out})
+    if checkpoint is not None:  # the data and the model folder as the run started, checked before the model loads
+        check_same_inputs(_stored_record(Path(settings.out)).get("inputs"), inputs, settings.out)
 
     model = from_pretrained(model_dir, model_class=transformers.AutoModelForCausalLM)
     original_perplexity = held_out_perplexity(model, held_out, desc="starting model")
@@ -178,7 +186,7 @@ def run_finetune(settings: FinetuneSettings) -> dict:
         weight_decay=settings.weight_decay))
     if checkpoint is None and is_main_process():
         Path(settings.out).mkdir(parents=True, exist_ok=True)
-        write_json(Path(settings.out) / SETTINGS_FILE, settings_record(settings))
+        write_json(Path(settings.out) / SETTINGS_FILE, {**settings_record(settings), "inputs": inputs})
     callback = NormLoggerCallback(stop_on_nonfinite_loss=settings.stop_on_nonfinite_loss)
     trainer = SFTPerplexityTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
                                    processing_class=tokenizer, callbacks=[callback])

@@ -344,6 +344,14 @@ def test_an_interrupted_conversion_resumes_and_a_finished_one_is_not_overwritten
         run_convert(settings)
     with pytest.raises(ValueError, match=r"these differ: normalization: 'x\^3/16' then, 'x/16' now"):
         run_convert(_settings(tiny_lm_dir, texts, out, recovery_steps=6, resume=True, normalization="x/16"))
+    data = texts / "train.txt"
+    original_text = data.read_text()
+    data.write_text(original_text.replace("a", "o", 1))  # the same file, edited: the examples differ
+    try:
+        with pytest.raises(ValueError, match="these changed since: the training examples"):
+            run_convert(_settings(tiny_lm_dir, texts, out, recovery_steps=6, resume=True))
+    finally:
+        data.write_text(original_text)
     monkeypatch.setattr(trainers.DistillationTrainer, "training_step", original_step)
     transfer_trained = []
     monkeypatch.setattr(trainers.TransferTrainer, "training_step",
