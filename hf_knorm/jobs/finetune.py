@@ -17,7 +17,8 @@ Steps, in order (everything that can be wrong with the input is checked before t
    examples; not again on resume, whose checkpoint holds the balanced weights); then it is patched with the
    normalization (``softmax`` keeps the model's own attention);
 5. its held-out perplexity is measured on the tokens that carry the loss (the starting point of the model card's
-   comparison); TRL's ``SFTTrainer`` (:class:`~hf_knorm.training.sft.SFTPerplexityTrainer`: ``eval_perplexity``
+   comparison), on the device the Trainer trains on and in its precision (``bf16``: autocast), once: on the main
+   process, the others waiting for its figure; TRL's ``SFTTrainer`` (:class:`~hf_knorm.training.sft.SFTPerplexityTrainer`: ``eval_perplexity``
    beside ``eval_loss``, token-weighted, at step 0 and every ``eval_steps``) trains it with
    :class:`~hf_knorm.training.callback.NormLoggerCallback` and the TensorBoard integration, saving checkpoints
    (``resume`` continues from the last one); in several processes (torchrun, accelerate launch) the main process
@@ -38,11 +39,11 @@ from pathlib import Path
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..attention.normalizations import parse_normalization
-from ..training.precision import BF16_HELP, FP16_HELP, check_precision
+from ..training.precision import BF16_HELP, FP16_HELP, check_precision, run_precision
 from .arguments import job_arguments
-from .run_folder import (check_same_inputs, check_same_settings, inputs_fingerprint, is_main_process, settings_record,
-                         write_json)
-from .sharding import check_fsdp, gathered_state_dict
+from .run_folder import (check_same_inputs, check_same_settings, inputs_fingerprint, is_main_process, on_main_process,
+                         process_state, settings_record, write_json)
+from .sharding import check_fsdp, fsdp_requested, gathered_state_dict
 from .sources import causal_lm_source, check_extras, check_sources
 
 RESULT_FILE = "finetune.json"
@@ -156,16 +157,27 @@ def run_finetune(settings: FinetuneSettings) -> dict:
     normalization = parse_normalization(settings.normalization).name
     model_dir, _ = causal_lm_source(settings.model, settings.block_size, "finetune trains")
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    data = training_and_held_out(
-        settings.dataset, tokenizer, settings.block_size, settings.eval_tokens, settings.text_column, settings.split,
-        settings.eval_dataset, settings.eval_fraction, settings.max_blocks, settings.train_on_prompt)
+    with process_state().main_process_first():  # its datasets.map calls fill the cache once, the others read it
+        data = training_and_held_out(
+            settings.dataset, tokenizer, settings.block_size, settings.eval_tokens, settings.text_column,
+            settings.split, settings.eval_dataset, settings.eval_fraction, settings.max_blocks, settings.train_on_prompt)
     train, held_out = data.train, data.held_out
     inputs = inputs_fingerprint(model_dir, {"training": train, "held-out": held_out})
     if checkpoint is not None:  # the data and the model folder as the run started, checked before the model loads
         check_same_inputs(_stored_record(Path(settings.out)).get("inputs"), inputs, settings.out)
 
     model = from_pretrained(model_dir, model_class=transformers.AutoModelForCausalLM)
-    original_perplexity = held_out_perplexity(model, held_out, desc="starting model")
+    device = process_state().device  # where the Trainer will train it: measured there, in its precision, once
+    if not fsdp_requested():  # under FSDP the whole model may not fit one device: the Trainer shards it from here
+        model.to(device)
+    else:
+        device = next(model.parameters()).device
+
+    def measure(desc: str) -> float:
+        with run_precision(device, settings.bf16, settings.fp16):
+            return held_out_perplexity(model, held_out, desc=desc)
+
+    original_perplexity = on_main_process(lambda: measure("starting model"))
     if patched_normalization(model) not in (None, normalization):
         unpatch(model)
     if settings.balance and checkpoint is None:  # a resumed run loads the balanced, trained weights
@@ -199,7 +211,8 @@ def run_finetune(settings: FinetuneSettings) -> dict:
     elif callback.stopped_at_step is not None:  # stopped at a non-finite loss: the model has diverged
         final_perplexity = math.nan
     else:
-        final_perplexity = held_out_perplexity(model, held_out, desc="fine-tuned model")
+        final_perplexity = (measure("fine-tuned model") if trainer.is_fsdp_enabled  # sharded: every process's forward
+                            else on_main_process(lambda: measure("fine-tuned model")))
 
     summary = {
         "settings": {**asdict(settings), "report_to": list(settings.report_to)},

@@ -12,7 +12,9 @@ Three rules keep it whole:
   path resumes nothing silently (:func:`check_same_inputs`): the examples trained on and evaluated on (after
   tokenization, so a changed tokenizer shows too) are hashed, and the model folder's config and weight files;
 - in a run of several processes only the main one writes (:func:`is_main_process`); the Trainer itself writes its
-  checkpoints from that process too.
+  checkpoints from that process too. The roles are accelerate's (:func:`process_state`, its ``PartialState``: what the
+  Trainer itself uses, whatever launched the processes), and work done once for all of them runs on the main process
+  while the others wait (:func:`on_main_process`, ``PartialState.main_process_first``).
 """
 
 from __future__ import annotations
@@ -28,10 +30,36 @@ RESUMABLE_FIELDS = ("resume", "out", "report_to", "logging_steps", "save_steps",
 to log, save and evaluate, and ``max_steps`` (``finetune``) continues a run further; none shapes the weights."""
 
 
+def process_state():
+    """accelerate's ``PartialState`` of this process: its role and device in the run. Set up as the jobs'
+    ``TrainingArguments`` set up theirs (``use_cpu`` where there is no accelerator), whose Trainer then takes the same
+    process group over."""
+    from accelerate import PartialState
+
+    from ..training.precision import has_accelerator
+
+    return PartialState(cpu=not has_accelerator())
+
+
 def is_main_process() -> bool:
-    """Whether this process writes the run folder: the only one, or global rank 0 of a run started by ``torchrun`` or
-    ``accelerate launch`` (both set ``RANK``). The other processes train alongside and write nothing."""
-    return int(os.environ.get("RANK", "0")) == 0
+    """Whether this process writes the run folder: the only one, or the main process of a run of several (as accelerate
+    tells it, however the processes were started). The other processes train alongside and write nothing."""
+    return process_state().is_main_process
+
+
+def on_main_process(work):
+    """``work()`` run once, on the main process, while the others wait; its result, on every process.
+
+    For what must not run once per process (the original model's evaluation, its samples, the probe): the others
+    receive the main process's result (``accelerate.utils.broadcast_object_list``).
+    """
+    state = process_state()
+    result = [work() if state.is_main_process else None]
+    if state.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(result, from_process=0)
+    return result[0]
 
 
 def write_json(path: Path, data) -> Path:

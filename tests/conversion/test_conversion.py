@@ -297,16 +297,20 @@ def test_bad_input_is_refused_before_training(tiny_lm_dir, texts, tmp_path, over
 
 def test_only_the_main_process_refuses_a_started_folder(tiny_lm_dir, texts, tmp_path, monkeypatch):
     """In a launch of several processes the main one writes the state file early (after the original's
-    evaluation); a slower process checking the folder afterwards must not take it for an interrupted run."""
+    evaluation); a slower process checking the folder afterwards must not take it for an interrupted run. The role
+    is accelerate's (PartialState), not read from RANK, which srun without torchrun does not set."""
+    import accelerate
+
     from hf_knorm.conversion.job import check_settings
 
     out = tmp_path / "run"
     out.mkdir()
     (out / STATE_FILE).write_text("{}")
     settings = _settings(tiny_lm_dir, texts, out)
-    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(accelerate.PartialState, "is_main_process", property(lambda self: False))
     check_settings(settings)
-    monkeypatch.setenv("RANK", "0")
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="holds an interrupted conversion"):
         check_settings(settings)
 
