@@ -86,3 +86,13 @@ def test_the_fsdp_config_says_what_the_jobs_do_on_a_cpu(monkeypatch):
     monkeypatch.setattr(sharding, "has_accelerator", lambda: False)
     with pytest.raises(ValueError, match="no accelerator"):
         sharding.check_fsdp("hf-knorm finetune", supported=True)
+
+
+def test_the_package_reaches_trl_only_through_its_public_modules():
+    """TRL's own dataset handling is used through its public API (``trl``, ``trl.data_utils``), never through a
+    trainer's module (the conversion's collator came from ``trl.trainer.sft_trainer``, which TRL may move any day)."""
+    reached = set()
+    for path in (ROOT / "hf_knorm").rglob("*.py"):
+        for module in re.findall(r"^\s*(?:from|import) (trl[\w.]*)", path.read_text(), flags=re.M):
+            reached.add((module, str(path.relative_to(ROOT))))
+    assert {module for module, _ in reached} <= {"trl", "trl.data_utils"}, sorted(reached)

@@ -284,16 +284,21 @@ def _general_training_data(model, tokenizer, model_dir: Path, settings: ConvertS
 
 def examples_collator(train, tokenizer):
     """How a stage batches ``train``: blocks of one length are stacked (``default_data_collator``); examples of
-    several lengths (one per conversation or prompt/completion pair) are padded on the right, ``-100`` labels on the
-    padding, as TRL's ``SFTTrainer`` pads them under ``finetune``."""
+    several lengths (one per conversation or prompt/completion pair) are padded on the right, ``-100`` labels and a 0
+    attention mask on the padding, as TRL's ``SFTTrainer`` pads them under ``finetune``: through Transformers' public
+    ``DataCollatorForSeq2Seq`` (TRL's own collator is not part of its public API), on a copy of the tokenizer set to
+    pad on the right (the end-of-text token as padding where it has no pad token)."""
+    import copy
+
     import transformers
 
     if len({len(ids) for ids in train["input_ids"]}) == 1:
         return transformers.default_data_collator
-    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
-
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return DataCollatorForLanguageModeling(pad_token_id=pad)
+    padder = copy.deepcopy(tokenizer)
+    padder.padding_side = "right"
+    if padder.pad_token is None:
+        padder.pad_token = padder.eos_token
+    return transformers.DataCollatorForSeq2Seq(padder, padding=True, label_pad_token_id=-100, return_tensors="pt")
 
 
 def _probe(model, tokenizer):

@@ -97,3 +97,23 @@ def test_finetune_measures_its_starting_model_in_the_runs_precision(chat_lm_dir,
                  "--block-size", "32", "--eval-tokens", "32", "--max-steps", "1", "--eval-steps", "1",
                  "--batch-size", "1", "--report-to", "none", "--bf16"]) == 0
     assert calls.read_text().splitlines() == ["0 held_out_perplexity cpu bfloat16"]
+
+
+def test_the_stages_pad_examples_of_several_lengths_as_trls_sft_trainer_does():
+    """The conversion's collator (Transformers' public DataCollatorForSeq2Seq, right padding) gives the batch TRL's
+    SFTTrainer collator gives (imported here as the oracle only: it is not TRL's public API)."""
+    import datasets
+    import torch
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from hf_knorm.conversion.job import examples_collator
+
+    tokenizer = chat_tokenizer()
+    tokenizer.padding_side = "left"  # the job's tokenizer may pad on the left (generation): the stages still pad right
+    examples = [{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}, {"input_ids": [9, 10], "labels": [9, 10]}]
+    ours = examples_collator(datasets.Dataset.from_list(examples), tokenizer)(examples)
+    trl = DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id)(examples)
+    assert set(ours) == set(trl) == {"input_ids", "labels", "attention_mask"}
+    for key in trl:
+        assert torch.equal(ours[key], trl[key]), key
+    assert tokenizer.padding_side == "left"

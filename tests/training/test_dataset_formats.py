@@ -189,6 +189,30 @@ def test_records_are_tokenized_as_trl_tokenizes_them_bos_included(tmp_path):
     assert chat["input_ids"] == trl_chat["input_ids"]
 
 
+GENERATION_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}[assistant] {% generation %}"
+                       "{{ m['content'] }}</s>\n{% endgeneration %}{% else %}[{{ m['role'] }}] {{ m['content'] }}</s>\n"
+                       "{% endif %}{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def test_a_template_with_generation_blocks_is_masked_as_trls_assistant_only_loss(tmp_path):
+    """A chat template with ``{% generation %}`` gives its own assistant mask, which TRL's SFTTrainer takes with
+    assistant_only_loss: the same labels here; and the same as the prefix rule finds in the unmarked template."""
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer = chat_tokenizer()
+    tokenizer.chat_template = GENERATION_TEMPLATE
+    config = SFTConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, packing=False, max_length=None,
+                       bf16=False, assistant_only_loss=True)
+    trl = SFTTrainer(model=lm(), args=config, train_dataset=datasets.Dataset.from_dict({"messages": [CONVERSATION]}),
+                     processing_class=tokenizer).train_dataset
+    records = datasets.Dataset.from_dict({"messages": [CONVERSATION]})
+    ours = tokenize_with_loss_mask(records, CONVERSATIONAL, tokenizer, max_length=256)
+    assert ours["input_ids"] == trl["input_ids"] and ours["labels"] == trl["labels"]
+    by_prefix = tokenize_with_loss_mask(records, CONVERSATIONAL, chat_tokenizer(), max_length=256)
+    assert ours["labels"] == by_prefix["labels"]
+    assert _trained_text(tokenizer, ours[0]) == ["Paris.</s>\n", "Rome.</s>\n"]
+
+
 def test_a_text_already_starting_with_bos_gets_no_second_one():
     """A teacher sample rendered through a chat template that writes ``<s>`` itself starts with one ``<s>``."""
     from hf_knorm.training.text_data import sequence_dataset
