@@ -23,7 +23,8 @@ def call_record(name: str, model) -> str:
     return f"{os.environ.get('RANK', '0')} {name} {device.type} {str(precision).removeprefix('torch.')}"
 
 
-def recorded(module, name: str) -> None:
+def recorded(module, name: str, replace=setattr) -> None:
+    """Record each call of ``module.name`` (``replace``: how to swap it in; tests pass ``monkeypatch.setattr``)."""
     original = getattr(module, name)
 
     def wrapper(model, *args, **kwargs):
@@ -31,7 +32,7 @@ def recorded(module, name: str) -> None:
             calls.write(call_record(name, model) + "\n")
         return original(model, *args, **kwargs)
 
-    setattr(module, name, wrapper)
+    replace(module, name, wrapper)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def test_the_original_is_measured_sampled_and_probed_in_the_runs_precision(chat_
     monkeypatch.setenv("CALLS_FILE", str(calls))
     monkeypatch.setattr(teacher_text, "_cache_root", lambda: tmp_path / "teacher_text")
     for module, name in ((teacher_text, "_sample"), (heldout, "held_out_perplexity"), (probe, "ask")):
-        convert_processes_run.recorded(module, name)
+        convert_processes_run.recorded(module, name, monkeypatch.setattr)
     run_convert(ConvertSettings(model=str(chat_lm_dir), out=str(tmp_path / "run"), bf16=True, **SMALL))
     lines = calls.read_text().splitlines()
     assert {line.split()[1] for line in lines} == {"_sample", "held_out_perplexity", "ask"}
@@ -90,7 +90,7 @@ def test_finetune_measures_its_starting_model_in_the_runs_precision(chat_lm_dir,
 
     calls = tmp_path / "calls.txt"
     monkeypatch.setenv("CALLS_FILE", str(calls))
-    convert_processes_run.recorded(heldout, "held_out_perplexity")
+    convert_processes_run.recorded(heldout, "held_out_perplexity", monkeypatch.setattr)
     data = tmp_path / "lines.txt"
     data.write_text("".join(f"Line {i}: the keeper counted {i * 7 % 13} ships.\n" for i in range(20)))
     assert main(["finetune", "--model", str(chat_lm_dir), "--dataset", str(data), "--out", str(tmp_path / "run"),
