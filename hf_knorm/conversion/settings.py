@@ -39,7 +39,8 @@ class ConvertSettings:
                 "paul-graham | chatterbot (conversations) | local file(s), comma-separated | a datasets name; text, "
                 "'messages' (conversations) or 'prompt' + 'completion' columns, detected"})
     teacher_tokens: int = field(default=65536, metadata={
-        "help": "tokens the original model samples for the general mixture (generated once, then cached)"})
+        "help": "tokens the original model samples for the general mixture (generated once, then cached); at most 256 "
+                "per example the run's stages draw (steps x batch x accumulation x processes)"})
     pack_teacher_samples: bool = field(default=False, metadata={
         "help": "pack the teacher samples into blocks with the essays (default: each sample is one example from "
                 "position 0, padded, as a prompt starts)"})

@@ -90,6 +90,7 @@ def teacher_samples(model, tokenizer, tokens: int, model_dir: Path, seed: int = 
     path = cache_path(model_dir, tokens, seed)
     if path.is_file():
         return [json.loads(line)["text"] for line in path.read_text().splitlines()]
+    print(announcement(model, model_dir, tokens, path), flush=True)
     started = time.perf_counter()
     texts, drawn = _sample(model, tokenizer, tokens, seed, progress)
     cost = {"samples": len(texts), "new_tokens": drawn, "asked": tokens, "seconds": time.perf_counter() - started,
@@ -102,6 +103,23 @@ def teacher_samples(model, tokenizer, tokens: int, model_dir: Path, seed: int = 
     meta.write_text(json.dumps(cost, indent=2) + "\n")
     os.replace(meta, path.with_suffix(".json"))
     return texts
+
+
+def announcement(model, model_dir: Path, tokens: int, path: Path) -> str:
+    """What drawing ``tokens`` will cost, said before it starts: the samples, the device, and the time at the rate
+    this model sampled at before on this machine (from the cached costs), when it did."""
+    device = next(model.parameters()).device
+    line = (f"Teacher samples: drawing {tokens:,} new tokens (up to {-(-tokens // NEW_TOKENS_PER_SAMPLE)} samples of "
+            f"{NEW_TOKENS_PER_SAMPLE}) from the original model on {device}, once; cached in {path.parent}")
+    rates = []
+    for meta in path.parent.glob("*.json"):
+        cost = json.loads(meta.read_text())
+        if cost.get("model_dir") == str(model_dir) and cost.get("tokens_per_second"):
+            rates.append(cost["tokens_per_second"])
+    if rates:
+        rate = max(rates)
+        line += f"; about {tokens / rate / 60:.1f} min at the {rate:.0f} tokens/s it sampled at before here"
+    return line + "."
 
 
 def sampling_cost(model_dir: Path, tokens: int, seed: int = 0) -> dict | None:

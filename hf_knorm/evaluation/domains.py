@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 PAUL_GRAHAM_TRAIN_ESSAYS = 40
-"""The embedded Paul Graham corpus trains on essays 0-39 and holds out 40-48 (REFERENCE.md's evaluation text)."""
+"""The embedded Paul Graham corpus trains on essays 0-39 and holds out 40-48 (the held-out text of BENCHMARKS.md's conversions)."""
 
 
 @dataclass(frozen=True)

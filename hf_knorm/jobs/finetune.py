@@ -4,18 +4,21 @@ Steps, in order (everything that can be wrong with the input is checked before t
 
 1. the normalization, the data source, the extras and the run folder are checked (an unknown normalization, a
    missing file, a missing ``datasets``/``trl``/``tensorboard``, checkpoints already in ``out`` without ``resume``,
-   ``resume`` without checkpoints or with settings that shape the model changed);
+   ``resume`` without checkpoints, without the record of the settings it started with, or with settings that shape
+   the model changed);
 2. the model's config and tokenizer are read: a block size above the model's maximum is refused;
 3. the dataset is loaded, its format detected from its columns (:mod:`hf_knorm.training.dataset_formats`: text,
    conversations or prompt/completion pairs), split into training and held-out records
    (:mod:`hf_knorm.training.heldout`) and tokenized: text packed into blocks, every token trained on; the others one
    example per record, the loss on the replies (columns that fit no format, a bad record, a missing chat template,
-   an empty dataset, too few tokens, a held-out text shorter than ``eval_tokens``);
+   an empty dataset, too few tokens, a held-out text shorter than ``eval_tokens``); on ``resume``, the examples and
+   the model folder are compared with those the run started from (:func:`~.run_folder.check_same_inputs`);
 4. the model is loaded; with ``balance`` its keys and values are balanced first (exact, on the first training
    examples; not again on resume, whose checkpoint holds the balanced weights); then it is patched with the
    normalization (``softmax`` keeps the model's own attention);
 5. its held-out perplexity is measured on the tokens that carry the loss (the starting point of the model card's
-   comparison); TRL's ``SFTTrainer`` (:class:`~hf_knorm.training.sft.SFTPerplexityTrainer`: ``eval_perplexity``
+   comparison), on the device the Trainer trains on and in its precision (``bf16``: autocast), once: on the main
+   process, the others waiting for its figure; TRL's ``SFTTrainer`` (:class:`~hf_knorm.training.sft.SFTPerplexityTrainer`: ``eval_perplexity``
    beside ``eval_loss``, token-weighted, at step 0 and every ``eval_steps``) trains it with
    :class:`~hf_knorm.training.callback.NormLoggerCallback` and the TensorBoard integration, saving checkpoints
    (``resume`` continues from the last one); in several processes (torchrun, accelerate launch) the main process
@@ -36,17 +39,16 @@ from pathlib import Path
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..attention.normalizations import parse_normalization
-from ..training.precision import BF16_HELP, FP16_HELP, check_precision
+from ..training.precision import BF16_HELP, FP16_HELP, check_precision, run_precision
 from .arguments import job_arguments
-from .run_folder import check_same_settings, is_main_process, settings_record, write_json
-from .sharding import check_fsdp, gathered_state_dict
+from .run_folder import (check_same_inputs, check_same_settings, inputs_fingerprint, is_main_process, on_main_process,
+                         process_state, settings_record, write_json)
+from .sharding import check_fsdp, fsdp_requested, gathered_state_dict
 from .sources import causal_lm_source, check_extras, check_sources
 
 RESULT_FILE = "finetune.json"
 SETTINGS_FILE = "finetune_settings.json"
-"""The settings a run started with (compared on ``--resume``)."""
-RESUMABLE_FIELDS = ("resume", "out", "report_to", "logging_steps", "save_steps", "eval_steps", "max_steps")
-"""Settings a resumed run may change: ``max_steps`` continues a run further; the others do not shape the model."""
+"""The settings a run started with and the fingerprint of its inputs (``"inputs"``), compared on ``--resume``."""
 
 
 @dataclass
@@ -124,9 +126,13 @@ def check_settings(settings: FinetuneSettings) -> Path | None:
     if not settings.resume and last is not None:
         raise ValueError(f"{out} already holds {Path(last).name}: pass --resume to continue it, or another --out.")
     if settings.resume:
-        stored = out / SETTINGS_FILE
-        check_same_settings(json.loads(stored.read_text()) if stored.is_file() else None, settings, RESUMABLE_FIELDS)
+        check_same_settings(_stored_record(out), settings)
     return Path(last) if last else None
+
+
+def _stored_record(out: Path) -> dict | None:
+    path = out / SETTINGS_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def run_finetune(settings: FinetuneSettings) -> dict:
@@ -151,13 +157,27 @@ def run_finetune(settings: FinetuneSettings) -> dict:
     normalization = parse_normalization(settings.normalization).name
     model_dir, _ = causal_lm_source(settings.model, settings.block_size, "finetune trains")
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    data = training_and_held_out(
-        settings.dataset, tokenizer, settings.block_size, settings.eval_tokens, settings.text_column, settings.split,
-        settings.eval_dataset, settings.eval_fraction, settings.max_blocks, settings.train_on_prompt)
+    with process_state().main_process_first():  # its datasets.map calls fill the cache once, the others read it
+        data = training_and_held_out(
+            settings.dataset, tokenizer, settings.block_size, settings.eval_tokens, settings.text_column,
+            settings.split, settings.eval_dataset, settings.eval_fraction, settings.max_blocks, settings.train_on_prompt)
     train, held_out = data.train, data.held_out
+    inputs = inputs_fingerprint(model_dir, {"training": train, "held-out": held_out})
+    if checkpoint is not None:  # the data and the model folder as the run started, checked before the model loads
+        check_same_inputs(_stored_record(Path(settings.out)).get("inputs"), inputs, settings.out)
 
     model = from_pretrained(model_dir, model_class=transformers.AutoModelForCausalLM)
-    original_perplexity = held_out_perplexity(model, held_out, desc="starting model")
+    device = process_state().device  # where the Trainer will train it: measured there, in its precision, once
+    if not fsdp_requested():  # under FSDP the whole model may not fit one device: the Trainer shards it from here
+        model.to(device)
+    else:
+        device = next(model.parameters()).device
+
+    def measure(desc: str) -> float:
+        with run_precision(device, settings.bf16, settings.fp16):
+            return held_out_perplexity(model, held_out, desc=desc)
+
+    original_perplexity = on_main_process(lambda: measure("starting model"))
     if patched_normalization(model) not in (None, normalization):
         unpatch(model)
     if settings.balance and checkpoint is None:  # a resumed run loads the balanced, trained weights
@@ -178,7 +198,7 @@ def run_finetune(settings: FinetuneSettings) -> dict:
         weight_decay=settings.weight_decay))
     if checkpoint is None and is_main_process():
         Path(settings.out).mkdir(parents=True, exist_ok=True)
-        write_json(Path(settings.out) / SETTINGS_FILE, settings_record(settings))
+        write_json(Path(settings.out) / SETTINGS_FILE, {**settings_record(settings), "inputs": inputs})
     callback = NormLoggerCallback(stop_on_nonfinite_loss=settings.stop_on_nonfinite_loss)
     trainer = SFTPerplexityTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
                                    processing_class=tokenizer, callbacks=[callback])
@@ -191,7 +211,8 @@ def run_finetune(settings: FinetuneSettings) -> dict:
     elif callback.stopped_at_step is not None:  # stopped at a non-finite loss: the model has diverged
         final_perplexity = math.nan
     else:
-        final_perplexity = held_out_perplexity(model, held_out, desc="fine-tuned model")
+        final_perplexity = (measure("fine-tuned model") if trainer.is_fsdp_enabled  # sharded: every process's forward
+                            else on_main_process(lambda: measure("fine-tuned model")))
 
     summary = {
         "settings": {**asdict(settings), "report_to": list(settings.report_to)},

@@ -8,8 +8,8 @@ template's prefix belongs to the (compressed) context and its suffix (end of tur
 The protocol itself is :func:`answer_after_context`, which the needle benchmark (``hf_knorm.evaluation.needle``)
 runs too, so the benchmarks measure the public pipeline's path.
 
-The authors' own protocol differs (question processed on the uncompressed pass, layers 0-1 uncompressed; see
-REFERENCE.md); ``layer_ratios={0: 0.0, 1: 0.0}`` reproduces the layer part.
+The authors' own protocol differs (question processed on the uncompressed pass, layers 0-1 uncompressed: their
+l2compress code; docs/knorm.md); ``layer_ratios={0: 0.0, 1: 0.0}`` reproduces the layer part.
 """
 
 from __future__ import annotations

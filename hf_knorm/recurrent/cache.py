@@ -14,7 +14,8 @@ batches included); ``get_seq_length`` counts every token, so positions stay true
 
 Beam search reorders the states; contrastive search selects them. What cannot work is refused: cropping (assisted or
 speculative decoding rewinds the cache), a model whose attention is not the plugin's with a ``p = 1`` normalization,
-sliding-window layers.
+sliding-window layers. A layer whose attention does not take its state is an error at the end of the forward
+(:func:`watch_steps`, installed by :func:`hf_knorm.patch`), or at the latest at the cache's next ``update``.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from transformers.cache_utils import Cache, DynamicLayer
 from ..attention.interface import ATTENTION_NAME
 from ..attention.linear_kernel import is_linear
 from ..attention.normalizations import parse_normalization
-from ..attention.taps import hand_over_state, pending_handover
+from ..attention.taps import hand_over_state, pending_handover, taps_set
 from ..compat import attn_implementation_of, layer_types_and_kwargs
 
-__all__ = ["RecurrentStateCache", "RecurrentStateLayer", "decodes_with_state"]
+__all__ = ["RecurrentStateCache", "RecurrentStateLayer", "decodes_with_state", "unwatch_steps", "watch_steps"]
 
 
 class RecurrentStateLayer(DynamicLayer):
@@ -124,25 +125,63 @@ class RecurrentStateCache(Cache):
         states unchanged.
 
         Raises:
-            RuntimeError: the previous layer's attention did not take its state (the model's attention is not the
-                plugin's).
+            RuntimeError: an earlier layer's attention, this step's or the last step's, did not take its state (the
+                model's attention is not the plugin's; :func:`watch_steps` reports it at the step's end already).
         """
         while len(self.layers) <= layer_idx:
             self.layers.append(RecurrentStateLayer(len(self.layers)))
-        waiting = pending_handover()  # a layer of this cache before this one: its attention did not take the state
-        if (isinstance(waiting, RecurrentStateLayer) and waiting.layer_idx < layer_idx
+        waiting = pending_handover()  # a layer of this cache, this step's or the last one's: its attention did not
+        if (isinstance(waiting, RecurrentStateLayer) and waiting.layer_idx < len(self.layers)  # take the state
                 and self.layers[waiting.layer_idx] is waiting):
             hand_over_state(None)
-            raise RuntimeError(
-                f"Layer {waiting.layer_idx}'s attention did not read its recurrent state: a RecurrentStateCache needs a "
-                f"model whose attention is hf_knorm's with a p = 1 normalization (hf_knorm.patch(model, 'x/1')). "
-                f"Generate this model with a normal cache."
-            )
+            raise _missed(waiting)
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def nbytes(self) -> int:
         """Bytes held by every layer's state: constant in the context length."""
         return sum(layer.nbytes() for layer in self.layers if isinstance(layer, RecurrentStateLayer))
+
+
+def _missed(layer: RecurrentStateLayer) -> RuntimeError:
+    return RuntimeError(
+        f"Layer {layer.layer_idx}'s attention did not read its recurrent state: a RecurrentStateCache needs a model "
+        f"whose attention is hf_knorm's with a p = 1 normalization in every layer (hf_knorm.patch(model, 'x/1')). "
+        f"Generate this model with a normal cache."
+    )
+
+
+def watch_steps(model: torch.nn.Module) -> None:
+    """Check the state handover at the end of every forward of ``model`` (idempotent; :func:`hf_knorm.patch` calls it
+    for ``p = 1`` normalizations).
+
+    A forward hook that runs even when the forward raises (``always_call``): a state still pending then was handed
+    over by a layer's ``update`` and never taken by its attention. After a forward that returned, that layer's output
+    ignored the past (its attention was not the plugin's): a ``RuntimeError`` naming the layer, even for the last layer
+    or a one-layer model, which no later ``update`` would reveal. After a forward that raised between an ``update`` and
+    its attention, the handover is cleared, so the process-wide tap count (:func:`hf_knorm.attention.taps.taps_set`)
+    drops back instead of keeping every later compiled attention on its slow path.
+    """
+    if not any(hook is _check_step_end for hook in model._forward_hooks.values()):
+        model.register_forward_hook(_check_step_end, always_call=True)
+
+
+def unwatch_steps(model: torch.nn.Module) -> None:
+    """Remove :func:`watch_steps`'s hook."""
+    for hook_id in [hook_id for hook_id, hook in model._forward_hooks.items() if hook is _check_step_end]:
+        del model._forward_hooks[hook_id]
+        model._forward_hooks_always_called.pop(hook_id, None)
+
+
+def _check_step_end(module, args, output):
+    if not taps_set():  # a plain flag (torch.compile reads it without a graph break): nothing pending anywhere
+        return None
+    waiting = pending_handover()
+    if not isinstance(waiting, RecurrentStateLayer):
+        return None
+    hand_over_state(None)
+    if output is None:  # the forward raised (PyTorch passes None): its own error propagates
+        return None
+    raise _missed(waiting)
 
 
 def decodes_with_state(config) -> bool:

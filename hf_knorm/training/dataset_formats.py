@@ -15,12 +15,22 @@ into one row would let a reply attend to another conversation: sound only with d
 plugin's normalizations do not have).
 
 Tokenization (:func:`tokenize_with_loss_mask`): the text of a prompt/completion record is tokenized as TRL's
-``SFTTrainer`` tokenizes it (the completion starts where the tokenized prompt and prompt + completion diverge; a
-plain completion ends with the end-of-text token). TRL finds the assistant turns of a conversation only in chat
-templates with ``{% generation %}`` markers, and patches only the templates it knows: SmolLM2's is neither (TRL's
-``get_training_chat_template`` refuses it), so the turns are found here, for any template that renders a
-conversation's beginning as a prefix of the whole: assistant turn ``i`` spans the tokens between the rendering of the
-turns before it with the generation prompt and the rendering of the turns up to it.
+``SFTTrainer`` tokenizes it (plain text with the tokenizer's special tokens, so ``<bos>`` leads where the tokenizer
+adds one, and the end-of-text token at the end of a plain completion; a rendered conversation without them, its
+template writes its own; the completion starts where the tokenized prompt and prompt + completion diverge, TRL's
+``common_prefix_length``). TRL finds the assistant turns of a conversation only in chat templates with
+``{% generation %}`` markers, and patches only the templates it knows: a template with the markers gives its mask as
+TRL takes it; SmolLM2's has none (TRL's ``get_training_chat_template`` refuses it), so for such templates the turns
+are found here, for any template that renders a conversation's beginning as a prefix of the whole: assistant turn
+``i`` spans the tokens between the rendering of the turns before it with the generation prompt and the rendering of
+the turns up to it.
+
+What is TRL's and what is this project's: the text is tokenized as ``SFTTrainer`` tokenizes it (checked against its
+own dataset preparation in ``tests/training/test_dataset_formats.py``), with TRL's public ``common_prefix_length``
+and ``pack_dataset`` (:mod:`.text_data`); ``SFTTrainer`` trains the examples under ``finetune``. Kept here, because
+TRL has no public function for them: the per-record tokenization itself (TRL's is inside ``SFTTrainer``, and
+``convert`` trains the same examples with its own Trainers), the assistant turns of templates without
+``{% generation %}``, the checks that name a bad record, and dropping examples left without a loss token.
 
 Every check runs on the records before a model is loaded (:func:`check_records`): columns that fit no format (the
 columns found and the formats expected are named), an unknown role, a conversation without an assistant turn, a
@@ -29,6 +39,8 @@ example left once the examples without a loss token are dropped.
 """
 
 from __future__ import annotations
+
+import re
 
 LANGUAGE_MODELING = "language_modeling"
 CONVERSATIONAL = "conversational"
@@ -99,6 +111,10 @@ def check_records(dataset, dataset_format: str, tokenizer=None) -> None:
                                                                                    and not value):
                 raise ValueError(f"Record {index}: its {side} is missing or empty; every record needs both a prompt "
                                  "and a completion.")
+        for side, value in (("prompt", prompt), ("completion", completion)):
+            if not isinstance(value, (str, list)):
+                raise ValueError(f"Record {index}: its {side} is {type(value).__name__}, neither text nor a list of "
+                                 "role/content turns.")
         if isinstance(prompt, str) != isinstance(completion, str):
             raise ValueError(f"Record {index}: one side is text and the other a list of turns; both must be plain "
                              "text or both conversational.")
@@ -161,17 +177,24 @@ def _render(tokenizer, turns, add_generation_prompt: bool = False) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _common_prefix(first: list[int], second: list[int]) -> int:
-    length = 0
-    for a, b in zip(first, second):
-        if a != b:
-            break
-        length += 1
-    return length
+GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+"""The ``{% generation %}`` block of a chat template that marks the assistant's tokens (Transformers'
+``return_assistant_tokens_mask``, TRL's ``assistant_only_loss``)."""
 
 
 def _conversation(turns: list[dict], tokenizer) -> tuple[list[int], list[int]]:
-    """``(ids, mask)`` of a rendered conversation; ``mask`` is 1 on the assistant turns' tokens."""
+    """``(ids, mask)`` of a rendered conversation; ``mask`` is 1 on the assistant turns' tokens.
+
+    A template with ``{% generation %}`` blocks gives the mask itself, as TRL's ``assistant_only_loss`` takes it
+    (``apply_chat_template(..., return_assistant_tokens_mask=True)``); any other (SmolLM2's, most) is located here by
+    prefixes, which TRL does not do (see the module docstring).
+    """
+    from trl.data_utils import common_prefix_length
+
+    if GENERATION_MARKER.search(tokenizer.chat_template or ""):
+        rendered = tokenizer.apply_chat_template(turns, tokenize=True, return_dict=True,
+                                                 return_assistant_tokens_mask=True)
+        return list(rendered["input_ids"]), list(rendered["assistant_masks"])
     ids = _render(tokenizer, turns)
     mask = [0] * len(ids)
     for index, turn in enumerate(turns):
@@ -182,21 +205,23 @@ def _conversation(turns: list[dict], tokenizer) -> tuple[list[int], list[int]]:
             raise ValueError("The chat template renders the beginning of a conversation differently from the whole "
                              "(it is not prefix-preserving), so the assistant turns cannot be located: use "
                              "--train-on-prompt, or a template that renders earlier turns unchanged.")
-        start = _common_prefix(_render(tokenizer, turns[:index], add_generation_prompt=True), upto)
+        start = common_prefix_length(_render(tokenizer, turns[:index], add_generation_prompt=True), upto)
         mask[start:len(upto)] = [1] * (len(upto) - start)
     return ids, mask
 
 
 def _prompt_completion(prompt, completion, tokenizer) -> tuple[list[int], list[int]]:
     """``(ids, mask)`` of a prompt/completion record, as TRL's SFTTrainer tokenizes it; ``mask`` is 1 on the
-    completion."""
+    completion (from where the tokenized prompt and prompt + completion diverge: TRL's ``common_prefix_length``)."""
+    from trl.data_utils import common_prefix_length
+
+    from .text_data import encode_texts
+
     if isinstance(prompt, list):
         prompt_ids = _render(tokenizer, prompt, add_generation_prompt=True)
         ids = _render(tokenizer, prompt + completion)
-    else:
-        eos = tokenizer.eos_token or ""
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        text = prompt + completion
-        ids = tokenizer(text if text.endswith(eos) else text + eos, add_special_tokens=False)["input_ids"]
-    start = _common_prefix(prompt_ids, ids)
+    else:  # plain text: special tokens added (BOS where the tokenizer adds one), the end-of-text token appended
+        prompt_ids = encode_texts(tokenizer, [prompt])[0]
+        ids = encode_texts(tokenizer, [prompt + completion], end_of_text=True)[0]
+    start = common_prefix_length(prompt_ids, ids)
     return ids, [0] * start + [1] * (len(ids) - start)

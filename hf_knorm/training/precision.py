@@ -47,3 +47,16 @@ def precision_arguments(bf16: bool, fp16: bool = False) -> dict:
     scaler.
     """
     return {"bf16": bool(bf16), "fp16": bool(fp16), "use_cpu": not has_accelerator()}
+
+
+def run_precision(device, bf16: bool, fp16: bool = False):
+    """The precision the Trainer trains and evaluates in (``bf16``/``fp16``: autocast, weights in fp32), as a context
+    for what a job computes outside the Trainer on ``device``: the original model's held-out perplexity, its samples,
+    the probe. Without it a ``--bf16`` run would divide its bf16 evaluations by an fp32 baseline."""
+    import contextlib
+
+    import torch
+
+    if not (bf16 or fp16):
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16 if bf16 else torch.float16)

@@ -2,7 +2,11 @@
 
 TRL (``trl.SFTTrainer``) is what the field fine-tunes with; the job hands it examples already tokenized
 (:func:`hf_knorm.training.heldout.training_and_held_out`: text packed by TRL's own ``pack_dataset``, conversations and
-prompt/completion pairs with their loss masks), so that ``finetune`` and ``convert`` train on the same examples.
+prompt/completion pairs with their loss masks), so that ``finetune`` and ``convert`` train on the same examples, and
+the held-out examples are built the same way before the model loads. They are the examples ``SFTTrainer`` would make
+of the raw records itself (its tokenization, BOS and end-of-text included, and its masks: checked against its own
+dataset preparation in ``tests/training/test_dataset_formats.py``); what TRL has no public function for stays in
+:mod:`.dataset_formats`, which says what.
 ``SFTTrainer`` then collates them (padding each batch, ``-100`` labels on the padding) and truncates at
 ``max_length``. The loss is the model's own next-token loss on the labels, as ``Trainer.compute_loss`` computes it:
 TRL 1.16's fused LM head (log-probabilities in tiles, with entropy and token accuracy for its logs) gives the same

@@ -12,12 +12,14 @@ Sources (:func:`load_text_dataset`):
 
 Every check that can fail runs before a model is loaded or a step is trained: a missing file, an empty file, a
 file ``datasets`` cannot read, a datasets name that cannot be loaded (the message says what was tried and the
-reason ``datasets`` gave), a missing text column (the message lists the columns found), an empty dataset, fewer
+reason ``datasets`` gave), a missing text column (the message lists the columns found), a record whose text is
+missing or not text (every record is read; the first bad one is named by index and column), an empty dataset, fewer
 tokens than one block.
 
-:func:`pack_dataset` tokenizes the texts, appends the end-of-text token to each, concatenates everything and cuts it
-into blocks of ``block_size`` tokens (the partial block at the end of every 1,000 texts is dropped), as
-Transformers' ``run_clm`` example does.
+:func:`pack_dataset` tokenizes the texts as TRL's ``SFTTrainer`` does (:func:`encode_texts`: the end-of-text token
+appended to each, the tokenizer's special tokens added, so ``<bos>`` leads each text where the tokenizer adds one),
+concatenates everything and cuts it into blocks of ``block_size`` tokens (the partial block at the end of every 1,000
+texts is dropped), as Transformers' ``run_clm`` example does.
 """
 
 from __future__ import annotations
@@ -133,21 +135,31 @@ def load_text_dataset(source: str, text_column: str = "text", split: str = "trai
 
 
 def check_text_column(dataset, source: str, text_column: str) -> None:
-    """``dataset`` has a column ``text_column`` of strings, not all blank.
+    """``dataset`` has a column ``text_column`` of strings in every record, not all blank.
 
     Raises:
-        ValueError: no such column (the columns found are named), a non-text column, or no text at all.
+        ValueError: no such column (the columns found are named), a record whose ``text_column`` is missing
+            (``None``) or not text (the first such record is named by index), or no text at all.
     """
     if text_column not in dataset.column_names:
         raise ValueError(
             f"{source} has no column {text_column!r}; columns found: {', '.join(dataset.column_names) or 'none'}. "
             "Name the text column with --text-column (text_column=...)."
         )
-    first = dataset[0][text_column]
-    if not isinstance(first, str):
-        raise ValueError(f"Column {text_column!r} of {source} holds {type(first).__name__}, not text.")
-    if not any(text and text.strip() for text in dataset[text_column]):
+    any_text = False
+    for start in range(0, len(dataset), CHECK_BATCH):  # every record, a batch at a time (the column may be large)
+        for offset, text in enumerate(dataset[start:start + CHECK_BATCH][text_column]):
+            if not isinstance(text, str):
+                found = "missing (null)" if text is None else f"{type(text).__name__}, not text"
+                raise ValueError(f"Record {start + offset} of {source}: its {text_column!r} is {found}; every record "
+                                 "needs a text: fix or drop that record.")
+            any_text = any_text or bool(text.strip())
+    if not any_text:
         raise ValueError(f"{source} is empty: every {text_column!r} value is blank.")
+
+
+CHECK_BATCH = 10_000
+"""Records read at a time by the checks."""
 
 
 def _may_be_datasets_name(part: str, path: Path) -> bool:
@@ -173,9 +185,12 @@ def _load(datasets, tried: str, *args, **kwargs):
 def pack_dataset(dataset, tokenizer, block_size: int, text_column: str = "text", max_blocks: int | None = None):
     """Tokenize, concatenate and cut into blocks: a dataset of ``input_ids`` and ``labels``, each ``(block_size,)``.
 
+    Each text is tokenized as TRL's ``SFTTrainer`` tokenizes it (:func:`encode_texts`: its end-of-text token appended,
+    the tokenizer's special tokens added, so a Llama or Gemma text starts with ``<bos>``).
+
     Args:
         dataset: a ``datasets.Dataset`` with the text column.
-        tokenizer: a Transformers tokenizer; its ``eos_token_id`` (when set) separates the texts.
+        tokenizer: a Transformers tokenizer; its end-of-text token (when set) ends each text.
         block_size: tokens per training example.
         text_column: the text column.
         max_blocks: keep at most this many blocks (the first ones).
@@ -186,11 +201,8 @@ def pack_dataset(dataset, tokenizer, block_size: int, text_column: str = "text",
     require("trl", "Packing text into blocks")
     from trl.data_utils import pack_dataset as trl_pack_dataset
 
-    eos = tokenizer.eos_token_id
-
     def tokenize(batch):
-        ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
-        return {"input_ids": [row + [eos] if eos is not None else row for row in ids]}
+        return {"input_ids": encode_texts(tokenizer, batch[text_column], end_of_text=True)}
 
     tokenized = dataset.map(tokenize, batched=True, remove_columns=dataset.column_names, desc="tokenizing")
     # TRL's "wrapped" packing cuts the tokens of each 1,000 texts into blocks and keeps the short rest: dropped here
@@ -206,17 +218,38 @@ def pack_dataset(dataset, tokenizer, block_size: int, text_column: str = "text",
     return packed
 
 
+def encode_texts(tokenizer, texts: list[str], end_of_text: bool = False) -> list[list[int]]:
+    """The token ids of ``texts`` as TRL's ``SFTTrainer`` tokenizes a text (TRL 1.16, ``SFTTrainer._prepare_dataset``:
+    ``tokenizer(text=...)``): the tokenizer's special tokens added, so ``<bos>`` leads where the tokenizer adds one
+    (Llama, Gemma; SmolLM2's adds none); with ``end_of_text`` the end-of-text token is appended to a text that does not
+    already end with it, as TRL's ``add_eos`` step does.
+
+    One thing differs, on purpose: a text that already starts with the tokenizer's BOS token (a conversation rendered
+    through a chat template that writes ``<bos>`` itself, as the teacher samples are) is not given a second one
+    (TRL tokenizes rendered conversations with ``add_special_tokens=False`` for the same reason).
+    """
+    eos = tokenizer.eos_token if end_of_text else None
+    if eos:
+        texts = [text if text.endswith(eos) else text + eos for text in texts]
+    rows = tokenizer(list(texts))["input_ids"]
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return rows
+    return [row[1:] if len(row) > 1 and row[0] == bos and row[1] == bos else row for row in rows]
+
+
 def sequence_dataset(dataset, tokenizer, block_size: int, text_column: str = "text"):
     """One example per text, from the text's first token: ``input_ids``, ``attention_mask`` and ``labels``, each
     ``(block_size,)``; a text is cut at ``block_size`` tokens and padded on the right (mask 0, label ``-100``).
 
     Packing (:func:`pack_dataset`) starts a block anywhere in a text; here every example starts where its text does,
-    at position 0, as a prompt does.
+    at position 0, as a prompt does, with the tokenizer's special tokens (:func:`encode_texts`; no end-of-text token
+    added: a sample keeps the one it was generated with).
     """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def encode(batch):
-        rows = [ids[:block_size] for ids in tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]]
+        rows = [ids[:block_size] for ids in encode_texts(tokenizer, batch[text_column])]
         padding = [block_size - len(row) for row in rows]
         return {"input_ids": [row + [pad] * n for row, n in zip(rows, padding)],
                 "attention_mask": [[1] * len(row) + [0] * n for row, n in zip(rows, padding)],

@@ -315,16 +315,20 @@ def test_bad_input_is_refused_before_training(tiny_lm_dir, texts, tmp_path, over
 
 def test_only_the_main_process_refuses_a_started_folder(tiny_lm_dir, texts, tmp_path, monkeypatch):
     """In a launch of several processes the main one writes the state file early (after the original's
-    evaluation); a slower process checking the folder afterwards must not take it for an interrupted run."""
+    evaluation); a slower process checking the folder afterwards must not take it for an interrupted run. The role
+    is accelerate's (PartialState), not read from RANK, which srun without torchrun does not set."""
+    import accelerate
+
     from hf_knorm.conversion.job import check_settings
 
     out = tmp_path / "run"
     out.mkdir()
     (out / STATE_FILE).write_text("{}")
     settings = _settings(tiny_lm_dir, texts, out)
-    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(accelerate.PartialState, "is_main_process", property(lambda self: False))
     check_settings(settings)
-    monkeypatch.setenv("RANK", "0")
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="holds an interrupted conversion"):
         check_settings(settings)
 
@@ -362,6 +366,14 @@ def test_an_interrupted_conversion_resumes_and_a_finished_one_is_not_overwritten
         run_convert(settings)
     with pytest.raises(ValueError, match=r"these differ: normalization: 'x\^3/16' then, 'x/16' now"):
         run_convert(_settings(tiny_lm_dir, texts, out, recovery_steps=6, resume=True, normalization="x/16"))
+    data = texts / "train.txt"
+    original_text = data.read_text()
+    data.write_text(original_text.replace("a", "o", 1))  # the same file, edited: the examples differ
+    try:
+        with pytest.raises(ValueError, match="these changed since: the training examples"):
+            run_convert(_settings(tiny_lm_dir, texts, out, recovery_steps=6, resume=True))
+    finally:
+        data.write_text(original_text)
     monkeypatch.setattr(trainers.DistillationTrainer, "training_step", original_step)
     transfer_trained = []
     monkeypatch.setattr(trainers.TransferTrainer, "training_step",

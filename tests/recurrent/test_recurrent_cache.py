@@ -4,11 +4,12 @@ import copy
 
 import pytest
 import torch
-from tiny_models import tiny_model
-from transformers import DynamicCache
+from tiny_models import tiny_config, tiny_model
+from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
 
 import hf_knorm
 from hf_knorm import KNormCache, RecurrentStateCache, attention_paths
+from hf_knorm.attention.taps import pending_handover, taps_set
 from hf_knorm.compat import cache_kwargs, output_cache
 from hf_knorm.evaluation.decoding_cost import decoding_cost
 from hf_knorm.recurrent import generation
@@ -59,9 +60,18 @@ def test_the_state_does_not_grow_with_the_context():
     for new_tokens in (4, 40):
         out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, do_sample=False,
                              min_new_tokens=new_tokens, max_new_tokens=new_tokens, pad_token_id=0)
-        sizes.append(output_cache(out).nbytes())
+        cache = output_cache(out)
+        assert cache.nbytes() == _held_bytes(cache)
+        sizes.append(_held_bytes(cache))
     layers, kv_heads, head_dim = 2, 2, 16
     assert sizes == [layers * (kv_heads * head_dim * head_dim * 4 + 4)] * 2  # fp32 state + count, per layer
+
+
+def _held_bytes(cache) -> int:
+    """Every tensor the cache's layers hold, whatever the attribute (``nbytes()`` counts the state by construction:
+    keys or values kept beside it would not show there)."""
+    return sum(value.nbytes for layer in cache.layers for value in vars(layer).values()
+               if isinstance(value, torch.Tensor))
 
 
 @pytest.mark.compat
@@ -123,12 +133,66 @@ def test_a_state_cache_on_a_model_that_does_not_read_it_is_an_error():
         cubic.generate(input_ids=ids, attention_mask=mask, **GREEDY, **cache_kwargs(RecurrentStateCache()))
 
 
+def _patched_llama(layers: int):
+    config = tiny_config("llama")
+    config.num_hidden_layers = layers
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return hf_knorm.patch(AutoModelForCausalLM.from_config(config).eval(), "x/1")
+
+
+def _last_layer_attends_with(model, implementation: str) -> None:
+    """The last layer alone leaves the plugin: its attention module reads a config of its own."""
+    attention = hf_knorm.attention_modules(model)[-1][1]
+    attention.config = copy.copy(attention.config)
+    attention.config._attn_implementation = implementation
+
+
 @pytest.mark.compat
-def test_decoding_cost_rows():
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_missed_last_layer_is_an_error_at_the_steps_end(layers):
+    """The last layer (the only one, in a one-layer model) does not read its state: no later update reveals it
+    within the step, so the step's end does (it used to give a wrong output silently)."""
+    model = _patched_llama(layers)
+    _last_layer_attends_with(model, "sdpa")
+    ids, mask = _prompts(batch=1, pad=0)
+    with pytest.raises(RuntimeError, match=f"Layer {layers - 1}'s attention did not read its recurrent state"):
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(RecurrentStateCache(config=model.config)))
+    assert pending_handover() is None and not taps_set()
+
+
+@pytest.mark.compat
+def test_an_error_between_the_update_and_the_attention_leaves_no_tap_set():
+    """The process-wide tap flag (what compiled attention reads) drops back when a forward fails after a layer handed
+    its state over and before its attention took it (it stayed set for the rest of the process)."""
+    def failing_attention(*args, **kwargs):
+        raise ArithmeticError("an attention that fails")
+
+    AttentionInterface.register("hf_knorm_test_failing", failing_attention)
+    model = _patched_llama(2)
+    _last_layer_attends_with(model, "hf_knorm_test_failing")
+    ids, mask = _prompts(batch=1, pad=0)
+    assert not taps_set()
+    with pytest.raises(ArithmeticError, match="an attention that fails"):
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(RecurrentStateCache(config=model.config)))
+    assert pending_handover() is None and not taps_set()
+    hf_knorm.unpatch(model)
+    assert not any(hook.__name__ == "_check_step_end" for hook in model._forward_hooks.values())
+
+
+@pytest.mark.compat
+def test_decoding_cost_rows(monkeypatch):
+    """The cache bytes and the seconds per decoding forward: a clock that advances 0.25 s in each forward of the
+    model (and nowhere else) gives exactly 0.25 s per token, the warm-up token and the prefill left out."""
+    from hf_knorm.evaluation import decoding_cost as module
+
     model = tiny_model("llama")
+    clock = [0.0]
+    monkeypatch.setattr(module.time, "perf_counter", lambda: clock[0])
+    model.register_forward_hook(lambda *args: clock.__setitem__(0, clock[0] + 0.25))
     rows = decoding_cost(model, [16, 64], new_tokens=2)
     assert hf_knorm.patched_normalization(model) is None  # left as it came
     by = {(row["normalization"], row["context"]): row for row in rows}
     assert by[("x/1", 16)]["cache_bytes"] == by[("x/1", 64)]["cache_bytes"]
     assert by[("softmax", 64)]["cache_bytes"] == 4 * by[("softmax", 16)]["cache_bytes"]
-    assert all(row["seconds_per_token"] > 0 for row in rows)
+    assert [row["seconds_per_token"] for row in rows] == [0.25] * len(rows)

@@ -7,6 +7,7 @@ import glob
 
 import datasets
 import pytest
+import torch
 from training_helpers import char_tokenizer, history_lines, lm
 from test_training_resume import Crash
 
@@ -87,6 +88,31 @@ def test_the_callback_logs_under_dpo_trainer(tmp_path):
     trainer.train()
     entries = _check_norms_everywhere(trainer, tmp_path, [2, 4])
     assert "rewards/margins" in entries[-1]  # DPO's own metrics share the entry
+
+
+@pytest.mark.compat
+def test_the_reference_models_calls_are_left_out_of_the_norms(tmp_path):
+    """DPOTrainer calls the reference model in every step, through the plugin too: the norms are the policy's alone.
+    With the learning rate 0 the policy never changes, so two runs whose references differ wildly (one with its
+    attention weights scaled by 3) log the same norms, to the last digit, and different DPO rewards."""
+    logged = []
+    for scale in (1.0, 3.0):
+        reference = lm("x^3/16", seed=1).eval()
+        with torch.no_grad():
+            for _, module in hf_knorm.attention_modules(reference):
+                module.q_proj.weight.mul_(scale)
+                module.k_proj.weight.mul_(scale)
+        out = tmp_path / f"scale_{scale}"
+        trainer = trl.DPOTrainer(model=lm("x^3/16"), ref_model=reference,
+                                 args=_config(trl.DPOConfig, out, learning_rate=0.0, report_to="none"),
+                                 train_dataset=_records("preference"), processing_class=_tokenizer(),
+                                 callbacks=[hf_knorm.NormLoggerCallback()])
+        trainer.train()
+        logged.append([entry for entry in trainer.state.log_history if "norms/layer_00/attn_fro" in entry])
+    norms = [[{key: value for key, value in entry.items() if key.startswith("norms/")} for entry in run]
+             for run in logged]
+    assert norms[0] == norms[1] and len(norms[0]) == 2
+    assert logged[0][-1]["rewards/chosen"] != logged[1][-1]["rewards/chosen"]  # the references did differ
 
 
 def test_an_interrupted_sft_run_resumes_with_every_step_logged_once(tmp_path):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 
 import datasets
 import pytest
-from training_helpers import char_tokenizer, save_tiny_lm
+import transformers
+from training_helpers import char_tokenizer, lm, save_tiny_lm
 
 from hf_knorm.cli import main
 from hf_knorm.training.dataset_formats import (CONVERSATIONAL, LANGUAGE_MODELING, PROMPT_COMPLETION, check_records,
@@ -106,6 +108,7 @@ def test_examples_are_cut_at_the_block_size_and_those_left_without_loss_dropped(
     ({"prompt": ["a", "b"], "completion": ["c", " "]}, "Record 1: its completion is missing or empty"),
     ({"prompt": ["a"], "completion": [None]}, "Record 0: its completion is missing or empty"),
     ({"prompt": [turns(("user", "a"))], "completion": ["b"]}, "Record 0: one side is text and the other"),
+    ({"prompt": [7, 8], "completion": [9, 10]}, "Record 0: its prompt is int, neither text"),
 ])
 def test_bad_records_are_refused_with_their_index(records, message):
     dataset = datasets.Dataset.from_list([dict(zip(records, values)) for values in zip(*records.values())])
@@ -133,6 +136,92 @@ def test_packing_through_trl_equals_the_plain_reference():
                   for t in ids + [tokenizer.eos_token_id]]
         expected += [tokens[i:i + 32] for i in range(0, len(tokens) - len(tokens) % 32, 32)]
     assert packed["input_ids"] == expected and packed["labels"] == expected
+
+
+def bos_tokenizer():
+    """The character tokenizer with a post-processor that puts ``<s>`` in front of every text, as Llama's and Gemma's
+    tokenizers do (built here, nothing downloaded)."""
+    from tokenizers import processors
+
+    tokenizer = char_tokenizer()
+    backend = tokenizer.backend_tokenizer
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", 1)])
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                                     pad_token="<pad>", unk_token="<unk>")
+    tokenizer.chat_template = TEMPLATE
+    assert tokenizer("ab")["input_ids"][0] == tokenizer.bos_token_id
+    return tokenizer
+
+
+def _trl_examples(records, tokenizer, tmp_path):
+    """What TRL's own ``SFTTrainer`` makes of ``records`` (its dataset preparation, not packed), the oracle."""
+    from trl import SFTConfig, SFTTrainer
+
+    config = SFTConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, packing=False, max_length=None,
+                       bf16=False)
+    trainer = SFTTrainer(model=lm(), args=config, train_dataset=datasets.Dataset.from_list(records),
+                         processing_class=tokenizer)
+    return trainer.train_dataset
+
+
+def test_records_are_tokenized_as_trl_tokenizes_them_bos_included(tmp_path):
+    """A tokenizer that adds ``<bos>`` (Llama, Gemma): text blocks, plain prompt/completion pairs and conversations
+    carry exactly the tokens and loss mask TRL's ``SFTTrainer`` gives them (they used to lose ``<bos>``)."""
+    tokenizer = bos_tokenizer()
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    texts = ["To be, or not", "to be", "that is the question"]
+    trl_text = _trl_examples([{"text": text} for text in texts], tokenizer, tmp_path / "text")
+    stream = [token for ids in trl_text["input_ids"] for token in ids]
+    assert stream.count(bos) == 3 and stream.count(eos) == 3
+    packed = pack_dataset(datasets.Dataset.from_dict({"text": texts}), tokenizer, 8)
+    assert [token for ids in packed["input_ids"] for token in ids] == stream[:len(stream) // 8 * 8]
+
+    pairs = [{"prompt": "Capital of France?", "completion": " Paris."}, {"prompt": "2+2=", "completion": "4"}]
+    trl_pairs = _trl_examples(pairs, tokenizer, tmp_path / "pairs")
+    ours = tokenize_with_loss_mask(datasets.Dataset.from_list(pairs), PROMPT_COMPLETION, tokenizer, max_length=64)
+    assert ours["input_ids"] == trl_pairs["input_ids"] and ours["labels"] == trl_pairs["labels"]
+    assert all(ids[0] == bos and ids.count(bos) == 1 for ids in ours["input_ids"])
+
+    trl_chat = _trl_examples([{"messages": CONVERSATION}], tokenizer, tmp_path / "chat")
+    chat = tokenize_with_loss_mask(datasets.Dataset.from_dict({"messages": [CONVERSATION]}), CONVERSATIONAL,
+                                   tokenizer, max_length=256)
+    assert chat["input_ids"] == trl_chat["input_ids"]
+
+
+GENERATION_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}[assistant] {% generation %}"
+                       "{{ m['content'] }}</s>\n{% endgeneration %}{% else %}[{{ m['role'] }}] {{ m['content'] }}</s>\n"
+                       "{% endif %}{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def test_a_template_with_generation_blocks_is_masked_as_trls_assistant_only_loss(tmp_path):
+    """A chat template with ``{% generation %}`` gives its own assistant mask, which TRL's SFTTrainer takes with
+    assistant_only_loss: the same labels here; and the same as the prefix rule finds in the unmarked template."""
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer = chat_tokenizer()
+    tokenizer.chat_template = GENERATION_TEMPLATE
+    config = SFTConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, packing=False, max_length=None,
+                       bf16=False, assistant_only_loss=True)
+    trl = SFTTrainer(model=lm(), args=config, train_dataset=datasets.Dataset.from_dict({"messages": [CONVERSATION]}),
+                     processing_class=tokenizer).train_dataset
+    records = datasets.Dataset.from_dict({"messages": [CONVERSATION]})
+    ours = tokenize_with_loss_mask(records, CONVERSATIONAL, tokenizer, max_length=256)
+    assert ours["input_ids"] == trl["input_ids"] and ours["labels"] == trl["labels"]
+    by_prefix = tokenize_with_loss_mask(records, CONVERSATIONAL, chat_tokenizer(), max_length=256)
+    assert ours["labels"] == by_prefix["labels"]
+    assert _trained_text(tokenizer, ours[0]) == ["Paris.</s>\n", "Rome.</s>\n"]
+
+
+def test_a_text_already_starting_with_bos_gets_no_second_one():
+    """A teacher sample rendered through a chat template that writes ``<s>`` itself starts with one ``<s>``."""
+    from hf_knorm.training.text_data import sequence_dataset
+
+    tokenizer = bos_tokenizer()
+    examples = sequence_dataset(datasets.Dataset.from_dict({"text": ["<s>[user] hi", "plain"]}), tokenizer, 16)
+    starts = [ids[:2] for ids in examples["input_ids"]]
+    assert starts == [[tokenizer.bos_token_id, tokenizer.convert_tokens_to_ids("[")],
+                      [tokenizer.bos_token_id, tokenizer.convert_tokens_to_ids("p")]]
 
 
 @pytest.fixture(scope="module")
@@ -167,13 +256,27 @@ def test_finetune_trains_each_format_on_its_replies_and_records_it(tmp_path, cha
     summary = json.loads((out / "finetune.json").read_text())
     expected_format = "conversational" if kind == "messages" else "prompt_completion"
     assert summary["data_format"]["format"] == expected_format
-    assert summary["data_format"]["loss_on"] in ("the assistant turns", "the completions")
+    assert summary["data_format"]["loss_on"] == ("the assistant turns" if kind == "messages" else "the completions")
     evaluation = summary["evaluation"]  # the last 3 of 30 records held out; scored on their replies only
     assert evaluation["text"] == f"the last 3 of 30 texts of {data} (not trained on)"
     reply_tokens = [len(a) + 2 for _, a in QUESTIONS[-3:]]  # + "</s>\n" (chat), " " + ... + "</s>" (plain)
     assert evaluation["tokens"] == sum(reply_tokens[:2])  # the first records carrying eval_tokens=6 loss tokens
     assert evaluation["perplexity"] > 0 and evaluation["original_perplexity"] > 0
     assert len((out / "norms.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("bad, found", [(None, "missing \\(null\\)"), (7, "int, not text"),
+                                        (["a"], "list, not text")])
+def test_every_text_record_is_checked_and_the_bad_one_named(tmp_path, chat_lm_dir, capsys, bad, found):
+    """Not only the first record: a missing or non-text value in record 2 is refused by index and field before the
+    model loads (it used to end in the tokenizer's TypeError, with no record named)."""
+    data = _write_jsonl(tmp_path / "bad.jsonl", [{"body": "first text"}, {"body": "second"}, {"body": bad},
+                                                 {"body": "fourth"}])
+    out = tmp_path / "run"
+    assert main(["finetune", "--model", str(chat_lm_dir), "--dataset", str(data), "--text-column", "body",
+                 "--out", str(out), "--report-to", "none"]) == 2
+    assert re.search(f"Record 2 of {re.escape(str(data))}: its 'body' is {found}", capsys.readouterr().err)
+    assert not out.exists()
 
 
 def test_finetune_refuses_bad_chat_data_before_the_model_loads(tmp_path, chat_lm_dir, capsys):

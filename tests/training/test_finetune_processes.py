@@ -130,3 +130,33 @@ def test_convert_refuses_fsdp_before_loading_a_model(tmp_path, monkeypatch, caps
     assert main(["convert", "--model", str(save_tiny_lm(tmp_path / "model")), "--out", str(tmp_path / "run"),
                  "--report-to", "none"]) == 2
     assert "does not run under FSDP" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_the_jobs_prepare_their_data_with_the_main_process_first(tmp_path, monkeypatch):
+    """The tokenizing and packing (datasets.map, whose cache files every process would write at once) run under
+    accelerate's main_process_first: the main process fills the cache, the others then read it."""
+    import contextlib
+
+    import accelerate
+
+    from hf_knorm.cli import main
+    from hf_knorm.training import heldout
+
+    events = []
+
+    @contextlib.contextmanager
+    def main_process_first(self):
+        events.append("main first")
+        yield
+        events.append("the others")
+
+    monkeypatch.setattr(accelerate.PartialState, "main_process_first", main_process_first)
+    prepare = heldout.training_and_held_out
+    monkeypatch.setattr(heldout, "training_and_held_out",
+                        lambda *args, **kwargs: events.append("data") or prepare(*args, **kwargs))
+    data = tmp_path / "lines.txt"
+    data.write_text("\n".join(LINES) + "\n")
+    assert main(["finetune", "--model", str(save_tiny_lm(tmp_path / "model")), "--dataset", str(data), "--out",
+                 str(tmp_path / "run"), "--block-size", "32", "--eval-tokens", "32", "--max-steps", "1",
+                 "--batch-size", "1", "--report-to", "none"]) == 0
+    assert events[:3] == ["main first", "data", "the others"]

@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from training_helpers import char_tokenizer, history_lines, save_tiny_lm
+from training_helpers import char_tokenizer, history_lines, lm, save_tiny_lm
 
 import hf_knorm
 from hf_knorm.assets.texts import SAMPLE_TEXT
@@ -132,6 +132,39 @@ def test_finetune_logs_norms_checkpoints_reloads_and_resumes(tmp_path, tiny_lm_d
     assert _finetune(*flags, "--max-steps", "6", "--resume", model=tiny_lm_dir, out=out) == 0
     assert [line["step"] for line in history_lines(out / "norms.jsonl")] == [2, 4, 6]
     assert json.loads((out / "finetune.json").read_text())["global_step"] == 6
+
+
+def test_resume_checks_the_data_the_model_folder_and_the_stored_settings(tmp_path, text_file, capsys):
+    """A resumed run must be the run that was interrupted: a data file edited or a model folder rewritten under the
+    same path is refused, naming what changed, before the model loads; so is a run folder without its settings
+    record (the check used to be skipped then). The same inputs resume."""
+    import shutil
+
+    data, model = tmp_path / "lines.txt", save_tiny_lm(tmp_path / "model")
+    shutil.copy(text_file, data)
+    out = tmp_path / "run"
+    flags = ["--dataset", str(data), "--normalization", "x/16", "--save-steps", "2", "--batch-size", "2",
+             "--report-to", "none", "--logging-steps", "2"]
+    assert _finetune(*flags, "--max-steps", "2", model=model, out=out) == 0
+    capsys.readouterr()
+
+    data.write_text(text_file.read_text().replace("lighthouse", "lightship", 1))
+    assert _finetune(*flags, "--max-steps", "4", "--resume", model=model, out=out) == 2
+    assert "these changed since: the training examples" in capsys.readouterr().err
+    shutil.copy(text_file, data)
+
+    hf_knorm.save_pretrained(lm(seed=1), model, tokenizer=char_tokenizer())  # other weights, same path and shapes
+    assert _finetune(*flags, "--max-steps", "4", "--resume", model=model, out=out) == 2
+    assert "these changed since: the model folder (its config or weight files)" in capsys.readouterr().err
+    save_tiny_lm(model)
+
+    settings = out / "finetune_settings.json"
+    record = settings.read_text()
+    settings.unlink()
+    assert _finetune(*flags, "--max-steps", "4", "--resume", model=model, out=out) == 2
+    assert "holds no record of the settings its run started with" in capsys.readouterr().err
+    settings.write_text(record)
+    assert _finetune(*flags, "--max-steps", "4", "--resume", model=model, out=out) == 0
 
 
 def test_resume_without_a_checkpoint_is_refused(tmp_path, tiny_lm_dir, text_file, capsys):
