@@ -4,7 +4,7 @@ existing kernels.
 Why. Converting a softmax model to a pure polynomial (or linear) attention loses what the model does locally; the
 conversions that work keep a short softmax window: LoLCATs (Zhang et al., arXiv 2410.10254) a 64-token sliding window
 of softmax beside linear attention, Liger (arXiv 2503.01496) ``0.5 x window(64) + 0.5 x gated linear attention``
-without a denominator (../shared/REFERENCE.md, "Conversion: what the field measured").
+without a denominator; without the window, LoLCATs' MMLU stays at chance (its Table 6).
 
 Definition (ours; the reference is :func:`.reference.reference_window_attention`). Query ``i`` sits at position
 ``a_i``; under a causal mask that is its own position, the last key it may attend. With ``s_ij`` the model's score
