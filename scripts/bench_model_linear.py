@@ -58,7 +58,7 @@ def build_model(which: str, implementation: str, normalization: str):
     else:
         from hf_knorm.assets.default_model import load_default_model
 
-        model = load_default_model()
+        model, _ = load_default_model(attn_implementation="sdpa")
         model.config.max_position_embeddings = max(model.config.max_position_embeddings, 131072)
     if implementation == NO_ATTENTION:
         transformers.AttentionInterface.register(NO_ATTENTION, no_attention)
