@@ -86,3 +86,24 @@ def tiny_inputs(model_type: str, batch: int = 2, length: int = 12, seed: int = 0
         return {"pixel_values": torch.randn(batch, 3, 16, 16, generator=generator)}
     ids = torch.randint(3, VOCAB, (batch, length), generator=generator)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def logits_and_grads(model, inputs: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One language-modelling step on ``inputs``: the logits and every parameter's gradient, by parameter name
+    (``torch.compile``'s ``_orig_mod.`` prefix removed, so a compiled model's names match its eager twin's)."""
+    model.zero_grad()
+    output = model(**inputs, labels=inputs["input_ids"])
+    output.loss.backward()
+    return output.logits.detach(), {name.removeprefix("_orig_mod."): p.grad.clone()
+                                    for name, p in model.named_parameters()}
+
+
+def assert_same_step(got: tuple, want: tuple, *, logits_atol: float, grads_relative: float,
+                     grads_floor: float = 1e-12) -> None:
+    """Two :func:`logits_and_grads` results agree: logits within ``logits_atol`` absolute, each gradient within
+    ``grads_relative`` of its largest entry (plus ``grads_floor``)."""
+    (logits, grads), (want_logits, want_grads) = got, want
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=logits_atol)
+    for name, grad in grads.items():
+        scale = want_grads[name].abs().max().item()
+        torch.testing.assert_close(grad, want_grads[name], rtol=0, atol=grads_relative * scale + grads_floor, msg=name)

@@ -10,7 +10,7 @@ hands over (``taps.py``).
 
 Masks arrive in two forms (``masks.py``): key padding ``(B, kv)`` for a plain causal call, so that the linear path
 never sees an ``N x N`` tensor, and the explicit bool mask otherwise; ``read_mask`` turns either into what the paths
-take, and only the quadratic kernel builds the ``N x N`` form from key padding (``quadratic_mask``).
+take, and only the quadratic kernel builds the ``N x N`` form from key padding (``masks.kernel_mask``).
 
 Under ``torch.compile`` the function has no graph break. The taps are read only while one is set (``taps.taps_set``).
 The linear path is traced as it is (its choice needs no data when the mask is key padding). Otherwise, with no tap
@@ -26,7 +26,7 @@ import torch
 from ..compat import attentions_being_collected
 from .backends import run_linear, run_quadratic, with_kernel
 from .compiled import compiled_attention
-from .masks import KeyPadding, Mask
+from .masks import KeyPadding, Mask, kernel_mask
 from .normalizations import Normalization, parse_normalization
 from .paths import check_linear_policy, choose_path, linear_keys, linear_policy_of, note_path
 from .taps import current_kv_transform, current_recorder, take_state_for, taps_set
@@ -100,11 +100,11 @@ def hf_knorm_attention(
         key, value = linear_keys(query, key, value, mask, causal)
         output = _linear(query, key, value, path, normalization, scaling, handover, frobenius_sq)
     elif compiling and not read_taps and dropout == 0.0 and not return_weights:
-        output = compiled_attention(query, key, value, quadratic_mask(mask, query.shape[2], compiling), bias,
+        output = compiled_attention(query, key, value, kernel_mask(mask, compiling), bias,
                                     normalization, scaling=scaling, softcap=softcap, causal=causal)
     else:
         output, weights = run_quadratic(
-            path, query, key, value, quadratic_mask(mask, query.shape[2], compiling), normalization, bias=bias,
+            path, query, key, value, kernel_mask(mask, compiling), normalization, bias=bias,
             scaling=scaling, softcap=softcap, dropout=dropout, causal=causal, return_weights=return_weights,
             frobenius_sq=frobenius_sq, trim_keys=not compiling,
         )
@@ -172,15 +172,3 @@ def read_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, causal: bool,
     allowed = mask > torch.finfo(mask.dtype).min / 2
     bias = torch.where(allowed, mask, torch.zeros((), dtype=mask.dtype, device=mask.device)).float()
     return allowed, (bias if compiling or bool(bias.any()) else None)
-
-
-def quadratic_mask(mask: Mask, q_len: int, compiling: bool = False) -> torch.Tensor | None:
-    """The mask as the quadratic kernels take it (bool 4-D or ``None``): key padding becomes ``None`` where every key
-    is real and the kernel's implicit causal mask is the same (as many queries as keys, or one query), the ``N x N``
-    bool mask otherwise (only this path builds it)."""
-    if not isinstance(mask, KeyPadding):
-        return mask
-    implicit = not mask.causal or q_len in (1, mask.key_valid.shape[-1])  # the kernel's mask when all keys are real
-    if implicit and not compiling and bool(mask.key_valid.all()):
-        return None
-    return mask.dense()

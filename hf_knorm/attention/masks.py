@@ -24,6 +24,7 @@ The norm recorders read either form through :func:`attended_keys` and :func:`att
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
@@ -84,6 +85,11 @@ class KeyPadding:
         key_valid = mask[:, extra:] if extra >= 0 else torch.cat([mask.new_ones(mask.shape[0], -extra), mask], dim=-1)
         return cls(key_valid.to(torch.bool), q_len, causal)
 
+    @cached_property
+    def all_real(self) -> bool:
+        """Whether every key is real (reads the values: eager mode only; read once per call)."""
+        return bool(self.key_valid.all())
+
     def dense(self) -> torch.Tensor:
         """The ``(B, 1, q, kv)`` bool mask this stands for (what a path that needs it builds)."""
         batch, kv_len = self.key_valid.shape
@@ -117,6 +123,18 @@ def explicit_mask(mask: torch.Tensor | None, q_len: int, causal: bool = True) ->
 
 Mask = torch.Tensor | KeyPadding | None
 """What the kernels and recorders take: a bool ``(B or 1, 1 or H_q, q, kv)`` mask, :class:`KeyPadding`, or ``None``."""
+
+
+def kernel_mask(mask: Mask, compiling: bool = False) -> torch.Tensor | None:
+    """``mask`` as the quadratic kernels take it (bool 4-D or ``None``): key padding becomes ``None`` where every key
+    is real and the kernel's implicit causal mask is the same (as many queries as keys, or one query; not read while
+    compiling), the ``(B, 1, q, kv)`` bool mask otherwise (only this path builds it)."""
+    if not isinstance(mask, KeyPadding):
+        return mask
+    implicit = not mask.causal or mask.q_len in (1, mask.key_valid.shape[-1])
+    if implicit and not compiling and mask.all_real:
+        return None
+    return mask.dense()
 
 
 def attended_keys(mask: Mask, batch: int, kv_len: int, device) -> torch.Tensor:

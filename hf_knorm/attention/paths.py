@@ -91,7 +91,7 @@ def choose_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mas
         elif isinstance(mask, KeyPadding):
             if not mask.causal:
                 reason = "bidirectional attention (no causal mask)"
-            elif compiling or not bool(mask.key_valid.all()):  # compiled code keeps the tensor: no data read
+            elif compiling or not mask.all_real:  # compiled code keeps the tensor: no data read
                 key_valid = mask.key_valid
         elif compiling:
             reason = "under torch.compile an explicit 4-D mask's structure cannot be checked without a graph break"

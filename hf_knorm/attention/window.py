@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from .compiled import compiled_attention
 from .kernel import chunked_attention
 from .linear_kernel import is_linear, linear_attention
-from .masks import KeyPadding, Mask
+from .masks import KeyPadding, Mask, kernel_mask
 from .normalizations import Normalization
 from .paths import Path, choose_path, linear_keys
 
@@ -253,7 +253,7 @@ def _older_keys(query, key, value, key_valid, normalization, path, frobenius_sq,
                                   frobenius_sq=part_sq)
     else:
         older_valid = k.new_ones(batch, older, dtype=torch.bool) if key_valid is None else key_valid[:, :older]
-        allowed = _dense(KeyPadding(older_valid, rows, causal=True), options)
+        allowed = kernel_mask(KeyPadding(older_valid, rows, causal=True), options["compiling"])
         output, _ = _quadratic(q, k, v, allowed, polynomial, frobenius_sq=part_sq, **options)
     if mix is not None:
         output = output * mix.to(output.dtype)[None, None, :, None]
@@ -297,15 +297,6 @@ def _quadratic(query, key, value, allowed, normalization, *, scaling, softcap, d
     return chunked_attention(query, key, value, allowed, normalization, bias=bias, scaling=scaling, softcap=softcap,
                              dropout=dropout, causal=allowed is None, return_weights=return_weights,
                              frobenius_sq=frobenius_sq, trim_keys=not compiling)
-
-
-def _dense(mask: KeyPadding, options) -> torch.Tensor | None:
-    """The polynomial part's mask for the chunked kernel: ``None`` where its implicit causal mask is the same (every
-    key real, as many queries as keys or one query; not read while compiling), the ``(B, 1, q, kv)`` mask otherwise."""
-    q_len, kv_len = mask.q_len, mask.key_valid.shape[-1]
-    if not options["compiling"] and q_len in (1, kv_len) and bool(mask.key_valid.all()):
-        return None
-    return mask.dense()
 
 
 def _mix_squared(mix, frobenius_sq) -> torch.Tensor | float:

@@ -12,14 +12,13 @@ import pytest
 import torch
 
 import hf_knorm
-from hf_knorm.attention import compiled as compiled_module
 from hf_knorm.attention import paths
 from hf_knorm.attention.compiled import attention_op
 from hf_knorm.attention.normalizations import PAPER_NORMALIZATIONS
 from hf_knorm.attention.paths import attention_paths
 from hf_knorm.attention.taps import taps_set
 
-from tiny_models import tiny_inputs, tiny_model
+from tiny_models import assert_same_step, logits_and_grads, tiny_inputs, tiny_model
 
 
 @pytest.fixture(autouse=True)
@@ -35,11 +34,6 @@ def _padded_inputs(model_type: str, length: int) -> dict[str, torch.Tensor]:
     return inputs
 
 
-def _logits_and_grads(model, inputs):
-    model.zero_grad()
-    output = model(**inputs, labels=inputs["input_ids"])
-    output.loss.backward()
-    return output.logits.detach(), {name.removeprefix("_orig_mod."): p.grad.clone() for name, p in model.named_parameters()}
 
 
 # x/1 at 130 tokens: eager and compiled take the linear path (the mask is key padding: its form says it is causal).
@@ -56,17 +50,13 @@ def test_compiled_model_matches_eager_without_graph_breaks(model_type, spelling,
     hf_knorm.patch(model, normalization=spelling)
     inputs = _padded_inputs(model_type, length)
     with attention_paths() as paths:
-        eager_logits, eager_grads = _logits_and_grads(model, inputs)
+        eager_logits, eager_grads = logits_and_grads(model, inputs)
     assert paths["linear" if (spelling == "x/1" and length >= 128) else "quadratic"] > 0
     assert not taps_set()
 
     compiled = torch.compile(model, backend="inductor", fullgraph=True)  # a graph break is an error
-    logits, grads = _logits_and_grads(compiled, inputs)
-
-    torch.testing.assert_close(logits, eager_logits, rtol=0, atol=1e-5)
-    for name, grad in grads.items():
-        scale = eager_grads[name].abs().max().item()
-        torch.testing.assert_close(grad, eager_grads[name], rtol=0, atol=1e-4 * scale + 1e-12, msg=name)
+    assert_same_step(logits_and_grads(compiled, inputs), (eager_logits, eager_grads), logits_atol=1e-5,
+                     grads_relative=1e-4)
 
 
 def test_norm_recording_in_a_compiled_model_matches_eager():
@@ -76,11 +66,11 @@ def test_norm_recording_in_a_compiled_model_matches_eager():
     hf_knorm.patch(model, normalization="x^3/16")
     inputs = _padded_inputs("llama", 12)
     with hf_knorm.record_norms(model) as eager:
-        eager_logits, eager_grads = _logits_and_grads(model, inputs)
+        eager_logits, eager_grads = logits_and_grads(model, inputs)
     compiled = torch.compile(model, backend="inductor")
-    _logits_and_grads(compiled, inputs)  # compiled without the taps: the custom op
+    logits_and_grads(compiled, inputs)  # compiled without the taps: the custom op
     with hf_knorm.record_norms(model) as recorder:  # a tap set: recompiled
-        logits, grads = _logits_and_grads(compiled, inputs)
+        logits, grads = logits_and_grads(compiled, inputs)
     assert not taps_set()
     torch.testing.assert_close(logits, eager_logits, rtol=0, atol=1e-5)
     for name, grad in grads.items():
@@ -101,7 +91,7 @@ def test_compiled_x1_traces_the_linear_kernel_with_no_n_by_n_tensor(train):
     model = tiny_model("llama").train(train)
     hf_knorm.patch(model, normalization="x/1")
     inputs = _padded_inputs("llama", length)
-    eager_logits, eager_grads = _logits_and_grads(model, inputs)
+    eager_logits, eager_grads = logits_and_grads(model, inputs)
     graphs = []
 
     def recording(graph_module, example_inputs):
@@ -110,7 +100,7 @@ def test_compiled_x1_traces_the_linear_kernel_with_no_n_by_n_tensor(train):
 
     compiled = torch.compile(model, backend=recording, fullgraph=True)
     if train:
-        logits, grads = _logits_and_grads(compiled, inputs)
+        logits, grads = logits_and_grads(compiled, inputs)
     else:
         with torch.no_grad():
             logits, grads = compiled(**inputs).logits, {}
@@ -120,10 +110,7 @@ def test_compiled_x1_traces_the_linear_kernel_with_no_n_by_n_tensor(train):
     shapes = [tuple(node.meta["example_value"].shape) for node in graph.graph.nodes
               if isinstance(node.meta.get("example_value"), torch.Tensor)]
     assert not [shape for shape in shapes if list(shape).count(length) >= 2], "an N x N tensor in the graph"
-    torch.testing.assert_close(logits, eager_logits, rtol=0, atol=1e-5)
-    for name, grad in grads.items():
-        scale = eager_grads[name].abs().max().item()
-        torch.testing.assert_close(grad, eager_grads[name], rtol=0, atol=1e-4 * scale + 1e-12, msg=name)
+    assert_same_step((logits, grads), (eager_logits, eager_grads), logits_atol=1e-5, grads_relative=1e-4)
 
 
 @pytest.mark.parametrize("spelling", ["softmax", "x^3/16", "x/1"])

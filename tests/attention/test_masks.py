@@ -21,7 +21,7 @@ from hf_knorm.attention.masks import KeyPadding, explicit_bool_mask, hf_knorm_ma
 from hf_knorm.attention.paths import attention_paths
 from hf_knorm.compat import cache_kwargs
 
-from tiny_models import tiny_inputs, tiny_model
+from tiny_models import assert_same_step, logits_and_grads, tiny_inputs, tiny_model
 
 pytestmark = pytest.mark.compat  # Transformers' mask plumbing, on every supported release
 
@@ -59,11 +59,6 @@ def _explicit_twin(model):
     return twin.train(model.training)
 
 
-def _logits_and_grads(model, inputs):
-    model.zero_grad()
-    output = model(**inputs, labels=inputs["input_ids"])
-    output.loss.backward()
-    return output.logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
@@ -116,12 +111,8 @@ def test_packed_sequences_sliding_windows_and_a_users_mask_get_the_explicit_mask
 def test_key_padding_gives_the_explicit_masks_logits_and_gradients(model_type, spelling, length):
     model = hf_knorm.patch(tiny_model(model_type), spelling).train()
     inputs = _padded(model_type, length, pad=5)
-    logits, grads = _logits_and_grads(model, inputs)
-    want_logits, want_grads = _logits_and_grads(_explicit_twin(model), inputs)
-    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-5)
-    for name, grad in grads.items():
-        scale = want_grads[name].abs().max().item()
-        torch.testing.assert_close(grad, want_grads[name], rtol=0, atol=1e-5 * scale + 1e-12, msg=name)
+    assert_same_step(logits_and_grads(model, inputs), logits_and_grads(_explicit_twin(model), inputs),
+                     logits_atol=1e-5, grads_relative=1e-5)
 
 
 @pytest.mark.parametrize(("q_len", "kv_len", "q_offset", "kv_offset"), [(7, 7, 0, 0), (1, 9, 8, 0), (4, 9, 5, 0),

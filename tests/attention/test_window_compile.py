@@ -12,7 +12,7 @@ import hf_knorm
 from hf_knorm.attention.paths import attention_paths
 from hf_knorm.attention.taps import taps_set
 
-from tiny_models import tiny_inputs, tiny_model
+from tiny_models import assert_same_step, logits_and_grads, tiny_inputs, tiny_model
 
 
 @pytest.fixture(autouse=True)
@@ -22,12 +22,6 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _logits_and_grads(model, inputs):
-    model.zero_grad()
-    output = model(**inputs, labels=inputs["input_ids"])
-    output.loss.backward()
-    return output.logits.detach(), {name.removeprefix("_orig_mod."): p.grad.clone()
-                                    for name, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize(("model_type", "spelling", "window", "length", "path"), [
@@ -39,12 +33,9 @@ def test_a_compiled_windowed_model_matches_eager(model_type, spelling, window, l
     inputs = tiny_inputs(model_type, length=length)
     inputs["attention_mask"][0, :3] = 0
     with attention_paths() as taken:
-        eager_logits, eager_grads = _logits_and_grads(model, inputs)
+        eager_logits, eager_grads = logits_and_grads(model, inputs)
     assert dict(taken) == {path: model.config.num_hidden_layers}
     assert not taps_set()
     compiled = torch.compile(model, backend="inductor", fullgraph=True)  # a graph break is an error
-    logits, grads = _logits_and_grads(compiled, inputs)
-    torch.testing.assert_close(logits, eager_logits, rtol=0, atol=1e-5)
-    for name, grad in grads.items():
-        scale = eager_grads[name].abs().max().item()
-        torch.testing.assert_close(grad, eager_grads[name], rtol=0, atol=1e-4 * scale + 1e-12, msg=name)
+    assert_same_step(logits_and_grads(compiled, inputs), (eager_logits, eager_grads), logits_atol=1e-5,
+                     grads_relative=1e-4)

@@ -10,7 +10,7 @@
 
 import pytest
 import torch
-from tiny_models import tiny_inputs, tiny_model
+from tiny_models import assert_same_step, logits_and_grads, tiny_inputs, tiny_model
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -45,11 +45,6 @@ def _twins(model_type, spelling, window, dtype=torch.float64):
     return model, reference
 
 
-def _logits_and_grads(model, inputs):
-    model.zero_grad()
-    output = model(**inputs, labels=inputs["input_ids"])
-    output.loss.backward()
-    return output.logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("spelling, window", [("x^3/16", 3), ("x/1", 4), ("x/sqrtN", 7), ("x^3/sqrtN", 2)])
@@ -58,12 +53,9 @@ def test_models_equal_the_reference_attention(model_type, spelling, window):
     model, reference = _twins(model_type, spelling, window)
     inputs = tiny_inputs(model_type, length=14)
     inputs["attention_mask"][1, :4] = 0  # left padding: its queries attend nothing on either side
-    logits, grads = _logits_and_grads(model, inputs)  # eval mode: no dropout (gpt2 has some), gradients all the same
-    want_logits, want_grads = _logits_and_grads(reference, inputs)
-    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-9 * want_logits.abs().max().item())
-    for name, grad in grads.items():
-        scale = want_grads[name].abs().max().item()
-        torch.testing.assert_close(grad, want_grads[name], rtol=0, atol=1e-9 * scale + 1e-15, msg=name)
+    got = logits_and_grads(model, inputs)  # eval mode: no dropout (gpt2 has some), gradients all the same
+    want = logits_and_grads(reference, inputs)
+    assert_same_step(got, want, logits_atol=1e-9 * want[0].abs().max().item(), grads_relative=1e-9, grads_floor=1e-15)
 
 
 @pytest.mark.compat

@@ -42,8 +42,10 @@ def test_generate_decodes_with_the_state_and_gives_the_kv_caches_tokens(model_ty
 
 
 @pytest.mark.compat
-def test_beam_search_reorders_the_states():
-    model = hf_knorm.patch(tiny_model("llama"), "x/16")
+@pytest.mark.parametrize("window", [0, 3], ids=["state", "state-and-window"])
+def test_beam_search_reorders_the_states(window):
+    """The states (and, with a softmax window, the kept keys and values) follow the beams."""
+    model = hf_knorm.patch(tiny_model("llama"), "x/16", softmax_window=window)
     ids, mask = _prompts()
     options = dict(GREEDY, num_beams=3, num_return_sequences=2)
     out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **options)

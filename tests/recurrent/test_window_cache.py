@@ -81,17 +81,6 @@ def test_the_cache_does_not_grow_with_the_context():
 
 
 @pytest.mark.compat
-def test_beam_search_reorders_the_kept_keys_and_the_states():
-    model = hf_knorm.patch(tiny_model("llama"), "x/16", softmax_window=3)
-    ids, mask = _prompts()
-    options = dict(GREEDY, num_beams=3, num_return_sequences=2)
-    out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **options)
-    assert isinstance(output_cache(out), RecurrentStateCache)
-    expected = model.generate(input_ids=ids, attention_mask=mask, **options, **cache_kwargs(DynamicCache()))
-    assert out.sequences.tolist() == expected.tolist()
-
-
-@pytest.mark.compat
 def test_a_state_kept_for_another_window_is_refused():
     ids, mask = _prompts()
     windowed = hf_knorm.patch(tiny_model("llama"), "x/1", softmax_window=3)
