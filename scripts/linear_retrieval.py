@@ -17,23 +17,10 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
 import hf_knorm
 from hf_knorm import RecurrentStateCache, attention_paths
-from hf_knorm.compat import output_cache
-from hf_knorm.evaluation.needle import encode_prompt, haystack, is_correct, make_sample
-
-
-@torch.no_grad()
-def answer(model, tokenizer, sample: dict, max_new_tokens: int = 10) -> tuple[str, str]:
-    """The greedy answer and the kind of cache ``generate`` decoded with."""
-    context_ids, question_ids = encode_prompt(tokenizer, sample["context"], sample["question"], sample["answer_prefix"])
-    ids = torch.cat([context_ids, question_ids], dim=1)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, pad_token_id=tokenizer.eos_token_id, return_dict_in_generate=True)
-    text = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True).strip()
-    return text, type(output_cache(out)).__name__
+from hf_knorm.evaluation.needle import haystack, is_correct, make_sample
+from hf_knorm.evaluation.retrieval import answer
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ from .masks import KeyPadding, Mask, kernel_mask
 from .normalizations import Normalization, parse_normalization
 from .paths import check_linear_policy, choose_path, linear_keys, linear_policy_of, note_path
 from .taps import current_kv_transform, current_recorder, take_state_for, taps_set
-from .window import check_state_window, window_attention, window_path
+from .window import check_state_window, mix_of, window_attention, window_path
 
 ATTENTION_NAME = "hf_knorm"
 
@@ -94,8 +94,8 @@ def hf_knorm_attention(
     if normalization.window:  # a softmax window beside the polynomial part (window.py), on the path counted above
         output, weights = window_attention(
             query, key, value, mask, normalization, bias=bias, scaling=scaling, softcap=softcap, dropout=dropout,
-            causal=causal, return_weights=return_weights, frobenius_sq=frobenius_sq, handover=handover,
-            op=compiling and not read_taps, compiling=compiling)
+            causal=causal, return_weights=return_weights, frobenius_sq=frobenius_sq, mix=mix_of(module, query),
+            handover=handover, op=compiling and not read_taps, compiling=compiling)
     elif path.linear:
         key, value = linear_keys(query, key, value, mask, causal)
         output = _linear(query, key, value, path, normalization, scaling, handover, frobenius_sq)

@@ -74,7 +74,7 @@ def reference_window_attention(
     Row ``i``'s position ``a_i`` is the last key it may attend (its own, under a causal mask). Its window is the keys
     it may attend with ``a_i - W < j <= a_i``: weighted by softmax over them. Its older keys (``j <= a_i - W``) are
     weighted by ``s^p / c`` (``c = sqrtN``: the square root of the number of those older keys). The output is
-    ``softmax part + mix_h * polynomial part``.
+    ``softmax part + mix_h * polynomial part / RMS(polynomial part)`` (the RMS over the head dimension, row by row).
 
     Args:
         query ``(B, H_q, q, D)``; key, value ``(B, H_kv, kv, D)``; allowed: bool ``(B or 1, 1, q, kv)``, or ``None``
@@ -107,8 +107,12 @@ def reference_window_attention(
         poly = poly / older.sum(-1, keepdim=True).clamp_min(1).to(compute).sqrt()
     else:
         poly = poly / normalization.constant
+    part = poly @ v  # (B, H_q, q, D): the polynomial part before its row normalization
+    square = part.pow(2).mean(dim=-1, keepdim=True)  # each row's mean square; 0 for a row with no older key
+    live = square > 0
+    factor = torch.where(live, torch.where(live, square, 1.0).rsqrt(), 0.0)  # 1 / RMS, or 0 (and a finite gradient)
     if mix is not None:
-        poly = poly * mix.to(compute)[None, :, None, None]
-    weights = soft + poly
+        factor = factor * mix.to(compute)[None, :, None, None]
+    weights = soft + poly * factor
     output = (weights @ v).transpose(1, 2).to(query.dtype)
     return output, weights

@@ -10,7 +10,8 @@ Definition (ours; the reference is :func:`.reference.reference_window_attention`
 ``a_i``; under a causal mask that is its own position, the last key it may attend. With ``s_ij`` the model's score
 (scaling, softcap and any additive mask included, as for every normalization):
 
-    o_i = sum_{j in window(i)} softmax_window(s_i)_j v_j  +  m_h * sum_{j older} (s_ij^p / c_i) v_j
+    o_i = sum_{j in window(i)} softmax_window(s_i)_j v_j  +  m_h * u_i / RMS(u_i),
+    u_i = sum_{j older} (s_ij^p / c_i) v_j
 
 - ``window(i)``: the keys ``i`` may attend with ``a_i - W < j <= a_i`` (its own key and the ``W - 1`` before it);
   softmax is normalized over them alone, so this part is a convex combination of the window's values (Liger's
@@ -18,11 +19,19 @@ Definition (ours; the reference is :func:`.reference.reference_window_attention`
   sign of the score, and a denominator could vanish).
 - older keys: ``j <= a_i - W`` and allowed. They get the paper's unnormalized weight ``s^p / c`` (Liger's linear
   branch has no denominator either). ``c`` is the paper's constant; ``c = sqrtN`` counts the keys this part reads,
-  ``c_i = sqrt(number of older keys of row i)``: the polynomial part is the paper's attention over the keys older
-  than the window, and the same rule holds in a prefill and in decoding.
+  ``c_i = sqrt(number of older keys of row i)``: ``u_i`` is the paper's attention over the keys older than the
+  window, and the same rule holds in a prefill and in decoding.
+- ``u_i / RMS(u_i)``: the part's row (per head, RMS over the head dimension) brought to unit size, as TransNormer's
+  NormAttention bounds a denominator-free attention (arXiv 2210.10340; SUPRA and DiJiang do the same). Without it the
+  part grows with the number of older keys: measured on the default model converted at 256-token blocks, its
+  perplexity at 1,024 tokens was 10^5-10^6 times the original's (BENCHMARKS.md, 'Conversion with a softmax window').
+  So the paper's normalization gives the part its direction; ``c`` (and ``sqrtN``'s row count) cancel in it, and
+  ``|m_h|`` is its size at every length. A row with no older key stays 0.
 - ``m_h``: a per-query-head mix of the polynomial part, ``(H_q,)``, 1 when not given (what ``hf_knorm.patch`` runs
-  today). It is an argument of :func:`window_attention` and of the reference, differentiable, so that a conversion can
-  learn it (LoLCATs learns a per-head mix; a learnt mix needs to be saved with the model: not done yet).
+  for a model that has none). It is an argument of :func:`window_attention` and of the reference; a model's mix is
+  saved in its config (``window_mix``, one list per layer, read by :func:`mix_of`): ``hf-knorm convert`` solves it
+  in closed form (:mod:`hf_knorm.conversion.transfer`), and ``m_h = 0`` switches the polynomial part off (the
+  window-only ablation, :func:`hf_knorm.models.window_mix.distant_part_off`).
 - ``W = 0`` is not a window: the pure normalization, computed by the existing paths bit for bit.
 - Masks. Key padding and bottom-right causal calls (every plain causal forward, prefill and decoding, with or without
   a cache): positions are key indices, query ``i`` at ``kv - q + i``. An explicit mask (a model's own sliding window,
@@ -118,7 +127,7 @@ def window_attention(
     """
     path = window_path(normalization, query.shape[2], key.shape[2], mask, bias, causal=causal, softcap=softcap,
                        dropout=dropout, return_weights=return_weights, has_state=handover is not None,
-                       compiling=compiling)
+                       compiling=compiling, recording=frobenius_sq is not None)
     check_state_window(handover, normalization)
     if mix is not None and tuple(mix.shape) != (query.shape[1],):
         raise ValueError(f"mix scales the polynomial part per query head: shape ({query.shape[1]},), got "
@@ -130,7 +139,7 @@ def window_attention(
     dtype = query.dtype  # the parts are computed and added in fp32 (fp64 for fp64 inputs), as the kernels compute
     compute = torch.promote_types(dtype, torch.float32)
     query, key, value = query.to(compute), key.to(compute), value.to(compute)
-    if _explicit_route(mask, bias, return_weights):
+    if _explicit_route(mask, bias, return_weights, frobenius_sq is not None):
         output, weights = _explicit(query, key, value, mask, normalization, bias, return_weights, frobenius_sq, mix,
                                     options)
         return output.to(dtype), weights
@@ -146,7 +155,7 @@ def window_attention(
 
 def window_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mask, bias: torch.Tensor | None, *,
                 causal: bool, softcap: float | None, dropout: float, return_weights: bool, has_state: bool,
-                compiling: bool = False) -> Path:
+                compiling: bool = False, recording: bool = False) -> Path:
     """The path of a call with a softmax window, as :func:`.paths.choose_path` gives it for the pure normalization
     (same arguments): the polynomial part's path, the softmax part being linear in ``N`` on either.
 
@@ -161,9 +170,11 @@ def window_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mas
         raise ValueError(f"{normalization.name}: a softmax window weights the keys before a query; this call is "
                          "bidirectional (an encoder). Use the normalization without softmax_window on encoders.")
     polynomial = normalization.polynomial
-    if _explicit_route(mask, bias, return_weights):
-        reason = ("the attention weights were requested" if return_weights else "an explicit mask (sliding window, "
-                  "packed sequences, a static cache or a custom mask) or an additive bias with a softmax window")
+    if _explicit_route(mask, bias, return_weights, recording):
+        reason = ("the attention weights were requested" if return_weights
+                  else "the attention norms are recorded (the polynomial part's rows are normalized one by one)"
+                  if recording else "an explicit mask (sliding window, packed sequences, a static cache or a custom "
+                  "mask) or an additive bias with a softmax window")
         return Path(linear=False, reason=reason, fallback=is_linear(polynomial))
     if mask is None and q_len > 1:
         kv_len = q_len  # sdpa's top-left causal mask: the keys are cut to the queries (linear_keys)
@@ -186,8 +197,8 @@ def check_state_window(handover, normalization: Normalization) -> None:
                          f"(RecurrentStateCache(config=model.config)).")
 
 
-def _explicit_route(mask: Mask, bias, return_weights: bool) -> bool:
-    return isinstance(mask, torch.Tensor) or bias is not None or return_weights
+def _explicit_route(mask: Mask, bias, return_weights: bool, recording: bool) -> bool:
+    return isinstance(mask, torch.Tensor) or bias is not None or return_weights or recording
 
 
 def _older_shape(q_len: int, kv_len: int, window: int) -> tuple[int, int]:
@@ -241,25 +252,34 @@ def _older_keys(query, key, value, key_valid, normalization, path, frobenius_sq,
         return None
     polynomial, start = normalization.polynomial, q_len - rows
     q, k, v = query[:, :, start:], key[:, :, :older], value[:, :, :older]
-    part_sq = None if frobenius_sq is None else torch.zeros_like(frobenius_sq)
     if path.linear and handover is not None:
         state, count = handover.read()
         output, state, count = linear_attention(q, k, v, path.key_valid, polynomial, scaling=options["scaling"],
-                                                initial_state=state, initial_count=count, frobenius_sq=part_sq,
-                                                return_state=True)
+                                                initial_state=state, initial_count=count, return_state=True)
         handover.write(state, count)
     elif path.linear:
-        output = linear_attention(q, k, v, path.key_valid, polynomial, scaling=options["scaling"],
-                                  frobenius_sq=part_sq)
+        output = linear_attention(q, k, v, path.key_valid, polynomial, scaling=options["scaling"])
     else:
         older_valid = k.new_ones(batch, older, dtype=torch.bool) if key_valid is None else key_valid[:, :older]
         allowed = kernel_mask(KeyPadding(older_valid, rows, causal=True), options["compiling"])
-        output, _ = _quadratic(q, k, v, allowed, polynomial, frobenius_sq=part_sq, **options)
+        output, _ = _quadratic(q, k, v, allowed, polynomial, **options)
+    output = output * row_scale(output)  # (B, rows, H_q, D): each row's RMS to 1
     if mix is not None:
         output = output * mix.to(output.dtype)[None, None, :, None]
-    if part_sq is not None:
-        frobenius_sq += part_sq * _mix_squared(mix, frobenius_sq)
     return F.pad(output, (0, 0, 0, 0, start, 0))
+
+
+def row_scale(output: torch.Tensor) -> torch.Tensor:
+    """``1 / RMS`` of each output row of the polynomial part over its last axis (the head dimension): ``(..., 1)``.
+
+    The part has no denominator, so its size grows with the number of older keys it sums (``x^p/16`` over 1,000
+    keys is ~4x its size over 250); TransNormer's NormAttention (Qin et al., arXiv 2210.10340) bounds a
+    denominator-free attention by an RMS norm of its output, and so does this, per row and head, before the mix: the
+    part's direction is the paper's ``sum_j s_ij^p v_j`` (``c``, and ``sqrtN``'s row count, cancel), its size is
+    ``|m_h|`` at every length. A row with no older key stays 0 (its factor is 0: no infinite gradient either)."""
+    square = output.pow(2).mean(dim=-1, keepdim=True)
+    live = square > 0
+    return torch.where(live, torch.rsqrt(torch.where(live, square, torch.ones_like(square))), torch.zeros_like(square))
 
 
 def _explicit(query, key, value, mask, normalization, bias, return_weights, frobenius_sq, mix, options):
@@ -277,15 +297,17 @@ def _explicit(query, key, value, mask, normalization, bias, return_weights, frob
     polynomial = normalization.polynomial
     options = dict(options, return_weights=return_weights, bias=bias)
     soft, soft_weights = _quadratic(query, key, value, in_window, SOFTMAX, frobenius_sq=frobenius_sq, **options)
-    part_sq = None if frobenius_sq is None else torch.zeros_like(frobenius_sq)
-    poly, poly_weights = _quadratic(query, key, value, older, polynomial, frobenius_sq=part_sq, **options)
-    if part_sq is not None:
-        frobenius_sq += part_sq * _mix_squared(mix, frobenius_sq)
-    if mix is None:
-        return soft + poly, (soft_weights + poly_weights if return_weights else None)
-    mix = mix.to(poly.dtype)
-    weights = soft_weights + poly_weights * mix[None, :, None, None] if return_weights else None
-    return soft + poly * mix[None, None, :, None], weights
+    weighted = return_weights or frobenius_sq is not None  # the rows' scales apply to the weights: materialize them
+    poly, poly_weights = _quadratic(query, key, value, older, polynomial, **dict(options, return_weights=weighted))
+    factor = row_scale(poly)  # (B, q, H_q, 1)
+    if mix is not None:
+        factor = factor * mix.to(poly.dtype)[None, None, :, None]
+    if weighted:
+        poly_weights = poly_weights * factor.permute(0, 2, 1, 3)  # (B, H_q, q, kv)
+        if frobenius_sq is not None:
+            frobenius_sq += poly_weights.detach().to(frobenius_sq.dtype).square().sum(dim=(-2, -1)).view_as(
+                frobenius_sq)
+    return soft + poly * factor, (soft_weights + poly_weights if return_weights else None)
 
 
 def _quadratic(query, key, value, allowed, normalization, *, scaling, softcap, dropout, op, compiling,
@@ -299,8 +321,29 @@ def _quadratic(query, key, value, allowed, normalization, *, scaling, softcap, d
                              frobenius_sq=frobenius_sq, trim_keys=not compiling)
 
 
-def _mix_squared(mix, frobenius_sq) -> torch.Tensor | float:
-    """``m_h^2`` as ``(H_kv, G)`` for the ``(B, H_kv, G)`` accumulator (1 without a mix)."""
-    if mix is None:
-        return 1.0
-    return mix.detach().to(frobenius_sq.dtype).square().reshape(frobenius_sq.shape[1:])
+
+MIX_FIELD = "window_mix"
+"""The ``hf_knorm`` config section's entry holding a converted model's mix: ``[[m_h for each query head] for each
+layer]`` (floats; absent: 1 everywhere). Written by :func:`hf_knorm.models.window_mix.set_window_mix`."""
+
+
+def mix_of(module, like: torch.Tensor) -> torch.Tensor | None:
+    """The ``(H_q,)`` mix of ``module``'s polynomial part from its config (``None``: no mix saved, 1), on ``like``'s
+    device in fp32; the tensor is cached on the module while the config holds the same list.
+
+    Raises:
+        ValueError: a mix saved without this module's layer (the config and the model disagree).
+    """
+    mixes = (getattr(module.config, "hf_knorm", None) or {}).get(MIX_FIELD)
+    if mixes is None:
+        return None
+    cached = module.__dict__.get("_hf_knorm_mix")
+    if cached is not None and cached[0] is mixes and cached[1].device == like.device:
+        return cached[1]
+    layer = getattr(module, "layer_idx", None)
+    if layer is None or not 0 <= layer < len(mixes):
+        raise ValueError(f"The config's {MIX_FIELD} has {len(mixes)} layers and {type(module).__name__} is layer "
+                         f"{layer}: the config does not belong to this model.")
+    tensor = torch.tensor(mixes[layer], dtype=torch.float32, device=like.device)
+    module.__dict__["_hf_knorm_mix"] = (mixes, tensor)
+    return tensor

@@ -34,14 +34,16 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ..attention.normalizations import parse_normalization
+from ..attention.normalizations import Normalization, parse_normalization
 from ..evaluation.domains import domain
+from ..evaluation.retrieval import retrieval_records
 from ..jobs.run_folder import (check_same_inputs, check_same_settings, inputs_fingerprint, is_main_process,
                                on_main_process, process_state, settings_record, write_json)
 from ..jobs.sharding import check_fsdp
 from ..jobs.sources import causal_lm_source, check_extras, check_sources
 from ..training.dataset_formats import LANGUAGE_MODELING, format_description
 from ..training.precision import check_precision, run_precision
+from .beyond_window import beyond_window_blocks, beyond_window_perplexities, beyond_window_record, measure_converted
 from .mixture import GENERAL
 from .settings import RECOVERY_MODES, RECOVERY_TRAINABLE, SCALE_FOLDS, ConvertSettings
 from .state import STATE_FILE, read_state, write_state
@@ -50,15 +52,17 @@ from .twin import fold_constant, training_normalization
 RESULT_FILE = "convert.json"
 
 
-def check_settings(settings: ConvertSettings) -> None:
-    """The checks that need neither the model nor the data.
+def check_settings(settings: ConvertSettings) -> Normalization:
+    """The checks that need neither the model nor the data; returns the normalization the run converts to (its
+    spelling parsed once, here: :meth:`ConvertSettings.target`).
 
     Raises:
         ValueError: an unknown or softmax normalization, a bad number, a run folder in the wrong state.
         FileNotFoundError: a missing data file or model folder.
         MissingExtraError: TensorBoard logs or LoRA asked for and their package not installed (the ``train`` extra).
     """
-    if parse_normalization(settings.normalization).is_softmax:
+    target = settings.target()
+    if target.is_softmax:
         raise ValueError("Converting to softmax changes nothing: the original model is softmax. Pass another "
                          "--normalization (x/1, x/16, x^3/1, x^3/16, x^3/sqrtN, x^p/c).")
     if settings.recovery not in RECOVERY_MODES:
@@ -112,7 +116,8 @@ def check_settings(settings: ConvertSettings) -> None:
     if settings.resume and not started:
         raise ValueError(f"--resume: {out} holds no conversion to continue ({STATE_FILE} is missing).")
     if settings.resume:  # a run records its settings resolved (settings.resolved), so compare them resolved
-        check_same_settings(read_state(out).get("settings"), settings.resolved())
+        check_same_settings(read_state(out).get("settings"), settings.resolved(target))
+    return target
 
 
 def convert(settings: ConvertSettings | None = None, **fields) -> dict:
@@ -145,9 +150,9 @@ def run_convert(settings: ConvertSettings) -> dict:
 
     from ..training.heldout import held_out_domain_blocks, held_out_perplexity
 
-    check_settings(settings)
-    settings = settings.resolved()
-    normalization = parse_normalization(settings.normalization).name
+    target = check_settings(settings)
+    settings = settings.resolved(target)
+    normalization = target.name
     model_dir, config = causal_lm_source(settings.model, settings.block_size, "convert converts")
     already = (getattr(config, "hf_knorm", None) or {}).get("normalization")
     if already is not None:
@@ -165,6 +170,8 @@ def run_convert(settings: ConvertSettings) -> dict:
         eval_sets = held_out_domain_blocks(settings.domains(), tokenizer, settings.block_size, settings.eval_tokens)
         if settings.dataset != GENERAL:
             train, own_held_out, descriptions[OWN_HELD_OUT], data_format = _training_data(settings, tokenizer)
+        long_sets = (beyond_window_blocks(settings.domains(), tokenizer, settings.eval_tokens)
+                     if settings.beyond_window and settings.domains() else None)
     if own_held_out is not None:
         eval_sets = {OWN_HELD_OUT: own_held_out, **eval_sets}
     if not eval_sets:
@@ -191,7 +198,7 @@ def run_convert(settings: ConvertSettings) -> dict:
         check_same_inputs(state.get("inputs"), inputs, out)
     if "original_perplexity" not in state:
         state["inputs"] = inputs
-        state["trained_as"] = (training_normalization(model, normalization).name if settings.fold_constant
+        state["trained_as"] = (training_normalization(model, target).name if settings.fold_constant
                                else normalization)
 
         def measure_original():  # once, on the main process, the others waiting for its figures
@@ -199,11 +206,17 @@ def run_convert(settings: ConvertSettings) -> dict:
                 perplexity = {name: held_out_perplexity(model, blocks, desc=f"original model, {name}")
                               for name, blocks in eval_sets.items()}
                 answers = [asdict(answer) for answer in _probe(model, tokenizer)] if settings.probe else None
-            return perplexity, answers
+                beyond = None if long_sets is None else {
+                    "perplexity": beyond_window_perplexities(model, long_sets, "original model"),
+                    "retrieval": retrieval_records(model, tokenizer, **settings.retrieval(),
+                                                   desc="original model, retrieval")}
+            return perplexity, answers, beyond
 
-        state["original_perplexity"], answers = on_main_process(measure_original)
+        state["original_perplexity"], answers, beyond = on_main_process(measure_original)
         if settings.probe:
             state["original_probe"] = answers
+        if beyond is not None:
+            state["original_beyond_window"] = beyond
         state["settings"] = settings_record(settings)
         write_state(out, state)
     teacher = copy.deepcopy(model).eval() if settings.distill_weight > 0 and settings.recovery != "none" else None
@@ -212,10 +225,11 @@ def run_convert(settings: ConvertSettings) -> dict:
 
     collator = examples_collator(train, tokenizer)
     trained = state.get("trained_as", normalization)  # a run started before twins trained x^p/c itself
-    model = run_transfer(model, settings, trained, train, eval_sets, out, state, collator)
+    trained_as = target if trained == normalization else parse_normalization(trained)  # read back from the state
+    model = run_transfer(model, settings, trained_as, train, eval_sets, out, state, collator)
     model = run_recovery(model, settings, train, eval_sets, out, state, teacher, collator)
     if trained != normalization:
-        fold_constant(model, normalization)  # the same function under x^p/c (twin.py)
+        fold_constant(model, target)  # the same function under x^p/c (twin.py)
 
     model.eval()
     with precision():
@@ -229,6 +243,11 @@ def run_convert(settings: ConvertSettings) -> dict:
         reference = [ProbeAnswer(**answer) for answer in state["original_probe"]]
         with precision():
             summary["probe"] = on_main_process(lambda: compare(_probe(model, tokenizer), reference))
+    if long_sets is not None:
+        with precision():
+            converted = on_main_process(lambda: measure_converted(model, tokenizer, long_sets, settings.retrieval(),
+                                                                  windowed=target.window > 0))
+        summary["beyond_window"] = beyond_window_record(state["original_beyond_window"], converted)
     _save(model, tokenizer, out, summary)
     return summary
 
@@ -361,11 +380,14 @@ def _save(model, tokenizer, out: Path, summary: dict) -> None:
 
 def card_evaluation(summary: dict) -> dict:
     """What the model card shows of a conversion (``convert.json``): the held-out record, each stage's headline
-    curve, the ability probe's figures, the twin the stages trained (:mod:`.twin`) where it differs."""
+    curve, the ability probe's figures, the beyond-window record without its answers, the twin the stages trained (:mod:`.twin`) where it differs."""
     evaluation = dict(summary["evaluation"], stages={
         name: stage.get("curve", []) for name, stage in summary["stages"].items()})
     if "probe" in summary:
         evaluation["probe"] = {key: value for key, value in summary["probe"].items() if key != "answers"}
+    if "beyond_window" in summary:
+        evaluation["beyond_window"] = {key: value for key, value in summary["beyond_window"].items()
+                                       if key != "answers"}
     if summary.get("trained_as", summary["normalization"]) != summary["normalization"]:
         evaluation["trained_as"] = summary["trained_as"]
     return evaluation

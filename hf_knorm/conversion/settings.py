@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from ..attention.normalizations import Normalization, parse_normalization, with_window
 from ..training.precision import BF16_HELP, FP16_HELP
 
 RECOVERY_MODES = ("lora", "full", "none")
+DEFAULT_SOFTMAX_WINDOW = 64
+"""LoLCATs' window (arXiv 2410.10254: 64 softmax keys beside the linear attention)."""
 RECOVERY_TRAINABLE = ("all", "no-embeddings", "attention")
 SCALE_FOLDS = ("scores", "output")
 """Where the transfer's closed-form head scales go (:meth:`~.transfer.AttentionTransfer.match_scale`)."""
@@ -45,6 +48,10 @@ class ConvertSettings:
         "help": "pack the teacher samples into blocks with the essays (default: each sample is one example from "
                 "position 0, padded, as a prompt starts)"})
     normalization: str = field(default="x^3/16", metadata={"help": "the normalization to convert to (not softmax)"})
+    softmax_window: int = field(default=DEFAULT_SOFTMAX_WINDOW, metadata={
+        "help": "W: each query's last W keys keep softmax, the older keys take the normalization, scaled by a "
+                "per-head mix solved in closed form (LoLCATs' hybrid; hf_knorm.attention.window); 0: the pure "
+                "normalization over every key (BENCHMARKS.md, 'Conversion': both measured)"})
     fold_constant: bool = field(default=True, metadata={
         "help": "x^p/c with a constant c: train the same function as x^p/1, then fold c^(1/p) into the queries "
                 "(AdamW's steps suit the smaller q and k: BENCHMARKS.md, 'Per normalization'); --no-fold-constant "
@@ -110,17 +117,35 @@ class ConvertSettings:
     seed: int = field(default=0, metadata={"help": "random seed"})
     bf16: bool = field(default=False, metadata={"help": BF16_HELP})
     fp16: bool = field(default=False, metadata={"help": FP16_HELP})
+    beyond_window: bool = field(default=True, metadata={
+        "help": "also measure beyond the window: each held-out domain's perplexity in 1,024-token blocks on positions "
+                ">= 256, and --retrieval-tasks at --retrieval-lengths, of the original and the converted model and, "
+                "with a softmax window, of the window alone (the polynomial part off)"})
+    retrieval_tasks: tuple[str, ...] = field(default=("passkey",), metadata={
+        "help": "retrieval tasks beyond the window, comma-separated: passkey, niah (none: no retrieval)"})
+    retrieval_lengths: tuple[int, ...] = field(default=(1000, 2000), metadata={
+        "help": "context lengths (tokens) of the retrieval, comma-separated; 4 depths (0-0.75) x 2 seeds each"})
     probe: bool = field(default=True, metadata={
         "help": "ask the ability probe (40 greedy answers) of the original and the converted model"})
     report_to: tuple[str, ...] = field(default=("tensorboard",), metadata={
         "help": "Trainer integrations, comma-separated (tensorboard, wandb, ...; 'none' for none)"})
     resume: bool = field(default=False, metadata={"help": "continue an interrupted conversion in --out"})
 
-    def resolved(self) -> ConvertSettings:
-        """These settings with the defaults that depend on the normalization filled in (the recovery rate)."""
+    def target(self) -> Normalization:
+        """The normalization the run converts to, with its softmax window: the spelling parsed, the one place a
+        conversion reads it (the job passes the object on).
+
+        Raises:
+            ValueError: an unknown spelling, or a window that contradicts ``softmax_window``.
+        """
+        return with_window(parse_normalization(self.normalization), self.softmax_window)
+
+    def resolved(self, target: Normalization) -> ConvertSettings:
+        """These settings with the defaults that depend on the normalization (``target``) filled in: the recovery
+        rate."""
         if self.recovery_learning_rate is not None:
             return self
-        return replace(self, recovery_learning_rate=default_recovery_learning_rate(self.normalization))
+        return replace(self, recovery_learning_rate=default_recovery_learning_rate(target))
 
     def scheduled_recovery_steps(self) -> int:
         """The recovery's steps: ``recovery_steps`` times ``budget``, rounded."""
@@ -131,14 +156,18 @@ class ConvertSettings:
         names = [self.eval_domains] if isinstance(self.eval_domains, str) else list(self.eval_domains)
         return [name for name in names if name and name != "none"]
 
+    def retrieval(self) -> dict:
+        """The retrieval grid as :func:`hf_knorm.evaluation.retrieval.retrieval_records` takes it."""
+        tasks = [self.retrieval_tasks] if isinstance(self.retrieval_tasks, str) else list(self.retrieval_tasks)
+        return {"tasks": [task for task in tasks if task and task != "none"],
+                "lengths": [int(length) for length in self.retrieval_lengths]}
+
     def integrations(self) -> list[str]:
         """``report_to`` as the Trainer takes it."""
         names = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
         return [name for name in names if name and name != "none"]
 
 
-def default_recovery_learning_rate(normalization: str) -> float:
+def default_recovery_learning_rate(normalization: Normalization) -> float:
     """The recovery's default learning rate for ``normalization`` (by its power: ``RECOVERY_LEARNING_RATES``)."""
-    from ..attention.normalizations import parse_normalization
-
-    return RECOVERY_LEARNING_RATES.get(parse_normalization(normalization).power, DEFAULT_RECOVERY_LEARNING_RATE)
+    return RECOVERY_LEARNING_RATES.get(normalization.power, DEFAULT_RECOVERY_LEARNING_RATE)

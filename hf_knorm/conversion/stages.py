@@ -8,6 +8,7 @@ model (``transfer/model``, ``recovery/model``), then is marked ``done``, and is 
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -15,9 +16,12 @@ import torch
 import transformers
 from transformers.trainer_utils import get_last_checkpoint
 
+from ..attention.normalizations import Normalization
+from ..attention.window import MIX_FIELD
 from ..jobs.arguments import job_arguments
 from ..jobs.run_folder import is_main_process
 from ..models.patching import patch
+from ..models.window_mix import set_window_mix
 from ..training.callback import NormLoggerCallback
 from ..training.heldout import mean_example_tokens, perplexity_curve
 from .settings import ConvertSettings
@@ -30,10 +34,12 @@ CALIBRATION_BLOCKS = 8
 """Training blocks the closed-form head scales are solved on."""
 
 
-def run_transfer(model, settings: ConvertSettings, normalization: str, train, eval_sets: dict, out: Path,
+def run_transfer(model, settings: ConvertSettings, normalization: Normalization, train, eval_sets: dict, out: Path,
                  state: dict, collator=transformers.default_data_collator):
     """Stage 1: patch ``model`` with ``normalization`` and train its attention to match the original's.
 
+    Before training, the closed-form head scales (pure normalizations) or the window's mix (a softmax window:
+    :meth:`~.transfer.AttentionTransfer.match_mix`); after it, the mix is solved again for the trained projections.
     With ``transfer_steps == 0`` the model is only patched. Returns the patched (transferred) model. ``collator``
     batches ``train`` (:func:`~hf_knorm.conversion.job.examples_collator`).
     """
@@ -50,8 +56,12 @@ def run_transfer(model, settings: ConvertSettings, normalization: str, train, ev
     transfer = AttentionTransfer(model, settings.transfer_trainable)  # teachers copied before patching
     patch(model, normalization)
     checkpoint = get_last_checkpoint(str(folder)) if folder.is_dir() else None
-    if checkpoint is None:  # a checkpoint holds the scaled weights already
-        calibration = _calibration_rows(train, settings.block_size)
+    calibration = _calibration_rows(train, settings.block_size)
+    if normalization.window and checkpoint is not None:  # the mix solved when the stage started, in its config
+        set_window_mix(model, _saved_mix(Path(checkpoint)))
+    elif normalization.window:
+        record["initial_window_mix"] = [mix.tolist() for mix in transfer.match_mix(model, calibration)]
+    elif checkpoint is None:  # a checkpoint holds the scaled weights already
         scales = transfer.match_scale(model, calibration, fold=settings.scale_fold)
         record["output_scales"] = [scale.tolist() for scale in scales]
         record["scale_fold"] = settings.scale_fold
@@ -65,6 +75,9 @@ def run_transfer(model, settings: ConvertSettings, normalization: str, train, ev
     measured = _train(trainer, checkpoint, settings)
     for parameter in model.parameters():
         parameter.requires_grad_(True)
+    if normalization.window:  # the closed form again, for the projections the transfer trained
+        model.eval()
+        record["window_mix"] = [mix.tolist() for mix in transfer.match_mix(model, calibration)]
     record.update(measured, trainable_parameters=trainable, trainable=settings.transfer_trainable,
                   errors=transfer.errors_by_layer_and_position(model, _error_sample(eval_sets)))
     if is_main_process():  # the stage is marked done (write_state) after its model is saved
@@ -117,6 +130,16 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
     state["recovery"] = record
     write_state(out, state)
     return model
+
+
+def _saved_mix(checkpoint: Path) -> list[list[float]]:
+    """The window mix a Trainer checkpoint's config holds (the weights reload through the Trainer, the config
+    does not)."""
+    section = json.loads((checkpoint / "config.json").read_text()).get("hf_knorm") or {}
+    if MIX_FIELD not in section:
+        raise ValueError(f"{checkpoint} has no window mix in its config.json: it was not written by this conversion. "
+                         "Start the run again in a new --out folder.")
+    return section[MIX_FIELD]
 
 
 def _error_sample(eval_sets: dict) -> list[torch.Tensor]:

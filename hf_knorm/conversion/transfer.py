@@ -157,23 +157,11 @@ class AttentionTransfer:
         normalization = patched_normalization(model)
         if normalization is None or parse_normalization(normalization).is_softmax:
             raise ValueError("match_scale needs the student patched with a polynomial normalization (x^p/c).")
+        if parse_normalization(normalization).window:
+            raise ValueError(f"{normalization}: a head scale folded into the scores or the output would change the "
+                             "softmax window too; solve the polynomial part's mix instead (match_mix).")
         power = parse_normalization(normalization).power
-        heads: dict[tuple[int, str], torch.Tensor] = {}
-
-        def record(index: int, who: str):
-            def hook(module, args):
-                heads[(index, who)] = args[0]  # (B, q, H_q * D): the attention output before o_proj
-            return hook
-
-        pairs = [(index, who, module.o_proj) for index, (student, teacher) in enumerate(zip(self.students, self.teachers))
-                 for who, module in (("student", student), ("teacher", teacher))]
-        hooks = [o_proj.register_forward_pre_hook(record(index, who)) for index, who, o_proj in pairs]
-        try:
-            with self.teaching():
-                model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
-        finally:
-            for hook in hooks:
-                hook.remove()
+        heads = self._head_outputs(model, input_ids)
         scales = []
         for index, (module, teacher) in enumerate(zip(self.students, self.teachers)):
             width = module.o_proj.in_features
@@ -191,6 +179,69 @@ class AttentionTransfer:
                 _scale_o_columns(module, gamma, head_dim)
             scales.append(gamma.float())
         return scales
+
+    @torch.no_grad()
+    def match_mix(self, model: nn.Module, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        """Solve the mix of a softmax window's polynomial part in closed form and store it in the model's config.
+
+        A normalization with a softmax window (:mod:`hf_knorm.attention.window`) keeps softmax's scale on the last
+        ``W`` keys; the polynomial part over the older keys is what is off by orders of magnitude. Its per-head
+        factors ``m`` are the least-squares fit of what the window leaves to explain, jointly over a layer's heads
+        (the transfer's loss is the layer's output error, and heads' contributions overlap): with ``u_h`` what head
+        ``h``'s part adds to the layer's output at ``m_h = 1`` and ``r`` the teacher's output minus the student's with
+        the part off, ``m = argmin ||sum_h m_h u_h - r||^2`` (the ``H x H`` normal equations). The projections are
+        untouched, so the window starts as the original attention on its keys. Calling it again re-solves it for the
+        current projections (after the transfer trained them).
+
+        Args:
+            model: the patched student, with a softmax window.
+            input_ids: ``(B, N)`` calibration tokens.
+
+        Returns:
+            One ``(H_q,)`` float tensor of mixes per layer (also in ``model.config.hf_knorm["window_mix"]``).
+        """
+        from ..models.window_mix import distant_part_off, set_window_mix
+
+        normalization = patched_normalization(model)
+        if normalization is None or not parse_normalization(normalization).window:
+            raise ValueError("match_mix needs the student patched with a softmax window (softmax_window=W).")
+        set_window_mix(model, None)  # m_h = 1: the part's own size
+        full = self._head_outputs(model, input_ids)
+        with distant_part_off(model):
+            window = self._head_outputs(model, input_ids)
+        mixes = []
+        for index, (module, teacher) in enumerate(zip(self.students, self.teachers)):
+            head_dim = module.o_proj.in_features // _query_heads(module)
+            alone = _head_contributions(window[(index, "student")], module.o_proj.weight, head_dim)
+            part = _head_contributions(full[(index, "student")], module.o_proj.weight, head_dim) - alone
+            target = _head_contributions(window[(index, "teacher")], teacher.o_proj.weight, head_dim)
+            mix = _joint_least_squares(part, (target - alone).sum(dim=1))
+            if not bool(torch.isfinite(mix).all()):
+                raise ValueError(f"Layer {index}: the attention output is not finite on the calibration batch.")
+            mixes.append(mix.float())
+        set_window_mix(model, mixes)
+        return mixes
+
+    def _head_outputs(self, model: nn.Module, input_ids: torch.Tensor) -> dict[tuple[int, str], torch.Tensor]:
+        """Every layer's attention output before ``o_proj``, ``(B, q, H_q * D)``, of the student and the teacher on
+        ``input_ids``, by ``(layer, "student" | "teacher")``; each layer sees the original model's inputs."""
+        heads: dict[tuple[int, str], torch.Tensor] = {}
+
+        def record(index: int, who: str):
+            def hook(module, args):
+                heads[(index, who)] = args[0]  # (B, q, H_q * D): the attention output before o_proj
+            return hook
+
+        pairs = [(index, who, module.o_proj) for index, (student, teacher) in enumerate(zip(self.students, self.teachers))
+                 for who, module in (("student", student), ("teacher", teacher))]
+        hooks = [o_proj.register_forward_pre_hook(record(index, who)) for index, who, o_proj in pairs]
+        try:
+            with self.teaching():
+                model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return heads
 
     # --- measurement ---------------------------------------------------------------------------------------------
 
@@ -248,6 +299,19 @@ def _head_contributions(outputs: torch.Tensor, o_weight: torch.Tensor, head_dim:
     heads = outputs.double().reshape(-1, outputs.shape[-1] // head_dim, head_dim)  # (tokens, H_q, D)
     columns = o_weight.double().reshape(o_weight.shape[0], -1, head_dim)  # (hidden, H_q, D)
     return torch.einsum("thd,ohd->tho", heads, columns)
+
+
+def _joint_least_squares(parts: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``argmin_m ||sum_h m_h parts[:, h] - residual||^2`` for ``parts (tokens, H, hidden)`` and ``residual (tokens,
+    hidden)``, in float64; a head whose part is zero gets 0."""
+    gram = torch.einsum("thd,tgd->hg", parts, parts)
+    target = torch.einsum("thd,td->h", parts, residual)
+    live = gram.diagonal() > 0
+    mix = torch.zeros_like(target)
+    if bool(live.any()):
+        chosen = gram[live][:, live]
+        mix[live] = torch.linalg.lstsq(chosen, target[live][:, None]).solution[:, 0]
+    return mix
 
 
 def _scale_o_columns(module: nn.Module, per_head: torch.Tensor, head_dim: int) -> None:

@@ -18,6 +18,7 @@ from ..attention.interface import ATTENTION_NAME
 from ..attention.linear_kernel import is_linear
 from ..attention.normalizations import Normalization, parse_normalization, with_window
 from ..attention.paths import LINEAR_POLICIES
+from ..attention.window import MIX_FIELD
 from ..compat import attn_implementation_of
 from ..recurrent import generation
 from ..recurrent.cache import unwatch_steps, watch_steps
@@ -99,7 +100,7 @@ def unpatch(model: nn.Module) -> nn.Module:
     unwatch_steps(model)
     for config in _configs(model):
         section = dict(getattr(config, SECTION, None) or {})
-        for key in ("normalization", "original_attn_implementation", "linear"):
+        for key in ("normalization", "original_attn_implementation", "linear", MIX_FIELD):
             section.pop(key, None)
         if set(section) <= {"version"}:
             config.__dict__.pop(SECTION, None)

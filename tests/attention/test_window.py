@@ -100,26 +100,33 @@ def test_the_elementwise_weights_refuse_a_window():
 # --- the reference --------------------------------------------------------------------------------------------------
 
 def test_reference_by_hand_with_a_window_of_one():
-    """W = 1: each query's own value by softmax (weight 1), the keys before by s^p / c."""
+    """W = 1: each query's own value by softmax (weight 1), the keys before by s^p / c, that row brought to RMS 1."""
     q, k, v = (torch.randn(1, 1, 3, 4, dtype=torch.float64) for _ in range(3))
     normalization = parse_normalization("x^3/16 + softmax window 1")
     output, weights = reference_window_attention(q, k, v, None, normalization)
     s = (q @ k.transpose(-1, -2) / 2.0)[0, 0]
-    expected = torch.stack([v[0, 0, 0], v[0, 0, 1] + s[1, 0] ** 3 / 16 * v[0, 0, 0],
-                            v[0, 0, 2] + (s[2, 0] ** 3 * v[0, 0, 0] + s[2, 1] ** 3 * v[0, 0, 1]) / 16])
+    unit = lambda u: u / u.pow(2).mean().sqrt()  # noqa: E731
+    expected = torch.stack([v[0, 0, 0], v[0, 0, 1] + unit(s[1, 0] ** 3 / 16 * v[0, 0, 0]),
+                            v[0, 0, 2] + unit((s[2, 0] ** 3 * v[0, 0, 0] + s[2, 1] ** 3 * v[0, 0, 1]) / 16)])
     torch.testing.assert_close(output[0, :, 0], expected, rtol=0, atol=1e-12)
     assert torch.equal(torch.diagonal(weights[0, 0]), torch.ones(3, dtype=torch.float64))
 
 
-def test_reference_with_a_window_longer_than_the_keys_is_softmax_and_sqrtn_counts_the_older_keys():
+def test_reference_with_a_window_longer_than_the_keys_is_softmax_and_the_older_part_has_rms_one():
     q, k, v = _inputs(q_len=9, kv_len=9)
     softmax, _ = reference_attention(q, k, v, None, Normalization(power=None), causal=True)
     windowed, _ = reference_window_attention(q, k, v, None, parse_normalization("x^3/sqrtN + softmax window 9"))
     torch.testing.assert_close(windowed, softmax, rtol=0, atol=1e-12)
     _, weights = reference_window_attention(q, k, v, None, parse_normalization("x/sqrtN + softmax window 3"))
     scores = (q @ k.repeat_interleave(3, dim=1).transpose(-1, -2) * 8 ** -0.5)
-    row = 8  # keys 0..5 are older than its window (6, 7, 8): c = sqrt(6)
-    torch.testing.assert_close(weights[..., row, :6], scores[..., row, :6] / math.sqrt(6), rtol=0, atol=1e-12)
+    row = 8  # keys 0..5 are older than its window (6, 7, 8)
+    ratio = weights[..., row, :6] / scores[..., row, :6]  # the paper's weights, one factor per row and head
+    torch.testing.assert_close(ratio, ratio[..., :1].expand_as(ratio), rtol=1e-10, atol=0)
+    part = weights[..., row, None, :6] @ v.repeat_interleave(3, dim=1)[..., :6, :]  # (B, H_q, 1, D)
+    torch.testing.assert_close(part.pow(2).mean(dim=-1), torch.ones_like(part[..., 0]), rtol=1e-10, atol=0)
+    # the same with x/1: the constant and sqrtN's count cancel in the normalized row
+    _, plain = reference_window_attention(q, k, v, None, parse_normalization("x/1 + softmax window 3"))
+    torch.testing.assert_close(plain, weights, rtol=1e-10, atol=1e-12)
 
 
 # --- the fast paths against the reference ---------------------------------------------------------------------------

@@ -43,7 +43,8 @@ def _settings(tiny_lm_dir, texts, out, **overrides) -> ConvertSettings:
     values = dict(model=str(tiny_lm_dir), dataset=str(texts / "train.txt"), eval_dataset=str(texts / "heldout.txt"),
                   out=str(out), block_size=32, batch_size=2, eval_tokens=128, eval_steps=2, transfer_steps=4,
                   recovery_steps=4, logging_steps=2, save_steps=2, warmup_steps=0, report_to=("none",),
-                  transfer_learning_rate=1e-2, recovery_learning_rate=1e-2, eval_domains=("none",), probe=False)
+                  transfer_learning_rate=1e-2, recovery_learning_rate=1e-2, eval_domains=("none",), probe=False,
+                  softmax_window=0)  # the pure normalization; test_window_conversion.py converts with a window
     values.update(overrides)
     return ConvertSettings(**values)
 

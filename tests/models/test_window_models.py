@@ -19,6 +19,8 @@ from hf_knorm.attention.interface import normalization_of
 from hf_knorm.attention.masks import explicit_bool_mask
 from hf_knorm.attention.paths import attention_paths
 from hf_knorm.attention.reference import reference_window_attention
+from hf_knorm.attention.window import mix_of
+from hf_knorm.models.window_mix import distant_part_off, set_window_mix, window_mixes
 from hf_knorm.compat import cache_kwargs, output_cache
 
 REFERENCE = "test_reference_window"
@@ -29,7 +31,7 @@ ATOL = 1e-4  # fp32 decoding against the full forward (logits of size ~10)
 def reference_window(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The plain reference of the model's windowed normalization, as an ``AttentionInterface`` function."""
     output, _ = reference_window_attention(query, key, value, attention_mask, normalization_of(module),
-                                           scaling=scaling, softcap=kwargs.get("softcap"))
+                                           scaling=scaling, softcap=kwargs.get("softcap"), mix=mix_of(module, query))
     return output, None
 
 
@@ -210,3 +212,83 @@ def test_recorded_attention_norms_are_the_whole_matrixs(spelling):
     for layer, weights in zip(recorder.layers, attentions):
         expected = weights.square().sum(dim=(-2, -1)).sqrt().flatten()
         torch.testing.assert_close(layer.attention_frobenius(), expected, rtol=1e-5, atol=0)
+
+
+# --- the per-head mix of the polynomial part (a conversion's, saved in the config) -----------------------------------
+
+def _random_mix(model, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    heads = model.config.num_attention_heads
+    return [torch.randn(heads, generator=generator, dtype=torch.float64) for _ in range(model.config.num_hidden_layers)]
+
+
+@pytest.mark.parametrize("spelling", ["x^3/16", "x/1"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "qwen3"])
+def test_a_saved_mix_scales_each_heads_polynomial_part_as_the_reference_does(model_type, spelling):
+    model, reference = _twins(model_type, spelling, 3)
+    set_window_mix(model, _random_mix(model))
+    reference.config.hf_knorm = dict(model.config.hf_knorm)
+    inputs = tiny_inputs(model_type, length=14)
+    inputs["attention_mask"][1, :4] = 0
+    got, want = logits_and_grads(model, inputs), logits_and_grads(reference, inputs)
+    assert_same_step(got, want, logits_atol=1e-9 * want[0].abs().max().item(), grads_relative=1e-9, grads_floor=1e-15)
+    with torch.no_grad():
+        unmixed = hf_knorm.patch(tiny_model(model_type, dtype=torch.float64), spelling, softmax_window=3)(
+            **tiny_inputs(model_type, length=14)).logits
+    assert (got[0] - unmixed).abs().max() > 1e-3  # the mix changed the function
+
+
+def test_the_window_alone_is_the_mix_at_zero_and_the_mix_comes_back():
+    model = hf_knorm.patch(tiny_model("llama", dtype=torch.float64), "x^3/16", softmax_window=3)
+    mix = _random_mix(model)
+    set_window_mix(model, mix)
+    ids = tiny_inputs("llama", batch=1, length=14)["input_ids"]
+    with torch.no_grad():
+        mixed = model(input_ids=ids).logits
+        with distant_part_off(model):
+            alone = model(input_ids=ids).logits
+        assert window_mixes(model) == [m.tolist() for m in mix]
+        torch.testing.assert_close(model(input_ids=ids).logits, mixed, rtol=0, atol=0)
+        set_window_mix(model, [torch.zeros_like(m) for m in mix])
+        torch.testing.assert_close(model(input_ids=ids).logits, alone, rtol=0, atol=0)
+        # the window alone: the first W tokens see only their window, so they match whatever the mix
+        torch.testing.assert_close(alone[:, :3], mixed[:, :3], rtol=0, atol=1e-12)
+
+
+def test_a_mix_is_saved_reloaded_exactly_and_removed_by_unpatch(tmp_path):
+    model = hf_knorm.patch(tiny_model("llama"), "x/1", softmax_window=4)
+    set_window_mix(model, _random_mix(model))
+    ids = tiny_inputs("llama", batch=1, length=14)["input_ids"]
+    model.save_pretrained(tmp_path)
+    reloaded = hf_knorm.from_pretrained(tmp_path)
+    assert window_mixes(reloaded) == window_mixes(model)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
+        # decoding with the constant-size state (window keys + state) applies the same mix as the full forward
+        full = model(input_ids=ids).logits
+        generated = model.generate(input_ids=ids[:, :6], max_new_tokens=8, do_sample=False, output_logits=True,
+                                   return_dict_in_generate=True)
+        with torch.no_grad():
+            again = model(input_ids=generated.sequences[:, :-1]).logits[:, 5:]
+        torch.testing.assert_close(torch.stack(generated.logits, dim=1), again, rtol=0, atol=ATOL)
+    assert full.shape[1] == 14
+    hf_knorm.unpatch(model)
+    assert "window_mix" not in (getattr(model.config, "hf_knorm", None) or {})
+
+
+@pytest.mark.parametrize("mix, message", [
+    ([[1.0] * 4], "attention layers"),
+    ("heads", "query heads"),
+    ("nan", "not finite"),
+])
+def test_a_bad_mix_is_refused(mix, message):
+    model = hf_knorm.patch(tiny_model("llama"), "x^3/16", softmax_window=3)
+    layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
+    if mix == "heads":
+        mix = [[1.0] * (heads + 1)] * layers
+    elif mix == "nan":
+        mix = [[float("nan")] * heads] * layers
+    with pytest.raises(ValueError, match=message):
+        set_window_mix(model, mix)
+    with pytest.raises(ValueError, match="softmax window"):
+        set_window_mix(hf_knorm.patch(tiny_model("llama"), "x^3/16"), None)

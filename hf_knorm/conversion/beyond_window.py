@@ -1,0 +1,88 @@
+"""A conversion measured where a softmax window cannot help: perplexity beyond the window and retrieval.
+
+A hybrid ``x^p/c + softmax window W`` (:mod:`hf_knorm.attention.window`) can look good on short blocks while its
+polynomial part does nothing: the window alone models most local text (arXiv 2510.05901 re-tested such hybrids and
+warns of exactly this). So every conversion is also measured
+
+- **beyond the window**: held-out perplexity of each domain in blocks of ``BLOCK`` tokens, scored on the tokens at
+  positions ``>= START`` only (every one of them has ``START - W`` or more keys older than a window of ``W <= START``),
+  each against the original model on the same tokens;
+- **by retrieval**: the passkey (and optionally needle) grid of :mod:`hf_knorm.evaluation.retrieval` at 1k-2k tokens,
+  answered with the cache the model's ``generate`` uses (a ``p = 1`` hybrid: its constant-size state plus the last
+  ``W`` keys), against the original's hits;
+- and, for a hybrid, both again **with the polynomial part switched off** (the window alone,
+  :func:`hf_knorm.models.window_mix.distant_part_off`): the hybrid must beat it beyond the window, or its polynomial
+  part is decoration.
+"""
+
+from __future__ import annotations
+
+from ..evaluation.retrieval import hits_by_length, retrieval_records
+from ..models.window_mix import distant_part_off
+from ..training.heldout import held_out_domain_blocks, held_out_perplexity
+
+BLOCK = 1024
+"""Tokens per block of the beyond-window perplexity."""
+START = 256
+"""The first position scored (LoLCATs' window is 64: every scored token has 192+ keys older than it)."""
+
+
+def beyond_window_blocks(domains: list[str], tokenizer, eval_tokens: int) -> dict:
+    """Each domain's held-out text in ``eval_tokens // BLOCK`` blocks of ``BLOCK`` tokens (the same texts as the
+    256-token evaluation, packed longer), labels ``-100`` before position ``START``: only the later tokens count."""
+    blocks = held_out_domain_blocks(domains, tokenizer, BLOCK, max(eval_tokens, BLOCK))
+
+    def score_late(example):
+        return {"labels": [-100] * START + example["labels"][START:]}
+
+    return {name: data.map(score_late, desc=f"beyond-window blocks, {name}") for name, data in blocks.items()}
+
+
+def beyond_window_perplexities(model, blocks: dict, label: str) -> dict[str, float]:
+    """``{domain: perplexity}`` of ``model`` on :func:`beyond_window_blocks`."""
+    return {name: held_out_perplexity(model, data, desc=f"{label}, {name} beyond the window")
+            for name, data in blocks.items()}
+
+
+def measure_converted(model, tokenizer, blocks: dict, retrieval: dict, windowed: bool) -> dict:
+    """The converted model's beyond-window perplexities and retrieval records, and the window-only ablation's when
+    ``windowed``: ``{"perplexity": ..., "retrieval": [...], "window_only": {"perplexity": ..., "retrieval": [...]}}``.
+
+    Args:
+        retrieval: keyword arguments of :func:`~hf_knorm.evaluation.retrieval.retrieval_records` (tasks, lengths,
+            depths, seeds); an empty ``tasks`` measures no retrieval.
+    """
+    measured = {"perplexity": beyond_window_perplexities(model, blocks, "converted model"),
+                "retrieval": retrieval_records(model, tokenizer, **retrieval, desc="converted model, retrieval")}
+    if windowed:
+        with distant_part_off(model):
+            measured["window_only"] = {
+                "perplexity": beyond_window_perplexities(model, blocks, "window only"),
+                "retrieval": retrieval_records(model, tokenizer, **retrieval, desc="window only, retrieval")}
+    return measured
+
+
+def beyond_window_record(original: dict, converted: dict) -> dict:
+    """What ``convert.json`` and the card keep: per domain the original's, the converted model's and (a hybrid) the
+    window-only perplexity beyond the window with their ratios, the worst domain, and the retrieval hits by task and
+    length of each (the answers themselves beside them)."""
+    window_only = converted.get("window_only")
+    domains = {}
+    for name, reference in original["perplexity"].items():
+        entry = {"original_perplexity": reference, "perplexity": converted["perplexity"][name],
+                 "ratio_to_original": converted["perplexity"][name] / reference}
+        if window_only:
+            entry["window_only_perplexity"] = window_only["perplexity"][name]
+            entry["window_only_ratio"] = window_only["perplexity"][name] / reference
+        domains[name] = entry
+    worst = max(domains, key=lambda name: domains[name]["ratio_to_original"])
+    record = {"block_size": BLOCK, "first_scored_position": START, "domains": domains, "worst_domain": worst,
+              "worst_ratio": domains[worst]["ratio_to_original"],
+              "retrieval": {"original": hits_by_length(original["retrieval"]),
+                            "converted": hits_by_length(converted["retrieval"])},
+              "answers": {"original": original["retrieval"], "converted": converted["retrieval"]}}
+    if window_only:
+        record["window_only_worst_ratio"] = max(entry["window_only_ratio"] for entry in domains.values())
+        record["retrieval"]["window_only"] = hits_by_length(window_only["retrieval"])
+        record["answers"]["window_only"] = window_only["retrieval"]
+    return record

@@ -1,0 +1,108 @@
+"""Conversion with a softmax window (the default): the mix solved in closed form, saved and reloaded, the twin left
+out; the evaluation beyond the window (1,024-token blocks from position 256, retrieval, the window alone) in
+``convert.json`` and the card."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+from training_helpers import lm  # noqa: E402
+
+import hf_knorm  # noqa: E402
+from hf_knorm.conversion.beyond_window import START  # noqa: E402
+from hf_knorm.conversion.job import RESULT_FILE, run_convert  # noqa: E402
+from hf_knorm.conversion.settings import ConvertSettings  # noqa: E402
+from hf_knorm.conversion.transfer import AttentionTransfer  # noqa: E402
+from hf_knorm.models.window_mix import distant_part_off, set_window_mix, window_mixes  # noqa: E402
+
+from test_conversion import _ids, _settings, texts, tiny_lm_dir  # noqa: E402,F401
+
+
+def _transfer_error(model, transfer, ids) -> float:
+    with torch.no_grad(), transfer.teaching():
+        model(input_ids=ids)
+        return float(transfer.loss())
+
+
+@pytest.mark.parametrize("normalization", ["x^3/16", "x/1"])
+def test_match_mix_is_each_heads_least_squares_optimum_and_leaves_the_projections(normalization):
+    model = lm().eval()
+    transfer = AttentionTransfer(model)
+    hf_knorm.patch(model, normalization, softmax_window=4)
+    ids = _ids(length=40)
+    weights = {name: p.clone() for name, p in model.named_parameters()}
+    at_one = _transfer_error(model, transfer, ids)
+    with distant_part_off(model):
+        alone = _transfer_error(model, transfer, ids)
+    mixes = transfer.match_mix(model, ids)
+    solved = _transfer_error(model, transfer, ids)
+    assert solved < min(at_one, alone)
+    assert window_mixes(model) == [mix.tolist() for mix in mixes]
+    assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())  # q/k/v/o untouched
+    for layer in range(len(mixes)):  # moving any head's mix away from the solution raises the error
+        for sign in (-1, 1):
+            moved = [mix.clone() for mix in mixes]
+            moved[layer][0] += sign * 0.05 * (moved[layer][0].abs() + 1e-3)
+            set_window_mix(model, moved)
+            assert _transfer_error(model, transfer, ids) > solved - 1e-7
+    set_window_mix(model, mixes)
+    again = transfer.match_mix(model, ids)  # solved from m = 1 each time: the same mix
+    for first, second in zip(mixes, again):
+        torch.testing.assert_close(first, second, rtol=1e-5, atol=1e-9)
+
+
+def test_match_scale_refuses_a_window():
+    model = lm().eval()
+    transfer = AttentionTransfer(model)
+    hf_knorm.patch(model, "x^3/16", softmax_window=4)
+    with pytest.raises(ValueError, match="match_mix"):
+        transfer.match_scale(model, _ids())
+
+
+def test_a_windowed_conversion_saves_its_mix_and_measures_beyond_the_window(tiny_lm_dir, texts, tmp_path):
+    out = tmp_path / "run"
+    settings = _settings(tiny_lm_dir, texts, out, softmax_window=8, eval_domains=("essays",), eval_tokens=512,
+                         retrieval_lengths=(400,))
+    summary = run_convert(settings)
+    record = json.loads((out / RESULT_FILE).read_text())
+    assert record["normalization"] == "x^3/16 + softmax window 8"
+    assert record["trained_as"] == record["normalization"]  # no twin: the constant would scale the window's scores
+    transfer = record["stages"]["transfer"]
+    assert len(transfer["initial_window_mix"]) == 2 and transfer["window_mix"] != transfer["initial_window_mix"]
+    reloaded = hf_knorm.from_pretrained(out)
+    assert window_mixes(reloaded) == transfer["window_mix"]  # the mix solved after the transfer, kept by recovery
+
+    beyond = record["beyond_window"]
+    assert beyond["block_size"] == 1024 and beyond["first_scored_position"] == START
+    essays = beyond["domains"]["essays"]
+    assert essays["ratio_to_original"] == pytest.approx(essays["perplexity"] / essays["original_perplexity"])
+    assert essays["window_only_perplexity"] != essays["perplexity"]
+    for who in ("original", "converted", "window_only"):
+        hits, cells = beyond["retrieval"][who]["passkey"]["400"]
+        assert cells == 8 and 0 <= hits <= cells and len(beyond["answers"][who]) == 8
+    assert summary["beyond_window"]["worst_ratio"] == essays["ratio_to_original"]
+    card = (out / "README.md").read_text()
+    assert "Beyond the softmax window" in card and "the window alone" in card
+
+    # the reloaded model's beyond-window perplexity is what the record says: scored from position START only
+    from hf_knorm.conversion.beyond_window import beyond_window_blocks, beyond_window_perplexities
+
+    tokenizer = hf_knorm.load_model(str(out))[1]
+    blocks = beyond_window_blocks(["essays"], tokenizer, 1024)
+    assert all(label == -100 for label in blocks["essays"][0]["labels"][:START])
+    assert beyond_window_perplexities(reloaded.eval(), blocks, "reloaded")["essays"] == pytest.approx(
+        essays["perplexity"], rel=1e-5)
+
+
+def test_the_window_and_the_spelling_must_agree(tiny_lm_dir, texts, tmp_path):
+    settings = _settings(tiny_lm_dir, texts, tmp_path / "run", normalization="x^3/16 + softmax window 32",
+                         softmax_window=64)
+    with pytest.raises(ValueError, match="contradicts"):
+        run_convert(settings)
+    assert ConvertSettings().target().name == "x^3/16 + softmax window 64"  # the default recipe
