@@ -43,6 +43,11 @@ class DemoSettings:
     probe: bool = field(default=True, metadata={
         "help": "step 4: ask the ability probe (40 greedy answers) before and after the conversion"})
     logging_steps: int = field(default=5, metadata={"help": "step 4: per-layer norms every N steps"})
+    softmax_window: int = field(default=64, metadata={
+        "help": "step 4: the softmax window beside the normalization (hf-knorm convert --softmax-window; 0: none)"})
+    beyond_window: bool = field(default=True, metadata={
+        "help": "step 4: also measure beyond the window (1,024-token blocks from position 256, passkey retrieval at "
+                "1,000 tokens, the window alone), as hf-knorm convert does"})
     full_conversion: bool = field(default=False, metadata={
         "help": "step 4: convert with hf-knorm convert's full defaults (BENCHMARKS.md has their time) instead of "
                 "the demo's shortened schedule"})
@@ -63,16 +68,19 @@ class DemoSettings:
         """Every step shrunk to seconds, for the test suite (``--fast``)."""
         return cls(normalizations=("softmax", "x^3/16"), decoding_lengths=(32, 128), calibration_tokens=256, niah_lengths=(300,),
                    niah_depths=(0.5,), transfer_steps=4, recovery_steps=4, train_block_size=64, train_batch_size=2,
-                   teacher_tokens=256, eval_tokens=128, eval_steps=2, logging_steps=2, probe=False)
+                   teacher_tokens=256, eval_tokens=128, eval_steps=2, logging_steps=2, probe=False,
+                   softmax_window=16, beyond_window=False)
 
     def conversion(self, model: str, out: str):
         """The :class:`~hf_knorm.conversion.settings.ConvertSettings` of step 4."""
         from ..conversion.settings import ConvertSettings
 
         if self.full_conversion:
-            return ConvertSettings(model=model, out=out, normalization=self.train_normalization, probe=self.probe)
+            return ConvertSettings(model=model, out=out, normalization=self.train_normalization, probe=self.probe,
+                                   softmax_window=self.softmax_window, beyond_window=self.beyond_window)
         return ConvertSettings(
-            model=model, out=out, normalization=self.train_normalization, transfer_steps=self.transfer_steps,
+            model=model, out=out, normalization=self.train_normalization, softmax_window=self.softmax_window,
+            beyond_window=self.beyond_window, retrieval_lengths=(1000,), transfer_steps=self.transfer_steps,
             recovery_steps=self.recovery_steps, block_size=self.train_block_size, batch_size=self.train_batch_size,
             teacher_tokens=self.teacher_tokens, eval_tokens=self.eval_tokens, eval_steps=self.eval_steps,
             logging_steps=self.logging_steps, probe=self.probe,

@@ -128,6 +128,23 @@ def knorm_step(model, tokenizer, settings: DemoSettings, out_dir: Path) -> tuple
     return section, table_md
 
 
+def beyond_window_table(beyond: dict, normalization: str) -> Table:
+    """The conversion's record beyond the window (:mod:`hf_knorm.conversion.beyond_window`) as a table: each
+    domain's perplexity from position 256 of 1,024-token blocks, the retrieval hits in the caption."""
+    alone = "window_only_worst_ratio" in beyond
+    rows = [[name, record["original_perplexity"], record["perplexity"], f"{record['ratio_to_original']:.3g}x",
+             *([record["window_only_perplexity"], f"{record['window_only_ratio']:.3g}x"] if alone else [])]
+            for name, record in beyond["domains"].items()]
+    hits = "; ".join(
+        f"{task} {length} tokens: converted {cell[0]}/{cell[1]}, original {beyond['retrieval']['original'][task][length][0]}"
+        + (f", window alone {beyond['retrieval']['window_only'][task][length][0]}" if alone else "")
+        for task, by_length in beyond["retrieval"]["converted"].items() for length, cell in by_length.items())
+    return Table(["domain", "original (softmax)", f"converted ({normalization})", "ratio",
+                  *(["window alone", "ratio"] if alone else [])], rows,
+                 caption=f"Beyond the window: perplexity of the tokens at positions >= {beyond['first_scored_position']} "
+                         f"of {beyond['block_size']}-token blocks. Retrieval: {hits}")
+
+
 def conversion_step(model, tokenizer, model_name: str, settings: DemoSettings, out_dir: Path,
                     ) -> tuple[Section, dict]:
     """Step 4: convert the model to a polynomial normalization (attention transfer, then recovery) with the norm
@@ -158,6 +175,8 @@ def conversion_step(model, tokenizer, model_name: str, settings: DemoSettings, o
     greedy = Table(["model", *(repr(p) for p in PROMPTS)], [[a["normalization"], *a["continuations"]] for a in answers],
                    caption="Greedy next tokens of step 1's prompts")
     tables = [table, stage_table, greedy]
+    if "beyond_window" in summary:
+        tables.append(beyond_window_table(summary["beyond_window"], normalization))
     probe_line = ""
     if "probe" in summary:
         probe = summary["probe"]

@@ -24,11 +24,12 @@ from hf_knorm.jobs.run_folder import settings_record  # noqa: E402
     ("x^2/4", 5e-4),
 ])
 def test_the_recovery_rate_defaults_by_the_normalizations_power(normalization, rate):
-    assert default_recovery_learning_rate(normalization) == rate
     settings = ConvertSettings(normalization=normalization)
-    assert settings.recovery_learning_rate is None and settings.resolved().recovery_learning_rate == rate
-    assert ConvertSettings(normalization=normalization, recovery_learning_rate=2e-4).resolved().recovery_learning_rate \
-        == 2e-4  # a rate given is kept
+    target = settings.target()  # the spelling parsed once, with the default window
+    assert target.window == 64 and default_recovery_learning_rate(target) == rate
+    assert settings.recovery_learning_rate is None and settings.resolved(target).recovery_learning_rate == rate
+    given = ConvertSettings(normalization=normalization, recovery_learning_rate=2e-4)
+    assert given.resolved(given.target()).recovery_learning_rate == 2e-4  # a rate given is kept
 
 
 @pytest.mark.parametrize(("steps", "budget", "scheduled"), [(150, 1.0, 150), (150, 2.0, 300), (150, 0.5, 75),
@@ -51,7 +52,7 @@ def test_a_run_records_the_resolved_rate_and_resumes_with_the_default_still_unse
     out = tmp_path / "run"
     out.mkdir()
     started = ConvertSettings(normalization="x/16", out=str(out), report_to=("none",))
-    write_state(out, {"settings": settings_record(started.resolved())})  # what run_convert records
+    write_state(out, {"settings": settings_record(started.resolved(started.target()))})  # what run_convert records
     check_settings(ConvertSettings(normalization="x/16", out=str(out), report_to=("none",), resume=True))
     with pytest.raises(ValueError, match="recovery_learning_rate: 0.001 then, 0.0005 now"):
         check_settings(ConvertSettings(normalization="x/16", out=str(out), report_to=("none",), resume=True,
