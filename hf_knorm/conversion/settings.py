@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..training.precision import BF16_HELP, FP16_HELP
+from ..runs.precision import BF16_HELP, FP16_HELP
 
 RECOVERY_MODES = ("lora", "full", "none")
 RECOVERY_TRAINABLE = ("all", "no-embeddings", "attention")

@@ -15,11 +15,11 @@ import torch
 import transformers
 from transformers.trainer_utils import get_last_checkpoint
 
-from ..jobs.arguments import job_arguments
-from ..jobs.run_folder import is_main_process
+from ..runs.arguments import job_arguments
+from ..runs.run_folder import is_main_process
 from ..models.patching import patch
 from ..training.callback import NormLoggerCallback
-from ..training.heldout import mean_example_tokens, perplexity_curve
+from ..data.heldout import mean_example_tokens, perplexity_curve
 from .settings import ConvertSettings
 from .state import write_state
 from .trainers import DistillationTrainer, TransferTrainer
@@ -35,7 +35,7 @@ def run_transfer(model, settings: ConvertSettings, normalization: str, train, ev
     """Stage 1: patch ``model`` with ``normalization`` and train its attention to match the original's.
 
     With ``transfer_steps == 0`` the model is only patched. Returns the patched (transferred) model. ``collator``
-    batches ``train`` (:func:`~hf_knorm.conversion.job.examples_collator`).
+    batches ``train`` (:func:`~hf_knorm.jobs.convert.examples_collator`).
     """
     from ..models.persistence import from_pretrained, save_pretrained
 
