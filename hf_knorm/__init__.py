@@ -31,18 +31,18 @@ from .attention.normalizations import PAPER_NORMALIZATIONS, Normalization, parse
 from .attention.paths import attention_paths
 from .attention.registration import register
 from .balancing.balance import BalanceReport, KVNorms, balance_kv, key_scales, value_scales
-from .conversion.job import convert
 from .conversion.settings import ConvertSettings
+from .eviction.cache import KNormCache
+from .eviction.defaults import knorm_defaults, set_knorm_defaults
+from .eviction.pipeline import KNormTextGenerationPipeline, knorm_cache_for, knorm_generate, register_pipeline
 from .hub import HubPushError, push_folder, push_to_hub, save_pretrained
-from .knorm.cache import KNormCache
-from .knorm.defaults import knorm_defaults, set_knorm_defaults
-from .knorm.pipeline import KNormTextGenerationPipeline, knorm_cache_for, knorm_generate, register_pipeline
+from .jobs.convert import convert
 from .models.architectures import SUPPORTED_ARCHITECTURES, architecture_of, attention_modules
 from .models.patching import patch, patched_normalization, unpatch
 from .models.persistence import from_pretrained, load_model
-from .norms.recording import record_norms
+from .recording.recording import record_norms
+from .recording.statistics import LayerNorms, NormRecorder
 from .recurrent.cache import RecurrentStateCache
-from .norms.statistics import LayerNorms, NormRecorder
 from .training.callback import NormLoggerCallback
 from .training.norm_figure import plot_norm_history
 from .version import __version__

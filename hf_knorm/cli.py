@@ -7,8 +7,8 @@ line, ``--help`` and the Python API cannot drift apart (``tests/test_cli.py`` ch
 
 Adding a command (e.g. ``convert``) takes one dataclass and one registration:
 
-1. A settings dataclass beside the job (as ``ConvertSettings`` in ``hf_knorm/conversion/settings.py``), one field
-   per flag::
+1. A settings dataclass beside the job's run function in ``hf_knorm/jobs/<command>.py`` (or in the library when the
+   library reads it too, as ``ConvertSettings`` in ``hf_knorm/conversion/settings.py``), one field per flag::
 
        @dataclass
        class ConvertSettings:
@@ -45,14 +45,14 @@ from typing import Any
 
 from transformers import HfArgumentParser
 
-from .balancing.job import KVNormsSettings
 from .conversion.settings import ConvertSettings
-from .demo.settings import DemoSettings
-from .evaluation.niah_job import NiahSettings
 from .extras import MissingExtraError
-from .hub.push import PushSettings
+from .jobs.attention_norms import AttentionNormsSettings
+from .jobs.demo.settings import DemoSettings
 from .jobs.finetune import FinetuneSettings
-from .training.attention_norms import AttentionNormsSettings
+from .jobs.kv_norms import KVNormsSettings
+from .jobs.niah import NiahSettings
+from .jobs.push import PushSettings
 
 
 class _SettingsParser(HfArgumentParser):
@@ -120,7 +120,7 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_demo(settings: DemoSettings, args: argparse.Namespace) -> int:
-    from .demo.job import run_demo
+    from .jobs.demo.job import run_demo
 
     run_demo(args.model, args.out, settings, push_to=args.push_to, token=args.token)
     return 0
@@ -129,7 +129,7 @@ def _run_demo(settings: DemoSettings, args: argparse.Namespace) -> int:
 # --- kv-norms, niah, push ---
 
 def _run_kv_norms(settings: KVNormsSettings, args: argparse.Namespace) -> int:
-    from .balancing.job import run_kv_norms
+    from .jobs.kv_norms import run_kv_norms
 
     for name, path in run_kv_norms(settings).items():
         print(f"{name}: {path}")
@@ -137,7 +137,7 @@ def _run_kv_norms(settings: KVNormsSettings, args: argparse.Namespace) -> int:
 
 
 def _run_niah(settings: NiahSettings, args: argparse.Namespace) -> int:
-    from .evaluation.niah_job import run_niah_job
+    from .jobs.niah import run_niah_job
 
     run_niah_job(settings)
     return 0
@@ -149,7 +149,7 @@ def _push_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_push(settings: PushSettings, args: argparse.Namespace) -> int:
-    from .hub.push import run_push
+    from .jobs.push import run_push
 
     commit = run_push(args.model_dir, args.repo_id, settings)
     print(f"pushed {args.model_dir} to {args.repo_id}: {commit.commit_url}")
@@ -169,7 +169,7 @@ def _run_finetune(settings: FinetuneSettings, args: argparse.Namespace) -> int:
 
 
 def _run_convert(settings: ConvertSettings, args: argparse.Namespace) -> int:
-    from .conversion.job import run_convert
+    from .jobs.convert import run_convert
 
     summary = run_convert(settings)
     evaluation = summary["evaluation"]
@@ -186,7 +186,7 @@ def _run_convert(settings: ConvertSettings, args: argparse.Namespace) -> int:
 
 
 def _run_attention_norms(settings: AttentionNormsSettings, args: argparse.Namespace) -> int:
-    from .training.attention_norms import run_attention_norms
+    from .jobs.attention_norms import run_attention_norms
 
     summary = run_attention_norms(settings)
     print(f"figure: {summary['figure']}")

@@ -317,7 +317,7 @@ def update_position_ids(update_kwargs: Mapping) -> torch.Tensor | None:
     Args:
         update_kwargs: The keyword arguments ``Cache.update`` received.
 
-    Test: ``tests/knorm/test_knorm_cache.py`` (``compat``): inside ``generate`` the cache sees the position ids, and a
+    Test: ``tests/eviction/test_knorm_cache.py`` (``compat``): inside ``generate`` the cache sees the position ids, and a
     padded batch is refused.
     """
     forwarded = update_kwargs.get("kwargs")

@@ -2,7 +2,7 @@
 (what it ran before), same model, same blocks, same settings, in the same run.
 
 The default model (SmolLM2-135M-Instruct) patched with ``--normalization``, the Paul Graham essays packed into blocks of
-``--block-size`` (``hf_knorm.training.text_data.pack_dataset``), ``--steps`` optimizer steps of ``--batch-size`` blocks
+``--block-size`` (``hf_knorm.data.text_data.pack_dataset``), ``--steps`` optimizer steps of ``--batch-size`` blocks
 per arm; the arms alternate ``--repeats`` times (Trainer, SFTTrainer, Trainer, ...), each from the same weights, and
 the time of each run's first ``--warmup`` steps is left out (a step callback stamps every step). Reported: tokens per
 second of each run, their medians and the ratio SFTTrainer / Trainer (the target: at least 0.95), and the first losses
@@ -24,9 +24,9 @@ import torch
 import transformers
 
 from hf_knorm import load_default_model, patch
-from hf_knorm.training.precision import precision_arguments
-from hf_knorm.training.sft import SFTPerplexityTrainer, sft_config
-from hf_knorm.training.text_data import load_text_dataset, pack_dataset
+from hf_knorm.data.text_data import load_text_dataset, pack_dataset
+from hf_knorm.runs.precision import precision_arguments
+from hf_knorm.runs.sft import SFTPerplexityTrainer, sft_config
 
 
 class StepClock(transformers.TrainerCallback):

@@ -26,7 +26,7 @@ from transformers import DynamicCache
 
 import hf_knorm
 from hf_knorm.assets.texts import paul_graham_essays
-from hf_knorm.knorm.cache import KNormCache, kept_count
+from hf_knorm.eviction.cache import KNormCache, kept_count
 
 
 def clone(cache) -> DynamicCache:

@@ -1,7 +1,7 @@
 """Greedy answers of several models to held-out chatterbot questions, beside the corpus's own answers.
 
 The questions are the first user turns of the conversations ``hf-knorm finetune --dataset chatterbot`` holds out
-(every tenth: 9, 19, 29, ...; ``hf_knorm.training.heldout.split_held_out``), rendered with each model's chat template
+(every tenth: 9, 19, 29, ...; ``hf_knorm.data.heldout.split_held_out``), rendered with each model's chat template
 and its generation prompt; each model answers greedily (``--max-new-tokens``). Prints a markdown table.
 
 Usage:

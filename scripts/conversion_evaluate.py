@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     import hf_knorm
     from hf_knorm.evaluation.domains import DOMAINS
     from hf_knorm.evaluation.probe import ask, compare
-    from hf_knorm.training.heldout import domains_record, held_out_domain_blocks, held_out_perplexity
+    from hf_knorm.data.heldout import domains_record, held_out_domain_blocks, held_out_perplexity
 
     if args.original == "default":
         from hf_knorm.assets.default_model import default_model_dir

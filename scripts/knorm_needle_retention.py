@@ -19,8 +19,8 @@ from transformers import DynamicCache
 
 import hf_knorm
 from hf_knorm.evaluation.needle import haystack, make_sample, parse_score_spec
-from hf_knorm.knorm.cache import KNormCache
-from hf_knorm.knorm.pipeline import split_prompt
+from hf_knorm.eviction.cache import KNormCache
+from hf_knorm.eviction.pipeline import split_prompt
 
 
 @torch.no_grad()

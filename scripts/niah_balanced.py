@@ -21,7 +21,7 @@ from transformers import DynamicCache
 import hf_knorm
 from hf_knorm.assets.texts import shakespeare_split
 from hf_knorm.evaluation.needle import Variant, haystack, make_sample, run_needle, write_report
-from hf_knorm.knorm.cache import KNormCache
+from hf_knorm.eviction.cache import KNormCache
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny_models.py
+sys.path.insert(0, str(Path(__file__).parent / "training"))  # tests/training/training_helpers.py, used beyond training/
 
 
 @pytest.fixture(autouse=True)

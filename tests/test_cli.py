@@ -10,7 +10,7 @@ import pytest
 
 from hf_knorm import cli
 from hf_knorm.cli import COMMANDS, Command, _build_parser, main, parse
-from hf_knorm.demo.settings import DemoSettings
+from hf_knorm.jobs.demo.settings import DemoSettings
 from hf_knorm.jobs.finetune import FinetuneSettings
 
 SETTINGS_COMMANDS = [command for command in COMMANDS if command.settings is not None]
@@ -95,7 +95,7 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys, mon
     def crash(settings):
         raise RuntimeError("deep inside torch")
 
-    monkeypatch.setattr("hf_knorm.training.attention_norms.run_attention_norms", crash)
+    monkeypatch.setattr("hf_knorm.jobs.attention_norms.run_attention_norms", crash)
     assert main(["attention-norms", "--out", str(tmp_path / "figure")]) == 2
     assert re.fullmatch(r"hf-knorm attention-norms: error: deep inside torch \(--debug shows where it came from\)\n",
                         capsys.readouterr().err)
@@ -117,9 +117,9 @@ def test_library_defaults_are_shown_not_repeated():
 
 
 def test_niah_kv_norms_and_push_flags_fill_their_settings(tmp_path):
-    from hf_knorm.balancing.job import KVNormsSettings
-    from hf_knorm.evaluation.niah_job import NiahSettings
-    from hf_knorm.hub.push import PushSettings
+    from hf_knorm.jobs.kv_norms import KVNormsSettings
+    from hf_knorm.jobs.niah import NiahSettings
+    from hf_knorm.jobs.push import PushSettings
 
     _, settings, _ = parse(["niah", "--ratios", "0,0.5", "--scores", "key_norm,kv_diff+sinks4", "--lengths", "500",
                             "--depths", "0.5", "--passkey-seeds", "0", "--no-options", "--out", str(tmp_path)])

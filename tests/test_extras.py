@@ -78,7 +78,7 @@ def test_a_missing_optional_module_names_its_extra(monkeypatch, module):
 
 def test_the_jobs_stop_with_the_extra_to_install(monkeypatch, tmp_path, capsys):
     from hf_knorm.cli import main
-    from hf_knorm.training.digits_vit import digits_splits
+    from hf_knorm.data.digits_vit import digits_splits
     from hf_knorm.jobs.finetune import FinetuneSettings, check_settings
 
     monkeypatch.setitem(sys.modules, "tensorboard", None)
@@ -89,7 +89,7 @@ def test_the_jobs_stop_with_the_extra_to_install(monkeypatch, tmp_path, capsys):
     without_logs = FinetuneSettings(model=str(tmp_path / "model"), out=str(tmp_path / "run"), report_to=("none",))
     assert check_settings(without_logs) is None  # TensorBoard is needed only to log to it
 
-    from hf_knorm.conversion.job import check_settings as check_conversion
+    from hf_knorm.jobs.convert import check_settings as check_conversion
     from hf_knorm.conversion.settings import ConvertSettings
 
     assert main(["convert", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "conversion")]) == 2

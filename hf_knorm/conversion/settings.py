@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..attention.normalizations import Normalization, parse_normalization, with_window
-from ..training.precision import BF16_HELP, FP16_HELP
+from ..runs.precision import BF16_HELP, FP16_HELP
 
 RECOVERY_MODES = ("lora", "full", "none")
 DEFAULT_SOFTMAX_WINDOW = 64

@@ -18,12 +18,12 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from ..attention.normalizations import Normalization
 from ..attention.window import MIX_FIELD
-from ..jobs.arguments import job_arguments
-from ..jobs.run_folder import is_main_process
+from ..runs.arguments import job_arguments
+from ..runs.run_folder import is_main_process
 from ..models.patching import patch
 from ..models.window_mix import set_window_mix
 from ..training.callback import NormLoggerCallback
-from ..training.heldout import mean_example_tokens, perplexity_curve
+from ..data.heldout import mean_example_tokens, perplexity_curve
 from .settings import ConvertSettings
 from .state import write_state
 from .trainers import DistillationTrainer, TransferTrainer
@@ -41,7 +41,7 @@ def run_transfer(model, settings: ConvertSettings, normalization: Normalization,
     Before training, the closed-form head scales (pure normalizations) or the window's mix (a softmax window:
     :meth:`~.transfer.AttentionTransfer.match_mix`); after it, the mix is solved again for the trained projections.
     With ``transfer_steps == 0`` the model is only patched. Returns the patched (transferred) model. ``collator``
-    batches ``train`` (:func:`~hf_knorm.conversion.job.examples_collator`).
+    batches ``train`` (:func:`~hf_knorm.jobs.convert.examples_collator`).
     """
     from ..models.persistence import from_pretrained, save_pretrained
 

@@ -10,7 +10,7 @@ import json
 import time
 from pathlib import Path
 
-from ..jobs.run_folder import is_main_process, write_json
+from ..runs.run_folder import is_main_process, write_json
 
 STATE_FILE = "convert_state.json"
 
@@ -22,6 +22,6 @@ def read_state(out: Path) -> dict:
 
 
 def write_state(out: Path, state: dict) -> None:
-    """Write the run's state atomically (:func:`hf_knorm.jobs.run_folder.write_json`), from the main process only."""
+    """Write the run's state atomically (:func:`hf_knorm.runs.run_folder.write_json`), from the main process only."""
     if is_main_process():
         write_json(out / STATE_FILE, state)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..training.heldout import PerplexityTrainer
+from ..data.heldout import PerplexityTrainer
 from .transfer import AttentionTransfer
 
 

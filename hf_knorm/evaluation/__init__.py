@@ -1,2 +1,2 @@
 """Evaluation: needle-in-a-haystack and passkey grids, teacher-forced perplexity.
-May import knorm/, balancing/ and everything below them."""
+May import eviction/, balancing/ and everything below them."""

@@ -4,7 +4,7 @@ One grid: context lengths (tokens) x needle depths x seeds. Each cell builds a c
 full cache (the prefill of a KNorm cache is exact, so it is shared), then for every variant (a compression ratio plus
 options; ratio 0 is the uncompressed model) compresses a copy, appends the question uncompressed and decodes greedily:
 the kvpress protocol (context compressed, question not), through the same function as the public
-``knorm-text-generation`` pipeline (``hf_knorm.knorm.pipeline.answer_after_context``). The variant
+``knorm-text-generation`` pipeline (``hf_knorm.eviction.pipeline.answer_after_context``). The variant
 ``protocol="authors"`` instead processes the question on the uncompressed pass, takes the first answer token from
 it, then compresses context and question (the authors' l2compress code; combine with ``layer_ratios={0: 0, 1: 0}``).
 
@@ -34,7 +34,7 @@ import torch
 from transformers import DynamicCache
 
 from ..compat import cache_kwargs, output_cache
-from ..knorm.pipeline import answer_after_context, encode_prompt, generate_after, knorm_cache_for
+from ..eviction.pipeline import answer_after_context, encode_prompt, generate_after, knorm_cache_for
 
 CITIES = ("Paris", "Tokyo", "Nairobi", "Lima", "Oslo", "Cairo", "Sydney", "Toronto", "Mumbai", "Madrid", "Seoul",
           "Dublin", "Lisbon", "Santiago", "Hanoi", "Vienna", "Prague", "Manila", "Bogota", "Helsinki")
@@ -71,7 +71,7 @@ def parse_score_spec(spec: str) -> dict:
     """
     import dataclasses
 
-    from ..knorm.scores import resolve_score
+    from ..eviction.scores import resolve_score
 
     name, *extras = spec.strip().split("+")
     score = resolve_score(name)  # an unknown name raises here, listing the accepted ones
@@ -169,7 +169,7 @@ def is_correct(answer: str, expected: str) -> bool:
 def answer_cell(model, tokenizer, sample: dict, variants: list[Variant], max_new_tokens: int) -> dict[str, str]:
     """Answers of every variant for one sample; the context is prefilled once.
 
-    A ``kvpress`` variant runs :func:`hf_knorm.knorm.pipeline.answer_after_context`, the ``knorm-text-generation``
+    A ``kvpress`` variant runs :func:`hf_knorm.eviction.pipeline.answer_after_context`, the ``knorm-text-generation``
     pipeline's own protocol, on that shared prefill; its cache is :func:`~hf_knorm.knorm_cache_for` with exactly the
     variant's options (a model's recorded KNorm defaults are not applied: every row names its options).
     """

@@ -121,7 +121,7 @@ def perplexity_after_compression(model: nn.Module, windows: list[torch.Tensor], 
     """
     from transformers import DynamicCache
 
-    from ..knorm.cache import KNormCache
+    from ..eviction.cache import KNormCache
 
     device = next(model.parameters()).device
     totals = {name: [0.0, 0] for name in variants}

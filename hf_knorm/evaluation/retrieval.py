@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from ..compat import output_cache
-from ..knorm.pipeline import encode_prompt
+from ..eviction.pipeline import encode_prompt
 from .needle import haystack, is_correct, make_sample
 
 RETRIEVAL_DEPTHS = (0.0, 0.25, 0.5, 0.75)

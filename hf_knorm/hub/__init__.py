@@ -1,5 +1,5 @@
 """The Hub: saving a model with its card, pushing it in one commit, the card template's inputs (origin, measurements).
-May import training/, evaluation/ and everything below them."""
+May import runs/, training/, data/, evaluation/ and everything below them."""
 
 from .card import render_card
 from .push import HubPushError, push_folder, push_to_hub

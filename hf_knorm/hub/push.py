@@ -1,4 +1,5 @@
-"""``hf_knorm.push_to_hub`` and ``hf-knorm push``: a saved model folder and its card, in one commit.
+"""``hf_knorm.push_to_hub`` and ``push_folder`` (``hf-knorm push``, :mod:`hf_knorm.jobs.push`): a saved model folder
+and its card, in one commit.
 
 Through ``huggingface_hub.HfApi`` (the endpoint is ``HF_ENDPOINT``'s): ``create_repo`` (``exist_ok``), ``repo_info``
 and the current ``README.md`` (so a re-push keeps what the user wrote on the card), then **one** ``create_commit``
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi
@@ -213,23 +213,3 @@ def _describe(error: Exception) -> str:
     if not message:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return f"{status} {message}" if status else message
-
-
-@dataclass
-class PushSettings:
-    """The flags of ``hf-knorm push`` (the folder and the repo id are its positional arguments)."""
-
-    private: bool = field(default=False, metadata={
-        "help": "create the repo private (an existing repo keeps its visibility)"})
-    token: str | None = field(default=None, repr=False, metadata={
-        "help": "a Hugging Face write token (without it: HF_TOKEN, else the saved login)"})
-    commit_message: str | None = field(default=None, metadata={
-        "help": "the commit message (without it: one saying what is pushed)"})
-    no_tokenizer: bool = field(default=False, metadata={
-        "help": "push a causal LM whose folder has no tokenizer (refused otherwise)"})
-
-
-def run_push(model_dir, repo_id: str, settings: PushSettings) -> CommitInfo:
-    """``hf-knorm push MODEL_DIR REPO_ID [flags]``: :func:`push_folder` with the command's settings."""
-    return push_folder(model_dir, repo_id, private=settings.private or None, token=settings.token,
-                       commit_message=settings.commit_message, without_tokenizer=settings.no_tokenizer)

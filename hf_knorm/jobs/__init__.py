@@ -1,3 +1,3 @@
-"""The training jobs' common ground and ``hf-knorm finetune``: sources and extras checked before a model loads, the
-run folder (atomic JSON, the settings compared on resume), the Trainer arguments every job shares. May import hub/,
-training/, evaluation/ and everything below them; conversion/ builds on it."""
+"""The jobs: one module (the demo: one package) per ``hf-knorm`` command, each holding the command's settings
+dataclass and its run function (finetune, convert, niah, kv-norms, attention-norms, push, demo). May import every
+layer below it; only the CLI (and ``hf_knorm.convert``) imports it."""

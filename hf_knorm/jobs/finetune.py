@@ -7,9 +7,9 @@ Steps, in order (everything that can be wrong with the input is checked before t
    ``resume`` without checkpoints, without the record of the settings it started with, or with settings that shape
    the model changed);
 2. the model's config and tokenizer are read: a block size above the model's maximum is refused;
-3. the dataset is loaded, its format detected from its columns (:mod:`hf_knorm.training.dataset_formats`: text,
+3. the dataset is loaded, its format detected from its columns (:mod:`hf_knorm.data.dataset_formats`: text,
    conversations or prompt/completion pairs), split into training and held-out records
-   (:mod:`hf_knorm.training.heldout`) and tokenized: text packed into blocks, every token trained on; the others one
+   (:mod:`hf_knorm.data.heldout`) and tokenized: text packed into blocks, every token trained on; the others one
    example per record, the loss on the replies (columns that fit no format, a bad record, a missing chat template,
    an empty dataset, too few tokens, a held-out text shorter than ``eval_tokens``); on ``resume``, the examples and
    the model folder are compared with those the run started from (:func:`~.run_folder.check_same_inputs`);
@@ -18,7 +18,7 @@ Steps, in order (everything that can be wrong with the input is checked before t
    normalization (``softmax`` keeps the model's own attention);
 5. its held-out perplexity is measured on the tokens that carry the loss (the starting point of the model card's
    comparison), on the device the Trainer trains on and in its precision (``bf16``: autocast), once: on the main
-   process, the others waiting for its figure; TRL's ``SFTTrainer`` (:class:`~hf_knorm.training.sft.SFTPerplexityTrainer`: ``eval_perplexity``
+   process, the others waiting for its figure; TRL's ``SFTTrainer`` (:class:`~hf_knorm.runs.sft.SFTPerplexityTrainer`: ``eval_perplexity``
    beside ``eval_loss``, token-weighted, at step 0 and every ``eval_steps``) trains it with
    :class:`~hf_knorm.training.callback.NormLoggerCallback` and the TensorBoard integration, saving checkpoints
    (``resume`` continues from the last one); in several processes (torchrun, accelerate launch) the main process
@@ -39,12 +39,12 @@ from pathlib import Path
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..attention.normalizations import parse_normalization
-from ..training.precision import BF16_HELP, FP16_HELP, check_precision, run_precision
-from .arguments import job_arguments
-from .run_folder import (check_same_inputs, check_same_settings, inputs_fingerprint, is_main_process, on_main_process,
-                         process_state, settings_record, write_json)
-from .sharding import check_fsdp, fsdp_requested, gathered_state_dict
-from .sources import causal_lm_source, check_extras, check_sources
+from ..runs.arguments import job_arguments
+from ..runs.precision import BF16_HELP, FP16_HELP, check_precision, run_precision
+from ..runs.run_folder import (check_same_inputs, check_same_settings, inputs_fingerprint, is_main_process,
+                               on_main_process, process_state, settings_record, write_json)
+from ..runs.sharding import check_fsdp, fsdp_requested, gathered_state_dict
+from ..runs.sources import causal_lm_source, check_extras, check_sources
 
 RESULT_FILE = "finetune.json"
 SETTINGS_FILE = "finetune_settings.json"
@@ -147,11 +147,11 @@ def run_finetune(settings: FinetuneSettings) -> dict:
     from ..models.patching import patch, patched_normalization, unpatch
     from ..models.persistence import from_pretrained
     from ..training.callback import NormLoggerCallback
-    from ..training.heldout import (evaluation_record, held_out_perplexity, mean_example_tokens, perplexity_curve,
+    from ..data.heldout import (evaluation_record, held_out_perplexity, mean_example_tokens, perplexity_curve,
                                     training_and_held_out)
     from ..training.history import HISTORY_FILE
     from ..training.norm_figure import plot_norm_history
-    from ..training.sft import SFTPerplexityTrainer, sft_config
+    from ..runs.sft import SFTPerplexityTrainer, sft_config
 
     checkpoint = check_settings(settings)
     normalization = parse_normalization(settings.normalization).name

@@ -1,3 +1,3 @@
-"""Training: NormLoggerCallback (per-layer norms while a Trainer trains), the norm history and its figure, fine-tuning
-on any text dataset with held-out perplexity, and the attention-norms figure job. May import evaluation/ (perplexity),
-knorm/, balancing/ and everything below them."""
+"""Training: NormLoggerCallback (per-layer norms while a Trainer trains), the norm history and its figure. The data
+pipeline is data/, what the jobs build a run from is runs/, the jobs are jobs/. May import data/, evaluation/ and
+everything below them (it uses recording/ and models/)."""

@@ -2,7 +2,7 @@
 
 ``Trainer(..., callbacks=[hf_knorm.NormLoggerCallback()])`` is all it takes. On each logging step the callback reads,
 from inside the attention of the forward passes the Trainer runs anyway (no second forward), the statistics of
-:mod:`hf_knorm.training.step_norms` for every layer, and logs them as ``norms/layer_07/attn_fro`` and so on.
+:mod:`hf_knorm.recording.per_step` for every layer, and logs them as ``norms/layer_07/attn_fro`` and so on.
 
 How the scalars reach every ``report_to`` integration
     The Trainer calls ``on_log`` on its callbacks in list order, and user callbacks come after the integrations
@@ -57,7 +57,7 @@ from ..compat import run_callback_first
 from ..models.architectures import attention_modules
 from ..models.patching import patch, patched_normalization, unpatch
 from .history import HISTORY_FILE, NormHistory
-from .step_norms import STATISTICS, StepNormRecorder
+from ..recording.per_step import STATISTICS, StepNormRecorder
 
 logger = logging.get_logger(__name__)
 

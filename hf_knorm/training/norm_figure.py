@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from .history import history_path, read_norm_history
-from .step_norms import STATISTICS
+from ..recording.per_step import STATISTICS
 
 _YLABELS = {
     "attn_fro": "||A||_F",
@@ -28,7 +28,7 @@ def plot_norm_history(runs, path, statistic: str = "attn_fro", labels=None, x: s
     Args:
         runs: run folders (holding ``norms.jsonl``) or history files, or one of them.
         path: the PNG to write.
-        statistic: which statistic to draw (one of ``hf_knorm.training.step_norms.STATISTICS``).
+        statistic: which statistic to draw (one of ``hf_knorm.recording.per_step.STATISTICS``).
         labels: one legend label per run (default: the run's normalization, with its folder name when two runs
             share one).
         x: ``"step"`` or ``"epoch"``.

@@ -14,7 +14,7 @@ import torch
 from hf_knorm.cli import main
 from hf_knorm.conversion import teacher_text
 from hf_knorm.evaluation import probe
-from hf_knorm.training import heldout
+from hf_knorm.data import heldout
 
 
 def call_record(name: str, model) -> str:

@@ -13,10 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 from training_helpers import save_tiny_lm  # noqa: E402
 
 from hf_knorm.assets.texts import SAMPLE_TEXT  # noqa: E402
-from hf_knorm.conversion.job import RESULT_FILE, check_settings, run_convert  # noqa: E402
+from hf_knorm.jobs.convert import RESULT_FILE, check_settings, run_convert  # noqa: E402
 from hf_knorm.conversion.settings import ConvertSettings, default_recovery_learning_rate  # noqa: E402
 from hf_knorm.conversion.state import write_state  # noqa: E402
-from hf_knorm.jobs.run_folder import settings_record  # noqa: E402
+from hf_knorm.runs.run_folder import settings_record  # noqa: E402
 
 
 @pytest.mark.parametrize(("normalization", "rate"), [

@@ -17,13 +17,13 @@ from training_helpers import char_tokenizer, lm, save_tiny_lm  # noqa: E402
 
 import hf_knorm  # noqa: E402
 from hf_knorm.assets.texts import SAMPLE_TEXT  # noqa: E402
-from hf_knorm.conversion.job import RESULT_FILE, STATE_FILE, run_convert  # noqa: E402
+from hf_knorm.jobs.convert import RESULT_FILE, STATE_FILE, run_convert  # noqa: E402
 from hf_knorm.conversion.settings import ConvertSettings  # noqa: E402
 from hf_knorm.conversion.trainers import DistillationTrainer, distillation_kl  # noqa: E402
 from hf_knorm.conversion.transfer import AttentionTransfer  # noqa: E402
 from hf_knorm.evaluation.perplexity import perplexity_of_windows  # noqa: E402
-from hf_knorm.training.heldout import held_out_blocks  # noqa: E402
-from hf_knorm.training.text_data import load_text_dataset  # noqa: E402
+from hf_knorm.data.heldout import held_out_blocks  # noqa: E402
+from hf_knorm.data.text_data import load_text_dataset  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +320,7 @@ def test_only_the_main_process_refuses_a_started_folder(tiny_lm_dir, texts, tmp_
     is accelerate's (PartialState), not read from RANK, which srun without torchrun does not set."""
     import accelerate
 
-    from hf_knorm.conversion.job import check_settings
+    from hf_knorm.jobs.convert import check_settings
 
     out = tmp_path / "run"
     out.mkdir()

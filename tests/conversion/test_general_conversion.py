@@ -14,13 +14,13 @@ from training_helpers import char_tokenizer, lm  # noqa: E402
 
 import hf_knorm  # noqa: E402
 from hf_knorm.conversion import teacher_text  # noqa: E402
-from hf_knorm.conversion.job import RESULT_FILE, run_convert  # noqa: E402
+from hf_knorm.jobs.convert import RESULT_FILE, run_convert  # noqa: E402
 from hf_knorm.conversion.mixture import general_mixture  # noqa: E402
 from hf_knorm.conversion.settings import ConvertSettings  # noqa: E402
 from hf_knorm.evaluation import probe  # noqa: E402
 from hf_knorm.evaluation.domains import DOMAINS, domain  # noqa: E402
-from hf_knorm.training.heldout import domains_record, held_out_domain_blocks  # noqa: E402
-from hf_knorm.training.precision import has_accelerator  # noqa: E402
+from hf_knorm.data.heldout import domains_record, held_out_domain_blocks  # noqa: E402
+from hf_knorm.runs.precision import has_accelerator  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -78,8 +78,8 @@ def test_the_general_mixture_holds_teacher_samples_and_the_training_essays(chat_
 def test_unpacked_teacher_samples_start_at_position_zero_and_pad_without_loss(chat_lm_dir, cache):
     import datasets
 
-    from hf_knorm.conversion.job import _general_training_data
-    from hf_knorm.training.text_data import sequence_dataset
+    from hf_knorm.jobs.convert import _general_training_data
+    from hf_knorm.data.text_data import sequence_dataset
 
     tokenizer = chat_tokenizer()
     examples = sequence_dataset(datasets.Dataset.from_dict({"text": ["abc", "x" * 40]}), tokenizer, 8)

@@ -18,10 +18,10 @@ from test_general_conversion import chat_tokenizer  # noqa: E402
 from training_helpers import lm  # noqa: E402
 
 from hf_knorm.conversion import teacher_text  # noqa: E402
-from hf_knorm.conversion.job import run_convert  # noqa: E402
+from hf_knorm.jobs.convert import run_convert  # noqa: E402
 from hf_knorm.conversion.settings import ConvertSettings  # noqa: E402
 from hf_knorm.evaluation import probe  # noqa: E402
-from hf_knorm.training import heldout  # noqa: E402
+from hf_knorm.data import heldout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(eval_domains=("essays",), block_size=32, batch_size=1, eval_tokens=64, eval_steps=1, transfer_steps=1,
@@ -106,7 +106,7 @@ def test_the_stages_pad_examples_of_several_lengths_as_trls_sft_trainer_does():
     import torch
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    from hf_knorm.conversion.job import examples_collator
+    from hf_knorm.jobs.convert import examples_collator
 
     tokenizer = chat_tokenizer()
     tokenizer.padding_side = "left"  # the job's tokenizer may pad on the left (generation): the stages still pad right

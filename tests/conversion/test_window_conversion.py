@@ -16,7 +16,7 @@ from training_helpers import lm  # noqa: E402
 
 import hf_knorm  # noqa: E402
 from hf_knorm.conversion.beyond_window import START  # noqa: E402
-from hf_knorm.conversion.job import RESULT_FILE, run_convert  # noqa: E402
+from hf_knorm.jobs.convert import RESULT_FILE, run_convert  # noqa: E402
 from hf_knorm.conversion.settings import ConvertSettings  # noqa: E402
 from hf_knorm.conversion.transfer import AttentionTransfer  # noqa: E402
 from hf_knorm.models.window_mix import distant_part_off, set_window_mix, window_mixes  # noqa: E402

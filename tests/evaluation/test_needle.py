@@ -20,7 +20,7 @@ from hf_knorm.evaluation.needle import (
     run_needle,
     write_report,
 )
-from hf_knorm.knorm.pipeline import split_prompt
+from hf_knorm.eviction.pipeline import split_prompt
 
 
 @pytest.fixture(scope="module")

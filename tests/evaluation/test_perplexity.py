@@ -40,7 +40,7 @@ def test_matches_transformers_loss():
 
 def test_perplexity_after_compression():
     from hf_knorm.evaluation.perplexity import perplexity_after_compression
-    from hf_knorm.knorm.cache import KNormCache
+    from hf_knorm.eviction.cache import KNormCache
 
     model = tiny_model("llama")
     windows = [torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(i)) for i in range(2)]

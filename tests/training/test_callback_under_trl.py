@@ -12,7 +12,7 @@ from training_helpers import char_tokenizer, history_lines, lm
 from test_training_resume import Crash
 
 import hf_knorm
-from hf_knorm.training.step_norms import STATISTICS
+from hf_knorm.recording.per_step import STATISTICS
 
 trl = pytest.importorskip("trl")
 

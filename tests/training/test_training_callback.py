@@ -13,7 +13,7 @@ from training_helpers import (
 )
 
 import hf_knorm
-from hf_knorm.training.step_norms import STATISTICS
+from hf_knorm.recording.per_step import STATISTICS
 
 
 def _train(model, data, out, callbacks, **overrides):
@@ -120,7 +120,7 @@ def test_reading_an_unpatched_model_leaves_its_training_unchanged(tmp_path):
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_gradient_checkpointing_does_not_count_a_forward_twice(tmp_path, monkeypatch, reentrant):
-    from hf_knorm.training.step_norms import StepNormRecorder
+    from hf_knorm.recording.per_step import StepNormRecorder
 
     counted = []  # attention matrices per layer that each logging step summed
     finish = StepNormRecorder.finish
@@ -193,7 +193,7 @@ def test_stop_on_nonfinite_loss(tmp_path):
 
 
 def test_a_resumed_runs_repeated_evaluation_is_one_point_of_the_curve():
-    from hf_knorm.training.heldout import perplexity_curve
+    from hf_knorm.data.heldout import perplexity_curve
 
     history = [{"step": 0, "eval_perplexity": 90.0}, {"step": 50, "eval_perplexity": 40.0, "loss": 3.0},
                {"step": 50, "eval_perplexity": 40.5}, {"step": 100, "eval_perplexity": 30.0}]

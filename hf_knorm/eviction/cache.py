@@ -1,0 +1,350 @@
+"""KNorm KV-cache compression: keep the cached keys with the lowest L2 norm (Devoto et al., arXiv 2406.11430).
+
+:class:`KNormCache` is a Transformers :class:`~transformers.Cache` for ``model.generate(..., cache=...)``. It follows
+the pattern of Transformers' own evicting layer (``DynamicSlidingWindowLayer``): each ``update`` returns the *full*
+states of the current step to the attention, stores fewer, keeps the absolute sequence length (``get_seq_length``) so
+new tokens get their true positions, and reports ``get_mask_sizes`` with an offset so the causal mask of later steps
+stays right. Kept keys keep their rotation (they are cached post-RoPE).
+
+Who knows what: the cache validates its options once into an :class:`~hf_knorm.eviction.eviction.EvictionSettings` and
+gives that object to each :class:`KNormLayer` when building it; a layer reads nothing else of the cache. The only
+thing a layer needs from the model's call, the position ids (to refuse padded batches), reaches it as an explicit
+argument of ``KNormLayer.update``. ``get_mask_sizes`` has no side effect: nothing flows from it to ``update``.
+
+The method (the paper's setting, every option off): the first forward pass through the cache (the prompt, "prefill")
+attends the prompt in full, so it is exact; then, per layer and per KV head, only the ``ceil((1 - r) * n)`` prompt
+tokens whose post-RoPE key has the lowest L2 norm are kept (same count for every head of a layer, positions may
+differ between heads), in their original order. Later tokens are appended uncompressed.
+
+Which tokens a layer keeps is decided by a score (``score=``, :mod:`hf_knorm.eviction.scores`): ``"key_norm"``, the
+paper's, by default; others need no attention weights either: ``"kv_diff"`` (recommended: it keeps the needle that
+``key_norm`` loses on the default model, BENCHMARKS.md "Eviction scores"), ``"key_diff"``, ``"value_over_key"`` and
+the baselines ``"recent"`` and ``"random"``.
+
+Options (all off by default): ``budget`` (keep a token count instead of a ratio), ``sink_tokens`` and
+``recent_window`` (never evict the first k / last w tokens; they count towards the kept number), ``layer_ratios``
+(per-layer ratios; the authors' code leaves layers 0-1 uncompressed: ``layer_ratios={0: 0.0, 1: 0.0}``),
+``decoding_budget`` (keep at most that many tokens per head during decoding too: bounded memory), ``key_scales``
+(score ``||k * s||`` instead of ``||k||``: for a K/V-balanced model, whose keys are ``k_original / s``, this scores in
+the original basis) and ``value_scales`` (the same for values, ``v_original = v / t``, read by value-based scores).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+
+from ..attention.linear_kernel import is_linear
+from ..attention.normalizations import parse_normalization
+from ..compat import update_position_ids
+from .eviction import EvictionSettings, kept_count
+
+__all__ = ["KNormCache", "KNormLayer", "kept_count"]
+
+
+class KNormLayer(DynamicLayer):
+    """One layer of a :class:`KNormCache`: stores ``keys``/``values`` of shape (B, H_kv, S_kept, D).
+
+    Built with the cache's shared :class:`~hf_knorm.eviction.eviction.EvictionSettings` and its layer index; it reads
+    nothing else. ``positions`` (B, H_kv, S_kept), int64, holds the absolute position of every stored token (per head;
+    tests and the decoding budget read it). ``cumulative_length`` counts every token ever seen, evicted or not.
+    """
+
+    is_croppable = False
+
+    def __init__(self, settings: EvictionSettings, layer_idx: int):
+        super().__init__()
+        self.settings, self.layer_idx = settings, layer_idx
+        self.cumulative_length = 0
+        self.positions: torch.Tensor | None = None
+        self.prompt_length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        batch, heads = key_states.shape[:2]
+        self.positions = torch.empty(batch, heads, 0, dtype=torch.long, device=self.device)
+
+    def stored_length(self) -> int:
+        """Tokens stored per head (after eviction)."""
+        return self.keys.shape[-2] if self.is_initialized else 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               position_ids: torch.Tensor | None = None, **kwargs):
+        """Append (B, H_kv, q, D) states, return the full (B, H_kv, S_kept + q, D) states, then evict.
+
+        ``position_ids`` (B, q), optional: the positions the model gave the new tokens; at the prompt they must be
+        0..q-1 in every row (a padded batch is refused).
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        batch, heads, q_len, _ = key_states.shape
+        start = self.cumulative_length
+        self.cumulative_length += q_len
+        new_positions = torch.arange(start, start + q_len, device=self.device).expand(batch, heads, q_len)
+        full_keys = torch.cat([self.keys, key_states], dim=-2)
+        full_values = torch.cat([self.values, value_states], dim=-2)
+        full_positions = torch.cat([self.positions, new_positions], dim=-1)
+        keep = full_keys.shape[-2]
+        if start == 0 and q_len > 0:  # the prompt: compressed once it has been attended in full
+            _check_unpadded_positions(position_ids, q_len)
+            self.prompt_length = q_len
+            keep = self.settings.prompt_keep(self.layer_idx, q_len)
+        if self.settings.decoding_budget is not None:
+            keep = min(keep, self.settings.decoding_budget)
+        if keep < full_keys.shape[-2]:
+            order = self.settings.eviction_order(full_keys, full_values, full_positions, self.layer_idx,
+                                                 self.cumulative_length)
+            index = order.topk(keep, dim=-1, largest=False).indices.sort(dim=-1).values  # (B, H_kv, keep)
+            self.keys = full_keys.gather(2, index[..., None].expand(-1, -1, -1, full_keys.shape[-1]))
+            self.values = full_values.gather(2, index[..., None].expand(-1, -1, -1, full_values.shape[-1]))
+            self.positions = full_positions.gather(2, index)
+        else:
+            self.keys, self.values, self.positions = full_keys, full_values, full_positions
+        return full_keys, full_values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset): the stored tokens plus the query, offset so the query's own tokens stay causal."""
+        stored = self.stored_length()
+        return stored + query_length, self.cumulative_length - stored
+
+    def get_seq_length(self) -> int:
+        """Absolute length (every token seen, evicted ones included): positions of new tokens stay true."""
+        return self.cumulative_length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "KNormCache cannot be cropped (evicted tokens are gone): assisted/speculative decoding is not supported "
+            "with it; use a DynamicCache."
+        )
+
+    def reset(self) -> None:
+        super().reset()
+        self.positions, self.prompt_length = None, 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.get_seq_length() > 0:
+            self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.get_seq_length() > 0:
+            self.positions = self.positions.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.get_seq_length() > 0:
+            self.positions = self.positions[indices, ...]
+
+
+def _refuse_linear_attention(config) -> None:
+    """Raise for a model patched with a ``p = 1`` normalization (it has no growing K/V cache to evict from) or with a
+    softmax window (it reads the keys of the last positions, which eviction removes)."""
+    normalization = (getattr(config, "hf_knorm", None) or {}).get("normalization")
+    if normalization is not None and parse_normalization(normalization).window:
+        raise ValueError(
+            f"KNormCache evicts keys by their norm, and {normalization} weights the keys of each query's last "
+            "positions by softmax: with keys evicted, the cache no longer holds those positions in order. Generate "
+            "this model with a normal cache (or RecurrentStateCache for p = 1)."
+        )
+    if normalization is not None and is_linear(parse_normalization(normalization)):
+        raise ValueError(
+            f"KNormCache evicts keys from a K/V cache that grows with the context; a model patched with "
+            f"{normalization} (linear attention) decodes with a constant-size state instead "
+            "(hf_knorm.RecurrentStateCache, what its generate uses), so there is nothing to evict. Use "
+            "KNormCache on softmax or x^3 models."
+        )
+
+
+def _check_unpadded_positions(position_ids: torch.Tensor | None, q_len: int) -> None:
+    """Raise if a prompt's (B, q) ``position_ids`` are not 0..q-1 in every row (left padding shifts them)."""
+    if position_ids is None:
+        return
+    expected = torch.arange(0, q_len, device=position_ids.device)
+    if not bool((position_ids.reshape(-1, position_ids.shape[-1]) == expected).all()):
+        raise ValueError(
+            "KNormCache got a padded batch (position ids are not 0..n-1 in every row): eviction breaks the "
+            "padding mask. Generate one sequence at a time, or batch prompts of equal length."
+        )
+
+
+class KNormCache(Cache):
+    """KV cache that keeps, per layer and KV head, the prompt tokens with the lowest key L2 norm (arXiv 2406.11430),
+    or the highest importance under another query-agnostic ``score``.
+
+    Args:
+        compression_ratio (float): Fraction of the prompt to evict, in [0, 1). ``0`` keeps everything (bit-identical to
+            a ``DynamicCache``).
+        score (str or score object): What decides which tokens are kept: a name of
+            :data:`hf_knorm.eviction.scores.SCORES` (``"key_norm"``, the paper's, the default; ``"value_over_key"``,
+            ``"key_diff"``, ``"kv_diff"``, ``"recent"``, ``"random"``) or a score instance (e.g. ``Random(seed=3)``,
+            ``KeyDiff(pool=5)``).
+        budget (int, optional): Keep this many prompt tokens per head instead of using the ratio (must not exceed the
+            prompt length).
+        sink_tokens (int): Never evict the first ``sink_tokens`` tokens (attention sinks). Default 0.
+        recent_window (int): Never evict the last ``recent_window`` tokens. Default 0. Protected tokens count towards
+            the kept number; if there are more of them than the ratio allows, all of them are kept.
+        layer_ratios (sequence of float or mapping int -> float, optional): Per-layer ratios overriding
+            ``compression_ratio`` (a mapping names only the layers it changes).
+        decoding_budget (int, optional): Keep at most this many tokens per head at all times, evicting during decoding
+            too (bounded memory).
+        key_scales (list of torch.Tensor, optional): Per layer a (H_kv, head_dim) tensor ``s``; the score becomes ``||k
+            * s||``. For a K/V-balanced model (whose keys are ``k_original / s``) this scores in the original basis;
+            ``None`` scores the cached keys as they are.
+        value_scales (list of torch.Tensor, optional): Per layer a (H_kv, head_dim) tensor ``t``; scores see ``v / t``
+            (a balanced model's values are ``v_original * t``). Only value-based scores read values.
+        config (PreTrainedConfig, optional): The model's config. With it the cache checks that the model is a supported
+            decoder and gives sliding-window layers (Mistral, Gemma 2/3) Transformers' own sliding layer, uncompressed.
+            **Pass it for models with sliding-window layers**; without it every layer is a KNorm layer.
+            ``hf_knorm.knorm_generate`` and the ``knorm-text-generation`` pipeline pass it for you.
+
+    Attributes:
+        settings (EvictionSettings): The options above, validated, with public fields
+            (:mod:`hf_knorm.eviction.eviction`); every KNorm layer gets this one object when it is built.
+
+    Note:
+        Shapes: each layer stores keys and values (B, H_kv, S_kept, D) and positions (B, H_kv, S_kept).
+        Padded batches are refused (eviction breaks the padding-mask bookkeeping): generate one sequence at a time, or
+        batch prompts of equal length. Chunked prefill (``prefill_chunk_size``) would compress only the first chunk: do
+        not combine them.
+    """
+
+    def __init__(
+        self,
+        compression_ratio: float = 0.0,
+        *,
+        budget: int | None = None,
+        sink_tokens: int = 0,
+        recent_window: int = 0,
+        layer_ratios: Sequence[float] | Mapping[int, float] | None = None,
+        decoding_budget: int | None = None,
+        key_scales: Sequence[torch.Tensor] | None = None,
+        value_scales: Sequence[torch.Tensor] | None = None,
+        score="key_norm",
+        config=None,
+    ):
+        self.settings = EvictionSettings(
+            compression_ratio=compression_ratio, budget=budget, sink_tokens=sink_tokens, recent_window=recent_window,
+            layer_ratios=layer_ratios, decoding_budget=decoding_budget, key_scales=key_scales,
+            value_scales=value_scales, score=score,
+        )
+        super().__init__(layers=[] if config is None else self._layers_for(config))
+
+    # --- structure -------------------------------------------------------------------------------------------------
+    def _layers_for(self, config) -> list:
+        from ..compat import layer_types_and_kwargs
+
+        from ..models.architectures import architecture_of
+
+        if getattr(config, "is_encoder_decoder", False):
+            raise ValueError("KNormCache supports decoder-only models; this config is an encoder-decoder.")
+        if not architecture_of(config).causal:
+            raise ValueError(f"KNormCache needs a decoder; {config.model_type!r} is an encoder (it has no KV cache).")
+        config = config.get_text_config(decoder=True)
+        _refuse_linear_attention(config)
+        layer_types, layer_kwargs = layer_types_and_kwargs(config)
+        layers = []
+        for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+            if kind == "full_attention":
+                layers.append(KNormLayer(self.settings, index))
+            elif kind in ("sliding_attention", "chunked_attention"):
+                layers.append(DynamicSlidingWindowLayer(**kwargs))  # a window is already bounded: left uncompressed
+            else:
+                raise ValueError(f"KNormCache does not support layers of type {kind!r} (layer {index}).")
+        self.settings.check_layer_count(len(layers))
+        return layers
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Store (B, H_kv, q, D) states in layer ``layer_idx``; return the states the attention sees (all of them).
+
+        A KNorm layer gets the step's position ids as an explicit argument (:func:`~hf_knorm.compat.
+        update_position_ids` reads them from what the model passed). A multi-token step onto a compressed cache is
+        refused before any layer changes when the KNorm layers store different counts (see :meth:`is_uniform`).
+        """
+        while len(self.layers) <= layer_idx:  # no config given: layers are created on first use
+            self.layers.append(KNormLayer(self.settings, len(self.layers)))
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, KNormLayer):
+            return layer.update(key_states, value_states, *args, **kwargs)
+        self._check_multi_token_step(layer, key_states.shape[-2])
+        return layer.update(key_states, value_states, position_ids=update_position_ids(kwargs))
+
+    def _check_multi_token_step(self, layer: KNormLayer, q_len: int) -> None:
+        """Refuse q > 1 new tokens after the prompt if the KNorm layers that have not yet received them store
+        different counts: Transformers builds one causal mask for all of them (:meth:`get_mask_sizes`), which fits
+        only one count. The first layer a step reaches compares every layer, so a refused step changes nothing."""
+        start = layer.cumulative_length
+        if start == 0 or q_len <= 1:
+            return
+        peers = {other.layer_idx: other.stored_length() for other in self.layers
+                 if isinstance(other, KNormLayer) and other.is_initialized and other.cumulative_length == start}
+        if len(set(peers.values())) > 1:
+            counts = ", ".join(f"layer {index}: {stored}" for index, stored in peers.items())
+            raise ValueError(
+                f"This KNormCache stores different numbers of tokens per layer ({counts}; per-layer ratios): "
+                "Transformers builds one mask for all layers, so after compression such a cache takes one token per "
+                "forward. Feed the tokens one at a time (hf_knorm.eviction.pipeline.append_tokens does), or use the same "
+                "ratio for every layer."
+            )
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """Mask sizes for KNorm layers from the *largest* of them: with per-layer ratios the stored counts differ,
+        and a single-token step's all-True mask, cut from the left by the attention, then fits every layer."""
+        if layer_idx < len(self.layers) and isinstance(self.layers[layer_idx], KNormLayer):
+            filled = [layer for layer in self.layers if isinstance(layer, KNormLayer) and layer.is_initialized]
+            if filled:
+                stored = max(layer.stored_length() for layer in filled)
+                return stored + query_length, filled[0].cumulative_length - stored
+        return super().get_mask_sizes(query_length, layer_idx)
+
+    def is_uniform(self) -> bool:
+        """True when every KNorm layer stores the same number of tokens (multi-token steps are then allowed)."""
+        return len({layer.stored_length() for layer in self.layers if isinstance(layer, KNormLayer)}) <= 1
+
+    def prefill_from(self, cache: Cache) -> KNormCache:
+        """Take the contents of a filled, uncompressed ``cache`` as this empty cache's prompt, and compress them.
+
+        Exactly what prefill through this cache stores, since prefill attends the full prompt either way: one prefill
+        (into a ``DynamicCache``) can thus be compressed at several settings. ``cache`` is left unchanged. Returns
+        ``self``.
+        """
+        if self.get_seq_length() > 0:
+            raise ValueError("prefill_from needs an empty KNormCache; this one already holds tokens.")
+        for index, layer in enumerate(cache.layers):
+            if type(layer) is not DynamicLayer or not layer.is_initialized:
+                raise ValueError(
+                    f"prefill_from needs a filled DynamicCache of full-attention layers; layer {index} is "
+                    f"{type(layer).__name__}."
+                )
+            self.update(layer.keys, layer.values, index)
+        return self
+
+    @classmethod
+    def from_dynamic_cache(cls, cache: Cache, **options) -> KNormCache:
+        """A new ``KNormCache(**options)`` holding ``cache``'s contents compressed as its prompt
+        (:meth:`prefill_from`)."""
+        return cls(**options).prefill_from(cache)
+
+    # --- introspection ---------------------------------------------------------------------------------------------
+    def kept_positions(self, layer_idx: int) -> torch.Tensor:
+        """Absolute positions (B, H_kv, S_kept) of the tokens a KNorm layer stores, in increasing order per head."""
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, KNormLayer) or not layer.is_initialized:
+            raise ValueError(f"Layer {layer_idx} is not a filled KNorm layer.")
+        return layer.positions
+
+    def stored_tokens(self) -> list[int]:
+        """Tokens stored per head, layer by layer."""
+        return [layer.keys.shape[-2] if layer.is_initialized else 0 for layer in self.layers]
+
+    def nbytes(self, include_positions: bool = False) -> int:
+        """Bytes held by the cached keys and values (plus the int64 position table if asked)."""
+        total = 0
+        for layer in self.layers:
+            if layer.is_initialized:
+                total += layer.keys.nbytes + layer.values.nbytes
+                if include_positions and getattr(layer, "positions", None) is not None:
+                    total += layer.positions.nbytes
+        return total

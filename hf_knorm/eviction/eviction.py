@@ -1,0 +1,145 @@
+"""What a KNorm cache evicts: the settings one :class:`~hf_knorm.KNormCache` shares with its layers, and their rules.
+
+:class:`EvictionSettings` holds the cache's options as public fields (validated once, when built). The cache builds it
+and hands it to every :class:`~hf_knorm.eviction.cache.KNormLayer` at construction; a layer reads nothing else of the
+cache. Its two rules are the method of arXiv 2406.11430 with the options on top:
+
+- :meth:`EvictionSettings.prompt_keep`: how many prompt tokens a layer keeps (``ceil((1 - r) * n)`` at ratio ``r``, or
+  the token ``budget``; never fewer than the protected tokens);
+- :meth:`EvictionSettings.eviction_order`: which ones (the score's negated importance, protected tokens first).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .scores import resolve_score
+
+
+def kept_count(prompt_length: int, ratio: float) -> int:
+    """Number of prompt tokens kept at compression ratio ``ratio``: ``ceil((1 - ratio) * n)`` (at least 1 if n > 0)."""
+    evicted = math.floor(round(ratio * prompt_length, 6))  # round() absorbs float noise such as 0.9 * 1000
+    return max(prompt_length - evicted, min(prompt_length, 1))
+
+
+@dataclass
+class EvictionSettings:
+    """The options of one :class:`~hf_knorm.KNormCache` (see it for their meaning), validated when built.
+
+    Attributes:
+        compression_ratio (float): Fraction of the prompt evicted, in [0, 1).
+        budget (int or None): Prompt tokens kept per head instead of the ratio.
+        sink_tokens, recent_window (int): Tokens never evicted at the start / the end.
+        layer_ratios (dict[int, float]): Per-layer ratios (a sequence is turned into ``{layer: ratio}``).
+        decoding_budget (int or None): Tokens kept per head at all times, decoding included.
+        key_scales, value_scales (list of (H_kv, head_dim) tensors, or None): Per-layer scoring bases.
+        score: The score object (a name of :data:`~hf_knorm.eviction.scores.SCORES` is resolved to one).
+    """
+
+    compression_ratio: float = 0.0
+    budget: int | None = None
+    sink_tokens: int = 0
+    recent_window: int = 0
+    layer_ratios: Sequence[float] | Mapping[int, float] | None = None
+    decoding_budget: int | None = None
+    key_scales: Sequence[torch.Tensor] | None = None
+    value_scales: Sequence[torch.Tensor] | None = None
+    score: Any = "key_norm"
+
+    def __post_init__(self):
+        self.score = resolve_score(self.score)
+        _check_ratio("compression_ratio", self.compression_ratio)
+        if isinstance(self.layer_ratios, Mapping):
+            self.layer_ratios = dict(self.layer_ratios)
+        elif self.layer_ratios is not None:
+            self.layer_ratios = dict(enumerate(self.layer_ratios))
+        for layer, ratio in (self.layer_ratios or {}).items():
+            _check_ratio(f"layer_ratios[{layer}]", ratio)
+        for name in ("sink_tokens", "recent_window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}.")
+        for name in ("budget", "decoding_budget"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer (a number of tokens) or None, got {value!r}.")
+        if self.budget is not None and (self.compression_ratio or self.layer_ratios):
+            raise ValueError("Give either a token budget or compression ratios, not both.")
+        protected = self.sink_tokens + self.recent_window
+        if self.decoding_budget is not None and self.decoding_budget < protected:
+            raise ValueError(
+                f"decoding_budget={self.decoding_budget} is smaller than the protected tokens (sink_tokens + "
+                f"recent_window = {protected}); raise the budget or protect fewer tokens."
+            )
+        self.compression_ratio = float(self.compression_ratio)
+        self.layer_ratios = self.layer_ratios or {}
+        self.key_scales = None if self.key_scales is None else list(self.key_scales)
+        self.value_scales = None if self.value_scales is None else list(self.value_scales)
+
+    def check_layer_count(self, num_layers: int) -> None:
+        """Raise if the per-layer options name layers a model of ``num_layers`` layers does not have."""
+        for name in ("key_scales", "value_scales"):
+            scales = getattr(self, name)
+            if scales is not None and len(scales) != num_layers:
+                raise ValueError(f"{name} has {len(scales)} entries; the model has {num_layers} layers.")
+        for layer in self.layer_ratios:
+            if not 0 <= layer < num_layers:
+                raise ValueError(f"layer_ratios names layer {layer}; the model has layers 0..{num_layers - 1}.")
+
+    def prompt_keep(self, layer_idx: int, prompt_length: int) -> int:
+        """Prompt tokens layer ``layer_idx`` keeps per head after a prompt of ``prompt_length`` tokens."""
+        if self.budget is not None:
+            if self.budget > prompt_length:
+                raise ValueError(
+                    f"budget={self.budget} tokens is larger than the prompt ({prompt_length} tokens); use a smaller "
+                    "budget or compression_ratio instead."
+                )
+            keep = self.budget
+        else:
+            keep = kept_count(prompt_length, self.layer_ratios.get(layer_idx, self.compression_ratio))
+        protected = min(prompt_length, self.sink_tokens + self.recent_window)
+        return max(keep, protected)
+
+    def eviction_order(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, layer_idx: int,
+                       length: int) -> torch.Tensor:
+        """Eviction order (B, H_kv, S) of one layer's keys and values (B, H_kv, S, D) at absolute positions
+        (B, H_kv, S), ``length`` tokens seen so far: the negated importance of ``score`` (for ``key_norm`` the key L2
+        norm), low = kept; protected tokens -inf."""
+        scale = self._scale("key_scales", layer_idx, keys)
+        if scale is not None:
+            keys = keys * scale.to(keys)[None, :, None, :]
+        scale = self._scale("value_scales", layer_idx, values)
+        if scale is not None:
+            values = values / scale.to(values)[None, :, None, :]
+        scores = -self.score(keys, values, positions, layer_idx)
+        protected = positions < self.sink_tokens
+        if self.recent_window:
+            protected |= positions >= length - self.recent_window
+        return scores.masked_fill(protected, float("-inf"))
+
+    def _scale(self, name: str, layer_idx: int, states: torch.Tensor) -> torch.Tensor | None:
+        scales = getattr(self, name)
+        if scales is None:
+            return None
+        if layer_idx >= len(scales):
+            raise ValueError(f"{name} has {len(scales)} entries; layer {layer_idx} has none.")
+        scale = scales[layer_idx]
+        if scale.shape != states.shape[1:2] + states.shape[3:]:
+            raise ValueError(
+                f"{name}[{layer_idx}] has shape {tuple(scale.shape)}; the layer's states need "
+                f"(H_kv, head_dim) = {tuple(states.shape[1:2] + states.shape[3:])}."
+            )
+        return scale
+
+
+def _check_ratio(name: str, ratio: float) -> None:
+    if not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) < 1.0:
+        raise ValueError(
+            f"{name} must be in [0, 1) (the fraction of the prompt to evict), got {ratio!r}; to keep a fixed number "
+            "of tokens use budget=."
+        )

@@ -1,0 +1,212 @@
+"""Eviction scores for :class:`~hf_knorm.KNormCache`: which prompt tokens a layer keeps, per KV head.
+
+A score is a small frozen dataclass (its fields are its hyperparameters) called on one layer's cached states::
+
+    score(keys, values, positions, layer_idx) -> importance (B, H_kv, S), float32, higher = kept
+
+- ``keys``, ``values``: (B, H_kv, S, D) as cached (post-RoPE keys), or in the unbalanced model's basis for a K/V-balanced
+  model scored with ``score_basis="original"`` (the cache undoes the balancing scales before calling the score);
+- ``positions``: (B, H_kv, S) int64, the absolute position of every token;
+- ``layer_idx``: the layer (a seeded score draws per layer).
+
+None of them reads attention weights or the question, so every one works with any attention implementation (SDPA,
+flash, the plugin's polynomial normalizations) and under the kvpress protocol (context compressed before the question
+is known). The cache applies the protections (``sink_tokens``, ``recent_window``) and the per-layer count on top.
+
+Adding a score: a dataclass here with a ``name`` and a docstring naming its source, an entry in :data:`SCORES`, and a
+row in ``tests/eviction/test_knorm_scores.py``'s plain reference (``hf_knorm.eviction.reference.reference_importance``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class KeyNorm:
+    """The paper's score: keep the keys with the **lowest** L2 norm, importance ``-||k||``.
+
+    Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression", arXiv 2406.11430
+    (kvpress ``KnormPress``). The default of :class:`~hf_knorm.KNormCache`; every earlier result uses it.
+    """
+
+    name: ClassVar[str] = "key_norm"
+
+    def __call__(self, keys, values, positions, layer_idx):
+        return -keys.float().norm(dim=-1)
+
+
+@dataclass(frozen=True)
+class ValueOverKey:
+    """Keep large ``||v|| / ||k||``: the key norm as the proxy of attention (low ``||k||`` = attended, as in KNorm)
+    times what an attended token writes into the output, its value's norm.
+
+    A token's contribution to an attention output is its weight times its value; scoring attention times ``||v||`` is
+    VATP (Guo et al., "Attention Score is not All You Need for Token Importance Indicator in KV Cache Reduction: Value
+    Also Matters", arXiv 2406.12335) and the ``use_vnorm`` factor of kvpress's ``ExpectedAttentionPress``; here the
+    attention is replaced by KNorm's ``1 / ||k||`` so that no attention weight is needed.
+    """
+
+    name: ClassVar[str] = "value_over_key"
+
+    def __call__(self, keys, values, positions, layer_idx):
+        return values.float().norm(dim=-1) / keys.float().norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def distinctiveness(states: torch.Tensor) -> torch.Tensor:
+    """``-cos(x, a)`` per token, ``a`` the mean of the head's unit vectors: (B, H_kv, S, D) -> (B, H_kv, S) fp32."""
+    states = states.float()
+    anchor = F.normalize(states, p=2, dim=-1).mean(dim=-2, keepdim=True)  # (B, H_kv, 1, D)
+    return -F.cosine_similarity(states, anchor, dim=-1)
+
+
+def pooled(importance: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Mean of each token's importance and its neighbours', over a centred window of ``kernel`` (odd) stored tokens
+    (cut at the ends): (B, H_kv, S) -> (B, H_kv, S). SnapKV's pooling (Li et al., arXiv 2404.14469), so that a kept
+    token tends to keep its neighbours."""
+    if kernel == 1:
+        return importance
+    batch, heads, length = importance.shape
+    flat = importance.reshape(batch * heads, 1, length)
+    return F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=False).reshape(importance.shape)
+
+
+def _check_pool(pool) -> None:
+    if not isinstance(pool, int) or pool < 1 or pool % 2 == 0:
+        raise ValueError(f"pool must be an odd integer >= 1 (a centred window of tokens), got {pool!r}.")
+
+
+@dataclass(frozen=True)
+class KeyDiff:
+    """Keep the keys least similar to the head's mean direction: importance ``-cos(k, a)``, ``a`` the mean of the
+    unit keys of the head (over the tokens being scored).
+
+    KeyDiff (Park et al., "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference in
+    Resource-Constrained Environments", arXiv 2504.15364; kvpress ``KeyDiffPress``): distinctive keys are the ones
+    queries can single out; the many near-duplicate keys of filler text are interchangeable.
+
+    Args:
+        pool (int): Odd window over which the score is averaged (:func:`pooled`); 1 (the default) is KeyDiff as
+            published.
+    """
+
+    name: ClassVar[str] = "key_diff"
+    pool: int = 1
+
+    def __post_init__(self):
+        _check_pool(self.pool)
+
+    def __call__(self, keys, values, positions, layer_idx):
+        return pooled(distinctiveness(keys), self.pool)
+
+
+@dataclass(frozen=True)
+class KVDiff:
+    """Keep tokens whose key **and** value stand out from the head's mean directions, with their neighbours:
+    importance = pooled(z(key distinctiveness) + z(value distinctiveness)), ``z`` standardizing over the head's tokens.
+
+    KeyDiff's score (arXiv 2504.15364) applied to the values as well (what a token writes, as VATP, arXiv 2406.12335,
+    argues), each standardized so neither dominates, then averaged over a centred window of ``pool`` tokens as SnapKV
+    (arXiv 2404.14469) pools its attention scores: retrieval needs the tokens around a distinctive one (the "magic
+    number for Paris is" before the digits), which a per-token score scatters away. The recommended score: the best of
+    these on the default model's needle and passkey tests, perplexity within 2% of uncompressed at ratio 0.5
+    (BENCHMARKS.md, "Eviction scores").
+
+    Args:
+        pool (int): Odd window of the average (:func:`pooled`), default 5.
+    """
+
+    name: ClassVar[str] = "kv_diff"
+    pool: int = 5
+
+    def __post_init__(self):
+        _check_pool(self.pool)
+
+    def __call__(self, keys, values, positions, layer_idx):
+        def standardized(x):
+            return (x - x.mean(-1, keepdim=True)) / x.std(-1, correction=0, keepdim=True).clamp_min(1e-12)
+
+        return pooled(standardized(distinctiveness(keys)) + standardized(distinctiveness(values)), self.pool)
+
+
+@dataclass(frozen=True)
+class Recent:
+    """Keep the most recent tokens: importance = position. With ``sink_tokens=4`` this is StreamingLLM's cache
+    (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453; kvpress
+    ``StreamingLLMPress``): the query-agnostic baseline of a fixed window."""
+
+    name: ClassVar[str] = "recent"
+
+    def __call__(self, keys, values, positions, layer_idx):
+        return positions.float()
+
+
+@dataclass(frozen=True)
+class Random:
+    """Evict uniformly at random, reproducibly: the floor every score must beat (kvpress ``RandomPress``).
+
+    The draws come from a CPU generator seeded with ``seed`` and the layer index, one uniform per (batch row, head,
+    token), so a run is repeatable on any device.
+    """
+
+    name: ClassVar[str] = "random"
+    seed: int = 0
+
+    def __call__(self, keys, values, positions, layer_idx):
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + layer_idx)
+        return torch.rand(keys.shape[:-1], generator=generator).to(keys.device)
+
+
+SCORES: dict[str, type] = {cls.name: cls for cls in (KeyNorm, ValueOverKey, KeyDiff, KVDiff, Recent, Random)}
+"""Every score by name; ``KNormCache(score=name)`` builds it with its default hyperparameters."""
+
+
+def resolve_score(score):
+    """A score object from its spelling (:func:`score_spelling`: a name in :data:`SCORES`, optionally with integer
+    hyperparameters, e.g. ``"key_diff+pool3"``) or a score instance (any callable with a ``name``).
+
+    Raises:
+        ValueError: An unknown name (the message lists the accepted ones) or hyperparameter.
+    """
+    if isinstance(score, str):
+        name, *extras = score.split("+")
+        if name not in SCORES:
+            raise ValueError(f"Unknown score {score!r}; accepted: {', '.join(SCORES)} (or a score instance from "
+                             "hf_knorm.eviction.scores).")
+        fields = [field.name for field in dataclasses.fields(SCORES[name])]
+        values = {}
+        for extra in extras:
+            match = re.fullmatch(r"([a-z_]+?)(-?\d+)", extra)
+            if not match or match.group(1) not in fields:
+                raise ValueError(f"Bad score spelling {score!r}: after the name only integer hyperparameters of "
+                                 f"{name} may follow ({', '.join(f'+{f}N' for f in fields) or 'it has none'}).")
+            values[match.group(1)] = int(match.group(2))
+        return SCORES[name](**values)
+    if not callable(score) or not isinstance(getattr(score, "name", None), str):
+        raise ValueError(f"score must be one of {', '.join(SCORES)} or a score instance, got {score!r}.")
+    return score
+
+
+def score_spelling(score) -> str:
+    """The text that :func:`resolve_score` turns back into ``score``: its name, then each hyperparameter that differs
+    from its default as ``+<field><value>`` (``KeyDiff(pool=3)`` -> ``"key_diff+pool3"``, ``KVDiff()`` ->
+    ``"kv_diff"``). JSON-serializable, so a score can be recorded in a model's config.
+
+    Raises:
+        ValueError: ``score`` is not one of the registered scores of :data:`SCORES` (a custom score has no spelling).
+    """
+    score = resolve_score(score)
+    if SCORES.get(score.name) is not type(score):
+        raise ValueError(
+            f"Score {score!r} is not one of the registered scores ({', '.join(SCORES)}), so it cannot be written as "
+            "text (e.g. into config.json); pass it at call time instead (knorm_cache_for(model, score=...))."
+        )
+    extras = [f"+{field.name}{getattr(score, field.name)}" for field in dataclasses.fields(score)
+              if getattr(score, field.name) != field.default]
+    return score.name + "".join(extras)

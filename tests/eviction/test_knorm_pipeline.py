@@ -1,0 +1,63 @@
+"""The kvpress protocol, written once: the ``knorm-text-generation`` pipeline on a tiny model, and the needle
+benchmark's cells giving the pipeline's answers (they run the same function, ``answer_after_context``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from knorm_helpers import NEW, PROMPT, knorm_model, word_text, word_tokenizer
+from transformers import DynamicCache, pipeline
+
+from hf_knorm.compat import cache_kwargs
+from hf_knorm.evaluation import needle
+from hf_knorm.eviction.cache import KNormCache
+from hf_knorm.eviction.pipeline import KNormTextGenerationPipeline, encode_prompt
+
+GENERATE = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)  # no early end of sequence
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return knorm_model("llama"), word_tokenizer()
+
+
+@pytest.mark.compat
+def test_pipeline_task_answers_from_the_compressed_context(tiny):
+    model, tokenizer = tiny
+    pipe = pipeline("knorm-text-generation", model=model, tokenizer=tokenizer)
+    assert isinstance(pipe, KNormTextGenerationPipeline)
+    context, question = word_text(PROMPT), word_text(3, seed=1)
+    context_ids, question_ids = encode_prompt(tokenizer, context, question)
+    ids = torch.cat([context_ids, question_ids], dim=1)
+    assert context_ids.shape[1] == PROMPT and question_ids.shape[1] == 3  # no chat template: nothing added
+
+    def decoded(out):
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+    with torch.no_grad():
+        plain = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(DynamicCache()),
+                               **GENERATE)
+        cache = KNormCache(0.9, config=model.config)
+        model(input_ids=context_ids, **cache_kwargs(cache), use_cache=True)  # the context alone is compressed
+        compressed = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache),
+                                    **GENERATE)
+    assert cache.stored_tokens() == [PROMPT - int(0.9 * PROMPT) + 3 + NEW - 1] * 2
+    assert pipe(context, question=question, compression_ratio=0.0, **GENERATE)["answer"] == decoded(plain)
+    assert pipe(context, question=question, compression_ratio=0.9, **GENERATE)["answer"] == decoded(compressed)
+    assert decoded(compressed) != decoded(plain)  # the compression is felt: the equality above is not vacuous
+
+
+@pytest.mark.compat
+def test_needle_cells_give_the_pipeline_answers(tiny):
+    model, tokenizer = tiny
+    sample = dict(context=word_text(PROMPT, seed=2), question=word_text(2, seed=3), answer_prefix=" w5", expected="0")
+    variants = [needle.Variant("r=0"), needle.Variant("r=0.9", {"compression_ratio": 0.9}),
+                needle.Variant("kv_diff", {"compression_ratio": 0.5, "score": "kv_diff", "sink_tokens": 2}),
+                needle.Variant("layer 0 kept", {"compression_ratio": 0.75, "layer_ratios": {0: 0.0}})]
+    answers = needle.answer_cell(model, tokenizer, sample, variants, max_new_tokens=NEW)
+    pipe = pipeline("knorm-text-generation", model=model, tokenizer=tokenizer)
+    for variant in variants:
+        answer = pipe(sample["context"], question=sample["question"], answer_prefix=sample["answer_prefix"],
+                      max_new_tokens=NEW, do_sample=False, pad_token_id=tokenizer.eos_token_id, **variant.options)
+        assert answers[variant.name] == answer["answer"], variant.name
+    assert len(set(answers.values())) > 1  # the variants differ, so each equality checks its own cache

@@ -1,0 +1,53 @@
+"""The ``knorm-text-generation`` task on a tiny model with the default model's tokenizer: fast enough for the
+compatibility suite (the same checks on the default model itself are in tests/evaluation/test_needle.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from tiny_models import tiny_config
+
+from hf_knorm.assets.default_model import default_model_dir
+from hf_knorm.assets.texts import SAMPLE_TEXT
+from hf_knorm.compat import cache_kwargs
+from hf_knorm.eviction.pipeline import split_prompt
+
+pytestmark = pytest.mark.compat
+QUESTION = "How many steps did the keeper climb?"
+FIXED = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False)  # no early end of text
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    tokenizer = tf.AutoTokenizer.from_pretrained(default_model_dir())
+    config = tiny_config("llama")
+    config.update(dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    return tf.pipeline("knorm-text-generation", model=model, tokenizer=tokenizer)
+
+
+def test_uncompressed_answer_equals_plain_generate(pipe):
+    answer = pipe(SAMPLE_TEXT, question=QUESTION, compression_ratio=0.0, **FIXED)["answer"]
+    context_text, question_text = split_prompt(pipe.tokenizer, SAMPLE_TEXT, QUESTION)
+    ids = pipe.tokenizer(context_text + question_text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        plain = pipe.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                    **cache_kwargs(tf.DynamicCache()), **FIXED)
+    assert answer == pipe.tokenizer.decode(plain[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def test_the_context_is_compressed_and_the_question_is_not(pipe):
+    context_ids = pipe.preprocess(SAMPLE_TEXT, question=QUESTION)["context_ids"]
+    outputs = pipe._forward(pipe.preprocess(SAMPLE_TEXT, question=QUESTION),
+                            cache_options={"compression_ratio": 0.5}, score_basis=None, generate_kwargs=dict(FIXED))
+    question_and_answer = pipe.preprocess(SAMPLE_TEXT, question=QUESTION)["question_ids"].shape[1] + 5 - 1
+    kept = context_ids.shape[1] - context_ids.shape[1] // 2
+    assert outputs["stored_tokens"] == [kept + question_and_answer] * 2
+    torch.manual_seed(0)
+    assert isinstance(pipe(SAMPLE_TEXT, question=QUESTION, compression_ratio=0.5, max_new_tokens=3,
+                           do_sample=True)["answer"], str)
+    with pytest.raises(ValueError, match="question"):
+        pipe(SAMPLE_TEXT)
