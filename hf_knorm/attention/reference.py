@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .normalizations import Normalization
+from .window import ROW_EPS
 
 
 def reference_attention(
@@ -74,7 +75,7 @@ def reference_window_attention(
     Row ``i``'s position ``a_i`` is the last key it may attend (its own, under a causal mask). Its window is the keys
     it may attend with ``a_i - W < j <= a_i``: weighted by softmax over them. Its older keys (``j <= a_i - W``) are
     weighted by ``s^p / c`` (``c = sqrtN``: the square root of the number of those older keys). The output is
-    ``softmax part + mix_h * polynomial part / RMS(polynomial part)`` (the RMS over the head dimension, row by row).
+    ``softmax part + mix_h * polynomial part / sqrt(mean square + ROW_EPS)`` (row by row, over the head dimension).
 
     Args:
         query ``(B, H_q, q, D)``; key, value ``(B, H_kv, kv, D)``; allowed: bool ``(B or 1, 1, q, kv)``, or ``None``
@@ -108,9 +109,7 @@ def reference_window_attention(
     else:
         poly = poly / normalization.constant
     part = poly @ v  # (B, H_q, q, D): the polynomial part before its row normalization
-    square = part.pow(2).mean(dim=-1, keepdim=True)  # each row's mean square; 0 for a row with no older key
-    live = square > 0
-    factor = torch.where(live, torch.where(live, square, 1.0).rsqrt(), 0.0)  # 1 / RMS, or 0 (and a finite gradient)
+    factor = torch.rsqrt(part.pow(2).mean(dim=-1, keepdim=True) + ROW_EPS)  # 1 / RMS of each row (window.row_scale)
     if mix is not None:
         factor = factor * mix.to(compute)[None, :, None, None]
     weights = soft + poly * factor

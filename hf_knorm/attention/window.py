@@ -276,10 +276,14 @@ def row_scale(output: torch.Tensor) -> torch.Tensor:
     keys is ~4x its size over 250); TransNormer's NormAttention (Qin et al., arXiv 2210.10340) bounds a
     denominator-free attention by an RMS norm of its output, and so does this, per row and head, before the mix: the
     part's direction is the paper's ``sum_j s_ij^p v_j`` (``c``, and ``sqrtN``'s row count, cancel), its size is
-    ``|m_h|`` at every length. A row with no older key stays 0 (its factor is 0: no infinite gradient either)."""
-    square = output.pow(2).mean(dim=-1, keepdim=True)
-    live = square > 0
-    return torch.where(live, torch.rsqrt(torch.where(live, square, torch.ones_like(square))), torch.zeros_like(square))
+    ``|m_h|`` at every length. A row with no older key stays 0. ``ROW_EPS`` is added to the mean square: rows of RMS
+    well above ``1e-6`` are normalized exactly, and no gradient is infinite (without it, a padded row with a
+    denormal mean square made the x^3/16 conversion's gradients NaN at recovery step ~125)."""
+    return torch.rsqrt(output.pow(2).mean(dim=-1, keepdim=True) + ROW_EPS)
+
+
+ROW_EPS = 1e-12
+"""Added to each row's mean square before the polynomial part's RMS normalization (:func:`row_scale`)."""
 
 
 def _explicit(query, key, value, mask, normalization, bias, return_weights, frobenius_sq, mix, options):
