@@ -40,7 +40,7 @@ from .jobs.convert import convert
 from .models.architectures import SUPPORTED_ARCHITECTURES, architecture_of, attention_modules
 from .models.patching import patch, patched_normalization, unpatch
 from .models.persistence import from_pretrained, load_model
-from .recording.recording import record_norms
+from .recording.record_norms import record_norms
 from .recording.statistics import LayerNorms, NormRecorder
 from .recurrent.cache import RecurrentStateCache
 from .training.callback import NormLoggerCallback

@@ -28,7 +28,7 @@ from hf_knorm.attention.taps import KVTransform
 from hf_knorm.balancing.balance import balance_kv, calibration_batches
 from hf_knorm.balancing.codecs import JointLowRank, per_token_groups, shared_absmax_fp8
 from hf_knorm.evaluation.perplexity import perplexity_of_windows, token_windows
-from hf_knorm.recording.recording import routed_through_plugin
+from hf_knorm.recording.record_norms import routed_through_plugin
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from hf_knorm.attention.linear_kernel import linear_attention
 from hf_knorm.attention.normalizations import parse_normalization
 from hf_knorm.attention.reference import reference_attention
 from hf_knorm.compat import cache_kwargs, output_cache
-from hf_knorm.recording.recording import record_norms
+from hf_knorm.recording.record_norms import record_norms
 
 pytestmark = pytest.mark.device
 

@@ -12,7 +12,7 @@
   attention call that follows its ``update``; see the section at the end.
 
 All live here, below everything that uses them, so that the attention never imports the layers built on it. The
-model must be routed through the plugin: :func:`hf_knorm.recording.recording.routed_through_plugin` does it for a model
+model must be routed through the plugin: :func:`hf_knorm.recording.record_norms.routed_through_plugin` does it for a model
 that is not patched.
 
 **Under torch.compile.** Dynamo cannot trace ``ContextVar.get``. Compiled code first reads one plain flag,

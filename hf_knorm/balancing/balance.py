@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from ..models.architectures import architecture_of, attention_modules
 from ..models.kv_layouts import KVLayout, kv_layouts
-from ..recording.recording import record_norms
+from ..recording.record_norms import record_norms
 from ..version import __version__
 from .report import BalanceReport, KVNorms
 

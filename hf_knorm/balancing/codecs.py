@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from ..attention.taps import KVTransform
 from ..models.architectures import architecture_of, attention_modules
-from ..recording.recording import routed_through_plugin
+from ..recording.record_norms import routed_through_plugin
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 

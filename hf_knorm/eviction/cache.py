@@ -6,7 +6,7 @@ states of the current step to the attention, stores fewer, keeps the absolute se
 new tokens get their true positions, and reports ``get_mask_sizes`` with an offset so the causal mask of later steps
 stays right. Kept keys keep their rotation (they are cached post-RoPE).
 
-Who knows what: the cache validates its options once into an :class:`~hf_knorm.eviction.eviction.EvictionSettings` and
+Who knows what: the cache validates its options once into an :class:`~hf_knorm.eviction.settings.EvictionSettings` and
 gives that object to each :class:`KNormLayer` when building it; a layer reads nothing else of the cache. The only
 thing a layer needs from the model's call, the position ids (to refuse padded batches), reaches it as an explicit
 argument of ``KNormLayer.update``. ``get_mask_sizes`` has no side effect: nothing flows from it to ``update``.
@@ -39,7 +39,7 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from ..attention.linear_kernel import is_linear
 from ..attention.normalizations import parse_normalization
 from ..compat import update_position_ids
-from .eviction import EvictionSettings, kept_count
+from .settings import EvictionSettings, kept_count
 
 __all__ = ["KNormCache", "KNormLayer", "kept_count"]
 
@@ -47,7 +47,7 @@ __all__ = ["KNormCache", "KNormLayer", "kept_count"]
 class KNormLayer(DynamicLayer):
     """One layer of a :class:`KNormCache`: stores ``keys``/``values`` of shape (B, H_kv, S_kept, D).
 
-    Built with the cache's shared :class:`~hf_knorm.eviction.eviction.EvictionSettings` and its layer index; it reads
+    Built with the cache's shared :class:`~hf_knorm.eviction.settings.EvictionSettings` and its layer index; it reads
     nothing else. ``positions`` (B, H_kv, S_kept), int64, holds the absolute position of every stored token (per head;
     tests and the decoding budget read it). ``cumulative_length`` counts every token ever seen, evicted or not.
     """
@@ -202,7 +202,7 @@ class KNormCache(Cache):
 
     Attributes:
         settings (EvictionSettings): The options above, validated, with public fields
-            (:mod:`hf_knorm.eviction.eviction`); every KNorm layer gets this one object when it is built.
+            (:mod:`hf_knorm.eviction.settings`); every KNorm layer gets this one object when it is built.
 
     Note:
         Shapes: each layer stores keys and values (B, H_kv, S_kept, D) and positions (B, H_kv, S_kept).

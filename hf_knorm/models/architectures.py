@@ -60,7 +60,7 @@ def architecture_of(model_or_config) -> ArchitectureSpec:
         raise ValueError(
             f"hf_knorm does not support model_type {model_type!r}. Supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}. "
             "Architectures whose attention does not go through Transformers' AttentionInterface (e.g. falcon, bloom) "
-            "cannot be supported; others can be added to hf_knorm/architectures.py with a tiny-model test."
+            "cannot be supported; others can be added to hf_knorm/models/architectures.py with a tiny-model test."
         )
     return spec
 

@@ -14,7 +14,7 @@ from hf_knorm.attention.linear_kernel import linear_attention
 from hf_knorm.attention.normalizations import parse_normalization
 from hf_knorm.attention.paths import attention_paths, causal_key_validity, choose_path
 from hf_knorm.attention.reference import reference_attention
-from hf_knorm.recording.recording import record_norms
+from hf_knorm.recording.record_norms import record_norms
 
 LINEAR = ("x/1", "x/16", "x/sqrtN")
 FP64_ATOL = 1e-10

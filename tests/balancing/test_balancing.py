@@ -19,7 +19,7 @@ from hf_knorm.assets.texts import shakespeare_split
 from hf_knorm.attention.taps import KVTransform
 from hf_knorm.balancing.balance import balance_kv, key_scales, value_scales
 from hf_knorm.models.kv_layouts import expand_to_query_heads, kv_layouts
-from hf_knorm.recording.recording import routed_through_plugin
+from hf_knorm.recording.record_norms import routed_through_plugin
 
 ISSUE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3")
 

@@ -6,7 +6,7 @@ from tiny_models import tiny_inputs, tiny_model
 
 from hf_knorm.attention.taps import KVTransform
 from hf_knorm.balancing.codecs import JointLowRank, per_token_groups, quantize_groups, shared_absmax_fp8
-from hf_knorm.recording.recording import routed_through_plugin
+from hf_knorm.recording.record_norms import routed_through_plugin
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

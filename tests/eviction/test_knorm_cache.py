@@ -16,7 +16,7 @@ from hf_knorm.assets.texts import SAMPLE_TEXT
 from hf_knorm.attention.masks import explicit_bool_mask
 from hf_knorm.compat import cache_kwargs, output_cache
 from hf_knorm.eviction.cache import KNormCache, KNormLayer, kept_count
-from hf_knorm.eviction.eviction import EvictionSettings
+from hf_knorm.eviction.settings import EvictionSettings
 from hf_knorm.eviction.pipeline import generate_after, knorm_generate
 from hf_knorm.eviction.reference import reference_generate, reference_kept_indices
 

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 import hf_knorm
 from hf_knorm.attention.taps import KVTransform
-from hf_knorm.recording.recording import routed_through_plugin
+from hf_knorm.recording.record_norms import routed_through_plugin
 
 
 def test_key_value_channel_norms_equal_the_cached_states():
