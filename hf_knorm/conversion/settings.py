@@ -124,7 +124,8 @@ class ConvertSettings:
     retrieval_tasks: tuple[str, ...] = field(default=("passkey",), metadata={
         "help": "retrieval tasks beyond the window, comma-separated: passkey, niah (none: no retrieval)"})
     retrieval_lengths: tuple[int, ...] = field(default=(1000, 2000), metadata={
-        "help": "context lengths (tokens) of the retrieval, comma-separated; 4 depths (0-0.75) x 2 seeds each"})
+        "help": "context lengths (tokens) of the retrieval, separated by commas; the needle at 4 depths from 0 to "
+                "0.75, 2 seeds each"})
     probe: bool = field(default=True, metadata={
         "help": "ask the ability probe (40 greedy answers) of the original and the converted model"})
     report_to: tuple[str, ...] = field(default=("tensorboard",), metadata={

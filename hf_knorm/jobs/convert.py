@@ -35,15 +35,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..attention.normalizations import Normalization, parse_normalization
-from ..conversion.beyond_window import (beyond_window_blocks, beyond_window_perplexities, beyond_window_record,
-                                        measure_converted)
 from ..conversion.mixture import GENERAL
 from ..conversion.settings import RECOVERY_MODES, RECOVERY_TRAINABLE, SCALE_FOLDS, ConvertSettings
 from ..conversion.state import STATE_FILE, read_state, write_state
 from ..conversion.twin import fold_constant, training_normalization
 from ..data.dataset_formats import LANGUAGE_MODELING, format_description
 from ..evaluation.domains import domain
-from ..evaluation.retrieval import retrieval_records
 from ..runs.precision import check_precision, run_precision
 from ..runs.run_folder import (check_same_inputs, check_same_settings, inputs_fingerprint, is_main_process,
                                on_main_process, process_state, settings_record, write_json)
@@ -149,7 +146,10 @@ def run_convert(settings: ConvertSettings) -> dict:
     """
     import transformers
 
+    from ..conversion.beyond_window import (beyond_window_blocks, beyond_window_perplexities, beyond_window_record,
+                                            measure_converted)
     from ..data.heldout import held_out_domain_blocks, held_out_perplexity
+    from ..evaluation.retrieval import retrieval_records
 
     target = check_settings(settings)
     settings = settings.resolved(target)

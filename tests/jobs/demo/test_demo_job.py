@@ -63,10 +63,10 @@ def test_every_step_ran_and_recorded_its_results(fast_demo):
 def test_the_saved_model_loads_back_with_its_normalization_and_card(fast_demo):
     folder = fast_demo / "model"
     model = hf_knorm.from_pretrained(folder)
-    assert hf_knorm.patched_normalization(model) == "x^3/16"
+    assert hf_knorm.patched_normalization(model) == "x^3/16 + softmax window 16"
     card = (folder / "README.md").read_text()
     assert "pip install hf_knorm" in card.split("---", 2)[2][:2000]
-    assert "x^3/16" in card and "held-out perplexity" in card and "model-index" in card
+    assert "x^3/16 + softmax window 16" in card and "held-out perplexity" in card and "model-index" in card
 
 
 def test_the_report_has_every_section_and_embeds_its_images(fast_demo):
