@@ -23,8 +23,8 @@ Definition (ours; the reference is :func:`.reference.reference_window_attention`
   window, and the same rule holds in a prefill and in decoding.
 - ``u_i / RMS(u_i)``: the part's row (per head, RMS over the head dimension) brought to unit size, as TransNormer's
   NormAttention bounds a denominator-free attention (arXiv 2210.10340; SUPRA and DiJiang do the same). Without it the
-  part grows with the number of older keys: measured on the default model converted at 256-token blocks, its
-  perplexity at 1,024 tokens was 10^5-10^6 times the original's (BENCHMARKS.md, 'Conversion with a softmax window').
+  part grows with the number of older keys: a short conversion of the default model at 256-token blocks was
+  10^5-10^6 times the original's perplexity at 1,024 tokens (BENCHMARKS.md, 'Conversion with a softmax window').
   So the paper's normalization gives the part its direction; ``c`` (and ``sqrtN``'s row count) cancel in it, and
   ``|m_h|`` is its size at every length. A row with no older key stays 0.
 - ``m_h``: a per-query-head mix of the polynomial part, ``(H_q,)``, 1 when not given (what ``hf_knorm.patch`` runs
@@ -272,8 +272,7 @@ def _older_keys(query, key, value, key_valid, normalization, path, frobenius_sq,
 def row_scale(output: torch.Tensor) -> torch.Tensor:
     """``1 / RMS`` of each output row of the polynomial part over its last axis (the head dimension): ``(..., 1)``.
 
-    The part has no denominator, so its size grows with the number of older keys it sums (``x^p/16`` over 1,000
-    keys is ~4x its size over 250); TransNormer's NormAttention (Qin et al., arXiv 2210.10340) bounds a
+    The part has no denominator, so its size grows with the number of older keys it sums; TransNormer's NormAttention (Qin et al., arXiv 2210.10340) bounds a
     denominator-free attention by an RMS norm of its output, and so does this, per row and head, before the mix: the
     part's direction is the paper's ``sum_j s_ij^p v_j`` (``c``, and ``sqrtN``'s row count, cancel), its size is
     ``|m_h|`` at every length. A row with no older key stays 0. ``ROW_EPS`` is added to the mean square: rows of RMS

@@ -18,10 +18,10 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from ..attention.normalizations import Normalization
 from ..attention.window import MIX_FIELD
-from ..runs.arguments import job_arguments
-from ..runs.run_folder import is_main_process
 from ..models.patching import patch
 from ..models.window_mix import set_window_mix
+from ..runs.arguments import job_arguments
+from ..runs.run_folder import is_main_process
 from ..training.callback import NormLoggerCallback
 from ..data.heldout import mean_example_tokens, perplexity_curve
 from .settings import ConvertSettings

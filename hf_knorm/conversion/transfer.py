@@ -185,8 +185,8 @@ class AttentionTransfer:
         """Solve the mix of a softmax window's polynomial part in closed form and store it in the model's config.
 
         A normalization with a softmax window (:mod:`hf_knorm.attention.window`) keeps softmax's scale on the last
-        ``W`` keys; the polynomial part over the older keys is what is off by orders of magnitude. Its per-head
-        factors ``m`` are the least-squares fit of what the window leaves to explain, jointly over a layer's heads
+        ``W`` keys; the polynomial part over the older keys, RMS-normalized per row, gets its size from the mix. Its
+        per-head factors ``m`` are the least-squares fit of what the window leaves to explain, jointly over a layer's heads
         (the transfer's loss is the layer's output error, and heads' contributions overlap): with ``u_h`` what head
         ``h``'s part adds to the layer's output at ``m_h = 1`` and ``r`` the teacher's output minus the student's with
         the part off, ``m = argmin ||sum_h m_h u_h - r||^2`` (the ``H x H`` normal equations). The projections are
