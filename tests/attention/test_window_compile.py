@@ -24,12 +24,18 @@ def fresh_dynamo():
 
 
 
+@pytest.mark.parametrize("with_mix", [False, True])  # a conversion's mix, saved in the config, read in the graph
 @pytest.mark.parametrize(("model_type", "spelling", "window", "length", "path"), [
     ("llama", "x/1", 8, 140, "linear"),  # key padding: the linear kernel traced, the band blocks through the op
     ("mistral", "x^3/16", 3, 12, "quadratic"),  # the model's own sliding window: explicit masks through the op
 ])
-def test_a_compiled_windowed_model_matches_eager(model_type, spelling, window, length, path):
+def test_a_compiled_windowed_model_matches_eager(model_type, spelling, window, length, path, with_mix):
     model = hf_knorm.patch(tiny_model(model_type).train(), spelling, softmax_window=window)
+    if with_mix:
+        from hf_knorm.models.window_mix import set_window_mix
+
+        heads, layers = model.config.num_attention_heads, model.config.num_hidden_layers
+        set_window_mix(model, [[0.5 + 0.1 * head - 0.2 * layer for head in range(heads)] for layer in range(layers)])
     inputs = tiny_inputs(model_type, length=length)
     inputs["attention_mask"][0, :3] = 0
     with attention_paths() as taken:
