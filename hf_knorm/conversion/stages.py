@@ -23,6 +23,7 @@ from ..models.window_mix import set_window_mix
 from ..runs.arguments import job_arguments
 from ..runs.run_folder import is_main_process
 from ..training.callback import NormLoggerCallback
+from ..training.finite_gradients import StopOnNonFiniteGradient
 from ..data.heldout import mean_example_tokens, perplexity_curve
 from .settings import ConvertSettings
 from .state import write_state
@@ -70,7 +71,8 @@ def run_transfer(model, settings: ConvertSettings, normalization: Normalization,
     trainer = TransferTrainer(
         model=model, args=_arguments(settings, folder, settings.transfer_steps, settings.transfer_learning_rate),
         train_dataset=train, eval_dataset=eval_sets, data_collator=collator,
-        callbacks=[NormLoggerCallback()], transfer=transfer,
+        callbacks=[NormLoggerCallback(), StopOnNonFiniteGradient(_advice("--transfer-learning-rate"))],
+        transfer=transfer,
     )
     measured = _train(trainer, checkpoint, settings)
     for parameter in model.parameters():
@@ -116,7 +118,8 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
     trainer = DistillationTrainer(
         model=model, args=arguments,
         train_dataset=train, eval_dataset=eval_sets, data_collator=collator,
-        callbacks=[NormLoggerCallback()], teacher=teacher, distill_weight=settings.distill_weight,
+        callbacks=[NormLoggerCallback(), StopOnNonFiniteGradient(_advice("--recovery-learning-rate"))],
+        teacher=teacher, distill_weight=settings.distill_weight,
         next_token_weight=settings.next_token_weight, non_attention_lr_scale=settings.non_attention_lr_scale,
     )
     measured = _train(trainer, checkpoint, settings)
@@ -130,6 +133,12 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
     state["recovery"] = record
     write_state(out, state)
     return model
+
+
+def _advice(learning_rate_flag: str) -> str:
+    """What a conversion stopped on a non-finite gradient can do (its settings cannot change on ``--resume``)."""
+    return (f"convert again into another --out with a lower {learning_rate_flag} or --max-grad-norm, or another "
+            "--seed (a conversion resumes only with the settings it started with)")
 
 
 def _saved_mix(checkpoint: Path) -> list[list[float]]:

@@ -384,3 +384,26 @@ def test_an_interrupted_conversion_resumes_and_a_finished_one_is_not_overwritten
     assert hf_knorm.patched_normalization(hf_knorm.from_pretrained(out)) == "x^3/16"
     with pytest.raises(ValueError, match="finished conversion"):
         run_convert(_settings(tiny_lm_dir, texts, out, resume=True))
+
+
+@pytest.mark.parametrize("stage", ["transfer", "recovery"])
+def test_a_non_finite_gradient_stops_the_conversion_with_an_error_and_saves_no_model(tiny_lm_dir, texts, tmp_path,
+                                                                                  monkeypatch, stage):
+    from hf_knorm.conversion.trainers import TransferTrainer
+    from hf_knorm.training.finite_gradients import NonFiniteGradientError
+
+    trainer_class = TransferTrainer if stage == "transfer" else DistillationTrainer
+    compute_loss = trainer_class.compute_loss
+
+    def poisoned(self, model, inputs, *args, **kwargs):
+        result = compute_loss(self, model, inputs, *args, **kwargs)
+        if not model.training:
+            return result
+        return (result[0] * float("nan"), result[1]) if isinstance(result, tuple) else result * float("nan")
+
+    monkeypatch.setattr(trainer_class, "compute_loss", poisoned)
+    out = tmp_path / "run"
+    flag = "--transfer-learning-rate" if stage == "transfer" else "--recovery-learning-rate"
+    with pytest.raises(NonFiniteGradientError, match=rf"step 1 \(of 4\).*lower {flag}"):
+        run_convert(_settings(tiny_lm_dir, texts, out))
+    assert not (out / RESULT_FILE).exists() and not (out / stage / "model").exists()
