@@ -101,6 +101,10 @@ class ConvertSettings:
     distill_weight: float = field(default=1.0, metadata={
         "help": "weight of the KL divergence to the original model's next-token distribution in recovery (0: the "
                 "next-token loss alone: steps 1.5x faster without the teacher, a worse model: BENCHMARKS.md)"})
+    teacher_top_k: int = field(default=0, metadata={
+        "help": "K > 0: the recovery's KL against the original model's K most likely next tokens per position plus one "
+                "bucket for the rest, computed once before the recovery and cached (no teacher forward per step; "
+                "hf_knorm.conversion.teacher_logits); 0: the full teacher at every step"})
     next_token_weight: float = field(default=1.0, metadata={
         "help": "weight of the next-token loss in recovery (0: the KL to the original model alone)"})
     recovery_trainable: str = field(default="all", metadata={

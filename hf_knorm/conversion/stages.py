@@ -112,6 +112,10 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
                           target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    top_k = None
+    if settings.teacher_top_k and teacher is not None:  # the teacher's top k once, then no teacher forward per step
+        top_k, record["teacher_top_k"] = _teacher_top_k(teacher, train, settings.teacher_top_k)
+        teacher = None
     model.train()
     checkpoint = get_last_checkpoint(str(folder)) if folder.is_dir() else None
     arguments = _arguments(settings, folder, settings.scheduled_recovery_steps(), settings.recovery_learning_rate)
@@ -119,7 +123,7 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
         model=model, args=arguments,
         train_dataset=train, eval_dataset=eval_sets, data_collator=collator,
         callbacks=[NormLoggerCallback(), StopOnNonFiniteGradient(_advice("--recovery-learning-rate"))],
-        teacher=teacher, distill_weight=settings.distill_weight,
+        teacher=teacher, teacher_top_k=top_k, distill_weight=settings.distill_weight,
         next_token_weight=settings.next_token_weight, non_attention_lr_scale=settings.non_attention_lr_scale,
     )
     measured = _train(trainer, checkpoint, settings)
@@ -133,6 +137,19 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
     state["recovery"] = record
     write_state(out, state)
     return model
+
+
+def _teacher_top_k(teacher, train, k: int):
+    """``(the teacher's top-k of every training example, what it cost)``: read from the cache or computed on the main
+    process first (the others then read its cache)."""
+    from accelerate import PartialState
+
+    from .teacher_logits import teacher_top_k
+
+    started = time.perf_counter()
+    with PartialState().main_process_first():
+        cache = teacher_top_k(teacher, train, k)
+    return cache, {"k": k, "positions": len(cache.rest), "seconds": round(time.perf_counter() - started, 1)}
 
 
 def _advice(learning_rate_flag: str) -> str:

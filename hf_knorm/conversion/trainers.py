@@ -5,7 +5,8 @@
   (``transfer/layer_07/relative_error``). Evaluation runs the student alone, hooks off: the ordinary next-token loss.
 - :class:`DistillationTrainer` (stage 2, recovery): next-token loss, plus ``distill_weight`` times the KL divergence
   from the original model's next-token distribution when a teacher model is given (Hinton et al., 2015; LoLCATs'
-  recovery uses the next-token loss alone).
+  recovery uses the next-token loss alone), or coarse-grained to its top-k tokens computed once before
+  (:mod:`.teacher_logits`).
 
 Why not TRL's distillation trainers (TRL 1.16): ``trl.DistillationTrainer`` (and ``trl.experimental``'s
 ``GKDTrainer``) train on-policy: the student generates completions to a ``prompt`` column and matches the teacher's
@@ -19,10 +20,13 @@ to the run's device).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from ..data.heldout import PerplexityTrainer
+from .teacher_logits import TeacherTopK, top_k_kl
 from .transfer import AttentionTransfer
 
 
@@ -85,10 +89,13 @@ def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
 
 class DistillationTrainer(PerplexityTrainer):
     """``next_token_weight`` times the next-token loss plus ``distill_weight * KL(teacher || student)`` per token
-    (``teacher=None``: no KL term).
+    (``teacher=None`` and ``teacher_top_k=None``: no KL term).
 
     Args:
         teacher: the original model (frozen, same tokenizer), or ``None``.
+        teacher_top_k: the teacher's top-k distributions of the training examples, computed before
+            (:mod:`.teacher_logits`): the KL coarse-grained to them, no teacher forward per step; instead of
+            ``teacher``.
         distill_weight: the weight of the KL term.
         next_token_weight: the weight of the next-token loss (0: the KL alone).
         non_attention_lr_scale: the learning rate of every weight outside the attention modules, as a fraction of
@@ -97,7 +104,8 @@ class DistillationTrainer(PerplexityTrainer):
     """
 
     def __init__(self, *args, teacher: torch.nn.Module | None = None, distill_weight: float = 0.0,
-                 next_token_weight: float = 1.0, non_attention_lr_scale: float = 1.0, **kwargs):
+                 next_token_weight: float = 1.0, non_attention_lr_scale: float = 1.0,
+                 teacher_top_k: TeacherTopK | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         if non_attention_lr_scale <= 0:
             raise ValueError(f"non_attention_lr_scale must be > 0, not {non_attention_lr_scale}.")
@@ -107,8 +115,11 @@ class DistillationTrainer(PerplexityTrainer):
                              f"{next_token_weight}.")
         if next_token_weight == 0 and distill_weight == 0:
             raise ValueError("next_token_weight 0 and distill_weight 0 leave no loss to train on.")
-        if distill_weight > 0 and teacher is None:
-            raise ValueError("distill_weight > 0 needs the original model as teacher.")
+        if teacher is not None and teacher_top_k is not None:
+            raise ValueError("Pass the teacher or its top-k cache, not both.")
+        if distill_weight > 0 and teacher is None and teacher_top_k is None:
+            raise ValueError("distill_weight > 0 needs the original model as teacher (or its top-k cache).")
+        self.teacher_top_k = teacher_top_k if distill_weight > 0 else None
         # The Trainer moves ``model`` alone: the teacher goes to the same device here.
         self.teacher = teacher.eval().to(self.args.device) if teacher is not None and distill_weight > 0 else None
         self.distill_weight = distill_weight
@@ -122,8 +133,14 @@ class DistillationTrainer(PerplexityTrainer):
             with torch.no_grad():
                 target = self.teacher(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
                                       use_cache=False).logits  # (B, N, V)
-            loss = loss + self.distill_weight * self._kl_scaled_like_the_loss(outputs.logits, target, inputs,
-                                                                              num_items_in_batch)
+            loss = loss + self.distill_weight * self._kl_scaled_like_the_loss(
+                lambda reduction: distillation_kl(outputs.logits, target, inputs.get("labels"), reduction),
+                num_items_in_batch)
+        if self.teacher_top_k is not None and model.training:
+            target = self.teacher_top_k.batch(inputs["input_ids"], inputs.get("attention_mask"))
+            loss = loss + self.distill_weight * self._kl_scaled_like_the_loss(
+                lambda reduction: top_k_kl(outputs.logits, *target, inputs.get("labels"), reduction),
+                num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
     def create_optimizer(self, model=None):
@@ -147,8 +164,9 @@ class DistillationTrainer(PerplexityTrainer):
             optimizer.add_param_group(group)
         return optimizer
 
-    def _kl_scaled_like_the_loss(self, student_logits, teacher_logits, inputs, num_items_in_batch):
-        """The KL per scored token, normalized exactly as ``Trainer.compute_loss`` normalizes the next-token loss.
+    def _kl_scaled_like_the_loss(self, kl: Callable[[str], torch.Tensor], num_items_in_batch):
+        """The KL per scored token (``kl(reduction)``, ``mean`` or ``sum`` over the scored positions), normalized
+        exactly as ``Trainer.compute_loss`` normalizes the next-token loss.
 
         With gradient accumulation or several processes the Trainer divides the next-token loss's sum by the scored
         tokens of the whole accumulated, global batch (``num_items_in_batch``) and multiplies it by the number of
@@ -156,10 +174,9 @@ class DistillationTrainer(PerplexityTrainer):
         mean and ``training_step`` divides by the accumulation steps. The KL follows the same rule, so its weight
         does not change with the batch layout.
         """
-        labels = inputs.get("labels")
         if num_items_in_batch is None or not self.model_accepts_loss_kwargs:
-            return distillation_kl(student_logits, teacher_logits, labels)
-        kl = distillation_kl(student_logits, teacher_logits, labels, reduction="sum") / num_items_in_batch
+            return kl("mean")
+        kl = kl("sum") / num_items_in_batch
         if self.args.average_tokens_across_devices:
             kl = kl * self.accelerator.num_processes
         return kl

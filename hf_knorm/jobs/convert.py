@@ -75,7 +75,7 @@ def check_settings(settings: ConvertSettings) -> Normalization:
         if getattr(settings, name) < 1:
             raise ValueError(f"{name} must be at least 1, not {getattr(settings, name)}.")
     for name in ("transfer_steps", "recovery_steps", "warmup_steps", "teacher_tokens", "distill_weight",
-                 "next_token_weight"):
+                 "next_token_weight", "teacher_top_k"):
         if getattr(settings, name) < 0:
             raise ValueError(f"{name} must be >= 0, not {getattr(settings, name)}.")
     if not settings.budget > 0:
@@ -91,6 +91,8 @@ def check_settings(settings: ConvertSettings) -> Normalization:
     if settings.non_attention_lr_scale <= 0:
         raise ValueError(f"non_attention_lr_scale must be > 0, not {settings.non_attention_lr_scale} (freeze "
                          "those weights with --recovery-trainable attention instead).")
+    if settings.teacher_top_k and settings.distill_weight == 0:
+        raise ValueError("--teacher-top-k caches the teacher for the KL, and --distill-weight 0 has no KL: drop either.")
     if settings.recovery != "none" and settings.next_token_weight == 0 and settings.distill_weight == 0:
         raise ValueError("Recovery with next_token_weight 0 and distill_weight 0 has no loss: raise either.")
     for name in settings.domains():

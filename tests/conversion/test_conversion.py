@@ -407,3 +407,22 @@ def test_a_non_finite_gradient_stops_the_conversion_with_an_error_and_saves_no_m
     with pytest.raises(NonFiniteGradientError, match=rf"step 1 \(of 4\).*lower {flag}"):
         run_convert(_settings(tiny_lm_dir, texts, out))
     assert not (out / RESULT_FILE).exists() and not (out / stage / "model").exists()
+
+
+def test_a_conversion_with_the_teachers_top_k_cache_records_it_and_reads_it_back(tiny_lm_dir, texts, tmp_path,
+                                                                                  monkeypatch):
+    from hf_knorm.conversion import teacher_logits
+
+    monkeypatch.setenv("HF_KNORM_CACHE", str(tmp_path / "cache"))
+    run_convert(_settings(tiny_lm_dir, texts, tmp_path / "first", teacher_top_k=16))
+    record = json.loads((tmp_path / "first" / RESULT_FILE).read_text())["stages"]["recovery"]["teacher_top_k"]
+    assert record["k"] == 16 and record["positions"] > 0
+    assert len(list((tmp_path / "cache" / "teacher_logits").glob("*.pt"))) == 1
+
+    def no_compute(*args, **kwargs):
+        raise AssertionError("computed again")
+
+    monkeypatch.setattr(teacher_logits, "_compute", no_compute)  # the same teacher and data: read from the cache
+    run_convert(_settings(tiny_lm_dir, texts, tmp_path / "second", teacher_top_k=16, seed=1))
+    with pytest.raises(ValueError, match="--distill-weight 0 has no KL"):
+        run_convert(_settings(tiny_lm_dir, texts, tmp_path / "third", teacher_top_k=16, distill_weight=0.0))
