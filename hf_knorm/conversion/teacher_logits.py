@@ -42,7 +42,7 @@ class TeacherTopK:
 
     Attributes:
         log_probs: ``(T, k)`` float32, each row's ``k`` largest log-probabilities, largest first.
-        indices: ``(T, k)`` int64, their token ids.
+        indices: ``(T, k)`` int32, their token ids.
         rest: ``(T,)`` float32, the log of the probability of every other token.
         rows: an example's key (:func:`example_key`) -> ``(first row, number of rows)``.
     """
@@ -78,7 +78,7 @@ class TeacherTopK:
                                "computed before the recovery; the cache and the training data disagree.")
             first, count = self.rows[key]
             log_probs[row, real] = self.log_probs[first:first + count]
-            indices[row, real] = self.indices[first:first + count]
+            indices[row, real] = self.indices[first:first + count].long()
             rest[row, real] = self.rest[first:first + count]
         device = input_ids.device
         return log_probs.to(device), indices.to(device), rest.to(device)
@@ -172,7 +172,8 @@ def _compute(teacher, sequences: list[torch.Tensor], k: int, progress: bool) -> 
             rest = log_probs.scatter(-1, indices, float("-inf")).logsumexp(-1)
             for row, (key, ids) in enumerate(chunk):
                 count = len(ids)
-                parts.append((values[row, :count].cpu(), indices[row, :count].cpu(), rest[row, :count].cpu()))
+                parts.append((values[row, :count].cpu(), indices[row, :count].to("cpu", torch.int32),
+                              rest[row, :count].cpu()))
                 rows[key] = (first, count)
                 first += count
                 bar.update(count)

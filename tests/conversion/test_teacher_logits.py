@@ -84,7 +84,7 @@ def test_the_cache_holds_each_examples_own_top_k_and_is_read_back(monkeypatch):
             values, indices, rest = _top_k(teacher(real[None]).logits, 8)
         first, count = cache.rows[example_key(real)]
         torch.testing.assert_close(cache.log_probs[first:first + count], values[0], rtol=1e-5, atol=1e-5)
-        assert torch.equal(cache.indices[first:first + count], indices[0])
+        assert torch.equal(cache.indices[first:first + count].long(), indices[0])
         torch.testing.assert_close(cache.rest[first:first + count], rest[0], rtol=1e-5, atol=1e-5)
 
     def no_compute(*args, **kwargs):
@@ -108,7 +108,7 @@ def test_a_batch_gets_each_examples_rows_at_its_real_positions_and_an_unknown_ex
     assert log_probs.shape == (3, 12, 8) and rest.shape == (3, 12)
     first, count = cache.rows[example_key(ids[0, :5])]
     assert torch.equal(log_probs[0, :5], cache.log_probs[first:first + count]) and (log_probs[0, 5:] == 0).all()
-    assert torch.equal(indices[2, :3], cache.indices[cache.rows[example_key(ids[2, :3])][0]:][:3])
+    assert torch.equal(indices[2, :3], cache.indices[cache.rows[example_key(ids[2, :3])][0]:][:3].long())
     left = cache.batch(torch.tensor([[0, 0, 0, 100, 3, 4]]), torch.tensor([[0, 0, 0, 1, 1, 1]]))  # left-padded
     assert torch.equal(left[0][0, 3:], log_probs[2, :3]) and (left[0][0, :3] == 0).all()
     with pytest.raises(KeyError, match="example 0 of this batch"):
