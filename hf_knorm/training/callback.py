@@ -48,7 +48,6 @@ import math
 import warnings
 
 import torch
-import torch.distributed as dist
 import transformers
 from transformers import TrainerCallback
 from transformers.utils import logging
@@ -56,6 +55,7 @@ from transformers.utils import logging
 from ..compat import run_callback_first
 from ..models.architectures import attention_modules
 from ..models.patching import patch, patched_normalization, unpatch
+from .finite_gradients import finite_on_every_process
 from .history import HISTORY_FILE, NormHistory
 from ..recording.per_step import STATISTICS, StepNormRecorder
 
@@ -244,11 +244,7 @@ class NormLoggerCallback(TrainerCallback):
         self._loss_finite = None
         if finite is None:
             return
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            flag = finite.to(torch.int32).reshape(1)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            finite = flag[0]
-        if not bool(finite):
+        if not finite_on_every_process(finite):
             self.stopped_at_step = state.global_step
             control.should_training_stop = True
             if state.is_world_process_zero:

@@ -15,6 +15,7 @@ all-reduce of a flag, so all of them stop at the same step instead of some waiti
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import transformers
 
 
@@ -37,11 +38,15 @@ class StopOnNonFiniteGradient(transformers.TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if model is None:
             return
-        bad = [name for name, parameter in model.named_parameters()
-               if parameter.grad is not None and not torch.isfinite(_local(parameter.grad)).all()]
-        if not _any_process(bool(bad), model):
+        grads = [(name, _local(parameter.grad)) for name, parameter in model.named_parameters()
+                 if parameter.grad is not None]
+        device = grads[0][1].device if grads else torch.device("cpu")
+        finite = (torch.stack([torch.isfinite(grad).all().to(device) for _, grad in grads]).all() if grads
+                  else torch.ones((), dtype=torch.bool, device=device))  # on the device: one host sync below
+        if finite_on_every_process(finite):
             return
-        where = (f"{len(bad)} of this process's parameter tensors, first {bad[0]}" if bad
+        bad = [name for name, grad in grads if not torch.isfinite(grad).all()]
+        where = (f"{len(bad)} of this process's {len(grads)} gradient tensors, first {bad[0]}" if bad
                  else "on another process")
         raise NonFiniteGradientError(
             f"Training step {state.global_step + 1} (of {state.max_steps}): the gradient is not finite ({where}). "
@@ -49,19 +54,16 @@ class StopOnNonFiniteGradient(transformers.TrainerCallback):
             f"they were saved. To go on: {self.advice}.")
 
 
+def finite_on_every_process(finite: torch.Tensor) -> bool:
+    """Whether a flag computed on the device (a 0-d bool tensor) holds on every process: one all-reduce (``MIN``)
+    when several processes train, then one host synchronization."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = finite.to(torch.int32).reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        finite = flag[0]
+    return bool(finite)
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This process's part of a (possibly distributed, FSDP2) tensor."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _any_process(flag: bool, model: torch.nn.Module) -> bool:
-    """Whether ``flag`` holds on any process (one all-reduce when several processes train)."""
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if not distributed or torch.distributed.get_world_size() == 1:
-        return flag
-    device = next(model.parameters()).device
-    if torch.distributed.get_backend() == "gloo":
-        device = torch.device("cpu")
-    total = torch.tensor([float(flag)], device=device)
-    torch.distributed.all_reduce(total)
-    return bool(total.item() > 0)
