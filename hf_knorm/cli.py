@@ -246,13 +246,14 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "convert",
-        help="convert a pretrained softmax causal LM to a normalization: attention transfer, then full or LoRA recovery",
+        help="convert a pretrained softmax causal LM to a normalization: attention transfer, then LoRA or full recovery",
         description="Convert the model (default: SmolLM2-135M-Instruct) to --normalization in two stages, each a "
         "Trainer run with NormLoggerCallback and held-out perplexity at its start and every --eval-steps: (1) "
         "attention transfer (LoLCATs, arXiv 2410.10254): each patched attention layer trains its q/k projections to "
         "reproduce the original attention's output on the original layer inputs, after a closed-form per-head scale; "
-        "(2) recovery: next-token training of the whole model or through LoRA adapters (merged before saving), "
-        "distilled from the original (--distill-weight; 0: none). Trains on the general mixture by default (the "
+        "(2) recovery: next-token training through LoRA adapters on the attention, the MLPs frozen (merged before "
+        "saving; the default), or of the whole model (--recovery full), distilled from the original's cached top-256 "
+        "next tokens (--distill-weight; 0: none). Trains on the general mixture by default (the "
         "original model's own samples, drawn once and cached, and essays), or on --dataset in any format finetune "
         "takes; measured on four held-out domains (the "
         "worst is the headline) and an ability probe of 40 greedy answers against the original's. --out ends with "

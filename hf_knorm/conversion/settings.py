@@ -24,8 +24,14 @@ RECOVERY_LEARNING_RATES = {1: 1e-3}
 linear ones were measured at the full budget at 1e-3 only, and trained stably there (BENCHMARKS.md, 'Per
 normalization')."""
 DEFAULT_RECOVERY_LEARNING_RATE = 5e-4
-"""The cubic ones': three x^3/16 runs over seeds and thread counts within 0.94-1.13x of their median, where 1e-3 moved
-them by 2.6x (BENCHMARKS.md, 'Spread')."""
+"""The cubic ones' in full recovery: three x^3/16 runs over seeds and thread counts within 0.94-1.13x of their median,
+where 1e-3 moved them by 2.6x (BENCHMARKS.md, 'Spread')."""
+LORA_RECOVERY_LEARNING_RATE = 1e-3
+"""LoRA recovery's default rate, any normalization: the default conversion's, measured over three seeds
+(BENCHMARKS.md, 'LoRA recovery')."""
+DEFAULT_TEACHER_TOP_K = 256
+"""The recovery's KL against the teacher's 256 most likely tokens (95% of its mass on the default model), cached once
+(:mod:`.teacher_logits`): the default conversion's, measured over three seeds (BENCHMARKS.md, 'LoRA recovery')."""
 
 
 @dataclass
@@ -85,26 +91,29 @@ class ConvertSettings:
     scale_fold: str = field(default="scores", metadata={
         "help": "where the closed-form head scales go: scores (q/k rows; o_proj keeps its size, so AdamW steps stay "
                 "in proportion) | output (o_proj columns)", "choices": SCALE_FOLDS})
-    recovery: str = field(default="full", metadata={
-        "help": "recovery: full (every weight) | lora (adapters on q/k/v/o, merged before saving; cheaper per step, "
-                "slower to recover: BENCHMARKS.md) | none", "choices": RECOVERY_MODES})
+    recovery: str = field(default="lora", metadata={
+        "help": "recovery: lora (rank --lora-rank adapters on q/k/v/o, the MLPs and embeddings frozen, merged before "
+                "saving: with the softmax window it keeps the original's answers best, 80%% of the probe against "
+                "62.5%% in full; BENCHMARKS.md, 'LoRA recovery') | full (every weight, --recovery-trainable) | none",
+        "choices": RECOVERY_MODES})
     recovery_steps: int = field(default=150, metadata={"help": "recovery steps at --budget 1"})
     budget: float = field(default=1.0, metadata={
         "help": "the recovery's length as a multiple of its steps (recovery_steps), to trade time for quality: 1 is "
                 "the default conversion (150 steps, 35-43 min on 2 cores), 2 runs 300 steps (1.55x the time) and "
                 "brought the worst held-out domain from 12.9x to 9.7x the original (BENCHMARKS.md, 'Budget')"})
     recovery_learning_rate: float | None = field(default=None, metadata={
-        "help": "recovery learning rate; default by the normalization's power: 1e-3 for the linear ones (x/c, "
-                "x/sqrtN; x/1 measured stable at the full budget), 5e-4 for the others (1e-3 moved x^3/16 by 2.6x "
-                "between runs; BENCHMARKS.md, 'Spread')"})
+        "help": "recovery learning rate; default 1e-3 for LoRA; in full recovery by the normalization's power: 1e-3 "
+                "for the linear ones (x/c, x/sqrtN; x/1 measured stable at the full budget), 5e-4 for the others "
+                "(1e-3 moved x^3/16 by 2.6x between runs; BENCHMARKS.md, 'Spread')"})
     lora_rank: int = field(default=8, metadata={"help": "LoRA rank (q, k, v, o projections)"})
     distill_weight: float = field(default=1.0, metadata={
         "help": "weight of the KL divergence to the original model's next-token distribution in recovery (0: the "
                 "next-token loss alone: steps 1.5x faster without the teacher, a worse model: BENCHMARKS.md)"})
-    teacher_top_k: int = field(default=0, metadata={
+    teacher_top_k: int | None = field(default=None, metadata={
         "help": "K > 0: the recovery's KL against the original model's K most likely next tokens per position plus one "
                 "bucket for the rest, computed once before the recovery and cached (no teacher forward per step; "
-                "hf_knorm.conversion.teacher_logits); 0: the full teacher at every step"})
+                "hf_knorm.conversion.teacher_logits); 0: the full teacher at every step; default 256 when the "
+                "recovery distils (--distill-weight > 0), else 0"})
     next_token_weight: float = field(default=1.0, metadata={
         "help": "weight of the next-token loss in recovery (0: the KL to the original model alone)"})
     recovery_trainable: str = field(default="all", metadata={
@@ -146,11 +155,15 @@ class ConvertSettings:
         return with_window(parse_normalization(self.normalization), self.softmax_window)
 
     def resolved(self, target: Normalization) -> ConvertSettings:
-        """These settings with the defaults that depend on the normalization (``target``) filled in: the recovery
-        rate."""
-        if self.recovery_learning_rate is not None:
-            return self
-        return replace(self, recovery_learning_rate=default_recovery_learning_rate(target))
+        """These settings with the defaults that depend on others filled in: the recovery rate (on the recovery and
+        the normalization, ``target``) and the teacher's top k (on whether the recovery distils)."""
+        rate = self.recovery_learning_rate
+        if rate is None:
+            rate = default_recovery_learning_rate(target, self.recovery)
+        top_k = self.teacher_top_k
+        if top_k is None:
+            top_k = DEFAULT_TEACHER_TOP_K if self.distill_weight > 0 and self.recovery != "none" else 0
+        return replace(self, recovery_learning_rate=rate, teacher_top_k=top_k)
 
     def scheduled_recovery_steps(self) -> int:
         """The recovery's steps: ``recovery_steps`` times ``budget``, rounded."""
@@ -173,6 +186,9 @@ class ConvertSettings:
         return [name for name in names if name and name != "none"]
 
 
-def default_recovery_learning_rate(normalization: Normalization) -> float:
-    """The recovery's default learning rate for ``normalization`` (by its power: ``RECOVERY_LEARNING_RATES``)."""
+def default_recovery_learning_rate(normalization: Normalization, recovery: str = "lora") -> float:
+    """The recovery's default learning rate: ``LORA_RECOVERY_LEARNING_RATE`` for LoRA, else by ``normalization``'s
+    power (``RECOVERY_LEARNING_RATES``)."""
+    if recovery == "lora":
+        return LORA_RECOVERY_LEARNING_RATE
     return RECOVERY_LEARNING_RATES.get(normalization.power, DEFAULT_RECOVERY_LEARNING_RATE)

@@ -141,11 +141,13 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
 
 def _teacher_top_k(teacher, train, k: int):
     """``(the teacher's top-k of every training example, what it cost)``: read from the cache or computed on the main
-    process first (the others then read its cache)."""
+    process first (the others then read its cache). ``k`` is at most the vocabulary size - 1, already the exact KL
+    (the default 256 on a model of fewer tokens)."""
     from accelerate import PartialState
 
     from .teacher_logits import teacher_top_k
 
+    k = min(k, teacher.get_output_embeddings().weight.shape[0] - 1)
     started = time.perf_counter()
     with PartialState().main_process_first():
         cache = teacher_top_k(teacher, train, k)

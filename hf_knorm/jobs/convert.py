@@ -14,9 +14,10 @@ the input is checked before the model is loaded):
    matched in closed form, then the chosen attention projections train to reproduce the original attention output
    layer by layer; a Trainer run with :class:`~hf_knorm.NormLoggerCallback` and held-out evaluation. The
    transferred model is saved in ``out/transfer/model``, with the transfer error per layer and position;
-5. **recovery** (``out/recovery``): next-token training of the whole model or through LoRA adapters on q/k/v/o
-   (peft), distilled from the original model (``distill_weight``; 0 turns it off); LoRA adapters are merged before
-   saving; ``x^p/c`` with a constant ``c`` is trained in both stages as its twin ``x^p/1`` and the constant folded
+5. **recovery** (``out/recovery``): next-token training through LoRA adapters on q/k/v/o (peft; the default, the
+   MLPs and embeddings frozen) or of the whole model (``recovery="full"``), distilled from the original model
+   (``distill_weight``; 0 turns it off; by default against its top 256 tokens, computed once and cached:
+   ``teacher_top_k``); LoRA adapters are merged before saving; ``x^p/c`` with a constant ``c`` is trained in both stages as its twin ``x^p/1`` and the constant folded
    into the queries at the end (:mod:`.twin`: the same function; ``fold_constant=False`` trains ``x^p/c`` itself);
 6. ``out`` ends with the converted model (an ordinary hf_knorm checkpoint: ``hf_knorm.from_pretrained(out)``), its
    tokenizer, its model card with the held-out perplexities, ``norms.png`` and ``convert.json`` (settings,
@@ -76,7 +77,7 @@ def check_settings(settings: ConvertSettings) -> Normalization:
             raise ValueError(f"{name} must be at least 1, not {getattr(settings, name)}.")
     for name in ("transfer_steps", "recovery_steps", "warmup_steps", "teacher_tokens", "distill_weight",
                  "next_token_weight", "teacher_top_k"):
-        if getattr(settings, name) < 0:
+        if (getattr(settings, name) or 0) < 0:  # teacher_top_k None: its default
             raise ValueError(f"{name} must be >= 0, not {getattr(settings, name)}.")
     if not settings.budget > 0:
         raise ValueError(f"budget must be > 0 (a multiple of --recovery-steps), not {settings.budget}; "

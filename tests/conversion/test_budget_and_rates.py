@@ -14,7 +14,8 @@ from training_helpers import save_tiny_lm  # noqa: E402
 
 from hf_knorm.assets.texts import SAMPLE_TEXT  # noqa: E402
 from hf_knorm.jobs.convert import RESULT_FILE, check_settings, run_convert  # noqa: E402
-from hf_knorm.conversion.settings import ConvertSettings, default_recovery_learning_rate  # noqa: E402
+from hf_knorm.conversion.settings import (  # noqa: E402
+    DEFAULT_TEACHER_TOP_K, LORA_RECOVERY_LEARNING_RATE, ConvertSettings, default_recovery_learning_rate)
 from hf_knorm.conversion.state import write_state  # noqa: E402
 from hf_knorm.runs.run_folder import settings_record  # noqa: E402
 
@@ -23,13 +24,24 @@ from hf_knorm.runs.run_folder import settings_record  # noqa: E402
     ("x/1", 1e-3), ("x/16", 1e-3), ("x/sqrtN", 1e-3), ("x^3/1", 5e-4), ("x^3/16", 5e-4), ("x^3/sqrtN", 5e-4),
     ("x^2/4", 5e-4),
 ])
-def test_the_recovery_rate_defaults_by_the_normalizations_power(normalization, rate):
-    settings = ConvertSettings(normalization=normalization)
+def test_full_recoverys_rate_defaults_by_the_normalizations_power_and_loras_is_one_rate(normalization, rate):
+    settings = ConvertSettings(normalization=normalization, recovery="full")
     target = settings.target()  # the spelling parsed once, with the default window
-    assert target.window == 64 and default_recovery_learning_rate(target) == rate
+    assert target.window == 64 and default_recovery_learning_rate(target, "full") == rate
     assert settings.recovery_learning_rate is None and settings.resolved(target).recovery_learning_rate == rate
-    given = ConvertSettings(normalization=normalization, recovery_learning_rate=2e-4)
+    given = ConvertSettings(normalization=normalization, recovery="full", recovery_learning_rate=2e-4)
     assert given.resolved(given.target()).recovery_learning_rate == 2e-4  # a rate given is kept
+    lora = ConvertSettings(normalization=normalization)  # the default recovery
+    assert lora.recovery == "lora" and lora.resolved(target).recovery_learning_rate == LORA_RECOVERY_LEARNING_RATE
+
+
+@pytest.mark.parametrize(("overrides", "top_k"), [
+    ({}, DEFAULT_TEACHER_TOP_K), ({"recovery": "full"}, DEFAULT_TEACHER_TOP_K), ({"distill_weight": 0.0}, 0),
+    ({"recovery": "none"}, 0), ({"teacher_top_k": 0}, 0), ({"teacher_top_k": 64}, 64),
+])
+def test_the_teachers_top_k_defaults_on_where_the_recovery_distils(overrides, top_k):
+    settings = ConvertSettings(**overrides)
+    assert settings.resolved(settings.target()).teacher_top_k == top_k
 
 
 @pytest.mark.parametrize(("steps", "budget", "scheduled"), [(150, 1.0, 150), (150, 2.0, 300), (150, 0.5, 75),

@@ -30,9 +30,10 @@ class DemoSettings:
         "help": "step 3: the eviction score shown beside the paper's key_norm (kv_diff is the recommended one, "
                 "BENCHMARKS.md 'Eviction scores')"})
     train_normalization: str = field(default="x^3/16", metadata={
-        "help": "step 4: the normalization the model is converted to (attention transfer, then full recovery)"})
+        "help": "step 4: the normalization the model is converted to (attention transfer, then hf-knorm convert's "
+                "default recovery: LoRA on the attention)"})
     transfer_steps: int = field(default=10, metadata={"help": "step 4: attention-transfer steps"})
-    recovery_steps: int = field(default=50, metadata={"help": "step 4: recovery steps (full fine-tuning)"})
+    recovery_steps: int = field(default=50, metadata={"help": "step 4: recovery steps"})
     train_block_size: int = field(default=128, metadata={"help": "step 4: tokens per example"})
     train_batch_size: int = field(default=4, metadata={"help": "step 4: examples per step"})
     teacher_tokens: int = field(default=8192, metadata={
@@ -84,6 +85,7 @@ class DemoSettings:
             recovery_steps=self.recovery_steps, block_size=self.train_block_size, batch_size=self.train_batch_size,
             teacher_tokens=self.teacher_tokens, eval_tokens=self.eval_tokens, eval_steps=self.eval_steps,
             logging_steps=self.logging_steps, probe=self.probe,
+            teacher_top_k=0,  # a few steps: the teacher's forward at each is cheaper than its top k over every example
             warmup_steps=min(10, self.transfer_steps // 2), save_steps=max(self.transfer_steps, self.recovery_steps) + 1)
 
     def as_dict(self) -> dict:
