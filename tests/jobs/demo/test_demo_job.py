@@ -39,7 +39,7 @@ def test_every_step_ran_and_recorded_its_results(fast_demo):
     assert conversion["normalization"] == "x^3/16 + softmax window 16"  # convert's window, shrunk with the blocks
     assert len(conversion["stages"]["transfer"]["window_mix"]) == 30  # solved for every layer, saved
     transfer, recovery = conversion["stages"]["transfer"], conversion["stages"]["recovery"]
-    assert transfer["steps"] == 4 and recovery["steps"] == 4 and recovery["mode"] == "full"
+    assert transfer["steps"] == 4 and recovery["steps"] == 4 and recovery["mode"] == "lora"
     assert [point[0] for point in recovery["curve"]] == [0, 2, 4]  # held-out perplexity at 0 and every 2 steps
     evaluation = conversion["evaluation"]
     assert evaluation["tokens"] == 128 and list(evaluation["domains"]) == ["essays", "plays", "technical", "conversation"]
