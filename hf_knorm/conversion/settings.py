@@ -31,7 +31,8 @@ LORA_RECOVERY_LEARNING_RATE = 1e-3
 (BENCHMARKS.md, 'LoRA recovery')."""
 DEFAULT_TEACHER_TOP_K = 256
 """The recovery's KL against the teacher's 256 most likely tokens (95% of its mass on the default model), cached once
-(:mod:`.teacher_logits`): the default conversion's, measured over three seeds (BENCHMARKS.md, 'LoRA recovery')."""
+(:mod:`.teacher_logits`): the default conversion's, measured over three seeds (BENCHMARKS.md, 'LoRA recovery'), where
+the recovery reads most of the training set (:func:`default_teacher_top_k`)."""
 
 
 @dataclass
@@ -100,9 +101,9 @@ class ConvertSettings:
     recovery_steps: int = field(default=150, metadata={"help": "recovery steps at --budget 1"})
     budget: float = field(default=1.0, metadata={
         "help": "the recovery's length as a multiple of its steps (recovery_steps), to trade time for quality: 1 is "
-                "the default conversion (150 steps; its time in BENCHMARKS.md, 'LoRA recovery'), 2 runs 300 steps: on the "
-                "pure x^3/16 in full recovery, 1.55x the time, the worst held-out domain from 12.9x to 9.7x the "
-                "original (BENCHMARKS.md, 'Budget')"})
+                "the default conversion (150 steps; its time in BENCHMARKS.md, 'LoRA recovery'), 2 runs 300 steps: "
+                "on the pure x^3/16 in full recovery, 1.55x the time, the worst held-out domain from 12.9x to 9.7x "
+                "the original (BENCHMARKS.md, 'Budget')"})
     recovery_learning_rate: float | None = field(default=None, metadata={
         "help": "recovery learning rate; default 1e-3 for LoRA; in full recovery by the normalization's power: 1e-3 "
                 "for the linear ones (x/c, x/sqrtN; x/1 measured stable at the full budget), 5e-4 for the others "
@@ -114,8 +115,9 @@ class ConvertSettings:
     teacher_top_k: int | None = field(default=None, metadata={
         "help": "K > 0: the recovery's KL against the original model's K most likely next tokens per position plus one "
                 "bucket for the rest, computed once before the recovery and cached (no teacher forward per step; "
-                "hf_knorm.conversion.teacher_logits); 0: the full teacher at every step; default 256 when the "
-                "recovery distils (--distill-weight > 0), else 0"})
+                "hf_knorm.conversion.teacher_logits); 0: the full teacher at every step; default: 256 where the "
+                "recovery distils and draws at least half the training examples (the default conversion: 600 of "
+                "about 760), else 0 (a short run: the cache would cost more teacher forwards than it saves)"})
     next_token_weight: float = field(default=1.0, metadata={
         "help": "weight of the next-token loss in recovery (0: the KL to the original model alone)"})
     recovery_trainable: str = field(default="all", metadata={
@@ -158,13 +160,14 @@ class ConvertSettings:
 
     def resolved(self, target: Normalization) -> ConvertSettings:
         """These settings with the defaults that depend on others filled in: the recovery rate (on the recovery and
-        the normalization, ``target``) and the teacher's top k (on whether the recovery distils)."""
+        the normalization, ``target``) and the teacher's top k where the recovery does not distil (0; where it does,
+        ``None`` stays until the recovery knows its training set: :func:`default_teacher_top_k`)."""
         rate = self.recovery_learning_rate
         if rate is None:
             rate = default_recovery_learning_rate(target, self.recovery)
         top_k = self.teacher_top_k
-        if top_k is None:
-            top_k = DEFAULT_TEACHER_TOP_K if self.distill_weight > 0 and self.recovery != "none" else 0
+        if top_k is None and (self.distill_weight == 0 or self.recovery == "none"):
+            top_k = 0
         return replace(self, recovery_learning_rate=rate, teacher_top_k=top_k)
 
     def scheduled_recovery_steps(self) -> int:
@@ -194,3 +197,11 @@ def default_recovery_learning_rate(normalization: Normalization, recovery: str =
     if recovery == "lora":
         return LORA_RECOVERY_LEARNING_RATE
     return RECOVERY_LEARNING_RATES.get(normalization.power, DEFAULT_RECOVERY_LEARNING_RATE)
+
+
+def default_teacher_top_k(drawn: int, examples: int) -> int:
+    """The teacher's top k a distilled recovery uses when none is given: ``DEFAULT_TEACHER_TOP_K`` where the recovery
+    draws at least half of the training set's ``examples`` (``drawn``: steps x batch x accumulation x processes), so
+    the cache costs at most twice the teacher forwards it saves in this run and none in the next; else 0 (the
+    teacher's forward at each step: a few steps of a short run read a few examples)."""
+    return DEFAULT_TEACHER_TOP_K if 2 * drawn >= examples else 0

@@ -25,7 +25,7 @@ from ..runs.run_folder import is_main_process
 from ..training.callback import NormLoggerCallback
 from ..training.finite_gradients import StopOnNonFiniteGradient
 from ..data.heldout import mean_example_tokens, perplexity_curve
-from .settings import ConvertSettings
+from .settings import ConvertSettings, default_teacher_top_k
 from .state import write_state
 from .trainers import DistillationTrainer, TransferTrainer
 from .transfer import AttentionTransfer
@@ -112,9 +112,15 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
                           target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    top_k = None
-    if settings.teacher_top_k and teacher is not None:  # the teacher's top k once, then no teacher forward per step
-        top_k, record["teacher_top_k"] = _teacher_top_k(teacher, train, settings.teacher_top_k)
+    top_k, k = None, settings.teacher_top_k
+    if k is None:  # the default: on where the recovery reads most of the training set
+        from accelerate import PartialState
+
+        drawn = (settings.scheduled_recovery_steps() * settings.batch_size * settings.gradient_accumulation_steps
+                 * PartialState().num_processes)
+        k = default_teacher_top_k(drawn, len(train))
+    if k and teacher is not None:  # the teacher's top k once, then no teacher forward per step
+        top_k, record["teacher_top_k"] = _teacher_top_k(teacher, train, k)
         teacher = None
     model.train()
     checkpoint = get_last_checkpoint(str(folder)) if folder.is_dir() else None

@@ -16,9 +16,10 @@ the input is checked before the model is loaded):
    transferred model is saved in ``out/transfer/model``, with the transfer error per layer and position;
 5. **recovery** (``out/recovery``): next-token training through LoRA adapters on q/k/v/o (peft; the default, the
    MLPs and embeddings frozen) or of the whole model (``recovery="full"``), distilled from the original model
-   (``distill_weight``; 0 turns it off; by default against its top 256 tokens, computed once and cached:
-   ``teacher_top_k``); LoRA adapters are merged before saving; ``x^p/c`` with a constant ``c`` is trained in both stages as its twin ``x^p/1`` and the constant folded
-   into the queries at the end (:mod:`.twin`: the same function; ``fold_constant=False`` trains ``x^p/c`` itself);
+   (``distill_weight``; 0 turns it off; by default against its top 256 tokens, computed once and cached, where
+   the recovery reads at least half the training set: ``teacher_top_k``); LoRA adapters are merged before saving;
+   ``x^p/c`` with a constant ``c`` is trained in both stages as its twin ``x^p/1`` and the constant folded into the
+   queries at the end (:mod:`.twin`: the same function; ``fold_constant=False`` trains ``x^p/c`` itself);
 6. ``out`` ends with the converted model (an ordinary hf_knorm checkpoint: ``hf_knorm.from_pretrained(out)``), its
    tokenizer, its model card with the held-out perplexities, ``norms.png`` and ``convert.json`` (settings,
    each stage's curve, tokens, trainable parameters, throughput). ``convert.json`` is written last: its presence

@@ -15,7 +15,8 @@ from training_helpers import save_tiny_lm  # noqa: E402
 from hf_knorm.assets.texts import SAMPLE_TEXT  # noqa: E402
 from hf_knorm.jobs.convert import RESULT_FILE, check_settings, run_convert  # noqa: E402
 from hf_knorm.conversion.settings import (  # noqa: E402
-    DEFAULT_TEACHER_TOP_K, LORA_RECOVERY_LEARNING_RATE, ConvertSettings, default_recovery_learning_rate)
+    DEFAULT_TEACHER_TOP_K, LORA_RECOVERY_LEARNING_RATE, ConvertSettings, default_recovery_learning_rate,
+    default_teacher_top_k)
 from hf_knorm.conversion.state import write_state  # noqa: E402
 from hf_knorm.runs.run_folder import settings_record  # noqa: E402
 
@@ -36,12 +37,23 @@ def test_full_recoverys_rate_defaults_by_the_normalizations_power_and_loras_is_o
 
 
 @pytest.mark.parametrize(("overrides", "top_k"), [
-    ({}, DEFAULT_TEACHER_TOP_K), ({"recovery": "full"}, DEFAULT_TEACHER_TOP_K), ({"distill_weight": 0.0}, 0),
+    ({}, None), ({"recovery": "full"}, None), ({"distill_weight": 0.0}, 0),
     ({"recovery": "none"}, 0), ({"teacher_top_k": 0}, 0), ({"teacher_top_k": 64}, 64),
 ])
-def test_the_teachers_top_k_defaults_on_where_the_recovery_distils(overrides, top_k):
+def test_the_teachers_top_k_is_off_where_the_recovery_does_not_distil_and_left_to_the_recovery_elsewhere(
+        overrides, top_k):
     settings = ConvertSettings(**overrides)
     assert settings.resolved(settings.target()).teacher_top_k == top_k
+
+
+@pytest.mark.parametrize(("drawn", "examples", "top_k"), [
+    (600, 764, DEFAULT_TEACHER_TOP_K),  # the default conversion: 150 steps of 4 on the general mixture
+    (382, 764, DEFAULT_TEACHER_TOP_K), (381, 764, 0),  # half the training set, and one example fewer
+    (200, 940, 0),  # make demo's short conversion: 50 steps of 4 on its 940 blocks
+    (8, 30, 0),  # a test's few steps
+])
+def test_the_default_top_k_is_on_where_the_recovery_draws_half_the_training_set(drawn, examples, top_k):
+    assert default_teacher_top_k(drawn, examples) == top_k
 
 
 @pytest.mark.parametrize(("steps", "budget", "scheduled"), [(150, 1.0, 150), (150, 2.0, 300), (150, 0.5, 75),

@@ -85,7 +85,6 @@ class DemoSettings:
             recovery_steps=self.recovery_steps, block_size=self.train_block_size, batch_size=self.train_batch_size,
             teacher_tokens=self.teacher_tokens, eval_tokens=self.eval_tokens, eval_steps=self.eval_steps,
             logging_steps=self.logging_steps, probe=self.probe,
-            teacher_top_k=0,  # a few steps: the teacher's forward at each is cheaper than its top k over every example
             warmup_steps=min(10, self.transfer_steps // 2), save_steps=max(self.transfer_steps, self.recovery_steps) + 1)
 
     def as_dict(self) -> dict:
