@@ -174,6 +174,10 @@ class ConvertSettings:
         """The recovery's steps: ``recovery_steps`` times ``budget``, rounded."""
         return round(self.recovery_steps * self.budget)
 
+    def examples_drawn(self, steps: int, processes: int) -> int:
+        """The training examples ``steps`` optimizer steps draw: steps x batch x accumulation x processes."""
+        return steps * self.batch_size * self.gradient_accumulation_steps * processes
+
     def domains(self) -> list[str]:
         """``eval_domains`` as a list of names."""
         names = [self.eval_domains] if isinstance(self.eval_domains, str) else list(self.eval_domains)

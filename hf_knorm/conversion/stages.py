@@ -116,8 +116,7 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
     if k is None:  # the default: on where the recovery reads most of the training set
         from accelerate import PartialState
 
-        drawn = (settings.scheduled_recovery_steps() * settings.batch_size * settings.gradient_accumulation_steps
-                 * PartialState().num_processes)
+        drawn = settings.examples_drawn(settings.scheduled_recovery_steps(), PartialState().num_processes)
         k = default_teacher_top_k(drawn, len(train))
     if k and teacher is not None:  # the teacher's top k once, then no teacher forward per step
         top_k, record["teacher_top_k"] = _teacher_top_k(teacher, train, k)

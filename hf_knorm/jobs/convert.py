@@ -290,8 +290,8 @@ def _general_training_data(model, tokenizer, model_dir: Path, settings: ConvertS
     from ..data.text_data import pack_dataset, sequence_dataset
     from ..conversion.mixture import general_mixture, teacher_tokens_for
 
-    examples = ((settings.transfer_steps + (settings.scheduled_recovery_steps() if settings.recovery != "none" else 0))
-                * settings.batch_size * settings.gradient_accumulation_steps * processes)  # what both stages draw
+    steps = settings.transfer_steps + (settings.scheduled_recovery_steps() if settings.recovery != "none" else 0)
+    examples = settings.examples_drawn(steps, processes)  # what both stages draw
     tokens = teacher_tokens_for(settings.teacher_tokens, examples)
     texts, description = general_mixture(model, tokenizer, model_dir, tokens)  # one fixed sample
     packed = texts["essays"] + (texts["teacher_samples"] if settings.pack_teacher_samples else [])
