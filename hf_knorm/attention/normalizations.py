@@ -22,7 +22,11 @@ A polynomial normalization may carry a **softmax window** of ``W`` keys (``x^3/1
 ``with_window(parse_normalization("x^3/16"), 64)`` or ``hf_knorm.patch(model, "x^3/16", softmax_window=64)``): for
 query ``i``, the keys of the last ``W`` positions are weighted by softmax over them, older keys by ``x^p/c``
 (:mod:`.window` defines and computes it; LoLCATs arXiv 2410.10254, Liger arXiv 2503.01496). ``W = 0`` is the pure
-normalization, the same object. The spelling with the window is the normalization's name everywhere (config, card,
+normalization, the same object. The window may also keep the sequence's first ``S`` keys, the **attention sinks**
+(``x^3/16 + softmax window 64 + sinks 4``; ``with_window(..., 64, sinks=4)``, ``patch(..., attention_sinks=4)``):
+softmax weights them beside the window, and the polynomial part reads neither (StreamingLLM, Xiao et al., arXiv
+2309.17453: a model trained with softmax parks most of many heads' weight on its first tokens, and a window without
+them falls apart). The spelling with the window (and sinks) is the normalization's name everywhere (config, card,
 reports), and it parses back to the same object.
 """
 
@@ -39,7 +43,8 @@ ACCEPTED_FORMS = "softmax, x/1, x/16, x^3/1, x^3/16 (x³/16), x^3/sqrtN, or gene
 PAPER_NORMALIZATIONS = ("softmax", "x/1", "x/16", "x^3/1", "x^3/16", "x^3/sqrtN")
 
 _SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹", "0123456789")
-_WINDOW = re.compile(r"^(?P<base>.*?)\s*\+\s*softmax\s*window\s*(?P<window>\S*)\s*$", re.IGNORECASE)
+_WINDOW = re.compile(r"^(?P<base>.*?)\s*\+\s*softmax\s*window\s*(?P<window>\S*)"
+                     r"(?:\s*\+\s*sinks\s*(?P<sinks>\S*))?\s*$", re.IGNORECASE)
 _POLYNOMIAL = re.compile(r"^x(?:\^(?P<power>[+-]?\d+)|(?P<sup>[⁰¹²³⁴⁵⁶⁷⁸⁹]+))?/(?P<constant>sqrt\(?N\)?|[^/]+)$")
 
 
@@ -52,12 +57,15 @@ class Normalization:
         constant: the divisor ``c``; ``None`` for softmax and for the sqrtN rule.
         sqrt_n: divide each row by the square root of its number of attended keys.
         window: ``W``, the keys of the last ``W`` positions weighted by softmax (:mod:`.window`); 0 = none.
+        sinks: ``S``, the first ``S`` keys each query may attend, weighted by softmax with its window (attention
+            sinks); 0 = none, and 0 without a window.
     """
 
     power: int | None
     constant: float | None = None
     sqrt_n: bool = False
     window: int = 0
+    sinks: int = 0
 
     @property
     def is_softmax(self) -> bool:
@@ -66,16 +74,17 @@ class Normalization:
     @property
     def polynomial(self) -> Normalization:
         """The normalization without its softmax window (itself when it has none): what weights the older keys."""
-        return replace(self, window=0) if self.window else self
+        return replace(self, window=0, sinks=0) if self.window else self
 
     @property
     def name(self) -> str:
         """The canonical spelling, e.g. ``"x^3/16"``, ``"x/1"``, ``"x^3/sqrtN"``, ``"softmax"``,
-        ``"x^3/16 + softmax window 64"``."""
+        ``"x^3/16 + softmax window 64"``, ``"x^3/16 + softmax window 64 + sinks 4"``."""
         if self.is_softmax:
             return "softmax"
         if self.window:
-            return f"{self.polynomial.name} + softmax window {self.window}"
+            sinks = f" + sinks {self.sinks}" if self.sinks else ""
+            return f"{self.polynomial.name} + softmax window {self.window}{sinks}"
         base = "x" if self.power == 1 else f"x^{self.power}"
         if self.sqrt_n:
             return f"{base}/sqrtN"
@@ -139,7 +148,11 @@ def parse_normalization(spelling: str | Normalization) -> Normalization:
         if not window.isdigit():
             raise ValueError(f"Normalization {spelling!r}: the softmax window is a number of keys, an integer >= 0, "
                              f"got {window!r}. Spell it like 'x^3/16 + softmax window 64'.")
-        return with_window(parse_normalization(windowed["base"]), int(window))
+        sinks = windowed["sinks"]
+        if sinks is not None and not sinks.isdigit():
+            raise ValueError(f"Normalization {spelling!r}: the sinks are a number of keys, an integer >= 0, got "
+                             f"{sinks!r}. Spell it like 'x^3/16 + softmax window 64 + sinks 4'.")
+        return with_window(parse_normalization(windowed["base"]), int(window), sinks=int(sinks or 0))
     text = spelling.strip().replace(" ", "")
     if text.lower() == "softmax":
         return Normalization(power=None)
@@ -165,15 +178,19 @@ def parse_normalization(spelling: str | Normalization) -> Normalization:
     return Normalization(power=power, constant=constant)
 
 
-def with_window(normalization: Normalization, window: int) -> Normalization:
-    """``normalization`` with a softmax window of ``window`` keys (``0``: without one, the pure normalization).
+def with_window(normalization: Normalization, window: int, sinks: int | None = None) -> Normalization:
+    """``normalization`` with a softmax window of ``window`` keys (``0``: without one, the pure normalization) and
+    ``sinks`` attention sinks beside it (``None``: the ones ``normalization`` has, else 0).
 
     Raises:
-        ValueError: ``window`` is not an integer >= 0, ``normalization`` is softmax (a softmax window on softmax is
-            softmax: patch with ``"softmax"`` alone), or it already has another window.
+        ValueError: ``window`` or ``sinks`` is not an integer >= 0, ``normalization`` is softmax (a softmax window on
+            softmax is softmax: patch with ``"softmax"`` alone), it already has another window or other sinks, or
+            sinks without a window.
     """
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"softmax_window is a number of keys, an integer >= 0 (0 = no window), got {window!r}.")
+    if sinks is not None and (isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0):
+        raise ValueError(f"attention_sinks is a number of keys, an integer >= 0 (0 = none), got {sinks!r}.")
     if window and normalization.is_softmax:
         raise ValueError(f"softmax_window={window} with softmax: every key is already weighted by softmax. Pass "
                          "softmax_window=0, or a polynomial normalization such as 'x^3/16' to weight the keys "
@@ -181,4 +198,11 @@ def with_window(normalization: Normalization, window: int) -> Normalization:
     if normalization.window and window != normalization.window:
         raise ValueError(f"{normalization.name} already has a softmax window of {normalization.window}; "
                          f"softmax_window={window} contradicts it. Give the window once.")
-    return replace(normalization, window=window)
+    if sinks is not None and normalization.sinks and sinks != normalization.sinks:
+        raise ValueError(f"{normalization.name} already has {normalization.sinks} attention sinks; "
+                         f"attention_sinks={sinks} contradicts it. Give the sinks once.")
+    sinks = normalization.sinks if sinks is None else sinks
+    if sinks and not window:
+        raise ValueError(f"attention_sinks={sinks} without a softmax window: the sinks are keys that softmax weights "
+                         "beside the window. Give softmax_window=W > 0 too, or attention_sinks=0.")
+    return replace(normalization, window=window, sinks=sinks)

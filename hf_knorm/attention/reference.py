@@ -73,7 +73,8 @@ def reference_window_attention(
     (fp64 for fp64 inputs): the whole score matrix, the two parts side by side.
 
     Row ``i``'s position ``a_i`` is the last key it may attend (its own, under a causal mask). Its window is the keys
-    it may attend with ``a_i - W < j <= a_i``: weighted by softmax over them. Its older keys (``j <= a_i - W``) are
+    it may attend with ``a_i - W < j <= a_i``, and its sinks, the first ``S`` keys it may attend: weighted by softmax
+    over them. Its older keys (``j <= a_i - W``, not sinks) are
     weighted by ``s^p / c`` (``c = sqrtN``: the square root of the number of those older keys). The output is
     ``softmax part + mix_h * polynomial part / sqrt(mean square + ROW_EPS)`` (row by row, over the head dimension).
 
@@ -100,8 +101,9 @@ def reference_window_attention(
         allowed = positions[None, :] <= positions[:q_len, None] + (kv_len - q_len)
     allowed = allowed.expand_as(scores)
     last = torch.where(allowed, positions, -1).amax(dim=-1, keepdim=True)  # a_i; -1 for a row with no key
-    in_window = allowed & (positions > last - window)
-    older = allowed & (positions <= last - window)
+    sinks = allowed & (allowed.cumsum(dim=-1) <= normalization.sinks)  # the first S keys each row may attend
+    in_window = allowed & ((positions > last - window) | sinks)
+    older = allowed & ~in_window
     soft = torch.nan_to_num(torch.softmax(torch.where(in_window, scores, float("-inf")), dim=-1), nan=0.0)
     poly = torch.where(older, scores, torch.zeros_like(scores)) ** normalization.power
     if normalization.sqrt_n:

@@ -132,6 +132,9 @@ def window_attention(
     if mix is not None and tuple(mix.shape) != (query.shape[1],):
         raise ValueError(f"mix scales the polynomial part per query head: shape ({query.shape[1]},), got "
                          f"{tuple(mix.shape)}.")
+    if handover is not None and normalization.sinks:
+        raise ValueError(f"{normalization.name}: a recurrent state cache keeps the last W keys and a state, not the "
+                         "sinks. Generate with a normal cache (pass cache=DynamicCache()).")
     if handover is not None and not path.linear:
         raise ValueError(f"A recurrent state cache decodes with linear attention only, and this call cannot: "
                          f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")
@@ -146,7 +149,9 @@ def window_attention(
     if mask is None:
         key, value = linear_keys(query, key, value, None, causal=True)
     key_valid = None if mask is None else mask.key_valid
-    output = _softmax_band(query, key, value, key_valid, normalization.window, frobenius_sq, options)
+    sinks = sink_keys(key_valid, key.shape[2], normalization.sinks, query.device)
+    output = _softmax_band(query, key, value, key_valid, normalization.window, sinks, frobenius_sq, options)
+    key_valid = without_sinks(key_valid, sinks, key.shape[0], key.shape[2])
     polynomial = _older_keys(query, key, value, key_valid, normalization, path, frobenius_sq, mix, handover, options)
     if polynomial is not None:
         output = output + polynomial
@@ -208,13 +213,42 @@ def _older_shape(q_len: int, kv_len: int, window: int) -> tuple[int, int]:
     return min(q_len, older), older
 
 
-def _softmax_band(query, key, value, key_valid, window, frobenius_sq, options) -> torch.Tensor:
+def sink_keys(key_valid: torch.Tensor | None, kv_len: int, sinks: int,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The attention sinks of a bottom-right causal call: ``(index, valid)``, each ``(B or 1, min(S, kv))``, the key
+    indices of every sequence's first ``S`` real keys (``valid`` False where a sequence has fewer); ``None`` for
+    ``S = 0``. Every query at or after them attends them (StreamingLLM, arXiv 2309.17453)."""
+    count = min(sinks, kv_len)
+    if count == 0:
+        return None
+    positions = torch.arange(kv_len, device=device)
+    if key_valid is None:
+        index = positions[None, :count]
+        return index, torch.ones_like(index, dtype=torch.bool)
+    order = torch.where(key_valid, positions, positions + kv_len)  # the real keys first, in order
+    index = order.topk(count, dim=-1, largest=False, sorted=True).indices
+    return index, key_valid.gather(1, index)
+
+
+def without_sinks(key_valid: torch.Tensor | None, sinks, batch: int, kv_len: int) -> torch.Tensor | None:
+    """``key_valid`` ``(B or 1, kv)`` (``None``: every key real) with the sinks of :func:`sink_keys` marked not
+    valid, ``(B, kv)``: the keys the polynomial part reads. Unchanged without sinks."""
+    if sinks is None:
+        return key_valid
+    index, _ = sinks
+    valid = index.new_ones(1, kv_len, dtype=torch.bool) if key_valid is None else key_valid
+    return valid.expand(batch, kv_len).scatter(1, index.expand(batch, -1), False)
+
+
+def _softmax_band(query, key, value, key_valid, window, sinks, frobenius_sq, options) -> torch.Tensor:
     """The softmax part under a bottom-right causal mask: ``(B, q, H_q, D_v)``.
 
     One call of the chunked kernel on the queries cut into blocks of ``rows``, each block a batch entry with the
     ``rows + W - 1`` keys its windows cover (``unfold``: the keys are copied about ``1 + W / rows`` times, no
     ``N x N`` tensor). In block coordinates query ``r`` sees keys ``r .. r + W - 1``, the same band in every block;
-    the keys before the first and the queries after the last are padding, masked out."""
+    the keys before the first and the queries after the last are padding, masked out. ``sinks`` (:func:`sink_keys`):
+    their ``S`` keys are put before every block's, attended by the queries they are older than the window of (a
+    younger sink is in the band already)."""
     batch, q_heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     rows = min(q_len, max(BAND_ROWS, window))
@@ -233,12 +267,32 @@ def _softmax_band(query, key, value, key_valid, window, frobenius_sq, options) -
     band = (positions >= row_positions) & (positions < row_positions + window)  # (rows, span)
     real_rows = (torch.arange(blocks * rows, device=query.device) < q_len).view(blocks, rows, 1)
     allowed = (band & real_rows)[None] & valid[:, :, None, :]  # (B, T, rows, span)
+    if sinks is not None:
+        k, v, allowed, span = _with_sinks(key, value, k, v, allowed, sinks, window, kv_len - q_len, real_rows)
     block_sq = None if frobenius_sq is None else frobenius_sq.new_zeros(batch * blocks, *frobenius_sq.shape[1:])
     output, _ = _quadratic(q, k, v, allowed.reshape(batch * blocks, 1, rows, span), SOFTMAX, frobenius_sq=block_sq,
                            **options)
     if block_sq is not None:
         frobenius_sq += block_sq.view(batch, blocks, *frobenius_sq.shape[1:]).sum(dim=1)
     return output.reshape(batch, blocks * rows, q_heads, -1)[:, :q_len]
+
+
+def _with_sinks(key, value, k, v, allowed, sinks, window, offset, real_rows):
+    """The band's blocks ``k, v`` ``(B * T, H_kv, span, D)`` and ``allowed`` ``(B, T, rows, span)`` with the sinks'
+    keys put first: ``(k, v, allowed, span + S)``. Query ``r`` of block ``t`` sits at ``offset + t * rows + r``."""
+    index, valid = sinks
+    batch, kv_heads, _, dim = key.shape
+    blocks, rows = real_rows.shape[:2]
+    count = index.shape[-1]
+    gathered = [tensor.gather(2, index.expand(batch, -1)[:, None, :, None].expand(-1, kv_heads, -1, tensor.shape[-1]))
+                for tensor in (key, value)]  # (B, H_kv, S, D)
+    k_sink, v_sink = (tensor[:, None].expand(-1, blocks, -1, -1, -1).reshape(batch * blocks, kv_heads, count, -1)
+                      for tensor in gathered)
+    position = offset + torch.arange(blocks * rows, device=key.device).view(1, blocks, rows, 1)
+    older = index.expand(batch, -1)[:, None, None, :] <= position - window  # (B, T, rows, S): not in the band
+    sink_allowed = older & valid.expand(batch, -1)[:, None, None, :] & real_rows[None]
+    allowed = torch.cat([sink_allowed, allowed], dim=-1)
+    return torch.cat([k_sink, k], dim=2), torch.cat([v_sink, v], dim=2), allowed, allowed.shape[-1]
 
 
 def _older_keys(query, key, value, key_valid, normalization, path, frobenius_sq, mix, handover, options):
@@ -252,13 +306,15 @@ def _older_keys(query, key, value, key_valid, normalization, path, frobenius_sq,
         return None
     polynomial, start = normalization.polynomial, q_len - rows
     q, k, v = query[:, :, start:], key[:, :, :older], value[:, :, :older]
+    # the path's key validity, or the keys without the sinks (the path was chosen on the mask, sinks or not)
+    linear_valid = key_valid[:, :older] if normalization.sinks else path.key_valid
     if path.linear and handover is not None:
         state, count = handover.read()
-        output, state, count = linear_attention(q, k, v, path.key_valid, polynomial, scaling=options["scaling"],
+        output, state, count = linear_attention(q, k, v, linear_valid, polynomial, scaling=options["scaling"],
                                                 initial_state=state, initial_count=count, return_state=True)
         handover.write(state, count)
     elif path.linear:
-        output = linear_attention(q, k, v, path.key_valid, polynomial, scaling=options["scaling"])
+        output = linear_attention(q, k, v, linear_valid, polynomial, scaling=options["scaling"])
     else:
         older_valid = k.new_ones(batch, older, dtype=torch.bool) if key_valid is None else key_valid[:, :older]
         allowed = kernel_mask(KeyPadding(older_valid, rows, causal=True), options["compiling"])
@@ -295,8 +351,9 @@ def _explicit(query, key, value, mask, normalization, bias, return_weights, frob
         allowed = mask.dense() if isinstance(mask, KeyPadding) else mask[..., : key.shape[2]]
     positions = torch.arange(allowed.shape[-1], device=query.device)
     last = torch.where(allowed, positions, -1).amax(dim=-1, keepdim=True)  # a_i: the last key row i may attend
-    in_window = allowed & (positions > last - normalization.window)
-    older = allowed & (positions <= last - normalization.window)
+    sinks = allowed & (allowed.cumsum(dim=-1) <= normalization.sinks)  # the first S keys each row may attend
+    in_window = allowed & ((positions > last - normalization.window) | sinks)
+    older = allowed & ~in_window
     polynomial = normalization.polynomial
     options = dict(options, return_weights=return_weights, bias=bias)
     soft, soft_weights = _quadratic(query, key, value, in_window, SOFTMAX, frobenius_sq=frobenius_sq, **options)

@@ -15,6 +15,7 @@ from ..runs.precision import BF16_HELP, FP16_HELP
 
 RECOVERY_MODES = ("lora", "full", "none")
 DEFAULT_SOFTMAX_WINDOW = 64
+DEFAULT_ATTENTION_SINKS = 0
 """LoLCATs' window (arXiv 2410.10254: 64 softmax keys beside the linear attention)."""
 RECOVERY_TRAINABLE = ("all", "no-embeddings", "attention")
 SCALE_FOLDS = ("scores", "output")
@@ -59,6 +60,10 @@ class ConvertSettings:
         "help": "W: each query's last W keys keep softmax, the older keys take the normalization, scaled by a "
                 "per-head mix solved in closed form (LoLCATs' hybrid; hf_knorm.attention.window); 0: the pure "
                 "normalization over every key (BENCHMARKS.md, 'Conversion': both measured)"})
+    attention_sinks: int | None = field(default=None, metadata={
+        "help": "S: each sequence's first S keys keep softmax beside the window and leave the polynomial part "
+                "(StreamingLLM's attention sinks, arXiv 2309.17453); needs a window (default: "
+                f"{DEFAULT_ATTENTION_SINKS} with one, 0 without)"})
     fold_constant: bool = field(default=True, metadata={
         "help": "x^p/c with a constant c: train the same function as x^p/1, then fold c^(1/p) into the queries "
                 "(AdamW's steps suit the smaller q and k: BENCHMARKS.md, 'Per normalization'); --no-fold-constant "
@@ -154,9 +159,13 @@ class ConvertSettings:
         conversion reads it (the job passes the object on).
 
         Raises:
-            ValueError: an unknown spelling, or a window that contradicts ``softmax_window``.
+            ValueError: an unknown spelling, a window or sinks that contradict ``softmax_window`` and
+                ``attention_sinks``, or sinks without a window.
         """
-        return with_window(parse_normalization(self.normalization), self.softmax_window)
+        base, sinks = parse_normalization(self.normalization), self.attention_sinks
+        if sinks is None and not base.sinks:  # None with sinks in the spelling: keep them
+            sinks = DEFAULT_ATTENTION_SINKS if self.softmax_window else 0
+        return with_window(base, self.softmax_window, sinks)
 
     def resolved(self, target: Normalization) -> ConvertSettings:
         """These settings with the defaults that depend on others filled in: the recovery rate (on the recovery and

@@ -176,8 +176,9 @@ def _meaning(spelling: str) -> str:
     power = "s_ij" if norm.power == 1 else f"s_ij^{norm.power}"
     if norm.window:
         divisor = "sqrt(N_i), N_i the number of those older keys" if norm.sqrt_n else divisor
-        return (f"softmax over the keys of each query's last {norm.window} positions; w_ij = {power} / {divisor} on "
-                "the older keys, no row normalization there; masked pairs exactly 0")
+        sinks = f" and the sequence's first {norm.sinks} (attention sinks)" if norm.sinks else ""
+        return (f"softmax over the keys of each query's last {norm.window} positions{sinks}; w_ij = {power} / "
+                f"{divisor} on the older keys, no row normalization there; masked pairs exactly 0")
     return f"w_ij = {power} / {divisor}, no row normalization, masked pairs exactly 0"
 
 

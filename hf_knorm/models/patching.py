@@ -29,7 +29,7 @@ SECTION = "hf_knorm"
 
 
 def patch(model: nn.Module, normalization: str | Normalization = "softmax", *, linear: str = "auto",
-          softmax_window: int | None = None) -> nn.Module:
+          softmax_window: int | None = None, attention_sinks: int | None = None) -> nn.Module:
     """Replace softmax in ``model``'s attention by ``normalization``; returns the same model.
 
     Args:
@@ -40,20 +40,24 @@ def patch(model: nn.Module, normalization: str | Normalization = "softmax", *, l
             older keys by ``normalization`` (:mod:`hf_knorm.attention.window`); decoders only. ``0`` or ``None``: the
             pure normalization (``None`` keeps a window the spelling names). Saved in the config as part of the
             normalization's name (``"x^3/16 + softmax window 64"``).
+        attention_sinks: ``S``: each sequence's first ``S`` keys are weighted by softmax with the window and read by
+            no polynomial part (StreamingLLM's attention sinks, arXiv 2309.17453); needs a window. ``None`` keeps the
+            ones the spelling names (``"x^3/16 + softmax window 64 + sinks 4"``), else 0.
         linear: for a ``p = 1`` normalization, what a call that cannot take the linear-time path does
             (:mod:`hf_knorm.attention.paths`): ``"auto"`` computes it with the quadratic kernel (warning once per
             reason from 4k queries on), ``"require"`` raises. Saved in the config with the normalization.
 
     Raises:
         ValueError: unsupported architecture, unknown normalization or ``linear`` policy, ``linear="require"`` with a
-            normalization that has no linear path, a softmax window that is not an integer >= 0, on softmax or on an
-            encoder, or a model already patched with a different normalization (call :func:`unpatch` first).
+            normalization that has no linear path, a softmax window or sinks that are not an integer >= 0, a window
+            on softmax or on an encoder, sinks without a window, or a model already patched with a different normalization (call :func:`unpatch` first).
             Patching again with the same one warns and does nothing.
     """
     architecture = architecture_of(model)
     normalization = parse_normalization(normalization)
-    if softmax_window is not None:
-        normalization = with_window(normalization, softmax_window)
+    if softmax_window is not None or attention_sinks is not None:
+        window = normalization.window if softmax_window is None else softmax_window
+        normalization = with_window(normalization, window, attention_sinks)
     if normalization.window and not architecture.causal:
         raise ValueError(f"{normalization.name}: a softmax window weights the keys before each query, and "
                          f"{architecture.model_type} attends both ways. Patch it without softmax_window.")

@@ -73,6 +73,23 @@ def test_the_window_is_part_of_the_normalization_and_its_name():
     assert parse_normalization("x^3/16 + softmax window 0") == pure  # W = 0 is the pure normalization
 
 
+def test_the_sinks_are_part_of_the_name_and_need_a_window():
+    sunk = parse_normalization("x^3/16 + softmax window 64 + sinks 4")
+    assert (sunk.window, sunk.sinks, sunk.name) == (64, 4, "x^3/16 + softmax window 64 + sinks 4")
+    assert parse_normalization(sunk.name) == sunk == with_window(parse_normalization("x^3/16"), 64, sinks=4)
+    assert sunk.polynomial == parse_normalization("x^3/16")
+    assert with_window(sunk, 64) == sunk  # the sinks it has are kept
+    assert parse_normalization("x/1 + softmax window 8 + sinks 0").name == "x/1 + softmax window 8"
+    for bad, message in [(dict(window=0, sinks=2), "without a softmax window"), (dict(window=64, sinks=-1), ">= 0"),
+                         (dict(window=64, sinks=True), ">= 0")]:
+        with pytest.raises(ValueError, match=message):
+            with_window(parse_normalization("x^3/16"), **bad)
+    with pytest.raises(ValueError, match="contradicts"):
+        with_window(sunk, 64, sinks=2)
+    with pytest.raises(ValueError, match="sinks are a number"):
+        parse_normalization("x^3/16 + softmax window 64 + sinks four")
+
+
 @pytest.mark.parametrize("spelling, window, message", [
     ("x^3/16", -1, "integer >= 0"),
     ("x^3/16", 2.5, "integer >= 0"),
@@ -112,6 +129,19 @@ def test_reference_by_hand_with_a_window_of_one():
     assert torch.equal(torch.diagonal(weights[0, 0]), torch.ones(3, dtype=torch.float64))
 
 
+def test_reference_by_hand_with_a_window_of_one_and_a_sink():
+    """W = 1, S = 1: query 2 weights keys 0 (the sink) and 2 by softmax over the two, key 1 alone by s^3 / 16."""
+    q, k, v = (torch.randn(1, 1, 3, 4, dtype=torch.float64) for _ in range(3))
+    output, weights = reference_window_attention(q, k, v, None, parse_normalization("x^3/16 + softmax window 1 + sinks 1"))
+    s = (q @ k.transpose(-1, -2) / 2.0)[0, 0]
+    unit = lambda u: u / (u.pow(2).mean() + ROW_EPS).sqrt()  # noqa: E731
+    sink, own = torch.softmax(torch.stack([s[2, 0], s[2, 2]]), dim=0)
+    expected = sink * v[0, 0, 0] + own * v[0, 0, 2] + unit(s[2, 1] ** 3 / 16 * v[0, 0, 1])
+    torch.testing.assert_close(output[0, 2, 0], expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(output[0, 1, 0], torch.softmax(s[1, :2], dim=0) @ v[0, 0, :2], rtol=0, atol=1e-12)
+    assert weights[0, 0, 2, 0] == sink
+
+
 def test_reference_with_a_window_longer_than_the_keys_is_softmax_and_the_older_part_has_rms_one():
     q, k, v = _inputs(q_len=9, kv_len=9)
     softmax, _ = reference_attention(q, k, v, None, Normalization(power=None), causal=True)
@@ -138,12 +168,14 @@ def test_reference_with_a_window_longer_than_the_keys_is_softmax_and_the_older_p
     for padding in ["none", "all", "holes"]
     if padding != "none" or q_len in (1, kv_len)  # no mask means sdpa's top-left causal mask: keys cut to the queries
 ])
-def test_key_padding_paths_equal_the_reference(spelling, window_size, q_len, kv_len, padding, monkeypatch):
-    """Bottom-right causal calls: a prefill, a chunk after a cache, a decoded token, fewer keys than the window.
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_key_padding_paths_equal_the_reference(spelling, window_size, q_len, kv_len, padding, sinks, monkeypatch):
+    """Bottom-right causal calls: a prefill, a chunk after a cache, a decoded token, fewer keys than the window;
+    with and without attention sinks (3: more than the "holes" padding's first real keys, fewer than some windows).
     Blocks of 8 queries for the softmax part; for p = 1 the linear kernel (LINEAR_MIN_QUERIES = 1)."""
     monkeypatch.setattr(window, "BAND_ROWS", 8)
     monkeypatch.setattr(paths, "LINEAR_MIN_QUERIES", 1)
-    normalization = with_window(parse_normalization(spelling), window_size)
+    normalization = with_window(parse_normalization(spelling), window_size, sinks=sinks)
     q, k, v = _inputs(q_len=q_len, kv_len=kv_len)
     valid = _valid(padding, 2, kv_len)
     mask = None if valid is None else KeyPadding(valid, q_len, causal=True)
@@ -158,8 +190,10 @@ def test_key_padding_paths_equal_the_reference(spelling, window_size, q_len, kv_
 
 
 @pytest.mark.parametrize("spelling", ["x^3/16", "x/1"])
-def test_left_padding_gives_every_row_the_reference(spelling):
-    normalization = with_window(parse_normalization(spelling), 4)
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_left_padding_gives_every_row_the_reference(spelling, sinks):
+    """Row 1's sinks are its first real keys (5 and 6), not the padding before them."""
+    normalization = with_window(parse_normalization(spelling), 4, sinks=sinks)
     q, k, v = _inputs()
     valid = _valid("left", 2, 37)
     mask = KeyPadding(valid, 37, causal=True)
@@ -186,10 +220,12 @@ def _packed(length, starts):
 
 @pytest.mark.parametrize("spelling", ["x^3/16", "x/sqrtN", "x^3/sqrtN"])
 @pytest.mark.parametrize("case", ["model window 6", "model window 3", "packed", "static cache", "padded sliding"])
-def test_explicit_masks_equal_the_reference(spelling, case):
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_explicit_masks_equal_the_reference(spelling, case, sinks):
     """A model's own sliding window (longer and shorter than the softmax window of 4), packed sequences, a static
-    cache's top-left layout (keys past the query not yet written), with the weights returned."""
-    normalization = with_window(parse_normalization(spelling), 4)
+    cache's top-left layout (keys past the query not yet written), with the weights returned. Sinks: each row's
+    first keys it may attend (a packed sequence's first tokens)."""
+    normalization = with_window(parse_normalization(spelling), 4, sinks=sinks)
     if case.startswith("model window"):
         q, k, v = _inputs(q_len=13, kv_len=20)
         allowed = _sliding(13, 20, int(case.split()[-1]))[None, None]
@@ -212,8 +248,9 @@ def test_explicit_masks_equal_the_reference(spelling, case):
 
 
 @pytest.mark.parametrize("spelling", ["x^3/16", "x/1"])
-def test_key_padding_and_its_explicit_mask_agree_on_every_real_query(spelling):
-    normalization = with_window(parse_normalization(spelling), 5)
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_key_padding_and_its_explicit_mask_agree_on_every_real_query(spelling, sinks):
+    normalization = with_window(parse_normalization(spelling), 5, sinks=sinks)
     q, k, v = _inputs(q_len=13, kv_len=30)
     valid = _valid("holes", 2, 30)
     mask = KeyPadding(valid, 13, causal=True)

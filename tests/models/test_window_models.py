@@ -49,7 +49,9 @@ def _twins(model_type, spelling, window, dtype=torch.float64):
 
 
 
-@pytest.mark.parametrize("spelling, window", [("x^3/16", 3), ("x/1", 4), ("x/sqrtN", 7), ("x^3/sqrtN", 2)])
+@pytest.mark.parametrize("spelling, window", [("x^3/16", 3), ("x/1", 4), ("x/sqrtN", 7), ("x^3/sqrtN", 2),
+                                              ("x^3/16 + softmax window 3 + sinks 2", 3),
+                                              ("x/1 + softmax window 4 + sinks 1", 4)])
 @pytest.mark.parametrize("model_type", WINDOW_TYPES)
 def test_models_equal_the_reference_attention(model_type, spelling, window):
     model, reference = _twins(model_type, spelling, window)
@@ -61,7 +63,8 @@ def test_models_equal_the_reference_attention(model_type, spelling, window):
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("spelling", ["x^3/16", "x/1", "x/sqrtN"])
+@pytest.mark.parametrize("spelling", ["x^3/16", "x/1", "x/sqrtN", "x^3/16 + softmax window 3 + sinks 2",
+                                      "x/1 + softmax window 3 + sinks 2"])
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "gemma2", "gemma3_text"])
 def test_token_by_token_decoding_with_the_kv_cache_equals_the_full_forward(model_type, spelling):
     model = hf_knorm.patch(tiny_model(model_type), spelling, softmax_window=3)
@@ -125,6 +128,32 @@ def test_the_window_travels_with_the_model(tmp_path):
     card = (tmp_path / "model" / "README.md").read_text()
     assert "x^3/16 + softmax window 4" in card and "normalization-x3-16-softmax-window-4" in card
     assert "softmax over the keys of each query's last 4 positions" in card
+
+
+def test_the_sinks_travel_with_the_model_and_generate_keeps_them(tmp_path):
+    """Saved in the spelling, reloaded exactly, said by the card; a p = 1 model with sinks generates with a normal
+    cache (the recurrent one keeps no sinks and says so), the same tokens as the full forward's greedy choice."""
+    from hf_knorm.recurrent.cache import RecurrentStateCache
+
+    model = hf_knorm.patch(tiny_model("llama"), "x/1", softmax_window=4, attention_sinks=2).eval()
+    assert model.config.hf_knorm["normalization"] == "x/1 + softmax window 4 + sinks 2"
+    hf_knorm.save_pretrained(model, tmp_path / "model")
+    loaded = hf_knorm.from_pretrained(tmp_path / "model").eval()
+    assert hf_knorm.patched_normalization(loaded) == "x/1 + softmax window 4 + sinks 2"
+    inputs = tiny_inputs("llama", batch=1, length=12)
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs).logits, model(**inputs).logits)
+    assert "and the sequence's first 2 (attention sinks)" in (tmp_path / "model" / "README.md").read_text()
+    with pytest.raises(ValueError, match="not attention sinks"):
+        RecurrentStateCache(config=loaded.config)
+    ids = inputs["input_ids"]
+    with torch.no_grad():
+        generated = loaded.generate(ids, max_new_tokens=10, do_sample=False)
+        for _ in range(10):
+            ids = torch.cat([ids, loaded(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(generated, ids)
+    with pytest.raises(ValueError, match="without a softmax window"):
+        hf_knorm.patch(tiny_model("llama"), "x/1", attention_sinks=2)
 
 
 def test_patching_with_another_window_or_a_bad_one_is_refused():
