@@ -63,6 +63,8 @@ hybrid runs in linear time.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -132,9 +134,6 @@ def window_attention(
     if mix is not None and tuple(mix.shape) != (query.shape[1],):
         raise ValueError(f"mix scales the polynomial part per query head: shape ({query.shape[1]},), got "
                          f"{tuple(mix.shape)}.")
-    if handover is not None and normalization.sinks:
-        raise ValueError(f"{normalization.name}: a recurrent state cache keeps the last W keys and a state, not the "
-                         "sinks. Generate with a normal cache (pass cache=DynamicCache()).")
     if handover is not None and not path.linear:
         raise ValueError(f"A recurrent state cache decodes with linear attention only, and this call cannot: "
                          f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")
@@ -149,7 +148,9 @@ def window_attention(
     if mask is None:
         key, value = linear_keys(query, key, value, None, causal=True)
     key_valid = None if mask is None else mask.key_valid
-    sinks = sink_keys(key_valid, key.shape[2], normalization.sinks, query.device)
+    sinks = None
+    if normalization.sinks:
+        sinks = sink_keys(key, value, key_valid, normalization.sinks, query.shape[2], handover)
     output = _softmax_band(query, key, value, key_valid, normalization.window, sinks, frobenius_sq, options)
     key_valid = without_sinks(key_valid, sinks, key.shape[0], key.shape[2])
     polynomial = _older_keys(query, key, value, key_valid, normalization, path, frobenius_sq, mix, handover, options)
@@ -213,31 +214,72 @@ def _older_shape(q_len: int, kv_len: int, window: int) -> tuple[int, int]:
     return min(q_len, older), older
 
 
-def sink_keys(key_valid: torch.Tensor | None, kv_len: int, sinks: int,
-              device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The attention sinks of a bottom-right causal call: ``(index, valid)``, each ``(B or 1, min(S, kv))``, the key
-    indices of every sequence's first ``S`` real keys (``valid`` False where a sequence has fewer); ``None`` for
-    ``S = 0``. Every query at or after them attends them (StreamingLLM, arXiv 2309.17453)."""
-    count = min(sinks, kv_len)
-    if count == 0:
+class Sinks(NamedTuple):
+    """The attention sinks of one call: each sequence's first ``S`` real keys (StreamingLLM, arXiv 2309.17453).
+
+    Attributes:
+        keys, values: ``(B, H_kv, S', D)``, ``S' <= S`` (fewer while a sequence has fewer keys).
+        position: ``(B or 1, S')`` long: each sink's index among the call's keys; negative for a sink that a recurrent
+            cache kept from before the call's keys (older than every query's window).
+        valid: ``(B or 1, S')`` bool: False where a sequence has fewer than ``S'`` real keys.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    position: torch.Tensor
+    valid: torch.Tensor
+
+
+def sink_keys(key: torch.Tensor, value: torch.Tensor, key_valid: torch.Tensor | None, sinks: int, q_len: int,
+              handover=None) -> Sinks | None:
+    """The :class:`Sinks` of a bottom-right causal call with ``key``, ``value`` ``(B, H_kv, kv, D)`` (``None``: no
+    key yet).
+
+    Without ``handover`` the call holds every key of its sequences: the sinks are the first ``S`` real ones. With a
+    recurrent window layer (:mod:`hf_knorm.recurrent.window_cache`: its ``sinks``, ``keep_sinks`` and
+    ``cumulative_length``) the call holds the last kept keys and the step's ``q_len`` new ones: the sinks are the first
+    ``S`` real keys among the layer's kept sinks and the new keys, and are kept for the next step."""
+    kv_len = key.shape[2]
+    if kv_len == 0:
         return None
-    positions = torch.arange(kv_len, device=device)
-    if key_valid is None:
-        index = positions[None, :count]
-        return index, torch.ones_like(index, dtype=torch.bool)
-    order = torch.where(key_valid, positions, positions + kv_len)  # the real keys first, in order
-    index = order.topk(count, dim=-1, largest=False, sorted=True).indices
-    return index, key_valid.gather(1, index)
+    positions = torch.arange(kv_len, device=key.device)
+    valid = key.new_ones(1, kv_len, dtype=torch.bool) if key_valid is None else key_valid
+    if handover is None:
+        candidates = Sinks(key, value, positions[None], valid)
+    else:  # the kept sinks (absolute positions) and the step's keys, the only ones not seen before
+        first = handover.cumulative_length - kv_len  # the absolute position of the call's key 0
+        new = slice(kv_len - q_len, kv_len)
+        step = Sinks(key[:, :, new], value[:, :, new], positions[None, new] + first, valid[:, new])
+        candidates = step if handover.sinks is None else _concatenated(handover.sinks, step)
+    batch = max(candidates.position.shape[0], candidates.valid.shape[0])
+    position, valid = candidates.position.expand(batch, -1), candidates.valid.expand(batch, -1)
+    order = torch.where(valid, position, position + 2 * (position.amax() + 1))  # real keys first, in order
+    index = order.topk(min(sinks, order.shape[1]), dim=-1, largest=False, sorted=True).indices  # (B, S')
+    gather = lambda tensor: tensor.gather(  # noqa: E731
+        2, index.expand(tensor.shape[0], -1)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[-1]))
+    chosen = Sinks(gather(candidates.keys), gather(candidates.values), position.gather(1, index), valid.gather(1, index))
+    if handover is None:
+        return chosen
+    handover.keep_sinks(chosen)
+    return chosen._replace(position=chosen.position - first)
 
 
-def without_sinks(key_valid: torch.Tensor | None, sinks, batch: int, kv_len: int) -> torch.Tensor | None:
-    """``key_valid`` ``(B or 1, kv)`` (``None``: every key real) with the sinks of :func:`sink_keys` marked not
-    valid, ``(B, kv)``: the keys the polynomial part reads. Unchanged without sinks."""
+def _concatenated(kept: Sinks, step: Sinks) -> Sinks:
+    batch = max(step.valid.shape[0], kept.valid.shape[0])
+    return Sinks(torch.cat([kept.keys, step.keys], dim=2), torch.cat([kept.values, step.values], dim=2),
+                 torch.cat([kept.position.expand(batch, -1), step.position.expand(batch, -1)], dim=1),
+                 torch.cat([kept.valid.expand(batch, -1), step.valid.expand(batch, -1)], dim=1))
+
+
+def without_sinks(key_valid: torch.Tensor | None, sinks: Sinks | None, batch: int, kv_len: int) -> torch.Tensor | None:
+    """``key_valid`` ``(B or 1, kv)`` (``None``: every key real) with the call's sinks (:func:`sink_keys`) marked
+    not valid, ``(B, kv)``: the keys the polynomial part reads. Unchanged without sinks."""
     if sinks is None:
         return key_valid
-    index, _ = sinks
-    valid = index.new_ones(1, kv_len, dtype=torch.bool) if key_valid is None else key_valid
-    return valid.expand(batch, kv_len).scatter(1, index.expand(batch, -1), False)
+    valid = sinks.valid.new_ones(1, kv_len) if key_valid is None else key_valid
+    positions = torch.arange(kv_len, device=valid.device)
+    is_sink = ((positions[None, :, None] == sinks.position[:, None, :]) & sinks.valid[:, None, :]).any(dim=-1)
+    return valid.expand(batch, kv_len) & ~is_sink
 
 
 def _softmax_band(query, key, value, key_valid, window, sinks, frobenius_sq, options) -> torch.Tensor:
@@ -280,17 +322,14 @@ def _softmax_band(query, key, value, key_valid, window, sinks, frobenius_sq, opt
 def _with_sinks(key, value, k, v, allowed, sinks, window, offset, real_rows):
     """The band's blocks ``k, v`` ``(B * T, H_kv, span, D)`` and ``allowed`` ``(B, T, rows, span)`` with the sinks'
     keys put first: ``(k, v, allowed, span + S)``. Query ``r`` of block ``t`` sits at ``offset + t * rows + r``."""
-    index, valid = sinks
-    batch, kv_heads, _, dim = key.shape
+    batch, kv_heads = key.shape[:2]
     blocks, rows = real_rows.shape[:2]
-    count = index.shape[-1]
-    gathered = [tensor.gather(2, index.expand(batch, -1)[:, None, :, None].expand(-1, kv_heads, -1, tensor.shape[-1]))
-                for tensor in (key, value)]  # (B, H_kv, S, D)
+    count = sinks.position.shape[-1]
     k_sink, v_sink = (tensor[:, None].expand(-1, blocks, -1, -1, -1).reshape(batch * blocks, kv_heads, count, -1)
-                      for tensor in gathered)
+                      for tensor in (sinks.keys, sinks.values))
     position = offset + torch.arange(blocks * rows, device=key.device).view(1, blocks, rows, 1)
-    older = index.expand(batch, -1)[:, None, None, :] <= position - window  # (B, T, rows, S): not in the band
-    sink_allowed = older & valid.expand(batch, -1)[:, None, None, :] & real_rows[None]
+    older = sinks.position.expand(batch, -1)[:, None, None, :] <= position - window  # (B, T, rows, S): not in the band
+    sink_allowed = older & sinks.valid.expand(batch, -1)[:, None, None, :] & real_rows[None]
     allowed = torch.cat([sink_allowed, allowed], dim=-1)
     return torch.cat([k_sink, k], dim=2), torch.cat([v_sink, v], dim=2), allowed, allowed.shape[-1]
 

@@ -205,9 +205,6 @@ def _checked_layers(config) -> int:
     if not is_linear(parse_normalization(normalization)):
         raise ValueError(f"RecurrentStateCache needs a p = 1 normalization (x/1, x/16): with {normalization} the "
                          "attention of a new token needs every past key, so decode with a normal cache.")
-    if parse_normalization(normalization).sinks:
-        raise ValueError(f"RecurrentStateCache keeps the last W keys beside the state, not attention sinks: "
-                         f"{normalization} decodes with a normal cache (generate does so by itself).")
     layer_types, _ = layer_types_and_kwargs(config)
     windowed = [index for index, kind in enumerate(layer_types) if kind != "full_attention"]
     if windowed:

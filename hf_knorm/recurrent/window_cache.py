@@ -11,7 +11,9 @@ How it runs. ``update`` returns the kept keys and values followed by the step's 
 layer over to the plugin's attention function (:mod:`hf_knorm.attention.taps`, paired by the key tensor's identity).
 The attention computes the softmax part on those keys and the polynomial part from the state plus the keys that leave
 the window in this step (the linear kernel continues the state), then ``write`` stores the new state and keeps the
-``W`` last keys and values. ``get_mask_sizes`` covers the kept keys and the step's, offset by every token before them,
+``W`` last keys and values. A normalization with attention sinks (``+ sinks S``) also keeps each sequence's first
+``S`` real keys and values (``keep_sinks``, called by the attention), which softmax weights beside the window.
+``get_mask_sizes`` covers the kept keys and the step's, offset by every token before them,
 so Transformers' causal and padding masks stay right.
 
 A :class:`~.cache.RecurrentStateCache` built from a model's config makes these layers when its normalization has a
@@ -46,6 +48,7 @@ class WindowStateLayer(RecurrentStateLayer):
         super().__init__(layer_idx)
         self.window = window
         self.value: torch.Tensor | None = None  # the value tensor of the step being handed over
+        self.sinks = None  # the attention sinks kept (hf_knorm.attention.window.Sinks, absolute positions), if any
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Take a step's ``(B, H_kv, q, D)`` states; return the kept ones followed by them, ``(B, H_kv, kept + q,
@@ -64,6 +67,12 @@ class WindowStateLayer(RecurrentStateLayer):
         self.keys, self.values = self.key[:, :, -self.window:], self.value[:, :, -self.window:]
         self.state, self.count, self.key, self.value = state, count, None, None
 
+    def keep_sinks(self, sinks) -> None:
+        """Keep a model's attention sinks (called by the attention): each sequence's first ``S`` real keys and values
+        ``(B, H_kv, S, D)``, their absolute positions and validity ``(B, S)``; ``S`` keys more per layer, whatever
+        the length of the context."""
+        self.sinks = sinks
+
     def kept(self) -> int:
         """Keys and values kept from the steps before (``W`` once ``W`` tokens were seen)."""
         return self.keys.shape[-2] if self.is_initialized and self.keys.dim() == 4 else 0
@@ -76,13 +85,17 @@ class WindowStateLayer(RecurrentStateLayer):
     def nbytes(self) -> int:
         """Bytes held by the kept keys and values, the state and the count."""
         kept = (self.keys, self.values) if self.kept() else ()
-        return super().nbytes() + sum(tensor.nbytes for tensor in kept)
+        sinks = () if self.sinks is None else tuple(self.sinks)
+        return super().nbytes() + sum(tensor.nbytes for tensor in kept + sinks)
 
     def reset(self) -> None:
         super().reset()
-        self.value = None
+        self.value, self.sinks = None, None
 
     def _select(self, fn) -> None:
         super()._select(fn)
         if self.kept():
             self.keys, self.values = fn(self.keys), fn(self.values)
+        if self.sinks is not None:
+            batch = self.sinks.keys.shape[0]
+            self.sinks = type(self.sinks)(*(fn(tensor.expand(batch, *tensor.shape[1:])) for tensor in self.sinks))

@@ -28,11 +28,13 @@ def _prompts(batch=2, length=10, pad=3):
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("window", [1, 3, 14])  # 14: the window fills up while decoding (10 + 8 tokens)
-@pytest.mark.parametrize("spelling", ["x/1", "x/16", "x/sqrtN"])
+@pytest.mark.parametrize("window, sinks", [(1, 0), (3, 0), (14, 0), (3, 2), (14, 4)])  # 14: the window fills up
+@pytest.mark.parametrize("spelling", ["x/1", "x/16", "x/sqrtN"])                     # while decoding (10 + 8 tokens)
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "gpt2", "gpt_neox"])
-def test_generate_with_the_window_and_the_state_gives_the_kv_caches_tokens(model_type, spelling, window):
-    model = hf_knorm.patch(tiny_model(model_type), spelling, softmax_window=window)
+def test_generate_with_the_window_and_the_state_gives_the_kv_caches_tokens(model_type, spelling, window, sinks):
+    """Sinks: each sequence's first real keys are kept beside the window (row 1 is left-padded: its sinks are
+    positions 3 ..)."""
+    model = hf_knorm.patch(tiny_model(model_type), spelling, softmax_window=window, attention_sinks=sinks)
     ids, mask = _prompts()
     with attention_paths() as taken:
         out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **GREEDY)
@@ -42,15 +44,20 @@ def test_generate_with_the_window_and_the_state_gives_the_kv_caches_tokens(model
     assert dict(taken) == {"linear": 8 * model.config.num_hidden_layers}
     assert cache.get_seq_length() == 10 + 7
     assert all(layer.kept() == min(window, 17) for layer in cache.layers)
+    assert all((layer.sinks is None) == (sinks == 0) for layer in cache.layers)
+    if sinks:
+        assert cache.layers[0].sinks.position.expand(2, -1).tolist() == [list(range(sinks)),
+                                                                        list(range(3, 3 + sinks))]
     expected = model.generate(input_ids=ids, attention_mask=mask, **GREEDY, **cache_kwargs(DynamicCache()))
     assert out.sequences.tolist() == expected.tolist()
 
 
 @pytest.mark.parametrize("spelling", ["x/1", "x/sqrtN"])
-def test_decoding_in_chunks_and_tokens_equals_the_full_forward(spelling):
+@pytest.mark.parametrize("sinks", [0, 2, 3])
+def test_decoding_in_chunks_and_tokens_equals_the_full_forward(spelling, sinks):
     """A prompt in two chunks (4 then 3 tokens: fewer than the window of 5, then past it), then token by token, on a
-    left-padded batch."""
-    model = hf_knorm.patch(tiny_model("llama"), spelling, softmax_window=5)
+    left-padded batch; with sinks, row 1's (3 padded keys first) come from both chunks."""
+    model = hf_knorm.patch(tiny_model("llama"), spelling, softmax_window=5, attention_sinks=sinks)
     ids, mask = _prompts(length=16)
     with torch.no_grad():
         full = model(input_ids=ids, attention_mask=mask).logits
