@@ -13,11 +13,14 @@ Definition (ours; the reference is :func:`.reference.reference_window_attention`
     o_i = sum_{j in window(i)} softmax_window(s_i)_j v_j  +  m_h * u_i / RMS(u_i),
     u_i = sum_{j older} (s_ij^p / c_i) v_j
 
-- ``window(i)``: the keys ``i`` may attend with ``a_i - W < j <= a_i`` (its own key and the ``W - 1`` before it);
-  softmax is normalized over them alone, so this part is a convex combination of the window's values (Liger's
+- ``window(i)``: the keys ``i`` may attend with ``a_i - W < j <= a_i`` (its own key and the ``W - 1`` before it),
+  and with ``+ sinks S`` the first ``S`` keys ``i`` may attend (each sequence's first real tokens: StreamingLLM's
+  attention sinks, Xiao et al., arXiv 2309.17453; a softmax model parks much of many heads' weight there, and the
+  default model's window of 64 alone is 7-24x its perplexity beyond the window, 1.3-1.7x with them:
+  ``scripts/window_sinks.py``); softmax is normalized over them alone, so this part is a convex combination of the window's values (Liger's
   window branch; not LoLCATs' joint denominator, which needs non-negative polynomial weights: ``x^3`` keeps the
   sign of the score, and a denominator could vanish).
-- older keys: ``j <= a_i - W`` and allowed. They get the paper's unnormalized weight ``s^p / c`` (Liger's linear
+- older keys: ``j <= a_i - W``, allowed and not sinks. They get the paper's unnormalized weight ``s^p / c`` (Liger's linear
   branch has no denominator either). ``c`` is the paper's constant; ``c = sqrtN`` counts the keys this part reads,
   ``c_i = sqrt(number of older keys of row i)``: ``u_i`` is the paper's attention over the keys older than the
   window, and the same rule holds in a prefill and in decoding.
@@ -44,14 +47,15 @@ Definition (ours; the reference is :func:`.reference.reference_window_attention`
 Fast paths (memory linear in ``N`` for a fixed ``W``):
 
 - The softmax part, key padding or none: one call of the chunked kernel (:mod:`.kernel`) with softmax, the queries
-  cut into blocks of ``rows = max(BAND_ROWS, W)``, each block a batch entry with the ``rows + W - 1`` keys its band
-  covers and the same small band mask: ``O(N * (rows + W) * D)`` time, ``O(N * (rows + W))`` memory.
+  cut into blocks of ``rows = max(BAND_ROWS, W)``, each block a batch entry with the ``S`` sinks' keys and the
+  ``rows + W - 1`` keys its band covers and the same small band mask: ``O(N * (rows + W + S) * D)`` time,
+  ``O(N * (rows + W + S))`` memory.
 - The polynomial part: the same attention as the pure normalization on the keys delayed by ``W``: queries
   ``i >= W - (kv - q)`` on keys ``0 .. kv - W - 1``, bottom-right causal (query ``i`` then sees exactly the keys
   ``j <= a_i - W``), the key padding cut to those keys. So any ``p`` runs the chunked kernel as today, and ``p = 1``
   the linear kernel (:mod:`.linear_kernel`): the hybrid runs in ``O(N * W * D + N * D^2)``, and decoding continues a
   recurrent state of the keys older than the window (:mod:`hf_knorm.recurrent.window_cache` keeps the ``W`` last
-  keys and values beside it).
+  keys and values, and the ``S`` sinks, beside it). The sinks are masked out of this part like padding.
 - An explicit mask, or the attention weights requested: both parts with the chunked kernel on the explicit masks
   ``allowed & window`` and ``allowed & older`` (the kernel skips the keys a chunk does not attend); quadratic, as
   every explicit mask is. For ``p = 1`` that is a fallback from the linear path (warned on long inputs, an error
