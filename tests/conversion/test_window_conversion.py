@@ -106,3 +106,18 @@ def test_the_window_and_the_spelling_must_agree(tiny_lm_dir, texts, tmp_path):
     with pytest.raises(ValueError, match="contradicts"):
         run_convert(settings)
     assert ConvertSettings().target().name == "x^3/16 + softmax window 64"  # the default recipe
+
+
+def test_the_sinks_are_resolved_once_from_the_flag_and_the_spelling():
+    from hf_knorm.conversion.settings import DEFAULT_ATTENTION_SINKS
+
+    default = ConvertSettings().target()
+    assert (default.window, default.sinks) == (64, DEFAULT_ATTENTION_SINKS)
+    assert ConvertSettings(attention_sinks=2).target().name == "x^3/16 + softmax window 64 + sinks 2"
+    assert ConvertSettings(softmax_window=0).target().name == "x^3/16"  # no window: no default sinks
+    spelled = ConvertSettings(normalization="x/1 + softmax window 64 + sinks 3").target()
+    assert spelled.sinks == 3  # the spelling's sinks kept when the flag is not given
+    with pytest.raises(ValueError, match="without a softmax window"):
+        ConvertSettings(softmax_window=0, attention_sinks=4).target()
+    with pytest.raises(ValueError, match="contradicts"):
+        ConvertSettings(normalization="x/1 + softmax window 64 + sinks 3", attention_sinks=1).target()
