@@ -45,7 +45,7 @@ from typing import Any
 
 from transformers import HfArgumentParser
 
-from .conversion.settings import ConvertSettings
+from .conversion.settings import DEFAULT_ATTENTION_SINKS, DEFAULT_SOFTMAX_WINDOW, ConvertSettings
 from .extras import MissingExtraError
 from .jobs.attention_norms import AttentionNormsSettings
 from .jobs.demo.settings import DemoSettings
@@ -247,16 +247,21 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         "convert",
         help="convert a pretrained softmax causal LM to a normalization: attention transfer, then LoRA or full recovery",
-        description="Convert the model (default: SmolLM2-135M-Instruct) to --normalization in two stages, each a "
+        description="Convert the model (default: SmolLM2-135M-Instruct) to --normalization, by default beside a "
+        f"softmax over each query's last {DEFAULT_SOFTMAX_WINDOW} keys and the sequence's first "
+        f"{DEFAULT_ATTENTION_SINKS} (--softmax-window, --attention-sinks: "
+        "LoLCATs' window and StreamingLLM's sinks; --softmax-window 0: the pure normalization), in two stages, each a "
         "Trainer run with NormLoggerCallback and held-out perplexity at its start and every --eval-steps: (1) "
         "attention transfer (LoLCATs, arXiv 2410.10254): each patched attention layer trains its q/k projections to "
-        "reproduce the original attention's output on the original layer inputs, after a closed-form per-head scale; "
+        "reproduce the original attention's output on the original layer inputs, after a closed-form per-head scale "
+        "(with a window: the mix of the polynomial part); "
         "(2) recovery: next-token training through LoRA adapters on the attention, the MLPs frozen (merged before "
         "saving; the default), or of the whole model (--recovery full), distilled from the original (its top-256 "
         "next tokens cached where the recovery reads at least half the training set; --distill-weight; 0: none). "
         "Trains on the general mixture by default (the original model's own samples, drawn once and cached, and "
         "essays), or on --dataset in any format finetune takes; measured on four held-out domains (the worst is the "
-        "headline) and an ability probe of 40 greedy answers against the original's. --out ends with "
+        "headline), beyond the window (positions >= 256 of 1,024-token blocks, passkey retrieval, the window alone) "
+        "and by an ability probe of 40 greedy answers against the original's. --out ends with "
         "the converted model (hf_knorm.from_pretrained), its card, norms.png, perplexity.png and convert.json; "
         "--resume continues an interrupted run with the same settings. Time and figures: BENCHMARKS.md. Needs the "
         "train extra: pip install 'hf_knorm[train]'.",

@@ -15,7 +15,7 @@ from ..runs.precision import BF16_HELP, FP16_HELP
 
 RECOVERY_MODES = ("lora", "full", "none")
 DEFAULT_SOFTMAX_WINDOW = 64
-DEFAULT_ATTENTION_SINKS = 0
+DEFAULT_ATTENTION_SINKS = 4
 """LoLCATs' window (arXiv 2410.10254: 64 softmax keys beside the linear attention)."""
 RECOVERY_TRAINABLE = ("all", "no-embeddings", "attention")
 SCALE_FOLDS = ("scores", "output")

@@ -71,7 +71,7 @@ def test_a_windowed_conversion_saves_its_mix_and_measures_beyond_the_window(tiny
                          retrieval_lengths=(400,))
     summary = run_convert(settings)
     record = json.loads((out / RESULT_FILE).read_text())
-    assert record["normalization"] == "x^3/16 + softmax window 8"
+    assert record["normalization"] == "x^3/16 + softmax window 8 + sinks 4"
     assert record["trained_as"] == record["normalization"]  # no twin: the constant would scale the window's scores
     transfer = record["stages"]["transfer"]
     assert len(transfer["initial_window_mix"]) == 2 and transfer["window_mix"] != transfer["initial_window_mix"]
@@ -105,7 +105,7 @@ def test_the_window_and_the_spelling_must_agree(tiny_lm_dir, texts, tmp_path):
                          softmax_window=64)
     with pytest.raises(ValueError, match="contradicts"):
         run_convert(settings)
-    assert ConvertSettings().target().name == "x^3/16 + softmax window 64"  # the default recipe
+    assert ConvertSettings().target().name == "x^3/16 + softmax window 64 + sinks 4"  # the default recipe
 
 
 def test_the_sinks_are_resolved_once_from_the_flag_and_the_spelling():
