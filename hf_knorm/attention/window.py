@@ -16,14 +16,14 @@ Definition (ours; the reference is :func:`.reference.reference_window_attention`
 - ``window(i)``: the keys ``i`` may attend with ``a_i - W < j <= a_i`` (its own key and the ``W - 1`` before it),
   and with ``+ sinks S`` the first ``S`` keys ``i`` may attend (each sequence's first real tokens: StreamingLLM's
   attention sinks, Xiao et al., arXiv 2309.17453; a softmax model parks much of many heads' weight there, and the
-  default model's window of 64 alone is 7-24x its perplexity beyond the window, 1.3-1.7x with them:
-  ``scripts/window_sinks.py``); softmax is normalized over them alone, so this part is a convex combination of the window's values (Liger's
-  window branch; not LoLCATs' joint denominator, which needs non-negative polynomial weights: ``x^3`` keeps the
-  sign of the score, and a denominator could vanish).
-- older keys: ``j <= a_i - W``, allowed and not sinks. They get the paper's unnormalized weight ``s^p / c`` (Liger's linear
-  branch has no denominator either). ``c`` is the paper's constant; ``c = sqrtN`` counts the keys this part reads,
-  ``c_i = sqrt(number of older keys of row i)``: ``u_i`` is the paper's attention over the keys older than the
-  window, and the same rule holds in a prefill and in decoding.
+  default model's window of 64 alone, untrained, is 5-23x the original's perplexity beyond the window, 1.3-1.8x
+  with 4 sinks: ``scripts/window_sinks.py``); softmax is normalized over them alone, so this part is a convex
+  combination of the window's values (Liger's window branch; not LoLCATs' joint denominator, which needs
+  non-negative polynomial weights: ``x^3`` keeps the sign of the score, and a denominator could vanish).
+- older keys: ``j <= a_i - W``, allowed and not sinks. They get the paper's unnormalized weight ``s^p / c``
+  (Liger's linear branch has no denominator either). ``c`` is the paper's constant; ``c = sqrtN`` counts the keys
+  this part reads, ``c_i = sqrt(number of older keys of row i)``: ``u_i`` is the paper's attention over the keys
+  older than the window, and the same rule holds in a prefill and in decoding.
 - ``u_i / RMS(u_i)``: the part's row (per head, RMS over the head dimension) brought to unit size, as TransNormer's
   NormAttention bounds a denominator-free attention (arXiv 2210.10340; SUPRA and DiJiang do the same). Without it the
   part grows with the number of older keys: a short conversion of the default model at 256-token blocks was
@@ -261,7 +261,8 @@ def sink_keys(key: torch.Tensor, value: torch.Tensor, key_valid: torch.Tensor | 
     index = order.topk(min(sinks, order.shape[1]), dim=-1, largest=False, sorted=True).indices  # (B, S')
     gather = lambda tensor: tensor.gather(  # noqa: E731
         2, index.expand(tensor.shape[0], -1)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[-1]))
-    chosen = Sinks(gather(candidates.keys), gather(candidates.values), position.gather(1, index), valid.gather(1, index))
+    chosen = Sinks(gather(candidates.keys), gather(candidates.values), position.gather(1, index),
+                   valid.gather(1, index))
     if handover is None:
         return chosen
     handover.keep_sinks(chosen)

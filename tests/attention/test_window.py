@@ -132,7 +132,8 @@ def test_reference_by_hand_with_a_window_of_one():
 def test_reference_by_hand_with_a_window_of_one_and_a_sink():
     """W = 1, S = 1: query 2 weights keys 0 (the sink) and 2 by softmax over the two, key 1 alone by s^3 / 16."""
     q, k, v = (torch.randn(1, 1, 3, 4, dtype=torch.float64) for _ in range(3))
-    output, weights = reference_window_attention(q, k, v, None, parse_normalization("x^3/16 + softmax window 1 + sinks 1"))
+    sunk = parse_normalization("x^3/16 + softmax window 1 + sinks 1")
+    output, weights = reference_window_attention(q, k, v, None, sunk)
     s = (q @ k.transpose(-1, -2) / 2.0)[0, 0]
     unit = lambda u: u / (u.pow(2).mean() + ROW_EPS).sqrt()  # noqa: E731
     sink, own = torch.softmax(torch.stack([s[2, 0], s[2, 2]]), dim=0)

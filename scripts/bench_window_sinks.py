@@ -1,0 +1,62 @@
+"""What attention sinks cost where users call them: the default model patched with a 64-token softmax window, with
+and without 4 sinks, timed on its forward (a left-padded batch, the mask Transformers builds from the tokenizer's
+attention_mask) and on ``generate`` (its own cache: a K/V cache for ``x^3/16``, the RecurrentStateCache for ``x/1``),
+each against the same model without sinks in the same run (interleaved repeats, medians, ratios).
+
+    OMP_NUM_THREADS=1 python scripts/bench_window_sinks.py --tokens 1024 --new-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from hf_knorm import patch, unpatch
+from hf_knorm.assets.default_model import load_default_model
+from hf_knorm.assets.texts import paul_graham_essays
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens of the longer sequence of the batch")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generate adds to a prompt of --tokens / 2")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    model, tokenizer = load_default_model()
+    model.eval()
+    ids = tokenizer("\n\n".join(paul_graham_essays()[:3]), return_tensors="pt").input_ids[0, : args.tokens]
+    batch = torch.stack([ids, ids])
+    mask = torch.ones_like(batch)
+    mask[1, : args.tokens // 4] = 0  # left padding in the second row
+    prompt = ids[None, : args.tokens // 2]
+
+    def forward():
+        model(input_ids=batch, attention_mask=mask)
+
+    def generate():
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.new_tokens,
+                       min_new_tokens=args.new_tokens, do_sample=False)
+
+    print("| normalization | entry | without sinks | with 4 sinks | ratio |\n|---|---|---:|---:|---:|")
+    for base in ("x^3/16", "x/1"):
+        for name, call in (("forward, 2 x %d tokens, left-padded" % args.tokens, forward),
+                           ("generate %d tokens after %d" % (args.new_tokens, args.tokens // 2), generate)):
+            times = {0: [], 4: []}
+            for _ in range(args.repeats):
+                for sinks in (0, 4):
+                    patch(model, base, softmax_window=64, attention_sinks=sinks)
+                    with torch.no_grad():
+                        started = time.perf_counter()
+                        call()
+                        times[sinks].append(time.perf_counter() - started)
+                    unpatch(model)
+            plain, sunk = statistics.median(times[0]), statistics.median(times[4])
+            print(f"| {base} + window 64 | {name} | {plain:.2f} s | {sunk:.2f} s | {sunk / plain:.3f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
