@@ -152,12 +152,19 @@ def window_attention(
     if mask is None:
         key, value = linear_keys(query, key, value, None, causal=True)
     key_valid = None if mask is None else mask.key_valid
-    sinks = None
-    if normalization.sinks:
+    sinks, older_key, older_value = None, key, value
+    if normalization.sinks and _sinks_lead(mask, handover, compiling):
+        sinks = leading_sinks(key, value, normalization.sinks)
+        key_valid = None if mask is None else key_valid[:, sinks.position.shape[-1]:]
+        older_key, older_value = key[:, :, sinks.position.shape[-1]:], value[:, :, sinks.position.shape[-1]:]
+    elif normalization.sinks:
         sinks = sink_keys(key, value, key_valid, normalization.sinks, query.shape[2], handover)
-    output = _softmax_band(query, key, value, key_valid, normalization.window, sinks, frobenius_sq, options)
-    key_valid = without_sinks(key_valid, sinks, key.shape[0], key.shape[2])
-    polynomial = _older_keys(query, key, value, key_valid, normalization, path, frobenius_sq, mix, handover, options)
+    output = _softmax_band(query, key, value, None if mask is None else mask.key_valid, normalization.window, sinks,
+                           frobenius_sq, options)
+    if older_key is key:
+        key_valid = without_sinks(key_valid, sinks, key.shape[0], key.shape[2])
+    polynomial = _older_keys(query, older_key, older_value, key_valid, normalization, path, frobenius_sq, mix,
+                             handover, options)
     if polynomial is not None:
         output = output + polynomial
     return output.to(dtype), None
@@ -232,6 +239,23 @@ class Sinks(NamedTuple):
     values: torch.Tensor
     position: torch.Tensor
     valid: torch.Tensor
+
+
+def _sinks_lead(mask: Mask, handover, compiling: bool) -> bool:
+    """Whether a call's sinks are its first ``S`` keys: it holds every key of its sequences (no recurrent state) and
+    none is padding (no mask, or key padding read as all real; not read while compiling)."""
+    if handover is not None:
+        return False
+    return mask is None or (not compiling and mask.all_real)
+
+
+def leading_sinks(key: torch.Tensor, value: torch.Tensor, sinks: int) -> Sinks:
+    """The :class:`Sinks` of a call whose first keys are its sequences' first real ones (no padding, no recurrent
+    state): the first ``min(S, kv)`` keys and values, by slicing. The polynomial part then reads the keys after them
+    (a contiguous range, no mask), which :func:`sink_keys` and :func:`without_sinks` give for any padding."""
+    count = min(sinks, key.shape[2])
+    position = torch.arange(count, device=key.device)[None]
+    return Sinks(key[:, :, :count], value[:, :, :count], position, torch.ones_like(position, dtype=torch.bool))
 
 
 def sink_keys(key: torch.Tensor, value: torch.Tensor, key_valid: torch.Tensor | None, sinks: int, q_len: int,
@@ -351,7 +375,7 @@ def _older_keys(query, key, value, key_valid, normalization, path, frobenius_sq,
     polynomial, start = normalization.polynomial, q_len - rows
     q, k, v = query[:, :, start:], key[:, :, :older], value[:, :, :older]
     # the path's key validity, or the keys without the sinks (the path was chosen on the mask, sinks or not)
-    linear_valid = key_valid[:, :older] if normalization.sinks else path.key_valid
+    linear_valid = (None if key_valid is None else key_valid[:, :older]) if normalization.sinks else path.key_valid
     if path.linear and handover is not None:
         state, count = handover.read()
         output, state, count = linear_attention(q, k, v, linear_valid, polynomial, scaling=options["scaling"],

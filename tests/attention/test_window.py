@@ -204,6 +204,17 @@ def test_left_padding_gives_every_row_the_reference(spelling, sinks):
     assert got[1, :5].abs().max() == 0  # padded queries attend nothing
 
 
+@pytest.mark.parametrize("kv_len", [2, 37])
+def test_leading_sinks_are_what_the_general_search_finds_without_padding(kv_len):
+    """The shortcut of unpadded calls (slicing the first S keys) against the search any padding needs."""
+    _, k, v = _inputs(kv_len=kv_len)
+    fast = window.leading_sinks(k, v, 4)
+    general = window.sink_keys(k, v, None, 4, q_len=kv_len)
+    for got, want in zip(fast, general, strict=True):
+        torch.testing.assert_close(got, want.expand_as(got), rtol=0, atol=0)
+    assert fast.position.shape[-1] == min(4, kv_len)
+
+
 def _sliding(q_len, kv_len, size):
     positions = torch.arange(kv_len)
     rows = torch.arange(q_len)[:, None] + (kv_len - q_len)
