@@ -266,7 +266,8 @@ def sink_keys(key: torch.Tensor, value: torch.Tensor, key_valid: torch.Tensor | 
     Without ``handover`` the call holds every key of its sequences: the sinks are the first ``S`` real ones. With a
     recurrent window layer (:mod:`hf_knorm.recurrent.window_cache`: its ``sinks``, ``keep_sinks`` and
     ``cumulative_length``) the call holds the last kept keys and the step's ``q_len`` new ones: the sinks are the first
-    ``S`` real keys among the layer's kept sinks and the new keys, and are kept for the next step."""
+    ``S`` real keys among the layer's kept sinks and the new keys, and are kept for the next step; once every
+    sequence has its ``S`` (read eagerly), the kept ones are returned without a search."""
     kv_len = key.shape[2]
     if kv_len == 0:
         return None
@@ -276,6 +277,8 @@ def sink_keys(key: torch.Tensor, value: torch.Tensor, key_valid: torch.Tensor | 
         candidates = Sinks(key, value, positions[None], valid)
     else:  # the kept sinks (absolute positions) and the step's keys, the only ones not seen before
         first = handover.cumulative_length - kv_len  # the absolute position of the call's key 0
+        if handover.sinks_complete:  # every sequence holds its S sinks: no later key is one
+            return handover.sinks._replace(position=handover.sinks.position - first)
         new = slice(kv_len - q_len, kv_len)
         step = Sinks(key[:, :, new], value[:, :, new], positions[None, new] + first, valid[:, new])
         candidates = step if handover.sinks is None else _concatenated(handover.sinks, step)
@@ -289,7 +292,9 @@ def sink_keys(key: torch.Tensor, value: torch.Tensor, key_valid: torch.Tensor | 
                    valid.gather(1, index))
     if handover is None:
         return chosen
-    handover.keep_sinks(chosen)
+    complete = (chosen.position.shape[-1] == sinks and not torch.compiler.is_compiling()
+                and bool(chosen.valid.all()))
+    handover.keep_sinks(chosen, complete)
     return chosen._replace(position=chosen.position - first)
 
 

@@ -49,6 +49,7 @@ class WindowStateLayer(RecurrentStateLayer):
         self.window = window
         self.value: torch.Tensor | None = None  # the value tensor of the step being handed over
         self.sinks = None  # the attention sinks kept (hf_knorm.attention.window.Sinks, absolute positions), if any
+        self.sinks_complete = False  # every sequence holds its S sinks: later keys are never sinks
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Take a step's ``(B, H_kv, q, D)`` states; return the kept ones followed by them, ``(B, H_kv, kept + q,
@@ -67,11 +68,11 @@ class WindowStateLayer(RecurrentStateLayer):
         self.keys, self.values = self.key[:, :, -self.window:], self.value[:, :, -self.window:]
         self.state, self.count, self.key, self.value = state, count, None, None
 
-    def keep_sinks(self, sinks) -> None:
+    def keep_sinks(self, sinks, complete: bool = False) -> None:
         """Keep a model's attention sinks (called by the attention): each sequence's first ``S`` real keys and values
         ``(B, H_kv, S, D)``, their absolute positions and validity ``(B, S)``; ``S`` keys more per layer, whatever
-        the length of the context."""
-        self.sinks = sinks
+        the length of the context. ``complete``: every sequence has its ``S`` (the next steps need no search)."""
+        self.sinks, self.sinks_complete = sinks, complete
 
     def kept(self) -> int:
         """Keys and values kept from the steps before (``W`` once ``W`` tokens were seen)."""
@@ -90,7 +91,7 @@ class WindowStateLayer(RecurrentStateLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.value, self.sinks = None, None
+        self.value, self.sinks, self.sinks_complete = None, None, False
 
     def _select(self, fn) -> None:
         super()._select(fn)
