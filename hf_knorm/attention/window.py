@@ -55,7 +55,9 @@ Fast paths (memory linear in ``N`` for a fixed ``W``):
   ``j <= a_i - W``), the key padding cut to those keys. So any ``p`` runs the chunked kernel as today, and ``p = 1``
   the linear kernel (:mod:`.linear_kernel`): the hybrid runs in ``O(N * W * D + N * D^2)``, and decoding continues a
   recurrent state of the keys older than the window (:mod:`hf_knorm.recurrent.window_cache` keeps the ``W`` last
-  keys and values, and the ``S`` sinks, beside it). The sinks are masked out of this part like padding.
+  keys and values, and the ``S`` sinks, beside it). The sinks: a call without key padding or a recurrent state
+  slices its first ``S`` keys (:func:`leading_sinks`) and gives this part the keys after them, unmasked; otherwise
+  they are searched for (:func:`sink_keys`) and masked out of this part like padding.
 - An explicit mask, or the attention weights requested: both parts with the chunked kernel on the explicit masks
   ``allowed & window`` and ``allowed & older`` (the kernel skips the keys a chunk does not attend); quadratic, as
   every explicit mask is. For ``p = 1`` that is a fallback from the linear path (warned on long inputs, an error
@@ -401,9 +403,9 @@ def _older_keys(query, key, value, key_valid, normalization, path, frobenius_sq,
 def row_scale(output: torch.Tensor) -> torch.Tensor:
     """``1 / RMS`` of each output row of the polynomial part over its last axis (the head dimension): ``(..., 1)``.
 
-    The part has no denominator, so its size grows with the number of older keys it sums; TransNormer's NormAttention (Qin et al., arXiv 2210.10340) bounds a
-    denominator-free attention by an RMS norm of its output, and so does this, per row and head, before the mix: the
-    part's direction is the paper's ``sum_j s_ij^p v_j`` (``c``, and ``sqrtN``'s row count, cancel), its size is
+    The part has no denominator, so its size grows with the number of older keys it sums; TransNormer's
+    NormAttention (Qin et al., arXiv 2210.10340) bounds a denominator-free attention by an RMS norm of its output, and
+    so does this, per row and head, before the mix: the part's direction is the paper's ``sum_j s_ij^p v_j`` (``c``, and ``sqrtN``'s row count, cancel), its size is
     ``|m_h|`` at every length. A row with no older key stays 0. ``ROW_EPS`` is added to the mean square: rows of RMS
     well above ``1e-6`` are normalized exactly, and no gradient is infinite (without it, a padded row with a
     denormal mean square made the x^3/16 conversion's gradients NaN at recovery step ~125)."""
