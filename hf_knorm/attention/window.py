@@ -404,11 +404,12 @@ def row_scale(output: torch.Tensor) -> torch.Tensor:
     """``1 / RMS`` of each output row of the polynomial part over its last axis (the head dimension): ``(..., 1)``.
 
     The part has no denominator, so its size grows with the number of older keys it sums; TransNormer's
-    NormAttention (Qin et al., arXiv 2210.10340) bounds a denominator-free attention by an RMS norm of its output, and
-    so does this, per row and head, before the mix: the part's direction is the paper's ``sum_j s_ij^p v_j`` (``c``, and ``sqrtN``'s row count, cancel), its size is
-    ``|m_h|`` at every length. A row with no older key stays 0. ``ROW_EPS`` is added to the mean square: rows of RMS
-    well above ``1e-6`` are normalized exactly, and no gradient is infinite (without it, a padded row with a
-    denormal mean square made the x^3/16 conversion's gradients NaN at recovery step ~125)."""
+    NormAttention (Qin et al., arXiv 2210.10340) bounds a denominator-free attention by an RMS norm of its output,
+    and so does this, per row and head, before the mix: the part's direction is the paper's ``sum_j s_ij^p v_j``
+    (``c``, and ``sqrtN``'s row count, cancel), its size is ``|m_h|`` at every length. A row with no older key stays
+    0. ``ROW_EPS`` is added to the mean square: rows of RMS well above ``1e-6`` are normalized exactly, and no
+    gradient is infinite (without it, a padded row with a denormal mean square made the x^3/16 conversion's
+    gradients NaN at recovery step ~125)."""
     return torch.rsqrt(output.pow(2).mean(dim=-1, keepdim=True) + ROW_EPS)
 
 
