@@ -154,18 +154,17 @@ def window_attention(
     if mask is None:
         key, value = linear_keys(query, key, value, None, causal=True)
     key_valid = None if mask is None else mask.key_valid
-    sinks, older_key, older_value = None, key, value
-    if normalization.sinks and _sinks_lead(mask, handover, compiling):
+    sinks, older_key, older_value, older_valid = None, key, value, key_valid
+    if normalization.sinks and _sinks_lead(mask, handover, compiling):  # the first S keys: sliced off, no mask
         sinks = leading_sinks(key, value, normalization.sinks)
-        key_valid = None if mask is None else key_valid[:, sinks.position.shape[-1]:]
-        older_key, older_value = key[:, :, sinks.position.shape[-1]:], value[:, :, sinks.position.shape[-1]:]
-    elif normalization.sinks:
+        count = sinks.position.shape[-1]
+        older_key, older_value = key[:, :, count:], value[:, :, count:]
+        older_valid = None if key_valid is None else key_valid[:, count:]
+    elif normalization.sinks:  # searched for, and masked out of the polynomial part like padding
         sinks = sink_keys(key, value, key_valid, normalization.sinks, query.shape[2], handover)
-    output = _softmax_band(query, key, value, None if mask is None else mask.key_valid, normalization.window, sinks,
-                           frobenius_sq, options)
-    if older_key is key:
-        key_valid = without_sinks(key_valid, sinks, key.shape[0], key.shape[2])
-    polynomial = _older_keys(query, older_key, older_value, key_valid, normalization, path, frobenius_sq, mix,
+        older_valid = without_sinks(key_valid, sinks, key.shape[0], key.shape[2])
+    output = _softmax_band(query, key, value, key_valid, normalization.window, sinks, frobenius_sq, options)
+    polynomial = _older_keys(query, older_key, older_value, older_valid, normalization, path, frobenius_sq, mix,
                              handover, options)
     if polynomial is not None:
         output = output + polynomial
