@@ -7,7 +7,9 @@ passkey's first digit (the last token of the prompt ``retrieval.answer`` generat
 
 - the share of the attention weight on the passkey's digit tokens among the keys older than the window and not
   sinks (the keys the polynomial part reads): ``e^s`` for the original's softmax, ``|s|^p`` for ``x^p`` (the part's
-  weights, signs dropped: an upper bound on how much of ``u`` the digits make);
+  weights, signs dropped: an upper bound on how much of ``u`` the digits make), and ``max(s, 0)^p`` (``relu^p``:
+  weights that grow with the score as ``e^s``'s do, outside the paper's family; ``scripts/distant_part_ceiling.py``
+  measures what they would add beyond the window);
 - for a converted model, the same share under its own trained queries and keys, and the head's mix ``|m_h|``.
 
 The score ``s_ij = q_i . k_j / sqrt(d)`` is recomputed from each attention module's projections and RoPE (Llama-style
@@ -78,7 +80,8 @@ def digit_positions(tokenizer, ids: torch.Tensor, context_length: int) -> torch.
 
 def shares(scores: torch.Tensor, read: torch.Tensor, digits: torch.Tensor, powers) -> dict[str, torch.Tensor]:
     """``{weighting: (H_q,) share of the weight on the digits among the keys read}`` for one layer's last-row scores
-    ``(H_q, N)``: ``exp`` (softmax restricted to the keys read), ``x^p`` (``|s|^p``) and softmax over every key."""
+    ``(H_q, N)``: ``exp`` (softmax restricted to the keys read), ``x^p`` (``|s|^p``), ``relu^p`` (``max(s, 0)^p``)
+    and softmax over every key."""
     on_digits = torch.zeros_like(read)
     on_digits[digits] = True
     out = {}
@@ -88,6 +91,8 @@ def shares(scores: torch.Tensor, read: torch.Tensor, digits: torch.Tensor, power
     for power in powers:
         weight = scores.double().abs().pow(power) * read
         out[f"x^{power}"] = (weight * on_digits).sum(-1) / weight.sum(-1)
+        rectified = scores.double().clamp_min(0).pow(power) * read
+        out[f"relu^{power}"] = (rectified * on_digits).sum(-1) / rectified.sum(-1).clamp_min(1e-300)
     return out
 
 

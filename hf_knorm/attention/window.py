@@ -19,7 +19,10 @@ Definition (ours; the reference is :func:`.reference.reference_window_attention`
   default model's window of 64 alone, untrained, is 5-23x the original's perplexity beyond the window, 1.3-1.8x
   with 4 sinks: ``scripts/window_sinks.py``); softmax is normalized over them alone, so this part is a convex
   combination of the window's values (Liger's window branch; not LoLCATs' joint denominator, which needs
-  non-negative polynomial weights: ``x^3`` keeps the sign of the score, and a denominator could vanish).
+  non-negative polynomial weights: ``x^3`` keeps the sign of the score, and a denominator could vanish). Measured on
+  the original's own attention (``scripts/distant_part_ceiling.py``, BENCHMARKS.md "Why the polynomial part is
+  decoration"), this is what limits the part: weights that ignore the sign of the score (``|s|^p``, ``s^p``) explain
+  a few percent of what softmax puts beyond the window, ``max(s, 0)^p`` under the joint denominator most of it.
 - older keys: ``j <= a_i - W``, allowed and not sinks. They get the paper's unnormalized weight ``s^p / c``
   (Liger's linear branch has no denominator either). ``c`` is the paper's constant; ``c = sqrtN`` counts the keys
   this part reads, ``c_i = sqrt(number of older keys of row i)``: ``u_i`` is the paper's attention over the keys
