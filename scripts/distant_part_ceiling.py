@@ -108,11 +108,20 @@ def older_weights(kind: str, power: int) -> Callable[[Split], torch.Tensor]:
     return weights
 
 
+def fixed_size(weights: Callable[[Split], torch.Tensor]) -> Callable[[Split], torch.Tensor]:
+    """The hybrid's form of a distant part: ``u / RMS(u)`` with ``u = sum_older w v``, ``(H, q, D)``."""
+    return lambda split: rms_unit(weights(split) @ split.value)
+
+
+def at_true_size(weights: Callable[[Split], torch.Tensor]) -> Callable[[Split], torch.Tensor]:
+    """An oracle: the older values' weighted mean at softmax's own share of the older keys, ``(H, q, D)``."""
+    return lambda split: split.alpha * (weighted_mean(weights(split), split.value) - split.o_win)
+
+
 FIXED: dict[str, Callable[[Split], torch.Tensor]] = {
-    **{f"x^{p} / RMS": (lambda split, w=older_weights("signed", p): rms_unit(w(split) @ split.value)) for p in (1, 2, 3)},
-    "mean / RMS": lambda split, w=older_weights("mean", 0): rms_unit(w(split) @ split.value),
-    **{f"relu(x)^{p} / RMS": (lambda split, w=older_weights("relu", p): rms_unit(w(split) @ split.value))
-       for p in (1, 3)},
+    **{f"x^{p} / RMS": fixed_size(older_weights("signed", p)) for p in (1, 2, 3)},
+    "mean / RMS": fixed_size(older_weights("mean", 0)),
+    **{f"relu(x)^{p} / RMS": fixed_size(older_weights("relu", p)) for p in (1, 3)},
 }
 """Realizable candidates with a fixed size: ``c_i`` (``m_h`` fitted)."""
 
@@ -124,8 +133,7 @@ JOINT: dict[str, Callable[[Split], torch.Tensor]] = {
 
 ORACLE: dict[str, Callable[[Split], torch.Tensor]] = {
     "exact direction / RMS (oracle)": lambda split: rms_unit(split.o_old - split.o_win),
-    **{f"alpha x (mean_{name} - o_win) (oracle)": (lambda split, w=older_weights(kind, p):
-                                                   split.alpha * (weighted_mean(w(split), split.value) - split.o_win))
+    **{f"alpha x (mean_{name} - o_win) (oracle)": at_true_size(older_weights(kind, p))
        for name, kind, p in (("1", "mean", 0), ("|x|^3", "abs", 3), ("relu^1", "relu", 1), ("relu^3", "relu", 3))},
 }
 """Candidates that read the true ``o_old`` or ``alpha`` (``m_h`` fitted): what a direction or a size is worth."""
