@@ -52,6 +52,7 @@ from typing import Callable, NamedTuple
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from hf_knorm.attention.window import row_scale
 from hf_knorm.conversion.beyond_window import BLOCK, START, beyond_window_blocks
 from hf_knorm.data.heldout import held_out_perplexity
 from hf_knorm.evaluation.domains import DOMAINS
@@ -88,8 +89,9 @@ def split_at_window(scores: torch.Tensor, value: torch.Tensor, rows: torch.Tenso
 
 
 def rms_unit(vectors: torch.Tensor) -> torch.Tensor:
-    """``(..., D)`` vectors brought to RMS 1 over the last dimension (0 stays 0)."""
-    return vectors / vectors.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-300)
+    """``(..., D)`` vectors brought to RMS 1 over the last dimension by the hybrid's own :func:`row_scale` (0 stays
+    0)."""
+    return vectors * row_scale(vectors)
 
 
 def weighted_mean(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
