@@ -29,7 +29,10 @@ test: $(STAMP)
 # The compatibility suite (`-m compat`) on another supported Transformers release, in its own cached venv:
 # `make compat TRANSFORMERS=5.10.4`. The venv holds the lock minus transformers, then `transformers==X` (pip may move
 # what that release pins, e.g. huggingface_hub and tokenizers; torch stays the CPU wheel), then the package with its
-# dependencies: installing hf_knorm must keep the chosen release (checked, with `pip check`).
+# dependencies: installing hf_knorm must keep the chosen release (checked, with `pip check`). The lock goes in with
+# --no-deps (it lists every dependency): resolved, peft's and trl's need of transformers would pull the newest release
+# and what it requires, which stays behind when X replaces it (transformers 5.25 brought kernels 0.19, and 5.10.4
+# fails at import when it finds a kernels it cannot use).
 TRANSFORMERS ?=
 COMPAT_VENV := .venv-tf$(TRANSFORMERS)
 COMPAT_PY := $(COMPAT_VENV)/bin/python
@@ -43,7 +46,7 @@ $(COMPAT_STAMP): requirements.lock pyproject.toml
 	$(COMPAT_PY) -m pip install -q torch==2.13.0
 	echo torch==2.13.0 > $(COMPAT_VENV)/constraints.txt
 	grep -v '^transformers==' requirements.lock > $(COMPAT_VENV)/requirements.txt
-	$(COMPAT_PY) -m pip install -q -c $(COMPAT_VENV)/constraints.txt -r $(COMPAT_VENV)/requirements.txt
+	$(COMPAT_PY) -m pip install -q --no-deps -r $(COMPAT_VENV)/requirements.txt
 	$(COMPAT_PY) -m pip install -q -c $(COMPAT_VENV)/constraints.txt transformers==$(TRANSFORMERS)
 	$(COMPAT_PY) -m pip install -q -c $(COMPAT_VENV)/constraints.txt --no-build-isolation -e .
 	$(COMPAT_PY) -m pip check
