@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -113,15 +113,55 @@ class KVTransform:
 # call by the identity of the key tensor, computes with the state and writes the new state back.
 
 
+@runtime_checkable
 class StateHandover(Protocol):
-    """What a recurrent cache layer hands over: the ``key`` tensor its ``update`` returned (to pair the call), the
-    state before these keys ``(B, H_kv, D, D_v)`` and the count of valid keys ``(B,)``, and where to put the new ones."""
+    """What a recurrent cache layer hands over to the attention call that follows its ``update``
+    (:class:`hf_knorm.recurrent.state.RecurrentStateLayer`): every member the plugin's attention reads from it
+    (:mod:`.interface`, :mod:`.window`), declared here.
+
+    Attributes:
+        key: the key tensor ``(B, H_kv, kv, D)`` the layer's ``update`` returned: the attention call that receives
+            this very tensor is the one the state is for (:func:`take_state_for`).
+        window: ``W``, the softmax window the layer keeps beside the state; ``0`` for a pure state. The attention
+            refuses a state kept for another window than its normalization's.
+    """
 
     key: torch.Tensor
+    window: int
 
-    def read(self) -> tuple[torch.Tensor | None, torch.Tensor | None]: ...
+    def read(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The state ``(B, H_kv, D, D_v)`` fp32 (``sum k v^T`` of the valid keys the call's keys follow) and the count
+        of those keys ``(B,)``; ``(None, None)`` before the first step."""
+        ...
 
-    def write(self, state: torch.Tensor, count: torch.Tensor) -> None: ...
+    def write(self, state: torch.Tensor | None, count: torch.Tensor | None) -> None:
+        """Store the state and the count after the call's keys (a windowed layer: after the keys older than its
+        window)."""
+        ...
+
+
+@runtime_checkable
+class WindowStateHandover(StateHandover, Protocol):
+    """A recurrent layer that also keeps a softmax window (and the attention sinks) beside its state
+    (:class:`hf_knorm.recurrent.window_cache.WindowStateLayer`; ``window > 0``): the members
+    :func:`hf_knorm.attention.window.sink_keys` reads besides those of :class:`StateHandover`.
+
+    Attributes:
+        cumulative_length: every token the layer has seen, the call's included (padded ones too): the absolute
+            position of the call's last key plus one.
+        sinks: the attention sinks kept from earlier calls (:class:`hf_knorm.attention.window.Sinks`: keys, values
+            ``(B, H_kv, S', D)``, absolute positions and validity ``(B or 1, S')``), or ``None``.
+        sinks_complete: every sequence holds its ``S`` sinks already: no later key is one (no search needed).
+    """
+
+    cumulative_length: int
+    sinks: Any
+    sinks_complete: bool
+
+    def keep_sinks(self, sinks: Any, complete: bool = False) -> None:
+        """Keep the call's sinks (a :class:`hf_knorm.attention.window.Sinks`, absolute positions) for the next
+        calls; ``complete``: every sequence has its ``S``."""
+        ...
 
 
 _HANDOVER: contextvars.ContextVar[StateHandover | None] = contextvars.ContextVar("hf_knorm_state", default=None)

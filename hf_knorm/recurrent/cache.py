@@ -5,6 +5,9 @@ tokens before it and itself (:mod:`hf_knorm.attention.linear_kernel`), so a laye
 per KV head (fp32), and for ``x/sqrtN`` the count of valid tokens, whatever the length of the context. On the default
 model (30 layers, 3 KV heads, head dim 64) that is 1.5 MB per sequence: the fp32 K/V cache of 32 tokens.
 
+Its layers are :class:`~.state.RecurrentStateLayer` (the state) or, for a normalization with a softmax window,
+:class:`~.window_cache.WindowStateLayer` (the window's keys and values beside the state).
+
 How it runs through Transformers' Cache API. ``update`` returns only the step's own keys and values to the attention
 and hands the layer's state over to the plugin's attention function (:mod:`hf_knorm.attention.taps`, paired by the
 identity of the key tensor); the attention reads the state, computes the step's outputs on the linear path (padded
@@ -21,83 +24,17 @@ sliding-window layers. A layer whose attention does not take its state is an err
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
 from ..attention.interface import ATTENTION_NAME
 from ..attention.linear_kernel import is_linear
 from ..attention.normalizations import parse_normalization
 from ..attention.taps import hand_over_state, pending_handover, taps_set
 from ..compat import attn_implementation_of, layer_types_and_kwargs
+from .state import RecurrentStateLayer
+from .window_cache import WindowStateLayer
 
-__all__ = ["RecurrentStateCache", "RecurrentStateLayer", "decodes_with_state", "unwatch_steps", "watch_steps"]
-
-
-class RecurrentStateLayer(DynamicLayer):
-    """One layer's state: ``state`` ``(B, H_kv, D, D_v)`` fp32 (``sum k v^T`` of every valid token so far) and
-    ``count`` ``(B,)`` (valid tokens so far); ``cumulative_length`` counts every token, padded or not.
-
-    ``keys``/``values`` stay empty (Transformers' generic cache code reads them)."""
-
-    is_croppable = False
-
-    def __init__(self, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.cumulative_length = 0
-        self.state: torch.Tensor | None = None
-        self.count: torch.Tensor | None = None
-        self.key: torch.Tensor | None = None  # the key tensor of the step being handed over
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Take a step's ``(B, H_kv, q, D)`` states: hand the state over to the attention, return the step's states."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.cumulative_length += key_states.shape[-2]
-        self.key = key_states
-        hand_over_state(self)
-        return key_states, value_states
-
-    def read(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The state and the count before the step (``None`` before the first step)."""
-        return self.state, self.count
-
-    def write(self, state: torch.Tensor, count: torch.Tensor) -> None:
-        """Store the state and the count after the step (called by the attention)."""
-        self.state, self.count, self.key = state, count, None
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """(kv_length, kv_offset): the step's own tokens, offset by every token before them."""
-        return query_length, self.cumulative_length
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
-    def nbytes(self) -> int:
-        """Bytes held by the state and the count."""
-        return sum(tensor.nbytes for tensor in (self.state, self.count) if tensor is not None)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(
-            "A recurrent state cannot be cropped (past tokens are summed into it): assisted and speculative decoding "
-            "need a K/V cache. Pass cache=DynamicCache() to generate."
-        )
-
-    def reset(self) -> None:
-        super().reset()
-        self.cumulative_length, self.state, self.count, self.key = 0, None, None, None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select(lambda tensor: tensor[indices])
-
-    def _select(self, fn) -> None:
-        if self.state is not None:
-            self.state, self.count = fn(self.state), fn(self.count)
+__all__ = ["RecurrentStateCache", "decodes_with_state", "state_layer", "unwatch_steps", "watch_steps"]
 
 
 class RecurrentStateCache(Cache):
@@ -217,8 +154,6 @@ def state_layer(config, layer_idx: int) -> RecurrentStateLayer:
     """The state layer a model of this config decodes with: a :class:`~.window_cache.WindowStateLayer` (the ``W``
     last keys and values beside the state) when its normalization has a softmax window, else a
     :class:`RecurrentStateLayer`."""
-    from .window_cache import WindowStateLayer  # here, not at the top: window_cache builds on this module
-
     spelling = (getattr(config.get_text_config(decoder=True), ATTENTION_NAME, None) or {}).get("normalization")
     window = parse_normalization(spelling).window if spelling is not None else 0
     return WindowStateLayer(layer_idx, window) if window else RecurrentStateLayer(layer_idx)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..attention.taps import hand_over_state
-from .cache import RecurrentStateLayer
+from .state import RecurrentStateLayer
 
 __all__ = ["WindowStateLayer"]
 

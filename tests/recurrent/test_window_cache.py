@@ -12,7 +12,7 @@ from transformers import DynamicCache
 import hf_knorm
 from hf_knorm import RecurrentStateCache, attention_paths
 from hf_knorm.compat import cache_kwargs, output_cache
-from hf_knorm.recurrent.cache import RecurrentStateLayer
+from hf_knorm.recurrent.state import RecurrentStateLayer
 from hf_knorm.recurrent.window_cache import WindowStateLayer
 
 GREEDY = dict(do_sample=False, pad_token_id=0, min_new_tokens=8, max_new_tokens=8)
