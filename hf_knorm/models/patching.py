@@ -1,18 +1,21 @@
 """One-call patching: route a model's attention through the plugin with a chosen normalization, and undo it.
 
-The model *instance* is patched, never a class: its config gets a ``hf_knorm`` section (normalization, the
-attention implementation it had, plugin version) and its attention implementation is switched to ``"hf_knorm"``,
+The model *instance* is patched, never a class, and nothing but the model: it gets a config of its own (a deep
+copy, held by every module that held the old one: :func:`own_config`), which gets a ``hf_knorm`` section
+(normalization, the attention implementation it had, plugin version) and the attention implementation ``"hf_knorm"``,
 the function :mod:`hf_knorm.attention.registration` registers with Transformers' ``AttentionInterface``. Saving such a
 config writes ``"attn_implementation": "hf_knorm"`` into ``config.json`` (the registration makes every save path do
-so), which ``from_pretrained`` reads back. A model patched with a ``p = 1`` normalization (``x/1``, ``x/16``) also gets
-a ``generate`` that decodes with a constant-size state (:mod:`hf_knorm.recurrent.generation`).
+so), which ``from_pretrained`` reads back. ``generate`` decodes a model patched with a ``p = 1`` normalization (``x/1``,
+``x/16``) with a constant-size state (:mod:`hf_knorm.recurrent.generation`, from the config: loaded models too).
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import torch.nn as nn
+from transformers import PretrainedConfig
 
 from ..attention.interface import ATTENTION_NAME
 from ..attention.linear_kernel import is_linear
@@ -31,6 +34,9 @@ SECTION = "hf_knorm"
 def patch(model: nn.Module, normalization: str | Normalization = "softmax", *, linear: str = "auto",
           softmax_window: int | None = None, attention_sinks: int | None = None) -> nn.Module:
     """Replace softmax in ``model``'s attention by ``normalization``; returns the same model.
+
+    The model gets a config of its own first (:func:`own_config`): ``model.config`` is a new object afterwards, and
+    whatever else held the old one (the config the model was built from, other models built from it) is unchanged.
 
     Args:
         model: a Transformers model of a supported architecture (``hf_knorm.SUPPORTED_ARCHITECTURES``).
@@ -76,6 +82,7 @@ def patch(model: nn.Module, normalization: str | Normalization = "softmax", *, l
             f"{normalization.name}: normalizations are not stacked."
         )
     original = attn_implementation_of(model.config)
+    own_config(model)  # the section below goes into the model's own config, not one it shares
     for config in _configs(model):
         section = dict(getattr(config, SECTION, None) or {})
         section.update(normalization=normalization.name, original_attn_implementation=original, version=__version__)
@@ -91,6 +98,10 @@ def patch(model: nn.Module, normalization: str | Normalization = "softmax", *, l
 
 def unpatch(model: nn.Module) -> nn.Module:
     """Give ``model`` back its own attention implementation exactly; returns the same model.
+
+    The plugin's keys leave the config :func:`patch` gave the model, which stays the model's own (held by the same
+    modules): ``model.config.to_dict()`` is what it was before :func:`patch`, and it shares no object with the config
+    it was built from.
 
     Raises:
         ValueError: the model is not patched.
@@ -111,6 +122,27 @@ def unpatch(model: nn.Module) -> nn.Module:
         else:
             setattr(config, SECTION, section)
     return model
+
+
+def own_config(model: nn.Module) -> None:
+    """Give ``model`` configs of its own: every config object its modules hold is replaced by a deep copy.
+
+    Why: Transformers' ``from_config(config)`` keeps ``config`` itself as ``model.config`` (and as ``model.model``'s,
+    each attention module's, the rotary embedding's), so writing the plugin's section and attention implementation
+    into it would patch every model built from that config, before and after (a teacher, a reference model, the next
+    model of a sweep). The configs are copied together (one ``copy.deepcopy`` memo), so whatever shared one config
+    object shares its one copy, and a sub-config stays the object its parent holds (``config.text_config`` and the
+    language model's ``config``), which ``set_attn_implementation`` relies on to reach every sub-model. Attributes
+    are replaced where a module holds them (its ``__dict__``): a wrapper that forwards ``config`` to the model it
+    wraps (PEFT's ``PeftModel``) reads the copy. ``model.generation_config`` is not a config of the model and stays.
+    """
+    holders = [(module, name, value) for module in model.modules() for name, value in vars(module).items()
+               if isinstance(value, PretrainedConfig)]
+    originals = list({id(config): config for _, _, config in holders}.values())
+    copies: dict[int, object] = {}
+    copy.deepcopy(originals, copies)  # the memo maps id(original) -> copy, sub-configs included
+    for module, name, config in holders:
+        setattr(module, name, copies[id(config)])
 
 
 def patched_normalization(model: nn.Module) -> str | None:

@@ -191,3 +191,68 @@ def test_half_precision_models(dtype):
     real = inputs["attention_mask"].bool()
     torch.testing.assert_close(ours[real], native[real], rtol=0, atol=0.1)  # half-precision logits of size ~3
     assert cubic.dtype == dtype and torch.isfinite(cubic).all()
+
+
+def _config_holders(model) -> list:
+    """Every ``(module name, attribute, config)`` a module of ``model`` holds."""
+    return [(name, attribute, value) for name, module in model.named_modules() for attribute, value in
+            vars(module).items() if isinstance(value, tf.PretrainedConfig)]
+
+
+def test_patching_leaves_the_config_it_was_built_from_and_its_other_models_alone():
+    """The seed figure's workflow: one config, one model per normalization (``from_config`` keeps the config object
+    as ``model.config``). Patching the student leaves the config, a teacher built from it before and a model built
+    from it after as they were; the student holds one config of its own everywhere, before and after unpatch."""
+    config = tiny_config("llama")
+    config._attn_implementation = "sdpa"
+    before = config.to_dict()
+    torch.manual_seed(0)
+    teacher = tf.AutoModelForCausalLM.from_config(config).eval()
+    torch.manual_seed(0)
+    student = tf.AutoModelForCausalLM.from_config(config).eval()
+    assert teacher.config is config and student.config is config  # what Transformers does: the reason for the copy
+    generation_config = student.generation_config
+    inputs = tiny_inputs("llama")
+    with torch.no_grad():
+        taught = _output(teacher, inputs)
+        hf_knorm.patch(student, "x^3/16")
+        assert config.to_dict() == before and config._attn_implementation == "sdpa"
+        assert hf_knorm.patched_normalization(teacher) is None
+        assert torch.equal(_output(teacher, inputs), taught)
+        second = tf.AutoModelForCausalLM.from_config(config)
+        assert hf_knorm.patched_normalization(second) is None and second.config._attn_implementation == "sdpa"
+        holders = _config_holders(student)
+        assert {(name, attribute) for name, attribute, _ in holders} == {
+            (name, attribute) for name, attribute, _ in _config_holders(teacher)}
+        assert all(held is student.config for _, _, held in holders), "every module holds the student's one copy"
+        assert student.config is not config and hf_knorm.patched_normalization(student) == "x^3/16"
+        assert student.generation_config is generation_config
+        assert not torch.allclose(_output(student, inputs), taught)
+        hf_knorm.unpatch(student)
+        assert all(held is student.config for _, _, held in _config_holders(student))
+        assert student.config.to_dict() == before and student.config is not config
+        assert torch.equal(_output(student, inputs), taught)
+        assert student.generate(**inputs, max_new_tokens=2, do_sample=False, pad_token_id=0).shape == (2, 14)
+
+
+def test_patching_keeps_sub_configs_the_objects_their_sub_models_hold():
+    """A composite config (Llava: a text and a vision config) is copied as one: the language model holds the copy
+    of ``config.text_config``, so ``set_attn_implementation`` reaches every sub-model through the sub-configs."""
+    from hf_knorm.models.patching import own_config
+
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, image_size=16,
+                  patch_size=8)
+    config = tf.LlavaConfig(text_config=tf.LlamaConfig(**text), vision_config=tf.CLIPVisionConfig(**vision),
+                            image_token_index=63)
+    model = tf.LlavaForConditionalGeneration(config)
+    own_config(model)
+    assert model.config is not config and model.config.text_config is not config.text_config
+    assert model.model.language_model.config is model.config.text_config
+    assert model.model.vision_tower.config is model.config.vision_config
+    held = {id(value) for _, _, value in _config_holders(model)}
+    assert not held & {id(config), id(config.text_config), id(config.vision_config)}
+    model.set_attn_implementation("eager")
+    assert model.model.language_model.config._attn_implementation == "eager"
+    assert config.text_config._attn_implementation != "eager"
