@@ -18,7 +18,9 @@ functions (``AttentionInterface``, ``AttentionMaskInterface``) and the ``knorm-t
 makes every config patched by hf_knorm (an ``hf_knorm`` section naming a normalization) save
 ``"attn_implementation": "hf_knorm"``, which Transformers would otherwise drop, so that a patched model never loads
 back as softmax (one class-wide wrap of ``PreTrainedConfig._remove_keys_not_serialized``, see :mod:`hf_knorm.compat`;
-every other config serializes as before).
+every other config serializes as before); and it makes ``generate`` decode a model whose config runs the plugin with a
+``p = 1`` normalization with a ``RecurrentStateCache``, however the model was loaded (one class-wide wrap of
+``GenerationMixin._prepare_cache_for_generation``; every other model gets its cache as before).
 """
 
 from .compat import check_transformers_version
@@ -43,12 +45,14 @@ from .models.persistence import from_pretrained, load_model
 from .recording.record_norms import record_norms
 from .recording.statistics import LayerNorms, NormRecorder
 from .recurrent.cache import RecurrentStateCache
+from .recurrent.generation import register as register_state_decoding
 from .training.callback import NormLoggerCallback
 from .training.norm_figure import plot_norm_history
 from .version import __version__
 
 register()
 register_pipeline()
+register_state_decoding()
 
 __all__ = [
     "BalanceReport",

@@ -324,3 +324,81 @@ def update_position_ids(update_kwargs: Mapping) -> torch.Tensor | None:
     if not isinstance(forwarded, Mapping):
         return None
     return forwarded.get("position_ids")
+
+
+# =====================================================================================================================
+# Generation: the cache `generate` builds when the call brings none (constant-size decoding of p = 1 models)
+# =====================================================================================================================
+
+from transformers import DynamicCache  # noqa: E402
+from transformers.generation import GenerationMixin  # noqa: E402
+from transformers.generation.configuration_utils import GenerationMode  # noqa: E402
+
+_CHOOSES = "__hf_knorm_chooses_the_default_cache__"
+_CACHE_CHOOSERS: dict[str, Callable] = {}
+
+
+def choose_default_generation_cache(name: str, choose: Callable) -> None:
+    """Let ``choose(model, rewinds)`` replace the ``DynamicCache`` that ``generate`` builds for a call that brings no
+    cache and asks for no kind of cache; ``choose`` returns the cache to decode with, or ``None`` to keep the
+    ``DynamicCache``. ``rewinds``: the call crops its cache (assisted or prompt-lookup decoding, or the call is an
+    assistant's own), which a cache that sums the past cannot do.
+
+    Works around: a model loaded by plain ``from_pretrained`` (or built by ``from_config``) from a config that the
+    plugin patched runs no plugin code before its first attention call, and no public seam lets a plugin choose the
+    cache ``generate`` decodes with: ``generate`` builds ``DynamicCache(config=...)`` in
+    ``GenerationMixin._prepare_cache_for_generation`` (a ``cache_implementation`` names only Transformers' own
+    kinds; a ``custom_generate`` loads only with ``trust_remote_code``). So an ``x/1`` model decoded with a K/V cache
+    that grows with the context, silently, unless it was loaded by ``hf_knorm.from_pretrained``.
+
+    How: ``_prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+    max_cache_length)`` (5.10-5.24) is wrapped class-wide, once. After it ran, if the call brought no cache, asked
+    for none (``cache_implementation`` unset, ``use_cache`` not False) and it put an exact ``DynamicCache`` under
+    the cache keyword (:func:`cache_keyword`), each registered ``choose`` is asked in turn and the first cache it
+    returns replaces the ``DynamicCache``. Every other call, and every model a ``choose`` returns ``None`` for, gets
+    what Transformers builds. ``generate`` then continues with the cache each forward returns, as with any cache.
+    If a Transformers release has no such method, this warns and changes nothing (``import hf_knorm`` still works;
+    such a model then decodes with a growing cache unless ``generate`` is given one, and the compatibility test
+    fails).
+
+    Args:
+        name: the chooser's name (registering a name again replaces its ``choose``).
+        choose: ``(model, rewinds: bool) -> Cache | None``.
+
+    Checked on: Transformers 5.10 (source) and 5.24.
+    Test: ``tests/recurrent/test_plain_load.py`` (``compat``): an ``x/1`` model saved by hf_knorm and loaded by plain
+    ``AutoModelForCausalLM.from_pretrained`` generates with a ``RecurrentStateCache`` and the tokens of
+    ``hf_knorm.from_pretrained``; the wrap is installed once; a Transformers without the method gets a warning.
+    """
+    _CACHE_CHOOSERS[name] = choose
+    original = getattr(GenerationMixin, "_prepare_cache_for_generation", None)
+    if original is None:
+        warnings.warn(
+            f"This Transformers ({transformers.__version__}) has no GenerationMixin._prepare_cache_for_generation: "
+            f"generate keeps its own cache for every model ({name!r} cannot choose one); decode an x/1 model with "
+            "its constant-size state by passing cache=hf_knorm.RecurrentStateCache(config=model.config) "
+            "(please report it to hf_knorm).",
+            stacklevel=2,
+        )
+        return
+    if getattr(original, _CHOOSES, False):
+        return
+
+    @functools.wraps(original)
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        keyword = cache_keyword()
+        brought = model_kwargs.get(keyword) is not None
+        result = original(self, generation_config, model_kwargs, *args, **kwargs)
+        if brought or type(model_kwargs.get(keyword)) is not DynamicCache or generation_config.cache_implementation:
+            return result
+        mode = kwargs.get("generation_mode", args[0] if args else None)
+        rewinds = mode == GenerationMode.ASSISTED_GENERATION or bool(getattr(generation_config, "is_assistant", False))
+        for choose in _CACHE_CHOOSERS.values():
+            chosen = choose(self, rewinds)
+            if chosen is not None:
+                model_kwargs[keyword] = chosen
+                break
+        return result
+
+    setattr(_prepare_cache_for_generation, _CHOOSES, True)
+    GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation

@@ -23,7 +23,6 @@ from ..attention.normalizations import Normalization, parse_normalization, with_
 from ..attention.paths import LINEAR_POLICIES
 from ..attention.window import MIX_FIELD
 from ..compat import attn_implementation_of
-from ..recurrent import generation
 from ..recurrent.cache import unwatch_steps, watch_steps
 from ..version import __version__
 from .architectures import architecture_of, attention_modules
@@ -90,8 +89,7 @@ def patch(model: nn.Module, normalization: str | Normalization = "softmax", *, l
             section["linear"] = linear
         setattr(config, SECTION, section)
     model.set_attn_implementation(ATTENTION_NAME)
-    if is_linear(normalization):
-        generation.install(model)  # generate decodes with a constant-size state (hf_knorm.recurrent)
+    if is_linear(normalization):  # generate decodes it with a constant-size state (hf_knorm.recurrent.generation)
         watch_steps(model)  # a layer that misses its state is an error at the step's end
     return model
 
@@ -111,7 +109,6 @@ def unpatch(model: nn.Module) -> nn.Module:
         raise ValueError("The model is not patched by hf_knorm; there is nothing to undo.")
     original = model.config.hf_knorm.get("original_attn_implementation") or "sdpa"
     model.set_attn_implementation(original)
-    generation.uninstall(model)
     unwatch_steps(model)
     for config in _configs(model):
         section = dict(getattr(config, SECTION, None) or {})

@@ -24,10 +24,8 @@ import torch
 import torch.nn as nn
 
 from ..attention.interface import ATTENTION_NAME
-from ..attention.linear_kernel import is_linear
 from ..attention.paths import LINEAR_POLICIES
 from ..attention.normalizations import parse_normalization
-from ..recurrent import generation
 from ..version import __version__
 from .patching import SECTION
 
@@ -79,10 +77,7 @@ def from_pretrained(path: str | os.PathLike, model_class=None, **kwargs) -> nn.M
         architectures = getattr(config, "architectures", None) or []
         model_class = getattr(transformers, architectures[0], None) if architectures else None
         model_class = model_class or transformers.AutoModel
-    model = model_class.from_pretrained(path, **kwargs)
-    if normalization is not None and is_linear(parse_normalization(normalization)):
-        generation.install(model)  # as hf_knorm.patch does: generate decodes with a constant-size state
-    return model
+    return model_class.from_pretrained(path, **kwargs)  # a p = 1 model decodes with its state (recurrent.generation)
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, **kwargs):

@@ -18,7 +18,8 @@ batches included); ``get_seq_length`` counts every token, so positions stay true
 Beam search reorders the states; contrastive search selects them. What cannot work is refused: cropping (assisted or
 speculative decoding rewinds the cache), a model whose attention is not the plugin's with a ``p = 1`` normalization,
 sliding-window layers. A layer whose attention does not take its state is an error at the end of the forward
-(:func:`watch_steps`, installed by :func:`hf_knorm.patch`), or at the latest at the cache's next ``update``.
+(:func:`watch_steps`, installed by :func:`hf_knorm.patch` and by ``generate`` when it decodes with a state), or at the
+latest at the cache's next ``update``.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def _missed(layer: RecurrentStateLayer) -> RuntimeError:
 
 def watch_steps(model: torch.nn.Module) -> None:
     """Check the state handover at the end of every forward of ``model`` (idempotent; :func:`hf_knorm.patch` calls it
-    for ``p = 1`` normalizations).
+    for ``p = 1`` normalizations, and ``generate`` when it picks a state: :mod:`.generation`).
 
     A forward hook that runs even when the forward raises (``always_call``): a state still pending then was handed
     over by a layer's ``update`` and never taken by its attention. After a forward that returned, that layer's output

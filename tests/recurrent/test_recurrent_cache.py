@@ -1,4 +1,5 @@
-"""Constant-size decoding of p = 1 models: generate uses a RecurrentStateCache and gives the K/V cache's tokens."""
+"""Constant-size decoding of p = 1 models: generate uses a RecurrentStateCache and gives the K/V cache's tokens (what
+a call asks for instead, and every way to load such a model: test_plain_load.py)."""
 
 import copy
 
@@ -12,7 +13,6 @@ from hf_knorm import KNormCache, RecurrentStateCache, attention_paths
 from hf_knorm.attention.taps import pending_handover, taps_set
 from hf_knorm.compat import cache_kwargs, output_cache
 from hf_knorm.evaluation.decoding_cost import decoding_cost
-from hf_knorm.recurrent import generation
 
 FULL_ATTENTION_TYPES = ("llama", "qwen3", "phi3", "gpt2", "gpt_neox")
 GREEDY = dict(do_sample=False, pad_token_id=0, min_new_tokens=8, max_new_tokens=8)
@@ -81,34 +81,10 @@ def test_reloaded_models_decode_with_the_state(tmp_path):
     model = hf_knorm.patch(tiny_model("qwen3"), "x/1")
     hf_knorm.save_pretrained(model, tmp_path / "model")
     loaded = hf_knorm.from_pretrained(tmp_path / "model")
-    assert generation.is_installed(loaded)
     ids, mask = _prompts()
     out = loaded.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **GREEDY)
     assert isinstance(output_cache(out), RecurrentStateCache)
     assert out.sequences.tolist() == model.generate(input_ids=ids, attention_mask=mask, **GREEDY).tolist()
-
-
-def test_patching_installs_and_unpatching_removes_the_generate_and_copies_carry_their_own():
-    model = hf_knorm.patch(tiny_model("llama"), "x/1")
-    assert generation.is_installed(model)
-    twin = copy.deepcopy(model)
-    assert twin.generate.keywords["model"] is twin
-    hf_knorm.unpatch(model)
-    assert not generation.is_installed(model)
-    assert not generation.is_installed(hf_knorm.patch(tiny_model("llama"), "x^3/16"))
-
-
-@pytest.mark.compat
-def test_a_call_that_brings_its_own_cache_or_rewinds_gets_no_state():
-    model = hf_knorm.patch(tiny_model("llama"), "x/1")
-    assert not generation.wants_state(model, cache_kwargs(DynamicCache()))
-    assert not generation.wants_state(model, {"use_cache": False})
-    assert not generation.wants_state(model, {"cache_implementation": "static"})
-    assert not generation.wants_state(model, {"prompt_lookup_num_tokens": 3})
-    assert generation.wants_state(model, {})
-    ids, mask = _prompts(batch=1, pad=0)  # assisted decoding takes one sequence
-    out = model.generate(input_ids=ids, attention_mask=mask, prompt_lookup_num_tokens=2, **GREEDY)
-    assert out.tolist() == model.generate(input_ids=ids, attention_mask=mask, **GREEDY).tolist()
 
 
 def test_what_a_state_cannot_do_is_refused():
