@@ -267,3 +267,19 @@ def test_patching_keeps_sub_configs_the_objects_their_sub_models_hold():
     model.set_attn_implementation("eager")
     assert model.model.language_model.config._attn_implementation == "eager"
     assert config.text_config._attn_implementation != "eager"
+
+
+def test_a_peft_wrapped_model_reads_the_patched_config_through_the_wrapper():
+    """PEFT's ``PeftModel`` forwards ``config`` to the model it wraps (it holds none): patching through the wrapper
+    gives the wrapped model its own config, which the wrapper reads; unpatch gives the original implementation."""
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model("llama")
+    wrapped = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    shared = model.config
+    hf_knorm.patch(wrapped, "x^3/16")
+    assert "config" not in vars(wrapped) and wrapped.config is model.config is not shared
+    assert all(held is model.config for _, _, held in _config_holders(wrapped))
+    assert hf_knorm.patched_normalization(wrapped) == "x^3/16" and shared._attn_implementation == "sdpa"
+    hf_knorm.unpatch(wrapped)
+    assert wrapped.config._attn_implementation == "sdpa" and hf_knorm.patched_normalization(wrapped) is None
