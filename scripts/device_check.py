@@ -83,7 +83,8 @@ def self_check_rows(head_dim: int = 64) -> tuple[list[str], bool]:
         normalization = parse_normalization(spelling)
         where = "cuda" if CUDA else "cpu"
         place = "CUDA" if CUDA else "CPU, Triton's interpreter" if interpreted and kernel == "triton" else "CPU"
-        label = f"| kernel self-check, {kernel} {family_of(normalization)} {str(dtype).removeprefix('torch.')} ({place})"
+        dtype_name = str(dtype).removeprefix("torch.")
+        label = f"| kernel self-check, {kernel} {family_of(normalization)} {dtype_name} ({place})"
         try:
             require(kernel, f"The device check's {kernel} self-check")
         except MissingExtraError as error:

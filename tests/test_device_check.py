@@ -23,8 +23,9 @@ TIMING = re.compile(r"^\| attention N=128 (?P<name>.+?) \((?P<setting>[^)]*)\) \
 
 @pytest.fixture(scope="module")
 def output():
-    result = subprocess.run([sys.executable, "scripts/device_check.py", "--skip-tests", "--skip-conversion",
-                             "--skip-compile", "--lengths", "128"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    command = [sys.executable, "scripts/device_check.py", "--skip-tests", "--skip-conversion", "--skip-compile",
+               "--lengths", "128"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     return result.stdout
 

@@ -225,8 +225,8 @@ def test_a_kernel_that_cannot_be_imported_or_run_is_reported_once_and_the_pytorc
     """fla installed, but its kernels' module fails to import; then importable, but its Triton finds no GPU driver
     (fla's real kernels on a CPU)."""
     monkeypatch.setitem(sys.modules, "fla.ops.linear_attn", None)
-    with pytest.warns(UserWarning, match=r"flash-linear-attention failed its self-check.*it raised ModuleNotFoundError: import of "
-                                         r"fla.ops.linear_attn halted"):
+    with pytest.warns(UserWarning, match=r"flash-linear-attention failed its self-check.*it raised "
+                                         r"ModuleNotFoundError: import of fla.ops.linear_attn halted"):
         assert _name(LINEAR, "x/1", dtype=torch.float32, head_dim=16) == "linear"
     with warnings.catch_warnings():
         warnings.simplefilter("error")

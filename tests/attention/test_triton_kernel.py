@@ -254,3 +254,28 @@ def test_a_patched_model_runs_the_triton_kernel_through_the_attention_interface(
     torch.testing.assert_close(logits[mask.bool()], ref_logits[mask.bool()], rtol=1e-4, atol=1e-4 * scale)
     for name, ref_grad in ref_grads.items():
         torch.testing.assert_close(grads[name], ref_grad, rtol=1e-4, atol=1e-4 * ref_grad.abs().max().item(), msg=name)
+
+
+def test_a_patched_model_whose_triton_kernel_fails_its_check_runs_the_pytorch_kernel(monkeypatch):
+    """The automatic choice on "CUDA" (the interpreter standing in) with a Triton kernel 5% off: one warning, every
+    layer counted as "quadratic", the PyTorch kernel's logits."""
+    import hf_knorm
+    from hf_knorm.attention import backends, self_check
+    from tests.tiny_models import tiny_model
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(backends, "_device_type", lambda tensor: "cuda")
+    monkeypatch.setattr(self_check, "_VERDICTS", {})
+    monkeypatch.setattr(backends, "_REPORTED", set())
+    monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": "auto", "linear": "auto"})
+    real = triton_kernel.triton_attention
+    monkeypatch.setattr(triton_kernel, "triton_attention", lambda *args, **options: real(*args, **options) * 1.05)
+    model = hf_knorm.patch(tiny_model("llama"), "x^3/16").to(DEVICE)
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with pytest.warns(UserWarning, match=r"the Triton kernel failed its self-check.*case \(a\), output"):
+        with hf_knorm.attention_paths() as taken, torch.no_grad():
+            logits = model(input_ids=ids).logits
+    assert dict(taken) == {"quadratic": model.config.num_hidden_layers}
+    monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": "pytorch", "linear": "auto"})
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(input_ids=ids).logits, rtol=0, atol=0)
