@@ -89,7 +89,7 @@ def with_kernel(path: Path, query: torch.Tensor, normalization: Normalization, *
     kind = "linear" if path.linear else "quadratic"
     chosen = _CHOSEN[kind]
     if chosen == "pytorch":
-        return _log(path, "use_kernels(%s='pytorch')" % kind)
+        return path if compiling else _log(path, f"use_kernels({kind}='pytorch')")
     kernel = "fla" if path.linear else "triton"
     forced = chosen != "auto"
     blocker = _blocker(kernel, query, normalization, dropout=dropout, return_weights=return_weights,
@@ -99,6 +99,8 @@ def with_kernel(path: Path, query: torch.Tensor, normalization: Normalization, *
             raise ValueError(f"use_kernels({kind}={chosen!r}) forces {_NAMES[kernel]}, which cannot compute this "
                              f"call: {blocker}. Use use_kernels({kind}='auto') to let the PyTorch kernel compute the "
                              "calls it does not.")
+        if compiling:  # traced code: no logging (a graph break)
+            return path
         return _log(path, f"{_NAMES[kernel]} does not compute it: {blocker}")
     if not forced and not _importable(_MODULES[kernel]):
         return _log(path, f"{_NAMES[kernel]} is not installed (pip install 'hf_knorm[gpu]')")
