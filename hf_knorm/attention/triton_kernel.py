@@ -32,7 +32,8 @@ kernels are interpreted).
 
 Not covered here (``backends.py`` sends these calls to the PyTorch kernel): softmax (Transformers' own sdpa path and
 the PyTorch kernel serve it), attention dropout, returned weights, and recording the attention norms.
-``reference.py`` is what this is tested against.
+``reference.py`` is what this is tested against; ``backends.py`` hands it calls on a device only after it has passed
+its self-check there (``self_check.py``: against the PyTorch kernel, at these block sizes).
 """
 
 from __future__ import annotations
