@@ -50,7 +50,9 @@ _REPORTED_LOCK = threading.Lock()
 
 
 def use_kernels(quadratic: str | None = None, linear: str | None = None) -> dict[str, str]:
-    """Set which kernels run (``None`` leaves a setting as it is); returns the settings now in force.
+    """Set which kernels run (``None`` leaves a setting as it is); returns the settings now in force. A forced
+    kernel (``"triton"``, ``"fla"``) then raises on a call it cannot compute and when it fails its self-check
+    (:func:`with_kernel`).
 
     Args:
         quadratic: ``"auto"`` (default), ``"pytorch"`` or ``"triton"``.
