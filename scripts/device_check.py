@@ -4,7 +4,14 @@
 
 1. **tests**: ``pytest -m device`` (kernels against the reference, patched softmax against native attention,
    generation, recorded norms, a bf16 conversion) on CUDA when there is one, the CPU-bf16 half otherwise;
-2. **attention**: one causal layer shaped like SmolLM2-135M's (9 query / 3 KV heads, head dim 64), bf16 on CUDA
+2. **kernel self-checks**: each GPU kernel's self-check (``hf_knorm/attention/self_check.py``, what the plugin runs
+   before a kernel computes any call: small shapes at the production block sizes, outputs and gradients against the
+   PyTorch kernel in fp64), a row per kernel and dtype: Triton ``x^3/c`` and ``x^3/sqrtN`` in fp32, bf16 and fp16, fla
+   ``x/c`` in fp32 and bf16, head dim 64. On CUDA they run on the GPU; without CUDA the Triton rows run under
+   Triton's interpreter when ``TRITON_INTERPRET=1`` is set (as the tests set it) and say they are skipped otherwise,
+   and fla's rows say they are skipped (its kernels need a GPU). A failed check makes the script exit with status 1,
+   after the whole table;
+3. **attention**: one causal layer shaped like SmolLM2-135M's (9 query / 3 KV heads, head dim 64), bf16 on CUDA
    (fp32 on the CPU), forward and forward+backward time and peak memory of SDPA (its flash backend on CUDA), the
    plugin's quadratic kernels for ``x^3/16`` (PyTorch, and on CUDA Triton: ``hf_knorm/attention/triton_kernel.py``)
    and its linear ones for ``x/1`` (PyTorch, and on CUDA flash-linear-attention: ``fla_linear.py``), at 4k-32k
@@ -12,11 +19,11 @@
    beside issue 35's targets (Triton ``x^3/16`` at most 1.2x SDPA flash at 8k-32k, fla ``x/1`` at most 0.2x at 32k);
    the GPU kernels' rows say why they are skipped where they cannot run (no CUDA: Triton's interpreter is for tests,
    not for timing; or the ``gpu`` extra missing);
-3. **conversion**: a short ``hf_knorm.convert`` of the default model (2 transfer + 3 recovery steps on the essays,
+4. **conversion**: a short ``hf_knorm.convert`` of the default model (2 transfer + 3 recovery steps on the essays,
    ``--bf16`` on CUDA) and each stage's training tokens per second;
-4. **compile**: the default model under ``torch.compile(fullgraph=True)`` against eager mode on 512 tokens (bf16 on
+5. **compile**: the default model under ``torch.compile(fullgraph=True)`` against eager mode on 512 tokens (bf16 on
    CUDA), through the plugin (softmax) and through SDPA: the largest logit difference of each;
-5. **FSDP** (CUDA only: accelerate runs FSDP on accelerators alone): ``hf-knorm finetune`` of the default model for 3
+6. **FSDP** (CUDA only: accelerate runs FSDP on accelerators alone): ``hf-knorm finetune`` of the default model for 3
    steps under ``accelerate launch --config_file configs/accelerate_fsdp.yaml`` on every GPU, and the saved model
    loaded back.
 
@@ -31,6 +38,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -57,6 +65,42 @@ def run_tests() -> tuple[str, str]:
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     summary = lines[-1] if lines else result.stderr.strip()[-200:]
     return ("pass" if result.returncode == 0 else "FAIL"), summary
+
+
+SELF_CHECKS = [("triton", spelling, dtype) for spelling in ("x^3/16", "x^3/sqrtN")
+               for dtype in (torch.float32, torch.bfloat16, torch.float16)]
+SELF_CHECKS += [("fla", "x/1", dtype) for dtype in (torch.float32, torch.bfloat16)]
+
+
+def self_check_rows(head_dim: int = 64) -> tuple[list[str], bool]:
+    """A row per kernel's self-check on this device (``pass``, ``FAIL: why`` or ``skipped: why``), and whether every
+    check that ran passed."""
+    from hf_knorm.attention.self_check import family_of, run_check
+
+    rows, passed = [], True
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    for kernel, spelling, dtype in SELF_CHECKS:
+        normalization = parse_normalization(spelling)
+        where = "cuda" if CUDA else "cpu"
+        place = "CUDA" if CUDA else "CPU, Triton's interpreter" if interpreted and kernel == "triton" else "CPU"
+        dtype_name = str(dtype).removeprefix("torch.")
+        label = f"| kernel self-check, {kernel} {family_of(normalization)} {dtype_name} ({place})"
+        try:
+            require(kernel, f"The device check's {kernel} self-check")
+        except MissingExtraError as error:
+            rows.append(f"{label} | skipped: {error} |")
+            continue
+        if not CUDA and kernel == "fla":
+            rows.append(f"{label} | skipped: no CUDA device (fla's kernels need a GPU, even under Triton's "
+                        "interpreter) |")
+            continue
+        if not CUDA and not interpreted:
+            rows.append(f"{label} | skipped: no CUDA device (TRITON_INTERPRET=1 runs it under Triton's interpreter) |")
+            continue
+        failure = run_check(kernel, torch.device(where), dtype, normalization, head_dim)
+        passed = passed and not failure
+        rows.append(f"{label} | {'FAIL: ' + failure if failure else 'pass'} |")
+    return rows, passed
 
 
 def _sdpa(query, key, value):
@@ -232,6 +276,9 @@ def main() -> None:
     else:
         status, summary = run_tests()
         print(f"| tests (pytest -m device) | {status}: {summary} |")
+    check_rows, checks_passed = self_check_rows()
+    for line in check_rows:
+        print(line, flush=True)
     gpu_kernels, skipped = gpu_implementations()
     rows = attention_rows(lengths, {**IMPLEMENTATIONS, **gpu_kernels})
     dtype = "bf16, SDPA flash" if CUDA else "fp32, SDPA default backend"
@@ -255,6 +302,8 @@ def main() -> None:
         print(f"| FSDP finetune (configs/accelerate_fsdp.yaml) | {fsdp_check()} |")
     else:
         print("| FSDP finetune | skipped: accelerate runs FSDP on accelerators only (the jobs refuse it on the CPU) |")
+    if not checks_passed:
+        sys.exit("device check: a kernel failed its self-check (the rows marked FAIL); the plugin will not use it here")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,65 @@
-"""``make device-check`` runs on a machine without a GPU: its attention part, small, prints its rows."""
+"""``make device-check`` runs on a machine without a GPU: its kernel self-checks and its attention part, small; every
+row says what it measured or checked, with figures that make sense, or why it skipped.
 
+Without CUDA the Triton self-checks run under Triton's interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1``,
+which the script inherits): a Triton kernel that computes wrong values fails this test.
+"""
+
+import math
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
+CUDA = torch.cuda.is_available()
+TIMING = re.compile(r"^\| attention N=128 (?P<name>.+?) \((?P<setting>[^)]*)\) \| forward (?P<forward>\S+) ms "
+                    r"\((?P<forward_ratio>\S+)x SDPA\), forward\+backward (?P<backward>\S+) ms \((?P<ratio>\S+)x\)")
 
 
-def test_the_device_check_runs_on_the_cpu_and_says_what_it_skips():
-    result = subprocess.run([sys.executable, "scripts/device_check.py", "--skip-tests", "--skip-conversion",
-                             "--skip-compile", "--lengths", "128"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| attention N=128")]
-    assert len(rows) == 3 and all("x SDPA)" in row for row in rows)
-    if "no CUDA device" in result.stdout:
-        assert "bf16, flash and peak memory skipped" in result.stdout
-        assert "| FSDP finetune | skipped: accelerate runs FSDP on accelerators only" in result.stdout
+@pytest.fixture(scope="module")
+def output():
+    command = [sys.executable, "scripts/device_check.py", "--skip-tests", "--skip-conversion", "--skip-compile",
+               "--lengths", "128"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    return result.stdout
+
+
+def test_every_kernel_passes_its_self_check(output):
+    rows = [line for line in output.splitlines() if line.startswith("| kernel self-check")]
+    triton = [row for row in rows if row.startswith("| kernel self-check, triton")]
+    fla = [row for row in rows if row.startswith("| kernel self-check, fla")]
+    assert len(triton) == 6 and len(fla) == 2 and len(rows) == 8
+    if CUDA or os.environ.get("TRITON_INTERPRET") == "1":
+        assert all(row.endswith("| pass |") for row in triton), "\n".join(triton)
+    if CUDA:
+        assert all(row.endswith("| pass |") for row in fla), "\n".join(fla)
+    else:
+        assert all("| skipped: no CUDA device (fla's kernels need a GPU" in row for row in fla)
+
+
+def test_the_attention_rows_time_each_implementation(output):
+    rows = [TIMING.match(line) for line in output.splitlines() if line.startswith("| attention N=128")]
+    assert all(rows), output
+    names = [row["name"] for row in rows]
+    expected = ["sdpa", "x^3/16 (quadratic)", "x/1 (linear)"] + (["x^3/16 (Triton)", "x/1 (fla)"] if CUDA else [])
+    assert sorted(names) == sorted(expected)
+    for row in rows:
+        figures = [float(row[name]) for name in ("forward", "forward_ratio", "backward", "ratio")]
+        assert all(math.isfinite(figure) and figure > 0 for figure in figures), row.group(0)
+    assert {(row["forward_ratio"], row["ratio"]) for row in rows if row["name"] == "sdpa"} == {("1.00", "1.00")}
+
+
+def test_what_it_cannot_run_here_is_said(output):
+    if CUDA:
+        assert "| FSDP finetune (configs/accelerate_fsdp.yaml) |" in output
+        return
+    assert "CPU (no CUDA device: bf16, flash and peak memory skipped)" in output
+    for name in ("x^3/16 (Triton)", "x/1 (fla)"):
+        assert f"| attention, {name} | skipped: no CUDA device" in output
+    assert "| FSDP finetune | skipped: accelerate runs FSDP on accelerators only" in output

@@ -1,22 +1,32 @@
 """Which implementation computes a call, once ``paths.py`` has chosen the path (quadratic or linear).
 
-- The quadratic path (any normalization): the Triton kernel (``triton_kernel.py``) on CUDA when ``triton`` is
-  importable and the call is one it computes (a polynomial ``x^p/c``, fp32/bf16/fp16, no attention dropout, no
-  returned weights, no norm recording, not traced by ``torch.compile``); the PyTorch kernel (``kernel.py``)
-  otherwise, and always on the CPU.
-- The linear path (``p = 1``): flash-linear-attention (``fla_linear.py``) on CUDA when ``fla`` is importable and the
-  norms are not recorded, not traced by ``torch.compile``; the PyTorch linear kernel (``linear_kernel.py``) otherwise.
+- The quadratic path: the Triton kernel (``triton_kernel.py``) on CUDA for the calls it computes (a polynomial
+  ``x^p/c``, fp32/bf16/fp16, no attention dropout, no returned weights, no norm recording, not traced by
+  ``torch.compile``); the PyTorch kernel (``kernel.py``) otherwise, and always on the CPU.
+- The linear path (``p = 1``): flash-linear-attention (``fla_linear.py``) on CUDA for the calls it computes
+  (fp32/bf16/fp16, norms not recorded, not traced by ``torch.compile``); the PyTorch linear kernel
+  (``linear_kernel.py``) otherwise.
 
-``attention_paths()`` counts the call under the name of what ran: ``"triton"``, ``"fla"``, ``"quadratic"`` (the
-PyTorch kernel) or ``"linear"`` (the PyTorch linear kernel). :func:`use_kernels` overrides the automatic choice
-process-wide: ``"pytorch"`` never uses the GPU kernels; ``"triton"`` / ``"fla"`` fail at once, naming the extra to
-install, when their package is missing, and fail on a call whose tensors are not on CUDA (the calls these kernels do
-not compute, listed above, still take the PyTorch kernels, and ``attention_paths()`` shows them).
+A GPU kernel computes a call only once it has proved itself on the device in use: ``self_check.py`` compares it with
+the PyTorch kernel on small shapes, outputs and gradients, the first time a (device, dtype, kernel, normalization
+family, head dimension) comes up in the process. Under the automatic choice a kernel whose package is not installed
+is not tried; one that fails its check or cannot be imported is reported once, with the reason, by a warning, and the
+PyTorch kernel computes its calls.
+
+:func:`use_kernels` overrides the automatic choice process-wide: ``"pytorch"`` never uses the GPU kernels;
+``"triton"`` / ``"fla"`` force one: they fail at once, naming the extra to install, when its package is missing, and
+raise with the reason on a call the kernel cannot compute (tensors not on CUDA, softmax, dropout, ...) and when the
+kernel fails its self-check. ``attention_paths()`` counts each call under the name of what ran: ``"triton"``,
+``"fla"``, ``"quadratic"`` (the PyTorch kernel) or ``"linear"`` (the PyTorch linear kernel); the
+``hf_knorm.attention`` logger says at DEBUG level which kernel computes a call and, for a PyTorch one, why.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
+import threading
+import warnings
 from dataclasses import replace
 from functools import lru_cache
 
@@ -27,14 +37,22 @@ from .kernel import chunked_attention
 from .linear_kernel import linear_attention
 from .normalizations import Normalization
 from .paths import Path
+from .self_check import family_of, key_of, verdict
 
 KERNEL_CHOICES = {"quadratic": ("auto", "pytorch", "triton"), "linear": ("auto", "pytorch", "fla")}
 _CHOSEN = {"quadratic": "auto", "linear": "auto"}
-_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_NAMES = {"triton": "the Triton kernel", "fla": "flash-linear-attention"}
+_MODULES = {"triton": "triton", "fla": "fla"}
+logger = logging.getLogger("hf_knorm.attention")
+_REPORTED: set[tuple] = set()  # self-check keys whose failure has been warned about
+_REPORTED_LOCK = threading.Lock()
 
 
 def use_kernels(quadratic: str | None = None, linear: str | None = None) -> dict[str, str]:
-    """Set which kernels run (``None`` leaves a setting as it is); returns the settings now in force.
+    """Set which kernels run (``None`` leaves a setting as it is); returns the settings now in force. A forced
+    kernel (``"triton"``, ``"fla"``) then raises on a call it cannot compute and when it fails its self-check
+    (:func:`with_kernel`).
 
     Args:
         quadratic: ``"auto"`` (default), ``"pytorch"`` or ``"triton"``.
@@ -64,23 +82,78 @@ def _importable(module: str) -> bool:
 
 def with_kernel(path: Path, query: torch.Tensor, normalization: Normalization, *, dropout: float,
                 return_weights: bool, recording: bool, compiling: bool) -> Path:
-    """``path`` with its ``kernel`` named when a GPU kernel computes the call (see the module docstring)."""
+    """``path`` with its ``kernel`` named when a GPU kernel computes the call (see the module docstring).
+
+    Raises:
+        ValueError: a kernel forced by :func:`use_kernels` cannot compute this call (the message says why).
+        RuntimeError: a forced kernel failed its self-check on this device (the message says how).
+    """
     kind = "linear" if path.linear else "quadratic"
     chosen = _CHOSEN[kind]
-    if chosen == "pytorch" or compiling or recording:
-        return path
-    on_cuda = _device_type(query) == "cuda"
-    if chosen != "auto" and not on_cuda:
-        raise ValueError(f"use_kernels({kind}={chosen!r}) runs on CUDA tensors; this call's are on "
-                         f"{query.device.type}. Move the model to a GPU, or use_kernels({kind}='auto').")
-    if not on_cuda:
-        return path
-    if path.linear:
-        return replace(path, kernel="fla") if chosen == "fla" or _importable("fla") else path
-    computes = (not normalization.is_softmax and query.dtype in _TRITON_DTYPES and dropout == 0.0
-                and not return_weights)
-    if computes and (chosen == "triton" or _importable("triton")):
-        return replace(path, kernel="triton")
+    if chosen == "pytorch":
+        return path if compiling else _log(path, f"use_kernels({kind}='pytorch')")
+    kernel = "fla" if path.linear else "triton"
+    forced = chosen != "auto"
+    blocker = _blocker(kernel, query, normalization, dropout=dropout, return_weights=return_weights,
+                       recording=recording, compiling=compiling)
+    if blocker:
+        if forced:
+            raise ValueError(f"use_kernels({kind}={chosen!r}) forces {_NAMES[kernel]}, which cannot compute this "
+                             f"call: {blocker}. Use use_kernels({kind}='auto') to let the PyTorch kernel compute the "
+                             "calls it does not.")
+        if compiling:  # traced code: no logging (a graph break)
+            return path
+        return _log(path, f"{_NAMES[kernel]} does not compute it: {blocker}")
+    if not forced and not _importable(_MODULES[kernel]):
+        return _log(path, f"{_NAMES[kernel]} is not installed (pip install 'hf_knorm[gpu]')")
+    failure = verdict(kernel, query.device, query.dtype, normalization, query.shape[-1])
+    if failure:
+        what = (f"{_NAMES[kernel]} failed its self-check against the PyTorch kernel on {query.device} "
+                f"({query.dtype}, {family_of(normalization)}, head dim {query.shape[-1]}): {failure}")
+        if forced:
+            raise RuntimeError(f"use_kernels({kind}={chosen!r}) forces {_NAMES[kernel]}, and {what}. Use "
+                               f"use_kernels({kind}='pytorch'), or 'auto' (the PyTorch kernel, with a warning).")
+        _warn_once(key_of(kernel, query.device, query.dtype, normalization, query.shape[-1]),
+                   f"hf_knorm: {what}. The PyTorch kernel computes these calls (use_kernels({kind}='pytorch') "
+                   "says so without this warning).")
+        return _log(path, f"{_NAMES[kernel]} failed its self-check: {failure}")
+    return _log(replace(path, kernel=kernel), "self-check passed")
+
+
+def _blocker(kernel: str, query: torch.Tensor, normalization: Normalization, *, dropout: float,
+             return_weights: bool, recording: bool, compiling: bool) -> str:
+    """Why ``kernel`` cannot compute a call (``""`` when it can)."""
+    device = _device_type(query)
+    if device != "cuda":
+        return f"it runs on CUDA tensors, and this call's are on {device}"
+    if query.dtype not in _KERNEL_DTYPES:
+        return f"it takes fp32, bf16 or fp16 inputs, not {query.dtype}"
+    if compiling:
+        return "the call is traced by torch.compile (compiled code runs the PyTorch kernels: compiled.py)"
+    if recording:
+        return "the attention norms are recorded (record_norms, NormLoggerCallback), which only the PyTorch kernels do"
+    if kernel == "triton":
+        if normalization.is_softmax:
+            return "softmax (Transformers' sdpa and the PyTorch kernel compute it)"
+        if dropout:
+            return "attention dropout"
+        if return_weights:
+            return "the attention weights were requested"
+    return ""
+
+
+def _warn_once(key: tuple, message: str) -> None:
+    with _REPORTED_LOCK:
+        if key in _REPORTED:
+            return
+        _REPORTED.add(key)
+    warnings.warn(message, stacklevel=4)
+
+
+def _log(path: Path, why: str) -> Path:
+    """``path``, after saying at DEBUG level which kernel computes the call and why."""
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s kernel (%s): %s", path.name, "GPU" if path.kernel else "PyTorch", why)
     return path
 
 

@@ -23,6 +23,8 @@ do not run under Triton's interpreter (with fla-core 0.6.0 and Triton 3.9.0: its
 through the active GPU driver, and there is none on a CPU; past that, ``fla/ops/common/chunk_h.py`` calls ``.to`` on
 a loop index that the interpreter keeps as a Python ``int``). ``kernels=`` lets the tests put fla's own plain
 reference (``fla.ops.linear_attn.naive.naive_recurrent_linear_attn``, same signature) in their place on a CPU.
+``backends.py`` hands fla calls on a device only after it has passed its self-check there (``self_check.py``:
+against the PyTorch linear kernel, a prefill and a decoding step).
 """
 
 from __future__ import annotations

@@ -25,14 +25,15 @@ Precision: scores and weights in fp32; the products ``w V`` and ``dS K`` take bf
 FlashAttention does for ``P V``), fp32 ones for fp16 inputs (``s^p`` of a score of ~60 overflows fp16; TF32 products)
 and fp32 inputs (IEEE, not TF32); every sum accumulates in fp32. fp64 inputs are the PyTorch kernel's.
 
-Under Triton's interpreter (``TRITON_INTERPRET=1``, how ``tests/attention/test_triton_kernel.py`` runs these
-kernels on a CPU), bf16 operands are upcast to fp32 before ``tl.dot``: the interpreter of Triton 3.9.0 stores bf16 as
-``uint16`` and its ``create_dot`` hands those raw bit patterns to ``np.matmul`` (only fp8 is converted first), so a
-bf16 ``tl.dot`` returns garbage there (measured: errors of ~1e10 on a 16 x 16 product); on a GPU the bf16 dot runs.
+Under Triton's interpreter (``TRITON_INTERPRET=1``, how ``tests/attention/test_triton_kernel.py`` and the self-check
+of ``self_check.py`` run these kernels on a CPU) the code is the same, bf16 operands included: the interpreter of
+Triton 3.9.0 cannot multiply bf16 tiles by itself, and ``triton_interpreter.py`` teaches it (imported here when the
+kernels are interpreted).
 
 Not covered here (``backends.py`` sends these calls to the PyTorch kernel): softmax (Transformers' own sdpa path and
 the PyTorch kernel serve it), attention dropout, returned weights, and recording the attention norms.
-``reference.py`` is what this is tested against.
+``reference.py`` is what this is tested against; ``backends.py`` hands it calls on a device only after it has passed
+its self-check there (``self_check.py``: against the PyTorch kernel, at these block sizes).
 """
 
 from __future__ import annotations
@@ -154,9 +155,9 @@ def _range_strides(ranges: torch.Tensor | None) -> tuple[int, int, int]:
 
 def _dot_options(dtype: torch.dtype) -> tuple[bool, str]:
     """``(fp32 operands, tl.dot input precision)`` for inputs of ``dtype`` (see the module docstring): bf16 operands
-    stay bf16 on a GPU, anything else is computed on fp32 operands (IEEE for fp32 inputs, TF32 for fp16 ones, whose
+    stay bf16 (on a GPU and under the interpreter alike), anything else is computed on fp32 operands (IEEE for fp32 inputs, TF32 for fp16 ones, whose
     10-bit mantissa TF32 holds exactly)."""
-    upcast = dtype != torch.bfloat16 or INTERPRETED
+    upcast = dtype != torch.bfloat16
     return upcast, ("ieee" if dtype == torch.float32 else "tf32")
 
 
@@ -456,3 +457,8 @@ def _dq_kernel(
 INTERPRETED = isinstance(_forward_kernel, InterpretedFunction)
 """Whether these kernels run under Triton's interpreter (``TRITON_INTERPRET=1`` when triton was first imported: its
 own library functions are decorated then, and an interpreted kernel cannot call compiled ones)."""
+
+if INTERPRETED:
+    from .triton_interpreter import teach_bf16_dot
+
+    teach_bf16_dot()

@@ -1,15 +1,22 @@
-"""Which kernel runs a call (``backends.py``): the rules on CUDA and on the CPU, the override, its errors.
+"""Which kernel runs a call (``backends.py``): the rules on CUDA and on the CPU, the override, its errors, and the
+self-check a GPU kernel passes before it computes anything (``self_check.py``).
 
-The CUDA choices are checked with the device seam set to "cuda" (the tensors stay on the CPU; nothing runs here);
-``test_triton_kernel.py`` runs a patched model through the Triton kernel itself, under Triton's interpreter.
+The CUDA choices are checked with the device seam set to "cuda" (the tensors stay on the CPU). The rules' tests stub
+the self-check out; the self-check's tests run it: the Triton kernel under Triton's interpreter (as on a GPU, bf16
+operands included), fla's kernels through fla's own plain reference (its kernels need a GPU), and broken kernels,
+which must be caught.
 """
 
+import logging
 import sys
+import threading
+import time
+import warnings
 
 import pytest
 import torch
 
-from hf_knorm.attention import backends
+from hf_knorm.attention import backends, self_check
 from hf_knorm.attention.normalizations import parse_normalization
 from hf_knorm.attention.paths import Path
 from hf_knorm.extras import MissingExtraError
@@ -19,44 +26,79 @@ PLAIN = dict(dropout=0.0, return_weights=False, recording=False, compiling=False
 
 
 @pytest.fixture
-def on_cuda(monkeypatch):
-    monkeypatch.setattr(backends, "_device_type", lambda tensor: "cuda")
-    monkeypatch.setattr(backends, "_importable", lambda module: True)
+def fresh(monkeypatch):
+    """No verdict and no warning from an earlier test (the caches are per process)."""
+    monkeypatch.setattr(self_check, "_VERDICTS", {})
+    monkeypatch.setattr(backends, "_REPORTED", set())
     monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": "auto", "linear": "auto"})
 
 
-def _name(path, spelling="x^3/16", dtype=torch.bfloat16, **options):
-    query = torch.zeros(1, 2, 3, 4, dtype=dtype)
+@pytest.fixture
+def on_cuda(monkeypatch, fresh):
+    monkeypatch.setattr(backends, "_device_type", lambda tensor: "cuda")
+    monkeypatch.setattr(backends, "_importable", lambda module: True)
+
+
+@pytest.fixture
+def proven(monkeypatch, on_cuda):
+    """Every kernel passes its self-check (the rules' tests): the verdicts asked for are kept in the list returned."""
+    asked = []
+    monkeypatch.setattr(backends, "verdict", lambda *key: asked.append(key) or "")
+    return asked
+
+
+@pytest.fixture
+def fla_on_the_cpu(monkeypatch):
+    """fla's plain reference in place of its kernels (which need a GPU)."""
+    from fla.ops.linear_attn.naive import naive_recurrent_linear_attn
+
+    from hf_knorm.attention import fla_linear
+
+    monkeypatch.setattr(fla_linear, "fla_kernels", lambda: (naive_recurrent_linear_attn, naive_recurrent_linear_attn))
+    return naive_recurrent_linear_attn
+
+
+def _name(path, spelling="x^3/16", dtype=torch.bfloat16, head_dim=4, **options):
+    query = torch.zeros(1, 2, 3, head_dim, dtype=dtype)
     return backends.with_kernel(path, query, parse_normalization(spelling), **{**PLAIN, **options}).name
 
 
-def test_on_cuda_the_gpu_kernels_take_what_they_compute(on_cuda):
+def test_on_cuda_the_gpu_kernels_take_what_they_compute(proven):
     assert _name(QUADRATIC) == "triton"
     assert _name(QUADRATIC, dtype=torch.float16) == "triton"
     assert _name(LINEAR, "x/1") == "fla"
     assert _name(LINEAR, "x/sqrtN", dtype=torch.float32) == "fla"
+    assert [(kernel, dtype) for kernel, _, dtype, *_ in proven] == [
+        ("triton", torch.bfloat16), ("triton", torch.float16), ("fla", torch.bfloat16), ("fla", torch.float32)]
 
 
 @pytest.mark.parametrize("case", [dict(spelling="softmax"), dict(dtype=torch.float64), dict(dropout=0.1),
                                   dict(return_weights=True), dict(recording=True), dict(compiling=True)],
                          ids=["softmax", "fp64", "dropout", "weights", "recording", "compiling"])
-def test_on_cuda_the_rest_stays_on_the_pytorch_kernel(on_cuda, case):
+def test_on_cuda_the_rest_stays_on_the_pytorch_kernel(proven, case):
     assert _name(QUADRATIC, **case) == "quadratic"
+    assert not proven  # nothing to check: the kernel is not asked
 
 
-def test_on_cuda_without_the_packages_the_pytorch_kernels_run(on_cuda, monkeypatch):
+@pytest.mark.parametrize("case", [dict(dtype=torch.float64), dict(recording=True), dict(compiling=True)],
+                         ids=["fp64", "recording", "compiling"])
+def test_on_cuda_the_linear_calls_fla_does_not_compute_stay_on_the_pytorch_kernel(proven, case):
+    assert _name(LINEAR, "x/1", **case) == "linear"
+
+
+def test_on_cuda_without_the_packages_the_pytorch_kernels_run(proven, monkeypatch):
     monkeypatch.setattr(backends, "_importable", lambda module: False)
     assert _name(QUADRATIC) == "quadratic"
     assert _name(LINEAR, "x/1") == "linear"
-    assert _name(LINEAR, "x/1", recording=True) == "linear"
+    assert not proven
 
 
-def test_on_the_cpu_the_pytorch_kernels_run():
+def test_on_the_cpu_the_pytorch_kernels_run(fresh):
     assert _name(QUADRATIC) == "quadratic"
     assert _name(LINEAR, "x/16") == "linear"
 
 
-def test_use_kernels_overrides_and_refuses(on_cuda, monkeypatch):
+def test_use_kernels_overrides_and_refuses(proven, monkeypatch):
     assert backends.use_kernels(quadratic="pytorch", linear="pytorch") == {"quadratic": "pytorch", "linear": "pytorch"}
     assert _name(QUADRATIC) == "quadratic" and _name(LINEAR, "x/1") == "linear"
     with pytest.raises(ValueError, match="one of auto, pytorch, triton"):
@@ -70,9 +112,166 @@ def test_use_kernels_overrides_and_refuses(on_cuda, monkeypatch):
         backends.use_kernels(linear="fla")
 
 
-def test_a_forced_gpu_kernel_refuses_cpu_tensors(monkeypatch):
+def test_a_forced_gpu_kernel_refuses_cpu_tensors(fresh, monkeypatch):
     monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": "triton", "linear": "fla"})
-    with pytest.raises(ValueError, match="runs on CUDA tensors; this call's are on cpu"):
+    with pytest.raises(ValueError, match="it runs on CUDA tensors, and this call's are on cpu"):
         _name(QUADRATIC)
     with pytest.raises(ValueError, match="runs on CUDA tensors"):
         _name(LINEAR, "x/1")
+
+
+@pytest.mark.parametrize(("path", "case", "reason"), [
+    (QUADRATIC, dict(spelling="softmax"), "softmax"),
+    (QUADRATIC, dict(dtype=torch.float64), "it takes fp32, bf16 or fp16 inputs, not torch.float64"),
+    (QUADRATIC, dict(dropout=0.1), "attention dropout"),
+    (QUADRATIC, dict(return_weights=True), "the attention weights were requested"),
+    (QUADRATIC, dict(recording=True), "the attention norms are recorded"),
+    (QUADRATIC, dict(compiling=True), r"the call is traced by torch.compile \(compiled code runs the PyTorch kernels"),
+    (LINEAR, dict(spelling="x/1", recording=True), "the attention norms are recorded"),
+    (LINEAR, dict(spelling="x/1", dtype=torch.float64), "it takes fp32, bf16 or fp16 inputs, not torch.float64"),
+], ids=["softmax", "fp64", "dropout", "weights", "recording", "compiling", "fla-recording", "fla-fp64"])
+def test_a_forced_kernel_says_why_it_cannot_compute_a_call(proven, monkeypatch, path, case, reason):
+    """Forcing a kernel is a promise that it computes the calls: one it cannot compute raises with the reason,
+    rather than going to the PyTorch kernel unnoticed."""
+    monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": "triton", "linear": "fla"})
+    kernel = "flash-linear-attention" if path.linear else "the Triton kernel"
+    with pytest.raises(ValueError, match=rf"forces {kernel}, which cannot compute this call: {reason}"):
+        _name(path, **case)
+
+
+def _broken(function, factor=1.05):
+    """``function`` with its output off by ``factor`` (5%: far beyond every tolerance, small enough to look
+    plausible)."""
+    def broken(*args, **options):
+        result = function(*args, **options)
+        return (result[0] * factor, *result[1:]) if isinstance(result, tuple) else result * factor
+    return broken
+
+
+def test_the_triton_kernel_proves_itself_once_per_key(on_cuda, monkeypatch):
+    """The real check, under Triton's interpreter: it passes, runs once for a key, again for another dtype."""
+    runs = []
+    run_check = self_check.run_check
+    monkeypatch.setattr(self_check, "run_check", lambda *args: runs.append(args[:3]) or run_check(*args))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a passing check warns about nothing
+        assert _name(QUADRATIC, "x^3/16", head_dim=16) == "triton"
+        assert _name(QUADRATIC, "x^3/1", head_dim=16) == "triton"  # same family (x^3/c): checked already
+        assert _name(QUADRATIC, "x^3/16", dtype=torch.float32, head_dim=16) == "triton"
+    assert runs == [("triton", torch.device("cpu"), torch.bfloat16), ("triton", torch.device("cpu"), torch.float32)]
+    assert self_check.verdicts() == {("cpu", "bfloat16", "triton", "x^3/c", 16): "",
+                                     ("cpu", "float32", "triton", "x^3/c", 16): ""}
+
+
+def test_a_broken_triton_kernel_falls_back_with_one_warning_and_raises_when_forced(on_cuda, monkeypatch, caplog):
+    from hf_knorm.attention import triton_kernel
+
+    monkeypatch.setattr(triton_kernel, "triton_attention", _broken(triton_kernel.triton_attention))
+    caplog.set_level(logging.DEBUG, logger="hf_knorm.attention")
+    with pytest.warns(UserWarning, match=r"the Triton kernel failed its self-check against the PyTorch kernel on cpu "
+                                         r"\(torch.float32, x\^3/c, head dim 16\): case \(a\), output: largest error "
+                                         r"0.05 of the largest value \(tolerance 0.0001\)"):
+        assert _name(QUADRATIC, dtype=torch.float32, head_dim=16) == "quadratic"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        assert _name(QUADRATIC, dtype=torch.float32, head_dim=16) == "quadratic"
+    assert "quadratic kernel (PyTorch): the Triton kernel failed its self-check: case (a), output" in caplog.text
+    monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": "triton", "linear": "auto"})
+    with pytest.raises(RuntimeError, match=r"forces the Triton kernel, and the Triton kernel failed its self-check.*"
+                                           r"case \(a\), output: largest error 0.05"):
+        _name(QUADRATIC, dtype=torch.float32, head_dim=16)
+
+
+def test_a_triton_kernel_with_wrong_gradients_is_caught(on_cuda, monkeypatch):
+    """Right outputs, a wrong dK (case (b): the explicit mask, bias and softcap): the check reads the gradients."""
+    from hf_knorm.attention import triton_kernel
+
+    real = triton_kernel.triton_attention
+
+    class HalfKeyGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, key):
+            return key.view_as(key)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 0.5
+
+    def broken(query, key, value, allowed, *args, **options):
+        return real(query, HalfKeyGrad.apply(key) if allowed is not None else key, value, allowed, *args, **options)
+
+    monkeypatch.setattr(triton_kernel, "triton_attention", broken)
+    with pytest.warns(UserWarning, match=r"case \(b\), dk: largest error"):
+        assert _name(QUADRATIC, dtype=torch.float32, head_dim=16) == "quadratic"
+
+
+def test_fla_proves_itself_and_a_broken_fla_is_caught(on_cuda, monkeypatch, fla_on_the_cpu):
+    """fla's check with fla's plain reference as its kernels passes; a recurrent kernel that drops the state it
+    continues from (decoding) fails case (b)."""
+    assert _name(LINEAR, "x/sqrtN", dtype=torch.float32, head_dim=16) == "fla"
+    assert _name(LINEAR, "x/16", dtype=torch.bfloat16, head_dim=16) == "fla"
+    from hf_knorm.attention import fla_linear
+
+    def forgetful(*args, initial_state=None, **options):
+        return fla_on_the_cpu(*args, initial_state=None, **options)
+
+    monkeypatch.setattr(fla_linear, "fla_kernels", lambda: (fla_on_the_cpu, forgetful))
+    monkeypatch.setattr(self_check, "_VERDICTS", {})
+    with pytest.warns(UserWarning, match=r"flash-linear-attention failed its self-check.*case \(b\), output"):
+        assert _name(LINEAR, "x/16", dtype=torch.float32, head_dim=16) == "linear"
+
+
+def test_a_kernel_that_cannot_be_imported_or_run_is_reported_once_and_the_pytorch_kernel_runs(on_cuda, monkeypatch):
+    """fla installed, but its kernels' module fails to import; then importable, but its Triton finds no GPU driver
+    (fla's real kernels on a CPU)."""
+    monkeypatch.setitem(sys.modules, "fla.ops.linear_attn", None)
+    with pytest.warns(UserWarning, match=r"flash-linear-attention failed its self-check.*it raised "
+                                         r"ModuleNotFoundError: import of fla.ops.linear_attn halted"):
+        assert _name(LINEAR, "x/1", dtype=torch.float32, head_dim=16) == "linear"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _name(LINEAR, "x/1", dtype=torch.float32, head_dim=16) == "linear"
+    monkeypatch.delitem(sys.modules, "fla.ops.linear_attn")
+    with pytest.warns(UserWarning, match=r"flash-linear-attention failed its self-check.*it raised RuntimeError"):
+        assert _name(LINEAR, "x/1", dtype=torch.bfloat16, head_dim=16) == "linear"
+
+
+def test_the_check_runs_under_no_grad_and_leaves_the_random_state_alone(fresh, fla_on_the_cpu):
+    """Generation runs under ``no_grad`` / ``inference_mode``; the check still differentiates, and draws its inputs
+    from a generator of its own."""
+    state = torch.get_rng_state()
+    with torch.inference_mode():
+        assert self_check.verdict("fla", torch.device("cpu"), torch.float32, parse_normalization("x/1"), 8) == ""
+    with torch.no_grad():
+        assert self_check.verdict("fla", torch.device("cpu"), torch.float16, parse_normalization("x/1"), 8) == ""
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_two_threads_share_one_check(fresh, monkeypatch):
+    runs = []
+
+    def slow(*args):
+        runs.append(args)
+        time.sleep(0.2)
+        return ""
+
+    monkeypatch.setattr(self_check, "run_check", slow)
+    ask = lambda: self_check.verdict("triton", torch.device("cpu"), torch.float32,  # noqa: E731
+                                     parse_normalization("x^3/16"), 64)
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(runs) == 1
+
+
+def test_the_key_is_what_changes_the_kernels_code():
+    key = lambda spelling, **o: self_check.key_of(  # noqa: E731
+        o.get("kernel", "triton"), torch.device("cpu"), o.get("dtype", torch.bfloat16), parse_normalization(spelling),
+        o.get("head_dim", 64))
+    assert key("x^3/16") == key("x^3/1") == key("x^3/16 + softmax window 64 + sinks 4") == (
+        "cpu", "bfloat16", "triton", "x^3/c", 64)
+    assert len({key("x^3/16"), key("x^3/sqrtN"), key("x^2/16"), key("x^3/16", dtype=torch.float16),
+                key("x^3/16", head_dim=128), key("x^3/16", kernel="fla")}) == 6
+    assert key("x/16", kernel="fla")[3] == "x/c" and key("x/sqrtN")[3] == "x/sqrtN"

@@ -2,8 +2,11 @@
 
 On a CPU, fla's kernels cannot run (not even under Triton's interpreter: ``hf_knorm/attention/fla_linear.py`` says
 why), so the adapter is checked with fla's own plain reference of the same function in their place
-(``naive_recurrent_linear_attn``): that checks every convention the adapter maps (scale, ``c``, ``sqrtN`` rows, padded
-keys, a cache prefix, GQA, the state in and out). With CUDA, the same checks run fla's chunked and recurrent kernels.
+(``naive_recurrent_linear_attn``), against the project's PyTorch linear kernel: that checks every convention the
+adapter maps (scale, ``c``, ``sqrtN`` rows, padded keys, a cache prefix, GQA, the state in and out). One function then
+stands in for both of fla's kernels, so a test with spies checks what those comparisons cannot: that a prefill goes
+to the chunked kernel and a decoded token to the recurrent one, with arguments fla's real kernels accept. With CUDA,
+the same checks run fla's chunked and recurrent kernels.
 
 Tolerance: fp32, ``rtol = atol = 1e-4`` of the largest value (fla's kernels may use TF32 inside: measured on a device
 only).
@@ -73,6 +76,39 @@ def test_the_state_carries_over_for_decoding(kernel):
         results.append((output, state, count))
     for got, want, what in zip(results[0], results[1], ("output", "state", "count")):
         _close(got, want, what)
+
+
+def test_prefill_takes_the_chunked_kernel_and_decoding_the_recurrent_one_with_fla_s_arguments():
+    """Each stand-in binds its call to the signature of the fla kernel it stands for (a ``TypeError`` if fla's would
+    not take it) and records the layout it received: ``(B, T, H_q, D)``, K and V repeated per query head, the state
+    ``(B, H_q, D, D_v)``."""
+    import inspect
+
+    from fla.ops.linear_attn import chunk_linear_attn, fused_recurrent_linear_attn
+
+    calls = []
+
+    def stand_in(name, real):
+        signature = inspect.signature(real)
+
+        def kernel(*args, **options):
+            bound = signature.bind(*args, **options).arguments
+            state = bound.get("initial_state")
+            calls.append((name, tuple(bound["q"].shape), tuple(bound["k"].shape),
+                          None if state is None else tuple(state.shape)))
+            return naive_recurrent_linear_attn(*args, **options)
+
+        return kernel
+
+    kernels = (stand_in("chunked", chunk_linear_attn), stand_in("recurrent", fused_recurrent_linear_attn))
+    normalization = parse_normalization("x/16")
+    q, k, v = (t.detach() for t in _tensors(q_len=12, kv_len=15))
+    _, state, count = fla_linear_attention(q, k, v, None, normalization, return_state=True, kernels=kernels)
+    step_q, step_k, step_v = (t.detach() for t in _tensors(q_len=1, kv_len=1, seed=1))
+    fla_linear_attention(step_q, step_k, step_v, None, normalization, initial_state=state, initial_count=count,
+                         kernels=kernels)
+    assert calls == [("chunked", (2, 12, 4, 16), (2, 12, 4, 16), (2, 4, 16, 16)),  # the 3-key prefix: a state
+                     ("recurrent", (2, 1, 4, 16), (2, 1, 4, 16), (2, 4, 16, 16))]
 
 
 def test_it_refuses_what_it_does_not_compute():

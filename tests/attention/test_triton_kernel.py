@@ -3,7 +3,9 @@
 On a machine without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set by
 ``tests/conftest.py`` before triton is first imported: ``triton.jit`` reads it when it decorates), on the CPU; with
 CUDA they run compiled, on the GPU. Small shapes with 16 x 16 blocks, so every case crosses several query and key
-blocks and ragged edges (37 rows).
+blocks and ragged edges (37 rows); the half-precision cases also at the production blocks (64 x 64, 100 rows). The
+interpreter runs the code a GPU runs, bf16 operands included (``triton_interpreter.py`` teaches it bf16 products;
+``test_bf16_multiplies_bf16_operands_at_the_production_blocks`` shows they reach ``tl.dot``).
 
 Tolerances: fp32 inputs, ``rtol = atol = 1e-4`` relative to the largest reference value (measured errors ~1e-6 under
 the interpreter; TF32 is not used for fp32 inputs); bf16 and fp16 inputs against the reference in fp64 on the same
@@ -43,10 +45,11 @@ def _padded_causal_mask(batch, q_len, kv_len, pad, window=None):
     return mask.to(DEVICE)
 
 
-def _check(spelling, q, k, v, mask, *, rtol=1e-4, grads=True, **options):
-    """Output and gradients of the Triton kernel against the reference (fp64 on the same inputs)."""
+def _check(spelling, q, k, v, mask, *, rtol=1e-4, grads=True, blocks=BLOCKS, **options):
+    """Output and gradients of the Triton kernel against the reference (fp64 on the same inputs); ``blocks={}``: the
+    production block sizes."""
     normalization = parse_normalization(spelling)
-    out = triton_kernel.triton_attention(q, k, v, mask, normalization, **options, **BLOCKS)
+    out = triton_kernel.triton_attention(q, k, v, mask, normalization, **options, **blocks)
     reference_options = {key: value for key, value in options.items() if key != "bias"}
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     if "bias" in options:  # the reference takes no bias: add it through the scores' definition, by hand
@@ -127,16 +130,75 @@ def test_additive_bias_and_fully_masked_rows():
     assert (out[1, :5] == 0).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_half_precision_accumulates_in_fp32(dtype):
-    """Scores up to ~75 (q and k scaled by 4): their cubes (~4e5) overflow fp16 (max 65504), the output (small
-    values) does not. So fp16 products are taken on fp32 operands; bf16 keeps its operands and sums in fp32. Outputs
-    and gradients finite and right."""
-    q, k, v = _tensors(q_len=24, kv_len=24, dim=16, dtype=dtype, scale=4.0)
+HALF = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+
+
+def _large_scores(q_len, dim, dtype, scale=4.0):
+    """Scores up to ~75 (q and k scaled by 4; ~50 by 3): their cubes (~4e5; ~1e5) overflow fp16 (max 65504), the
+    output (small values: v scaled by 0.05) does not."""
+    q, k, v = _tensors(q_len=q_len, kv_len=q_len, dim=dim, dtype=dtype, scale=scale)
     v = (v.detach() * 0.05).requires_grad_()
-    scores = q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) * 16**-0.5
-    assert scores.abs().max() ** 3 > torch.finfo(torch.float16).max  # the case this test is about
+    scores = q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) * dim**-0.5
+    assert scores.abs().max() ** 3 > torch.finfo(torch.float16).max  # the case these tests are about
+    return q, k, v
+
+
+@HALF
+def test_half_precision_accumulates_in_fp32(dtype):
+    """fp16 products are taken on fp32 operands (cubes overflow fp16); bf16 multiplies bf16 operands (``w`` rounded
+    to bf16, as FlashAttention rounds ``P``) and sums in fp32. Outputs and gradients finite and right."""
+    q, k, v = _large_scores(24, 16, dtype)
     _check("x^3/16", q, k, v, _padded_causal_mask(2, 24, 24, pad=4), rtol=2e-2)
+
+
+@HALF
+def test_half_precision_at_the_production_blocks(dtype):
+    """The same at the block sizes every call uses (64 x 64) and head dim 64: 100 rows, a full and a ragged block;
+    a 24-key window, so that as many rows as above attend each key, and q, k scaled by 3 (the largest of 25,600
+    entries of dV reaches 1e5 with 4: the true gradient overflows fp16)."""
+    q, k, v = _large_scores(100, 64, dtype, scale=3.0)
+    _check("x^3/16", q, k, v, _padded_causal_mask(2, 100, 100, pad=4, window=24), rtol=2e-2, blocks={})
+
+
+@pytest.mark.skipif(not triton_kernel.INTERPRETED, reason="reads the operands through Triton's interpreter")
+def test_bf16_multiplies_bf16_operands_at_the_production_blocks(monkeypatch):
+    """Every ``tl.dot`` of a bf16 call, forward and backward, multiplies bf16 tiles of 64 rows or columns (the
+    interpreter records what reaches it), and the result is right."""
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    products = []
+    multiply = interpreter.InterpreterBuilder.create_dot
+
+    def recording(self, a, b, *args):
+        products.append((a.dtype.scalar, b.dtype.scalar, a.data.shape, b.data.shape))
+        return multiply(self, a, b, *args)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", recording)
+    q, k, v = _tensors(q_len=100, kv_len=100, dim=64, dtype=torch.bfloat16)
+    _check("x^3/16", q, k, v, None, causal=True, rtol=2e-2, blocks={})
+    assert products and {(a, b) for a, b, *_ in products} == {(tl.bfloat16, tl.bfloat16)}
+    assert all(64 in a_shape and 64 in b_shape for _, _, a_shape, b_shape in products)
+
+
+def test_the_interpreter_multiplies_bf16_tiles():
+    """The product ``triton_interpreter.py`` teaches Triton's interpreter (on a GPU, the hardware's): a 64 x 64 bf16
+    ``tl.dot`` with fp32 sums, as torch computes it on the fp32 values of the same bf16 numbers."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def product(A, B, C, N: tl.constexpr):
+        rows, columns = tl.arange(0, N)[:, None], tl.arange(0, N)[None, :]
+        c = tl.dot(tl.load(A + rows * N + columns), tl.load(B + rows * N + columns))
+        tl.store(C + rows * N + columns, c)
+
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(64, 64, generator=generator).to(DEVICE, torch.bfloat16) for _ in range(2))
+    c = torch.empty(64, 64, device=DEVICE, dtype=torch.float32)
+    product[(1,)](a, b, c, N=64)
+    want = a.double() @ b.double()
+    torch.testing.assert_close(c.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
 def test_block_ranges_from_a_window_mask():
@@ -192,3 +254,28 @@ def test_a_patched_model_runs_the_triton_kernel_through_the_attention_interface(
     torch.testing.assert_close(logits[mask.bool()], ref_logits[mask.bool()], rtol=1e-4, atol=1e-4 * scale)
     for name, ref_grad in ref_grads.items():
         torch.testing.assert_close(grads[name], ref_grad, rtol=1e-4, atol=1e-4 * ref_grad.abs().max().item(), msg=name)
+
+
+def test_a_patched_model_whose_triton_kernel_fails_its_check_runs_the_pytorch_kernel(monkeypatch):
+    """The automatic choice on "CUDA" (the interpreter standing in) with a Triton kernel 5% off: one warning, every
+    layer counted as "quadratic", the PyTorch kernel's logits."""
+    import hf_knorm
+    from hf_knorm.attention import backends, self_check
+    from tests.tiny_models import tiny_model
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(backends, "_device_type", lambda tensor: "cuda")
+    monkeypatch.setattr(self_check, "_VERDICTS", {})
+    monkeypatch.setattr(backends, "_REPORTED", set())
+    monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": "auto", "linear": "auto"})
+    real = triton_kernel.triton_attention
+    monkeypatch.setattr(triton_kernel, "triton_attention", lambda *args, **options: real(*args, **options) * 1.05)
+    model = hf_knorm.patch(tiny_model("llama"), "x^3/16").to(DEVICE)
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with pytest.warns(UserWarning, match=r"the Triton kernel failed its self-check.*case \(a\), output"):
+        with hf_knorm.attention_paths() as taken, torch.no_grad():
+            logits = model(input_ids=ids).logits
+    assert dict(taken) == {"quadratic": model.config.num_hidden_layers}
+    monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": "pytorch", "linear": "auto"})
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(input_ids=ids).logits, rtol=0, atol=0)

@@ -1,0 +1,194 @@
+"""A GPU kernel proves itself on the device before it computes a call: checked against the PyTorch kernel, once.
+
+``backends.py`` asks :func:`verdict` before it hands a call to the Triton kernel (``triton_kernel.py``) or to
+flash-linear-attention (``fla_linear.py``). The first time a key comes up in a process, the kernel runs on small
+shapes on that device and is compared with the PyTorch kernel (``kernel.py``, ``linear_kernel.py``) computing in
+fp64 on the same device, from the same (rounded) inputs: outputs and the gradients of query, key and value. The
+verdict (``""`` = passed, otherwise why not) is kept per key, so each key is checked once per process; a lock makes
+a second thread wait for the first one's check rather than run its own.
+
+The key is what changes the code a kernel runs: the device (``cuda:0``, ``cuda:1`` may be different GPUs), the
+input dtype (bf16 multiplies bf16 operands, fp16 TF32 ones, fp32 IEEE ones in the Triton kernel), the kernel, the
+normalization's family (:func:`family_of`: the power ``p`` and whether the rows are scaled by ``sqrtN``, both
+compiled into the Triton kernel; the constant ``c`` is a runtime scalar) and the head dimension (the tile width).
+
+What runs, at the production block sizes (``triton_kernel.BLOCK_M x BLOCK_N`` = 64 x 64) and the caller's head
+dimension, 2 items, 4 query heads over 2 KV heads, random inputs from a generator of its own (the global random
+state is left as it was), gradients on (also under ``torch.no_grad`` / ``inference_mode``), autocast off:
+
+- Triton: (a) no mask with ``causal`` (the implicit top-left causal mask; 100 queries and keys: a full and a ragged
+  block) and (b) an explicit mask (70 queries after an 80-key cache, bottom-right causal, 20 padded keys in item 1)
+  with an additive bias and a softcap: between them every branch of the three kernels (forward, dK/dV, dQ).
+- fla: (a) a prefill (70 queries after a 20-key cache, 10 padded keys in item 1; chunked kernel) returning its state,
+  with gradients, and (b) one decoded token from that state (recurrent kernel): output, state and count.
+
+Tolerance, relative to the largest value of the fp64 result: ``1e-4`` where the kernel multiplies fp32 operands in
+IEEE precision (Triton, fp32 inputs); ``2e-2`` where it multiplies bf16 or TF32 operands (bf16 and fp16 inputs; fla
+on fp32 inputs, whose ``tl.dot`` takes Triton's default TF32) — the tolerances of ``tests/attention/``. A kernel
+that raises (cannot be imported, fails to compile, cannot launch) fails its check with the exception as the reason.
+
+On a CPU under Triton's interpreter (``TRITON_INTERPRET=1``; the tests, through ``backends._device_type``) the
+Triton check runs as it does on a GPU, bf16 operands included (``triton_interpreter.py``); fla's kernels need a
+GPU and fail their check there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from .kernel import chunked_attention
+from .linear_kernel import linear_attention
+from .normalizations import Normalization
+
+KERNELS = ("triton", "fla")
+_LOCK = threading.Lock()
+_VERDICTS: dict[tuple, str] = {}  # key (see key_of) -> "" (passed) or why the kernel failed
+
+
+def family_of(normalization: Normalization) -> str:
+    """What of ``normalization`` a kernel's code depends on: ``"softmax"``, ``"x^p/c"`` or ``"x^p/sqrtN"`` (``p``
+    written out; ``"x/c"``, ``"x/sqrtN"`` for ``p = 1``), whatever its constant and its softmax window."""
+    if normalization.is_softmax:
+        return "softmax"
+    base = "x" if normalization.power == 1 else f"x^{normalization.power}"
+    return f"{base}/{'sqrtN' if normalization.sqrt_n else 'c'}"
+
+
+def key_of(kernel: str, device: torch.device, dtype: torch.dtype, normalization: Normalization,
+           head_dim: int) -> tuple:
+    """``(device, dtype, kernel, family, head_dim)``: what one check proves (module docstring)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device), str(dtype).removeprefix("torch."), kernel, family_of(normalization), int(head_dim)
+
+
+def verdict(kernel: str, device: torch.device, dtype: torch.dtype, normalization: Normalization,
+            head_dim: int) -> str:
+    """``""`` when ``kernel`` computes ``normalization``'s family in ``dtype`` on ``device`` as the PyTorch kernel
+    does, otherwise why not; the check runs on the first call for its key (:func:`key_of`) only."""
+    if kernel not in KERNELS:
+        raise ValueError(f"The self-check knows the kernels {', '.join(KERNELS)}, not {kernel!r}.")
+    key = key_of(kernel, device, dtype, normalization, head_dim)
+    with _LOCK:
+        if key not in _VERDICTS:
+            _VERDICTS[key] = run_check(kernel, torch.device(key[0]), dtype, normalization.polynomial, head_dim)
+        return _VERDICTS[key]
+
+
+def verdicts() -> dict[tuple, str]:
+    """Every check this process has run: key -> ``""`` (passed) or the reason it failed."""
+    with _LOCK:
+        return dict(_VERDICTS)
+
+
+def run_check(kernel: str, device: torch.device, dtype: torch.dtype, normalization: Normalization,
+              head_dim: int) -> str:
+    """Run ``kernel``'s check now (not cached): ``""`` or the first failure, e.g. ``"case (b), dk: largest error
+    0.41 of the largest value (tolerance 0.02)"``, or the exception the kernel raised."""
+    check = _check_triton if kernel == "triton" else _check_fla
+    quiet = torch.autocast(device.type, enabled=False) if device.type in ("cuda", "cpu") else contextlib.nullcontext()
+    try:
+        with torch.inference_mode(False), torch.enable_grad(), quiet:
+            return check(device, dtype, normalization, head_dim)
+    except Exception as error:  # noqa: BLE001 - any failure of the kernel is the verdict, with its reason
+        message = " ".join(str(error).split())[:300].rstrip(".")
+        return f"it raised {type(error).__name__}: {message}"
+
+
+def tolerance(kernel: str, dtype: torch.dtype) -> float:
+    """The largest error allowed, relative to the largest fp64 value (module docstring)."""
+    return 1e-4 if kernel == "triton" and dtype == torch.float32 else 2e-2
+
+
+def _inputs(device, dtype, q_len, kv_len, head_dim, seed):
+    """``(query (2, 4, q, D), key (2, 2, kv, D), value (2, 2, kv, D))`` in ``dtype`` with gradients, and their fp64
+    copies (leaves too): made on the CPU from a generator of their own, then moved."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = (2, 4, q_len, head_dim), (2, 2, kv_len, head_dim), (2, 2, kv_len, head_dim)
+    made = [torch.randn(shape, generator=generator).to(device=device, dtype=dtype) for shape in shapes]
+    return ([t.clone().requires_grad_() for t in made], [t.double().requires_grad_() for t in made])
+
+
+def _upstream(like: torch.Tensor, seed: int) -> torch.Tensor:
+    return torch.randn(like.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(like.device)
+
+
+def _compare(got: torch.Tensor, want: torch.Tensor, what: str, limit: float) -> str:
+    """``""`` when ``got`` is within ``limit`` of ``want``'s largest value, else a sentence saying by how much."""
+    if got.shape != want.shape:
+        return f"{what}: shape {tuple(got.shape)}, the PyTorch kernel's is {tuple(want.shape)}"
+    got = got.double()
+    if not torch.isfinite(got).all():
+        return f"{what}: not finite ({int((~torch.isfinite(got)).sum())} entries)"
+    scale = want.abs().max().item() or 1.0
+    error = (got - want).abs().max().item() / scale
+    if not error <= limit:
+        return f"{what}: largest error {error:.3g} of the largest value (tolerance {limit:g})"
+    return ""
+
+
+def _outputs_and_gradients(case, got, want, got_leaves, want_leaves, limit, seed) -> str:
+    upstream = _upstream(want, seed)
+    got_grads = torch.autograd.grad((got.double() * upstream).sum(), got_leaves)
+    want_grads = torch.autograd.grad((want * upstream).sum(), want_leaves)
+    checks = [(got, want, "output")] + [(g, w, f"d{name}") for name, g, w in zip("qkv", got_grads, want_grads)]
+    for tensor, reference, what in checks:
+        failure = _compare(tensor, reference, f"case ({case}), {what}", limit)
+        if failure:
+            return failure
+    return ""
+
+
+def _check_triton(device, dtype, normalization, head_dim) -> str:
+    from . import triton_kernel  # imports triton: a failing import is the check's verdict
+
+    limit = tolerance("triton", dtype)
+    # (a) the implicit top-left causal mask: 100 queries and keys
+    leaves, exact = _inputs(device, dtype, 100, 100, head_dim, seed=0)
+    got = triton_kernel.triton_attention(*leaves, None, normalization, causal=True)
+    want, _ = chunked_attention(*exact, None, normalization, causal=True)
+    failure = _outputs_and_gradients("a", got, want, leaves, exact, limit, seed=1)
+    if failure:
+        return failure
+    # (b) an explicit mask: a cache of 80 keys, 20 padded keys in item 1; a bias and a softcap
+    leaves, exact = _inputs(device, dtype, 70, 150, head_dim, seed=2)
+    rows = torch.arange(70, device=device)[:, None] + 80
+    allowed = (torch.arange(150, device=device)[None, :] <= rows).expand(2, 1, 70, 150).clone()
+    allowed[1, :, :, :20] = False
+    noise = torch.randn(allowed.shape, generator=torch.Generator().manual_seed(3)).to(device)
+    bias = torch.where(allowed, 0.3 * noise, 0.0)
+    got = triton_kernel.triton_attention(*leaves, allowed, normalization, bias=bias, softcap=5.0)
+    want, _ = chunked_attention(*exact, allowed, normalization, bias=bias.double(), softcap=5.0)
+    return _outputs_and_gradients("b", got, want, leaves, exact, limit, seed=4)
+
+
+def _check_fla(device, dtype, normalization, head_dim) -> str:
+    from . import fla_linear
+
+    kernels = fla_linear.fla_kernels()  # imports fla: a failing import is the check's verdict
+    limit = tolerance("fla", dtype)
+    # (a) a prefill after a 20-key cache, 10 padded keys in item 1, returning the state
+    leaves, exact = _inputs(device, dtype, 70, 90, head_dim, seed=5)
+    key_valid = torch.ones(2, 90, dtype=torch.bool, device=device)
+    key_valid[1, :10] = False
+    got, got_state, got_count = fla_linear.fla_linear_attention(*leaves, key_valid, normalization,
+                                                                return_state=True, kernels=kernels)
+    want, state, count = linear_attention(*exact, key_valid, normalization, return_state=True)
+    failure = (_outputs_and_gradients("a", got, want, leaves, exact, limit, seed=6)
+               or _compare(got_state, state, "case (a), state", limit)
+               or _compare(got_count, count.double(), "case (a), count", 0.0))
+    if failure:
+        return failure
+    # (b) one decoded token from that state
+    step, step_exact = _inputs(device, dtype, 1, 1, head_dim, seed=7)
+    with torch.no_grad():
+        got, got_state, _ = fla_linear.fla_linear_attention(
+            *step, None, normalization, initial_state=got_state, initial_count=got_count, return_state=True,
+            kernels=kernels)
+        want, state, _ = linear_attention(*step_exact, None, normalization, initial_state=state, initial_count=count,
+                                          return_state=True)
+    return _compare(got, want, "case (b), output", limit) or _compare(got_state, state, "case (b), state", limit)
