@@ -14,8 +14,9 @@ Definition (ours; the reference is :func:`.reference.reference_window_attention`
     u_i = sum_{j older} (s_ij^p / c_i) v_j
 
 - ``window(i)``: the keys ``i`` may attend with ``a_i - W < j <= a_i`` (its own key and the ``W - 1`` before it),
-  and with ``+ sinks S`` the first ``S`` keys ``i`` may attend (each sequence's first real tokens: StreamingLLM's
-  attention sinks, Xiao et al., arXiv 2309.17453; a softmax model parks much of many heads' weight there, and the
+  and with ``+ sinks S`` its sequence's first ``S`` real tokens, by position: they do not move with the query
+  (StreamingLLM's attention sinks, Xiao et al., arXiv 2309.17453; a softmax model parks much of many heads' weight
+  there, and the
   default model's window of 64 alone, untrained, is 5-23x the original's perplexity beyond the window, 1.3-1.8x
   with 4 sinks: ``scripts/window_sinks.py``); softmax is normalized over them alone, so this part is a convex
   combination of the window's values (Liger's window branch; not LoLCATs' joint denominator, which needs
@@ -45,6 +46,13 @@ Definition (ours; the reference is :func:`.reference.reference_window_attention`
   query is whatever the layout; the two parts split what the mask allows, so a model's own sliding window ``W_m``
   bounds both (``W_m <= W``: no older key, pure softmax). A padded query (its own key is padding) has no position: its
   output is finite and read by nothing, and the paths may anchor it differently (every real query agrees exactly).
+- Sinks and masks. Key padding: each sequence's first ``S`` real keys (:func:`sink_keys`; a recurrent cache keeps
+  them, :mod:`hf_knorm.recurrent.window_cache`). An explicit mask: the first ``S`` keys each row may attend, which
+  are its sequence's first tokens when every row attends its sequence from the start (causal, padding, packed
+  sequences, a static cache). A layer with its own sliding window (the ``sliding_window`` Transformers passes:
+  Mistral, Gemma's local layers) does not: its rows leave their sequence's first tokens behind, and so does its
+  cache, so the sinks are refused there (patch without sinks, or use a model without sliding-window layers);
+  :func:`.reference.window_split` refuses such a mask by itself.
 - Causal only: for a bidirectional call there is no "older", and the window raises.
 
 Fast paths (memory linear in ``N`` for a fixed ``W``):
@@ -117,6 +125,7 @@ def window_attention(
     mix: torch.Tensor | None = None,
     handover=None,
     path: Path | None = None,
+    sliding_window: int | None = None,
     op: bool = False,
     compiling: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -139,6 +148,7 @@ def window_attention(
         path: the polynomial part's path with its kernel named, as the attention function chose and counted it
             (:func:`window_path`, then :func:`.backends.with_kernel` on ``normalization.polynomial``); ``None``:
             chosen here, from the same arguments.
+        sliding_window: the layer's own sliding window (Transformers' ``sliding_window`` keyword), or ``None``.
         op: run the quadratic parts through the custom op (``compiled.py``: compiled code with no tap).
         compiling: traced by ``torch.compile``: nothing reads tensor values (the chunked kernel keeps every key).
 
@@ -146,15 +156,15 @@ def window_attention(
         ``(output (B, q, H_q, D_v) in the query dtype, weights or None)``.
 
     Raises:
-        ValueError: no window, softmax, a bidirectional call, a mix of another shape, or a state that the call cannot
-            continue.
+        ValueError: no window, softmax, a bidirectional call, sinks on a layer with its own sliding window, a mix of
+            another shape, or a state that the call cannot continue.
     """
     kernels = dict(dropout=dropout, return_weights=return_weights, recording=frobenius_sq is not None,
                    compiling=compiling)
     if path is None:
         path = window_path(normalization, query.shape[2], key.shape[2], mask, bias, causal=causal, softcap=softcap,
                            dropout=dropout, return_weights=return_weights, has_state=handover is not None,
-                           compiling=compiling, recording=frobenius_sq is not None)
+                           compiling=compiling, recording=frobenius_sq is not None, sliding_window=sliding_window)
         path = with_kernel(path, query, normalization.polynomial, **kernels)
     softmax_path = with_kernel(Path(linear=False, reason="softmax"), query, SOFTMAX, **kernels)  # as a pure softmax
     check_state_window(handover, normalization)
@@ -197,13 +207,14 @@ def window_attention(
 
 def window_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mask, bias: torch.Tensor | None, *,
                 causal: bool, softcap: float | None, dropout: float, return_weights: bool, has_state: bool,
-                compiling: bool = False, recording: bool = False) -> Path:
+                compiling: bool = False, recording: bool = False, sliding_window: int | None = None) -> Path:
     """The path of a call with a softmax window, as :func:`.paths.choose_path` gives it for the pure normalization
     (same arguments): the polynomial part's path, the softmax part being linear in ``N`` on either. Which kernel
     computes it is :func:`.backends.with_kernel`'s choice for ``normalization.polynomial``.
 
     Raises:
-        ValueError: ``normalization`` has no window or is softmax, or the call is bidirectional.
+        ValueError: ``normalization`` has no window or is softmax, the call is bidirectional, or it has sinks and the
+            layer its own ``sliding_window``.
     """
     window = normalization.window
     if window <= 0 or normalization.is_softmax:
@@ -212,6 +223,12 @@ def window_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mas
     if not causal or (isinstance(mask, KeyPadding) and not mask.causal):
         raise ValueError(f"{normalization.name}: a softmax window weights the keys before a query; this call is "
                          "bidirectional (an encoder). Use the normalization without softmax_window on encoders.")
+    if normalization.sinks and sliding_window is not None:
+        raise ValueError(f"{normalization.name}: attention sinks are each sequence's first {normalization.sinks} "
+                         f"tokens, and this layer has its own sliding window of {sliding_window} positions, which "
+                         "leaves them behind (as its cache does). Patch this model without attention_sinks "
+                         "(attention_sinks=0: the softmax window alone), or use a model without sliding-window "
+                         "layers.")
     polynomial = normalization.polynomial
     if _explicit_route(mask, bias, return_weights, recording):
         reason = ("the attention weights were requested" if return_weights

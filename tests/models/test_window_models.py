@@ -26,6 +26,7 @@ from hf_knorm.compat import cache_kwargs, output_cache
 
 REFERENCE = "test_reference_window"
 WINDOW_TYPES = ("llama", "mistral", "gemma2", "gemma3_text", "qwen3", "gpt2", "phi3")
+SLIDING_TYPES = ("mistral", "gemma2", "gemma3_text")  # with layers of their own sliding window (tests/tiny_models.py)
 ATOL = 1e-4  # fp32 decoding against the full forward (logits of size ~10)
 
 
@@ -50,10 +51,12 @@ def _twins(model_type, spelling, window, dtype=torch.float64):
 
 
 
-@pytest.mark.parametrize("spelling, window", [("x^3/16", 3), ("x/1", 4), ("x/sqrtN", 7), ("x^3/sqrtN", 2),
-                                              ("x^3/16 + softmax window 3 + sinks 2", 3),
-                                              ("x/1 + softmax window 4 + sinks 1", 4)])
-@pytest.mark.parametrize("model_type", WINDOW_TYPES)
+@pytest.mark.parametrize("model_type, spelling, window", [
+    (model_type, spelling, window) for model_type in WINDOW_TYPES
+    for spelling, window in [("x^3/16", 3), ("x/1", 4), ("x/sqrtN", 7), ("x^3/sqrtN", 2),
+                             ("x^3/16 + softmax window 3 + sinks 2", 3), ("x/1 + softmax window 4 + sinks 1", 4)]
+    if "sinks" not in spelling or model_type not in SLIDING_TYPES  # refused there: below
+])
 def test_models_equal_the_reference_attention(model_type, spelling, window):
     model, reference = _twins(model_type, spelling, window)
     inputs = tiny_inputs(model_type, length=14)
@@ -64,9 +67,11 @@ def test_models_equal_the_reference_attention(model_type, spelling, window):
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("spelling", ["x^3/16", "x/1", "x/sqrtN", "x^3/16 + softmax window 3 + sinks 2",
-                                      "x/1 + softmax window 3 + sinks 2"])
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("model_type, spelling", [
+    (model_type, spelling) for model_type in ("llama", "mistral", "gemma2", "gemma3_text")
+    for spelling in ("x^3/16", "x/1", "x/sqrtN", "x^3/16 + softmax window 3 + sinks 2", "x/1 + softmax window 3 + sinks 2")
+    if "sinks" not in spelling or model_type not in SLIDING_TYPES
+])
 def test_token_by_token_decoding_with_the_kv_cache_equals_the_full_forward(model_type, spelling):
     model = hf_knorm.patch(tiny_model(model_type), spelling, softmax_window=3)
     ids = tiny_inputs(model_type, batch=1, length=14)["input_ids"]
@@ -78,6 +83,23 @@ def test_token_by_token_decoding_with_the_kv_cache_equals_the_full_forward(model
             out = model(input_ids=ids[:, position: position + 1], **cache_kwargs(output_cache(out)), use_cache=True)
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("model_type", SLIDING_TYPES)
+def test_sinks_are_refused_on_a_models_own_sliding_window(model_type):
+    """The sinks are each sequence's first tokens; a layer with its own sliding window (5 positions here) leaves them
+    behind, in its mask and in its cache: such a layer refuses them, saying what to do, in a forward and in
+    ``generate``. The window alone runs (and equals the reference: above)."""
+    sunk = hf_knorm.patch(tiny_model(model_type), "x^3/16", softmax_window=3, attention_sinks=2)
+    inputs = tiny_inputs(model_type, length=14)
+    refusal = "own sliding window of 5 positions.*Patch this model without attention_sinks"
+    with torch.no_grad(), pytest.raises(ValueError, match=refusal):
+        sunk(**inputs)
+    with torch.no_grad(), pytest.raises(ValueError, match=refusal):
+        sunk.generate(**inputs, max_new_tokens=2, do_sample=False)
+    alone = hf_knorm.patch(tiny_model(model_type), "x^3/16", softmax_window=3)
+    with torch.no_grad():
+        assert torch.isfinite(alone(**inputs).logits).all()
 
 
 def _kv_cache(model):
