@@ -227,8 +227,8 @@ def window_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mas
         raise ValueError(f"{normalization.name}: attention sinks are each sequence's first {normalization.sinks} "
                          f"tokens, and this layer has its own sliding window of {sliding_window} positions, which "
                          "leaves them behind (as its cache does). Patch this model without attention_sinks "
-                         "(attention_sinks=0: the softmax window alone), or use a model without sliding-window "
-                         "layers.")
+                         "(attention_sinks=0; hf-knorm convert --attention-sinks 0: the softmax window alone), or use "
+                         "a model without sliding-window layers.")
     polynomial = normalization.polynomial
     if _explicit_route(mask, bias, return_weights, recording):
         reason = ("the attention weights were requested" if return_weights
