@@ -153,5 +153,5 @@ def window_split(allowed: torch.Tensor, window: int, sinks: int) -> tuple[torch.
                 else:
                     older[-1][j] = True
             previous = keys
-    as_mask = lambda flags: torch.tensor(flags, dtype=torch.bool, device=allowed.device).view(allowed.shape)  # noqa: E731
-    return as_mask(soft), as_mask(older)
+    return tuple(torch.tensor(flags, dtype=torch.bool, device=allowed.device).view(allowed.shape)
+                 for flags in (soft, older))

@@ -69,7 +69,8 @@ def test_models_equal_the_reference_attention(model_type, spelling, window):
 @pytest.mark.compat
 @pytest.mark.parametrize("model_type, spelling", [
     (model_type, spelling) for model_type in ("llama", "mistral", "gemma2", "gemma3_text")
-    for spelling in ("x^3/16", "x/1", "x/sqrtN", "x^3/16 + softmax window 3 + sinks 2", "x/1 + softmax window 3 + sinks 2")
+    for spelling in ("x^3/16", "x/1", "x/sqrtN", "x^3/16 + softmax window 3 + sinks 2",
+                     "x/1 + softmax window 3 + sinks 2")
     if "sinks" not in spelling or model_type not in SLIDING_TYPES
 ])
 def test_token_by_token_decoding_with_the_kv_cache_equals_the_full_forward(model_type, spelling):
