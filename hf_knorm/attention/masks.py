@@ -147,8 +147,9 @@ _read: tuple[weakref.ref, dict] | None = None  # (the last source read, its answ
 def read_once(source: torch.Tensor, question, read):
     """``read()``'s answer for ``source`` and ``question``, read once while the ``source`` tensor lives: the mask
     every layer of a forward receives lives for that forward, so its answers are read from the device once per
-    forward instead of once per layer (as :func:`.paths.causal_key_validity` does for a 4-D mask). Remembered for
-    one source at a time (a weak reference: a new tensor is never mistaken for a dead one)."""
+    forward instead of once per layer (as :func:`.paths.causal_key_validity` does for a 4-D mask; the mask is not
+    changed in place while it lives: Transformers builds a new one per forward). Remembered for one source at a time
+    (a weak reference: a new tensor is never mistaken for a dead one)."""
     global _read
     if _read is None or _read[0]() is not source:
         _read = (weakref.ref(source), {})
