@@ -55,7 +55,8 @@ def hf_knorm_attention(
             an additive float mask of that shape (e.g. a user's 4-D mask), or ``None``.
         scaling: score scale (default ``D ** -0.5``).
         dropout: attention dropout probability, applied to the weights when ``module.training``.
-        **kwargs: ``softcap`` (Gemma2), ``output_attentions``, ``is_causal``; others are ignored.
+        **kwargs: ``softcap`` (Gemma2), ``sliding_window`` (the layer's own; a softmax window's sinks refuse it),
+            ``output_attentions``, ``is_causal``; others are ignored.
 
     Returns:
         ``(output (B, q, H_q, D), weights (B, H_q, q, kv) or None)``; weights only when attentions are recorded.
@@ -77,12 +78,15 @@ def hf_knorm_attention(
     dropout = dropout if module.training else 0.0
     return_weights = _attentions_requested(kwargs)
     check_state_window(handover, normalization)
-    path = (window_path if normalization.window else choose_path)(
-        normalization, query.shape[2], key.shape[2], mask, bias, causal=causal, softcap=softcap, dropout=dropout,
-        return_weights=return_weights, has_state=handover is not None, compiling=compiling)
-    if not normalization.window:  # window.py composes the PyTorch kernels
-        path = with_kernel(path, query, normalization, dropout=dropout, return_weights=return_weights,
-                           recording=recorder is not None, compiling=compiling)
+    choice = dict(causal=causal, softcap=softcap, dropout=dropout, return_weights=return_weights,
+                  has_state=handover is not None, compiling=compiling)
+    if normalization.window:  # the polynomial part's path (window.py), chosen once here and handed to it
+        path = window_path(normalization, query.shape[2], key.shape[2], mask, bias, **choice,
+                           recording=recorder is not None, sliding_window=kwargs.get("sliding_window"))
+    else:
+        path = choose_path(normalization, query.shape[2], key.shape[2], mask, bias, **choice)
+    path = with_kernel(path, query, normalization.polynomial, dropout=dropout, return_weights=return_weights,
+                       recording=recorder is not None, compiling=compiling)
     if read_taps:
         note_path(path, module, query.shape[2], linear_policy_of(module))
     elif path.fallback:
@@ -95,7 +99,8 @@ def hf_knorm_attention(
         output, weights = window_attention(
             query, key, value, mask, normalization, bias=bias, scaling=scaling, softcap=softcap, dropout=dropout,
             causal=causal, return_weights=return_weights, frobenius_sq=frobenius_sq, mix=mix_of(module, query),
-            handover=handover, op=compiling and not read_taps, compiling=compiling)
+            handover=handover, path=path, sliding_window=kwargs.get("sliding_window"), op=compiling and not read_taps,
+            compiling=compiling)
     elif path.linear:
         key, value = linear_keys(query, key, value, mask, causal)
         output = _linear(query, key, value, path, normalization, scaling, handover, frobenius_sq)

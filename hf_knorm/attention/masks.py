@@ -23,7 +23,8 @@ The norm recorders read either form through :func:`attended_keys` and :func:`att
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -71,11 +72,17 @@ def key_padding(batch: int, kv_length: int, kv_offset: int, attention_mask: torc
 class KeyPadding:
     """The key-padding form as one attention call reads it: ``key_valid`` ``(B, kv)`` bool (True = a real key), cut to
     the call's keys, and ``q_len`` queries at the bottom right of them; ``causal``: query ``i`` attends keys up to
-    position ``kv - q + i`` (else every real key)."""
+    position ``kv - q + i`` (else every real key).
+
+    ``source``: the ``(B, kv_mask)`` tensor :func:`hf_knorm_mask` returned, which every layer of a forward receives,
+    and ``offset``, where key 0 sits in it (negative: real keys put before it); what :attr:`all_real` remembers its
+    answers by, so the layers of one forward read the mask once (``None``: read per instance)."""
 
     key_valid: torch.Tensor
     q_len: int
     causal: bool
+    source: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    offset: int = field(default=0, compare=False, repr=False)
 
     @classmethod
     def of(cls, mask: torch.Tensor, q_len: int, kv_len: int, causal: bool) -> KeyPadding:
@@ -83,12 +90,25 @@ class KeyPadding:
         KNorm layer that keeps fewer keys than the mask was sized for keeps the newest ones)."""
         extra = mask.shape[-1] - kv_len
         key_valid = mask[:, extra:] if extra >= 0 else torch.cat([mask.new_ones(mask.shape[0], -extra), mask], dim=-1)
-        return cls(key_valid.to(torch.bool), q_len, causal)
+        return cls(key_valid.to(torch.bool), q_len, causal, source=mask, offset=extra)
+
+    def first(self, count: int, q_len: int) -> KeyPadding:
+        """The first ``count`` keys, with ``q_len`` queries at their bottom right (the same source: the answers of
+        :attr:`all_real` stay shared)."""
+        return KeyPadding(self.key_valid[:, :count], q_len, self.causal, source=self.source, offset=self.offset)
 
     @cached_property
     def all_real(self) -> bool:
-        """Whether every key is real (reads the values: eager mode only; read once per call)."""
-        return bool(self.key_valid.all())
+        """Whether every key is real. Reads the values (eager mode only): once per instance, and with a ``source``
+        once per forward, whatever the number of layers (:func:`read_once`): the whole source first (every key
+        real: so is every cut of it), this cut's keys only where the source has padding."""
+        if self.source is None:
+            return bool(self.key_valid.all())
+        source = self.source.to(torch.bool)
+        if read_once(self.source, "all real", lambda: bool(source.all())):
+            return True
+        start, stop = max(0, self.offset), self.offset + self.key_valid.shape[-1]  # this cut, in the source
+        return read_once(self.source, ("all real", start, stop), lambda: bool(source[:, start:stop].all()))
 
     def dense(self) -> torch.Tensor:
         """The ``(B, 1, q, kv)`` bool mask this stands for (what a path that needs it builds)."""
@@ -119,6 +139,24 @@ def explicit_mask(mask: torch.Tensor | None, q_len: int, causal: bool = True) ->
     if mask is None or mask.dim() != 2:
         return mask
     return KeyPadding.of(mask, q_len, mask.shape[-1], causal).dense()
+
+
+_read: tuple[weakref.ref, dict] | None = None  # (the last source read, its answers by question)
+
+
+def read_once(source: torch.Tensor, question, read):
+    """``read()``'s answer for ``source`` and ``question``, read once while the ``source`` tensor lives: the mask
+    every layer of a forward receives lives for that forward, so its answers are read from the device once per
+    forward instead of once per layer (as :func:`.paths.causal_key_validity` does for a 4-D mask; the mask is not
+    changed in place while it lives: Transformers builds a new one per forward). Remembered for one source at a time
+    (a weak reference: a new tensor is never mistaken for a dead one)."""
+    global _read
+    if _read is None or _read[0]() is not source:
+        _read = (weakref.ref(source), {})
+    answers = _read[1]
+    if question not in answers:
+        answers[question] = read()
+    return answers[question]
 
 
 Mask = torch.Tensor | KeyPadding | None

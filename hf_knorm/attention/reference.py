@@ -72,21 +72,24 @@ def reference_window_attention(
     """Reference of a normalization with a softmax window (``x^p/c + softmax window W``, :mod:`.window`), in fp32
     (fp64 for fp64 inputs): the whole score matrix, the two parts side by side.
 
-    Row ``i``'s position ``a_i`` is the last key it may attend (its own, under a causal mask). Its window is the keys
-    it may attend with ``a_i - W < j <= a_i``, and its sinks, the first ``S`` keys it may attend: weighted by softmax
-    over them. Its older keys (``j <= a_i - W``, not sinks) are
-    weighted by ``s^p / c`` (``c = sqrtN``: the square root of the number of those older keys). The output is
-    ``softmax part + mix_h * polynomial part / sqrt(mean square + ROW_EPS)`` (row by row, over the head dimension).
+    Which keys go to which part is decided row by row from positions (:func:`window_split`, a loop in Python,
+    written apart from the implementation's tensor expressions); the weights are then the definition's. Sinks and
+    window keys are weighted by softmax over them; older keys by ``s^p / c`` (``c = sqrtN``: the square root of the
+    number of those older keys). The output is ``softmax part + mix_h * polynomial part / sqrt(mean square +
+    ROW_EPS)`` (row by row, over the head dimension).
 
     Args:
-        query ``(B, H_q, q, D)``; key, value ``(B, H_kv, kv, D)``; allowed: bool ``(B or 1, 1, q, kv)``, or ``None``
-        for a bottom-right causal mask (query ``i`` attends keys ``j <= kv - q + i``); mix: ``(H_q,)`` factors of the
-        polynomial part, or ``None`` (1).
+        query ``(B, H_q, q, D)``; key, value ``(B, H_kv, kv, D)``; allowed: bool ``(B or 1, 1 or H_q, q, kv)``, or
+        ``None`` for a bottom-right causal mask (query ``i`` attends keys ``j <= kv - q + i``); mix: ``(H_q,)``
+        factors of the polynomial part, or ``None`` (1).
 
     Returns:
         ``(output (B, q, H_q, D) in the query dtype, weights (B, H_q, q, kv))``.
+
+    Raises:
+        ValueError: sinks, and a mask in which a row does not attend the first keys of its sequence (a sliding
+            window): see :func:`window_split`.
     """
-    window = normalization.window
     compute = torch.promote_types(query.dtype, torch.float32)
     groups = query.shape[1] // key.shape[1]
     k = key.to(compute).repeat_interleave(groups, dim=1)
@@ -96,14 +99,10 @@ def reference_window_attention(
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     q_len, kv_len = scores.shape[-2:]
-    positions = torch.arange(kv_len, device=query.device)
     if allowed is None:
-        allowed = positions[None, :] <= positions[:q_len, None] + (kv_len - q_len)
-    allowed = allowed.expand_as(scores)
-    last = torch.where(allowed, positions, -1).amax(dim=-1, keepdim=True)  # a_i; -1 for a row with no key
-    sinks = allowed & (allowed.cumsum(dim=-1) <= normalization.sinks)  # the first S keys each row may attend
-    in_window = allowed & ((positions > last - window) | sinks)
-    older = allowed & ~in_window
+        allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)[None, None]
+    in_window, older = window_split(allowed, normalization.window, normalization.sinks)
+    in_window, older = in_window.expand_as(scores), older.expand_as(scores)
     soft = torch.nan_to_num(torch.softmax(torch.where(in_window, scores, float("-inf")), dim=-1), nan=0.0)
     poly = torch.where(older, scores, torch.zeros_like(scores)) ** normalization.power
     if normalization.sqrt_n:
@@ -117,3 +116,42 @@ def reference_window_attention(
     weights = soft + poly * factor
     output = (weights @ v).transpose(1, 2).to(query.dtype)
     return output, weights
+
+
+def window_split(allowed: torch.Tensor, window: int, sinks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys of each row's softmax part and of its polynomial part: two bool tensors of ``allowed``'s shape
+    ``(..., q, kv)``, decided one row at a time from the positions of the keys the row may attend.
+
+    A row's position is the last key it may attend (its own, under a causal mask). Its sequence is the keys it may
+    attend: each sequence's first ``sinks`` of them are its sinks, and ``window`` keys up to its position (the
+    position and the ``window - 1`` before it) its window, both weighted by softmax; the others are older, weighted
+    by the polynomial. A row with no key has neither.
+
+    The sinks are the sequence's first tokens only if every row attends its sequence from the start. A mask in which
+    one does not (a sliding window: a row leaves keys behind that the row before it attended, while it attends that
+    row's own key, so the two are one sequence) is refused when ``sinks > 0``.
+    """
+    kv_len = allowed.shape[-1]
+    soft, older = [], []  # per row, the flags of its kv keys
+    for matrix, queries in enumerate(allowed.reshape(-1, *allowed.shape[-2:]).tolist()):  # (batch x heads) x q x kv
+        previous = None  # the keys the row before attends
+        for row, mask in enumerate(queries):
+            keys = [j for j, attends in enumerate(mask) if attends]
+            soft.append([False] * kv_len)
+            older.append([False] * kv_len)
+            if not keys:
+                previous = None
+                continue
+            position = keys[-1]
+            if sinks and previous and previous[-1] in keys and previous != [j for j in keys if j <= previous[-1]]:
+                raise ValueError(f"Row {row} of mask {matrix} does not attend the first keys of its sequence, which "
+                                 f"the row before it attends (a sliding window): its first {sinks} keys are not its "
+                                 "sequence's sinks.")
+            for j in keys:
+                if j in keys[:sinks] or j > position - window:
+                    soft[-1][j] = True
+                else:
+                    older[-1][j] = True
+            previous = keys
+    return tuple(torch.tensor(flags, dtype=torch.bool, device=allowed.device).view(allowed.shape)
+                 for flags in (soft, older))

@@ -14,8 +14,9 @@ Definition (ours; the reference is :func:`.reference.reference_window_attention`
     u_i = sum_{j older} (s_ij^p / c_i) v_j
 
 - ``window(i)``: the keys ``i`` may attend with ``a_i - W < j <= a_i`` (its own key and the ``W - 1`` before it),
-  and with ``+ sinks S`` the first ``S`` keys ``i`` may attend (each sequence's first real tokens: StreamingLLM's
-  attention sinks, Xiao et al., arXiv 2309.17453; a softmax model parks much of many heads' weight there, and the
+  and with ``+ sinks S`` its sequence's first ``S`` real tokens, by position: they do not move with the query
+  (StreamingLLM's attention sinks, Xiao et al., arXiv 2309.17453; a softmax model parks much of many heads' weight
+  there, and the
   default model's window of 64 alone, untrained, is 5-23x the original's perplexity beyond the window, 1.3-1.8x
   with 4 sinks: ``scripts/window_sinks.py``); softmax is normalized over them alone, so this part is a convex
   combination of the window's values (Liger's window branch; not LoLCATs' joint denominator, which needs
@@ -45,6 +46,13 @@ Definition (ours; the reference is :func:`.reference.reference_window_attention`
   query is whatever the layout; the two parts split what the mask allows, so a model's own sliding window ``W_m``
   bounds both (``W_m <= W``: no older key, pure softmax). A padded query (its own key is padding) has no position: its
   output is finite and read by nothing, and the paths may anchor it differently (every real query agrees exactly).
+- Sinks and masks. Key padding: each sequence's first ``S`` real keys (:func:`sink_keys`; a recurrent cache keeps
+  them, :mod:`hf_knorm.recurrent.window_cache`). An explicit mask: the first ``S`` keys each row may attend, which
+  are its sequence's first tokens when every row attends its sequence from the start (causal, padding, packed
+  sequences, a static cache). A layer with its own sliding window (the ``sliding_window`` Transformers passes:
+  Mistral, Gemma's local layers) does not: its rows leave their sequence's first tokens behind, and so does its
+  cache, so the sinks are refused there (patch without sinks, or use a model without sliding-window layers);
+  :func:`.reference.window_split` refuses such a mask by itself.
 - Causal only: for a bidirectional call there is no "older", and the window raises.
 
 Fast paths (memory linear in ``N`` for a fixed ``W``):
@@ -66,8 +74,17 @@ Fast paths (memory linear in ``N`` for a fixed ``W``):
   every explicit mask is. For ``p = 1`` that is a fallback from the linear path (warned on long inputs, an error
   under ``linear="require"``).
 
-Which ran is counted by ``attention_paths()`` under the polynomial part's path: ``"linear"`` when the ``p = 1``
-hybrid runs in linear time.
+Kernels. Each part takes the kernel choice of a plain call (:func:`.backends.with_kernel`): the polynomial part that
+of the pure normalization (on CUDA the Triton kernel for the quadratic path, flash-linear-attention for the linear
+one, decoding included: it continues the recurrent state), the softmax part that of a pure softmax call (the PyTorch
+chunked kernel today). The attention function chooses the path once per call and hands it over (``path``).
+``attention_paths()`` counts one entry per call, the polynomial part's kernel: ``"linear"`` (or ``"fla"``) when the
+``p = 1`` hybrid runs in linear time, ``"quadratic"`` (or ``"triton"``) otherwise.
+
+Host reads. Whether a call's keys are all real is read once per forward (:attr:`.masks.KeyPadding.all_real`, shared
+by the layers), and so is whether a recurrent cache's sinks are complete; a single query row (decoding) lets the
+kernels skip no key, so they do not read the mask's key ranges: a decoded token reads the device once or twice per
+forward, not per layer.
 """
 
 from __future__ import annotations
@@ -77,10 +94,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .backends import run_linear, run_quadratic, with_kernel
 from .compiled import compiled_attention
-from .kernel import chunked_attention
-from .linear_kernel import is_linear, linear_attention
-from .masks import KeyPadding, Mask, kernel_mask
+from .linear_kernel import is_linear
+from .masks import KeyPadding, Mask, read_once
 from .normalizations import Normalization
 from .paths import Path, choose_path, linear_keys
 
@@ -107,6 +124,8 @@ def window_attention(
     frobenius_sq: torch.Tensor | None = None,
     mix: torch.Tensor | None = None,
     handover=None,
+    path: Path | None = None,
+    sliding_window: int | None = None,
     op: bool = False,
     compiling: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -126,6 +145,10 @@ def window_attention(
         mix: ``(H_q,)`` factors of the polynomial part, or ``None`` (1).
         handover: a recurrent state handed over by a window cache layer (``read() -> (state, count)`` of the keys
             older than the ``kv`` keys of this call, ``write(state, count)``, ``window``), or ``None``.
+        path: the polynomial part's path with its kernel named, as the attention function chose and counted it
+            (:func:`window_path`, then :func:`.backends.with_kernel` on ``normalization.polynomial``); ``None``:
+            chosen here, from the same arguments.
+        sliding_window: the layer's own sliding window (Transformers' ``sliding_window`` keyword), or ``None``.
         op: run the quadratic parts through the custom op (``compiled.py``: compiled code with no tap).
         compiling: traced by ``torch.compile``: nothing reads tensor values (the chunked kernel keeps every key).
 
@@ -133,12 +156,17 @@ def window_attention(
         ``(output (B, q, H_q, D_v) in the query dtype, weights or None)``.
 
     Raises:
-        ValueError: no window, softmax, a bidirectional call, a mix of another shape, or a state that the call cannot
-            continue.
+        ValueError: no window, softmax, a bidirectional call, sinks on a layer with its own sliding window, a mix of
+            another shape, or a state that the call cannot continue.
     """
-    path = window_path(normalization, query.shape[2], key.shape[2], mask, bias, causal=causal, softcap=softcap,
-                       dropout=dropout, return_weights=return_weights, has_state=handover is not None,
-                       compiling=compiling, recording=frobenius_sq is not None)
+    kernels = dict(dropout=dropout, return_weights=return_weights, recording=frobenius_sq is not None,
+                   compiling=compiling)
+    if path is None:
+        path = window_path(normalization, query.shape[2], key.shape[2], mask, bias, causal=causal, softcap=softcap,
+                           dropout=dropout, return_weights=return_weights, has_state=handover is not None,
+                           compiling=compiling, recording=frobenius_sq is not None, sliding_window=sliding_window)
+        path = with_kernel(path, query, normalization.polynomial, **kernels)
+    softmax_path = with_kernel(Path(linear=False, reason="softmax"), query, SOFTMAX, **kernels)  # as a pure softmax
     check_state_window(handover, normalization)
     if mix is not None and tuple(mix.shape) != (query.shape[1],):
         raise ValueError(f"mix scales the polynomial part per query head: shape ({query.shape[1]},), got "
@@ -147,27 +175,30 @@ def window_attention(
         raise ValueError(f"A recurrent state cache decodes with linear attention only, and this call cannot: "
                          f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")
     options = dict(scaling=scaling, softcap=softcap, dropout=dropout, op=op, compiling=compiling)
+    paths = _Paths(path, softmax_path)
     dtype = query.dtype  # the parts are computed and added in fp32 (fp64 for fp64 inputs), as the kernels compute
     compute = torch.promote_types(dtype, torch.float32)
     query, key, value = query.to(compute), key.to(compute), value.to(compute)
     if _explicit_route(mask, bias, return_weights, frobenius_sq is not None):
         output, weights = _explicit(query, key, value, mask, normalization, bias, return_weights, frobenius_sq, mix,
-                                    options)
+                                    paths, options)
         return output.to(dtype), weights
     if mask is None:
         key, value = linear_keys(query, key, value, None, causal=True)
-    key_valid = None if mask is None else mask.key_valid
+    # None: every key is real (read once per forward, not while compiling: compiled code keeps the tensor)
+    key_valid = None if mask is None or (not compiling and mask.all_real) else mask.key_valid
     sinks, older_key, older_value, older_valid = None, key, value, key_valid
-    if normalization.sinks and _sinks_lead(mask, handover, compiling):  # the first S keys: sliced off, no mask
+    if normalization.sinks and handover is None and key_valid is None:  # the first S keys: sliced off, no mask
         sinks = leading_sinks(key, value, normalization.sinks)
         count = sinks.position.shape[-1]
         older_key, older_value = key[:, :, count:], value[:, :, count:]
-        older_valid = None if key_valid is None else key_valid[:, count:]
     elif normalization.sinks:  # searched for, and masked out of the polynomial part like padding
-        sinks = sink_keys(key, value, key_valid, normalization.sinks, query.shape[2], handover)
+        sinks = sink_keys(key, value, key_valid, normalization.sinks, query.shape[2], handover,
+                          source=None if mask is None else mask.source)
         older_valid = without_sinks(key_valid, sinks, key.shape[0], key.shape[2])
-    output = _softmax_band(query, key, value, key_valid, normalization.window, sinks, frobenius_sq, options)
-    polynomial = _older_keys(query, older_key, older_value, older_valid, normalization, path, frobenius_sq, mix,
+    output = _softmax_band(query, key, value, key_valid, normalization.window, sinks, frobenius_sq, paths.softmax,
+                           options)
+    polynomial = _older_keys(query, older_key, older_value, older_valid, normalization, paths.polynomial, mix,
                              handover, options)
     if polynomial is not None:
         output = output + polynomial
@@ -176,12 +207,14 @@ def window_attention(
 
 def window_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mask, bias: torch.Tensor | None, *,
                 causal: bool, softcap: float | None, dropout: float, return_weights: bool, has_state: bool,
-                compiling: bool = False, recording: bool = False) -> Path:
+                compiling: bool = False, recording: bool = False, sliding_window: int | None = None) -> Path:
     """The path of a call with a softmax window, as :func:`.paths.choose_path` gives it for the pure normalization
-    (same arguments): the polynomial part's path, the softmax part being linear in ``N`` on either.
+    (same arguments): the polynomial part's path, the softmax part being linear in ``N`` on either. Which kernel
+    computes it is :func:`.backends.with_kernel`'s choice for ``normalization.polynomial``.
 
     Raises:
-        ValueError: ``normalization`` has no window or is softmax, or the call is bidirectional.
+        ValueError: ``normalization`` has no window or is softmax, the call is bidirectional, or it has sinks and the
+            layer its own ``sliding_window``.
     """
     window = normalization.window
     if window <= 0 or normalization.is_softmax:
@@ -190,6 +223,12 @@ def window_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mas
     if not causal or (isinstance(mask, KeyPadding) and not mask.causal):
         raise ValueError(f"{normalization.name}: a softmax window weights the keys before a query; this call is "
                          "bidirectional (an encoder). Use the normalization without softmax_window on encoders.")
+    if normalization.sinks and sliding_window is not None:
+        raise ValueError(f"{normalization.name}: attention sinks are each sequence's first {normalization.sinks} "
+                         f"tokens, and this layer has its own sliding window of {sliding_window} positions, which "
+                         "leaves them behind (as its cache does). Patch this model without attention_sinks "
+                         "(attention_sinks=0; hf-knorm convert --attention-sinks 0: the softmax window alone), or use "
+                         "a model without sliding-window layers.")
     polynomial = normalization.polynomial
     if _explicit_route(mask, bias, return_weights, recording):
         reason = ("the attention weights were requested" if return_weights
@@ -200,7 +239,7 @@ def window_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mas
     if mask is None and q_len > 1:
         kv_len = q_len  # sdpa's top-left causal mask: the keys are cut to the queries (linear_keys)
     rows, older = _older_shape(q_len, kv_len, window)
-    older_mask = None if mask is None else KeyPadding(mask.key_valid[:, :older], rows, causal=True)
+    older_mask = None if mask is None else mask.first(older, rows)
     return choose_path(polynomial, rows, older, older_mask, None, causal=True, softcap=softcap, dropout=dropout,
                        return_weights=False, has_state=has_state, compiling=compiling)
 
@@ -245,14 +284,6 @@ class Sinks(NamedTuple):
     valid: torch.Tensor
 
 
-def _sinks_lead(mask: Mask, handover, compiling: bool) -> bool:
-    """Whether a call's sinks are its first ``S`` keys: it holds every key of its sequences (no recurrent state) and
-    none is padding (no mask, or key padding read as all real; not read while compiling)."""
-    if handover is not None:
-        return False
-    return mask is None or (not compiling and mask.all_real)
-
-
 def leading_sinks(key: torch.Tensor, value: torch.Tensor, sinks: int) -> Sinks:
     """The :class:`Sinks` of a call whose first keys are its sequences' first real ones (no padding, no recurrent
     state): the first ``min(S, kv)`` keys and values, by slicing. The polynomial part then reads the keys after them
@@ -263,7 +294,7 @@ def leading_sinks(key: torch.Tensor, value: torch.Tensor, sinks: int) -> Sinks:
 
 
 def sink_keys(key: torch.Tensor, value: torch.Tensor, key_valid: torch.Tensor | None, sinks: int, q_len: int,
-              handover=None) -> Sinks | None:
+              handover=None, source: torch.Tensor | None = None) -> Sinks | None:
     """The :class:`Sinks` of a bottom-right causal call with ``key``, ``value`` ``(B, H_kv, kv, D)`` (``None``: no
     key yet).
 
@@ -271,7 +302,9 @@ def sink_keys(key: torch.Tensor, value: torch.Tensor, key_valid: torch.Tensor | 
     recurrent window layer (:mod:`hf_knorm.recurrent.window_cache`: its ``sinks``, ``keep_sinks`` and
     ``cumulative_length``) the call holds the last kept keys and the step's ``q_len`` new ones: the sinks are the first
     ``S`` real keys among the layer's kept sinks and the new keys, and are kept for the next step; once every
-    sequence has its ``S`` (read eagerly), the kept ones are returned without a search."""
+    sequence has its ``S`` (read eagerly), the kept ones are returned without a search. ``source``: the mask tensor
+    the call's ``key_valid`` was cut from (:class:`~.masks.KeyPadding`), shared by every layer of the forward: whether
+    the sinks are complete is read once per forward (every layer of a cache has seen the same keys' validity)."""
     kv_len = key.shape[2]
     if kv_len == 0:
         return None
@@ -296,8 +329,10 @@ def sink_keys(key: torch.Tensor, value: torch.Tensor, key_valid: torch.Tensor | 
                    valid.gather(1, index))
     if handover is None:
         return chosen
-    complete = (chosen.position.shape[-1] == sinks and not torch.compiler.is_compiling()
-                and bool(chosen.valid.all()))
+    complete = chosen.position.shape[-1] == sinks and not torch.compiler.is_compiling()
+    if complete:
+        read = lambda: bool(chosen.valid.all())  # noqa: E731
+        complete = read() if source is None else read_once(source, ("sinks complete", handover.cumulative_length), read)
     handover.keep_sinks(chosen, complete)
     return chosen._replace(position=chosen.position - first)
 
@@ -320,7 +355,7 @@ def without_sinks(key_valid: torch.Tensor | None, sinks: Sinks | None, batch: in
     return valid.expand(batch, kv_len) & ~is_sink
 
 
-def _softmax_band(query, key, value, key_valid, window, sinks, frobenius_sq, options) -> torch.Tensor:
+def _softmax_band(query, key, value, key_valid, window, sinks, frobenius_sq, path, options) -> torch.Tensor:
     """The softmax part under a bottom-right causal mask: ``(B, q, H_q, D_v)``.
 
     One call of the chunked kernel on the queries cut into blocks of ``rows``, each block a batch entry with the
@@ -350,8 +385,8 @@ def _softmax_band(query, key, value, key_valid, window, sinks, frobenius_sq, opt
     if sinks is not None:
         k, v, allowed, span = _with_sinks(key, value, k, v, allowed, sinks, window, kv_len - q_len, real_rows)
     block_sq = None if frobenius_sq is None else frobenius_sq.new_zeros(batch * blocks, *frobenius_sq.shape[1:])
-    output, _ = _quadratic(q, k, v, allowed.reshape(batch * blocks, 1, rows, span), SOFTMAX, frobenius_sq=block_sq,
-                           **options)
+    output, _ = _quadratic(path, q, k, v, allowed.reshape(batch * blocks, 1, rows, span), SOFTMAX,
+                           frobenius_sq=block_sq, trim_keys=rows > 1, **options)
     if block_sq is not None:
         frobenius_sq += block_sq.view(batch, blocks, *frobenius_sq.shape[1:]).sum(dim=1)
     return output.reshape(batch, blocks * rows, q_heads, -1)[:, :q_len]
@@ -372,9 +407,10 @@ def _with_sinks(key, value, k, v, allowed, sinks, window, offset, real_rows):
     return torch.cat([k_sink, k], dim=2), torch.cat([v_sink, v], dim=2), allowed, allowed.shape[-1]
 
 
-def _older_keys(query, key, value, key_valid, normalization, path, frobenius_sq, mix, handover, options):
+def _older_keys(query, key, value, key_valid, normalization, path, mix, handover, options):
     """The polynomial part ``(B, q, H_q, D_v)``, ``None`` when no query has a key older than its window: queries
-    ``q - rows ..`` on the keys ``0 .. older - 1``, bottom-right causal, on ``path``."""
+    ``q - rows ..`` on the keys ``0 .. older - 1``, bottom-right causal, on ``path`` (``key_valid`` ``None``: every
+    key real)."""
     batch, _, q_len, _ = query.shape
     rows, older = _older_shape(q_len, key.shape[2], normalization.window)
     if rows == 0:  # every key is inside its query's window (and no state was kept: the cache holds W keys first)
@@ -387,15 +423,18 @@ def _older_keys(query, key, value, key_valid, normalization, path, frobenius_sq,
     linear_valid = (None if key_valid is None else key_valid[:, :older]) if normalization.sinks else path.key_valid
     if path.linear and handover is not None:
         state, count = handover.read()
-        output, state, count = linear_attention(q, k, v, linear_valid, polynomial, scaling=options["scaling"],
-                                                initial_state=state, initial_count=count, return_state=True)
+        output, state, count = run_linear(path, q, k, v, linear_valid, polynomial, scaling=options["scaling"],
+                                          initial_state=state, initial_count=count, return_state=True)
         handover.write(state, count)
     elif path.linear:
-        output = linear_attention(q, k, v, linear_valid, polynomial, scaling=options["scaling"])
+        output = run_linear(path, q, k, v, linear_valid, polynomial, scaling=options["scaling"])
     else:
-        older_valid = k.new_ones(batch, older, dtype=torch.bool) if key_valid is None else key_valid[:, :older]
-        allowed = kernel_mask(KeyPadding(older_valid, rows, causal=True), options["compiling"])
-        output, _ = _quadratic(q, k, v, allowed, polynomial, **options)
+        if key_valid is None and rows in (1, older):  # the kernel's implicit causal mask is this one
+            allowed = None
+        else:
+            older_valid = k.new_ones(batch, older, dtype=torch.bool) if key_valid is None else key_valid[:, :older]
+            allowed = KeyPadding(older_valid, rows, causal=True).dense()
+        output, _ = _quadratic(path, q, k, v, allowed, polynomial, trim_keys=rows > 1, **options)
     output = output * row_scale(output)  # (B, rows, H_q, D): each row's RMS to 1
     if mix is not None:
         output = output * mix.to(output.dtype)[None, None, :, None]
@@ -419,7 +458,7 @@ ROW_EPS = 1e-12
 """Added to each row's mean square before the polynomial part's RMS normalization (:func:`row_scale`)."""
 
 
-def _explicit(query, key, value, mask, normalization, bias, return_weights, frobenius_sq, mix, options):
+def _explicit(query, key, value, mask, normalization, bias, return_weights, frobenius_sq, mix, paths, options):
     """Both parts with the chunked kernel on explicit masks (see the module docstring)."""
     if mask is None:
         key, value = linear_keys(query, key, value, None, causal=True)
@@ -434,9 +473,11 @@ def _explicit(query, key, value, mask, normalization, bias, return_weights, frob
     older = allowed & ~in_window
     polynomial = normalization.polynomial
     options = dict(options, return_weights=return_weights, bias=bias)
-    soft, soft_weights = _quadratic(query, key, value, in_window, SOFTMAX, frobenius_sq=frobenius_sq, **options)
+    soft, soft_weights = _quadratic(paths.softmax, query, key, value, in_window, SOFTMAX, frobenius_sq=frobenius_sq,
+                                    **options)
     weighted = return_weights or frobenius_sq is not None  # the rows' scales apply to the weights: materialize them
-    poly, poly_weights = _quadratic(query, key, value, older, polynomial, **dict(options, return_weights=weighted))
+    poly, poly_weights = _quadratic(paths.polynomial, query, key, value, older, polynomial,
+                                    **dict(options, return_weights=weighted))
     factor = row_scale(poly)  # (B, q, H_q, 1)
     if mix is not None:
         factor = factor * mix.to(poly.dtype)[None, None, :, None]
@@ -448,15 +489,26 @@ def _explicit(query, key, value, mask, normalization, bias, return_weights, frob
     return soft + poly * factor, (soft_weights + poly_weights if return_weights else None)
 
 
-def _quadratic(query, key, value, allowed, normalization, *, scaling, softcap, dropout, op, compiling,
-               frobenius_sq=None, bias=None, return_weights=False):
-    """The chunked kernel, or its custom op (compiled code with no tap, no dropout, no weights)."""
+class _Paths(NamedTuple):
+    """The kernels of a call's two parts: the polynomial part's path (what ``attention_paths()`` counts) and the
+    softmax part's (:func:`.backends.with_kernel`'s choice for a pure softmax call; today the PyTorch kernel)."""
+
+    polynomial: Path
+    softmax: Path
+
+
+def _quadratic(path, query, key, value, allowed, normalization, *, scaling, softcap, dropout, op, compiling,
+               frobenius_sq=None, bias=None, return_weights=False, trim_keys=True):
+    """The quadratic kernel ``path`` names (:func:`.backends.run_quadratic`), or the custom op (compiled code with
+    no tap, no dropout, no weights). ``trim_keys``: let the PyTorch kernel skip the keys no row of a chunk attends
+    (one read of the mask's ranges to the host per call; a single query row attends every key of its part, so the
+    callers pass ``False`` there, and compiled code never reads)."""
     if op and dropout == 0.0 and not return_weights and frobenius_sq is None:
         return compiled_attention(query, key, value, allowed, bias, normalization, scaling=scaling, softcap=softcap,
                                   causal=allowed is None), None
-    return chunked_attention(query, key, value, allowed, normalization, bias=bias, scaling=scaling, softcap=softcap,
-                             dropout=dropout, causal=allowed is None, return_weights=return_weights,
-                             frobenius_sq=frobenius_sq, trim_keys=not compiling)
+    return run_quadratic(path, query, key, value, allowed, normalization, bias=bias, scaling=scaling, softcap=softcap,
+                         dropout=dropout, causal=allowed is None, return_weights=return_weights,
+                         frobenius_sq=frobenius_sq, trim_keys=trim_keys and not compiling)
 
 
 

@@ -177,3 +177,30 @@ def test_linear_policies_are_checked():
         hf_knorm.patch(tiny_model("llama"), "x/1", linear="always")
     with pytest.raises(ValueError, match="has no linear-time path"):
         hf_knorm.patch(tiny_model("llama"), "x^3/16", linear="require")
+
+
+def test_whether_the_keys_are_all_real_is_read_once_per_shared_mask():
+    """Every layer of a forward receives the same mask tensor: :attr:`KeyPadding.all_real` reads it once for all of
+    them, and a cut of it (the keys older than a window) without a read when every key is real; a new mask tensor (the
+    next forward) is read again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Reads.count += str(func).startswith("aten._local_scalar_dense")
+            return func(*args, **(kwargs or {}))
+
+    real = torch.ones(2, 9, dtype=torch.bool)
+    padded = real.clone()
+    padded[1, :2] = False
+    with Reads():
+        layers = [KeyPadding.of(real, 9, 9, causal=True) for _ in range(3)]
+        assert all(layer.all_real and layer.first(4, 4).all_real for layer in layers)
+        assert Reads.count == 1
+        assert not KeyPadding.of(padded, 9, 9, causal=True).all_real
+        assert KeyPadding.of(padded, 9, 9, causal=True).first(9, 9).all_real is False
+        assert Reads.count == 3  # the whole of the new mask, then its cut (the same keys), once
+        assert KeyPadding.of(padded, 1, 7, causal=True).all_real  # its last 7 keys: the padding is cut off
+        assert Reads.count == 4

@@ -14,7 +14,7 @@ import torch
 from hf_knorm.attention import paths, window
 from hf_knorm.attention.masks import KeyPadding
 from hf_knorm.attention.normalizations import Normalization, parse_normalization, with_window
-from hf_knorm.attention.reference import reference_attention, reference_window_attention
+from hf_knorm.attention.reference import reference_attention, reference_window_attention, window_split
 from hf_knorm.attention.window import ROW_EPS, window_attention, window_path
 
 ATOL = 1e-10
@@ -143,6 +143,21 @@ def test_reference_by_hand_with_a_window_of_one_and_a_sink():
     assert weights[0, 0, 2, 0] == sink
 
 
+def test_reference_by_hand_on_packed_sequences_with_a_sink():
+    """Two sequences packed at tokens 0 and 3, W = 2, S = 1: each row's sink is its own sequence's first token (3 for
+    the second one), fixed while the row moves; row 6 weights keys 3, 5, 6 by softmax and key 4 alone by s^3 / 16."""
+    allowed = _packed(7, [3])[None, None]
+    soft, older = window_split(allowed, 2, 1)
+    drawn = ["".join("s" if s else "o" if o else "." for s, o in zip(*rows)) for rows in zip(soft[0, 0], older[0, 0])]
+    assert drawn == ["s......", "ss.....", "sss....", "...s...", "...ss..", "...sss.", "...soss"]
+    q, k, v = (torch.randn(1, 1, 7, 4, dtype=torch.float64) for _ in range(3))
+    output, _ = reference_window_attention(q, k, v, allowed, parse_normalization("x^3/16 + softmax window 2 + sinks 1"))
+    s = (q @ k.transpose(-1, -2) / 2.0)[0, 0]
+    unit = lambda u: u / (u.pow(2).mean() + ROW_EPS).sqrt()  # noqa: E731
+    expected = torch.softmax(s[6, [3, 5, 6]], dim=0) @ v[0, 0, [3, 5, 6]] + unit(s[6, 4] ** 3 / 16 * v[0, 0, 4])
+    torch.testing.assert_close(output[0, 6, 0], expected, rtol=0, atol=1e-12)
+
+
 def test_reference_with_a_window_longer_than_the_keys_is_softmax_and_the_older_part_has_rms_one():
     q, k, v = _inputs(q_len=9, kv_len=9)
     softmax, _ = reference_attention(q, k, v, None, Normalization(power=None), causal=True)
@@ -230,14 +245,8 @@ def _packed(length, starts):
     return causal & (document[:, None] == document[None, :])
 
 
-@pytest.mark.parametrize("spelling", ["x^3/16", "x/sqrtN", "x^3/sqrtN"])
-@pytest.mark.parametrize("case", ["model window 6", "model window 3", "packed", "static cache", "padded sliding"])
-@pytest.mark.parametrize("sinks", [0, 2])
-def test_explicit_masks_equal_the_reference(spelling, case, sinks):
-    """A model's own sliding window (longer and shorter than the softmax window of 4), packed sequences, a static
-    cache's top-left layout (keys past the query not yet written), with the weights returned. Sinks: each row's
-    first keys it may attend (a packed sequence's first tokens)."""
-    normalization = with_window(parse_normalization(spelling), 4, sinks=sinks)
+def _explicit_case(case):
+    """``(q, k, v, allowed)`` of an explicit-mask case."""
     if case.startswith("model window"):
         q, k, v = _inputs(q_len=13, kv_len=20)
         allowed = _sliding(13, 20, int(case.split()[-1]))[None, None]
@@ -250,6 +259,21 @@ def test_explicit_masks_equal_the_reference(spelling, case, sinks):
     else:
         q, k, v = _inputs(q_len=20, kv_len=20)
         allowed = (_sliding(20, 20, 7)[None] & _valid("left", 2, 20)[:, None, :])[:, None]
+    return q, k, v, allowed
+
+
+SLIDING = ("model window 6", "model window 3", "padded sliding")
+
+
+@pytest.mark.parametrize("spelling", ["x^3/16", "x/sqrtN", "x^3/sqrtN"])
+@pytest.mark.parametrize("case, sinks", [(case, sinks) for case in SLIDING + ("packed", "static cache")
+                                         for sinks in (0, 2) if not (sinks and case in SLIDING)])
+def test_explicit_masks_equal_the_reference(spelling, case, sinks):
+    """A model's own sliding window (longer and shorter than the softmax window of 4), packed sequences, a static
+    cache's top-left layout (keys past the query not yet written), with the weights returned. Sinks: each
+    sequence's first tokens (a packed sequence's; a sliding window's are refused, below)."""
+    normalization = with_window(parse_normalization(spelling), 4, sinks=sinks)
+    q, k, v, allowed = _explicit_case(case)
     mix = torch.linspace(2.0, 0.5, 6, dtype=torch.float64).requires_grad_()
     got, weights = window_attention(q, k, v, allowed, normalization, return_weights=True, mix=mix)
     want, want_weights = reference_window_attention(q, k, v, allowed, normalization, mix=mix)
@@ -257,6 +281,23 @@ def test_explicit_masks_equal_the_reference(spelling, case, sinks):
     _compare(got, want, (q, k, v), torch.ones(2, q.shape[2], dtype=torch.bool), extra=(mix,))
     explicit, _ = window_attention(q, k, v, allowed, normalization, mix=mix)
     torch.testing.assert_close(explicit, got, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", SLIDING)
+def test_sinks_on_a_sliding_window_are_refused(case):
+    """A layer's own sliding window leaves its sequence's first tokens behind: the sinks are refused, by the layer's
+    ``sliding_window`` (what a model passes) and, in the reference, by the mask itself; the window alone runs."""
+    q, k, v, allowed = _explicit_case(case)
+    size = 7 if case == "padded sliding" else int(case.split()[-1])
+    sunk = parse_normalization("x^3/16 + softmax window 4 + sinks 2")
+    with pytest.raises(ValueError, match=f"own sliding window of {size} positions.*without attention_sinks"):
+        window_attention(q, k, v, allowed, sunk, sliding_window=size)
+    with pytest.raises(ValueError, match="does not attend the first keys of its sequence"):
+        reference_window_attention(q, k, v, allowed, sunk)
+    alone = parse_normalization("x^3/16 + softmax window 4")
+    got, _ = window_attention(q, k, v, allowed, alone, sliding_window=size)
+    want, _ = reference_window_attention(q, k, v, allowed, alone)
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
 
 
 @pytest.mark.parametrize("spelling", ["x^3/16", "x/1"])

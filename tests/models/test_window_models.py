@@ -21,10 +21,12 @@ from hf_knorm.attention.paths import attention_paths
 from hf_knorm.attention.reference import reference_window_attention
 from hf_knorm.attention.window import mix_of
 from hf_knorm.models.window_mix import distant_part_off, set_window_mix, window_mixes
+from hf_knorm.recurrent.window_cache import WindowStateLayer
 from hf_knorm.compat import cache_kwargs, output_cache
 
 REFERENCE = "test_reference_window"
 WINDOW_TYPES = ("llama", "mistral", "gemma2", "gemma3_text", "qwen3", "gpt2", "phi3")
+SLIDING_TYPES = ("mistral", "gemma2", "gemma3_text")  # with layers of their own sliding window (tests/tiny_models.py)
 ATOL = 1e-4  # fp32 decoding against the full forward (logits of size ~10)
 
 
@@ -49,10 +51,12 @@ def _twins(model_type, spelling, window, dtype=torch.float64):
 
 
 
-@pytest.mark.parametrize("spelling, window", [("x^3/16", 3), ("x/1", 4), ("x/sqrtN", 7), ("x^3/sqrtN", 2),
-                                              ("x^3/16 + softmax window 3 + sinks 2", 3),
-                                              ("x/1 + softmax window 4 + sinks 1", 4)])
-@pytest.mark.parametrize("model_type", WINDOW_TYPES)
+@pytest.mark.parametrize("model_type, spelling, window", [
+    (model_type, spelling, window) for model_type in WINDOW_TYPES
+    for spelling, window in [("x^3/16", 3), ("x/1", 4), ("x/sqrtN", 7), ("x^3/sqrtN", 2),
+                             ("x^3/16 + softmax window 3 + sinks 2", 3), ("x/1 + softmax window 4 + sinks 1", 4)]
+    if "sinks" not in spelling or model_type not in SLIDING_TYPES  # refused there: below
+])
 def test_models_equal_the_reference_attention(model_type, spelling, window):
     model, reference = _twins(model_type, spelling, window)
     inputs = tiny_inputs(model_type, length=14)
@@ -63,9 +67,12 @@ def test_models_equal_the_reference_attention(model_type, spelling, window):
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("spelling", ["x^3/16", "x/1", "x/sqrtN", "x^3/16 + softmax window 3 + sinks 2",
-                                      "x/1 + softmax window 3 + sinks 2"])
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("model_type, spelling", [
+    (model_type, spelling) for model_type in ("llama", "mistral", "gemma2", "gemma3_text")
+    for spelling in ("x^3/16", "x/1", "x/sqrtN", "x^3/16 + softmax window 3 + sinks 2",
+                     "x/1 + softmax window 3 + sinks 2")
+    if "sinks" not in spelling or model_type not in SLIDING_TYPES
+])
 def test_token_by_token_decoding_with_the_kv_cache_equals_the_full_forward(model_type, spelling):
     model = hf_knorm.patch(tiny_model(model_type), spelling, softmax_window=3)
     ids = tiny_inputs(model_type, batch=1, length=14)["input_ids"]
@@ -77,6 +84,23 @@ def test_token_by_token_decoding_with_the_kv_cache_equals_the_full_forward(model
             out = model(input_ids=ids[:, position: position + 1], **cache_kwargs(output_cache(out)), use_cache=True)
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("model_type", SLIDING_TYPES)
+def test_sinks_are_refused_on_a_models_own_sliding_window(model_type):
+    """The sinks are each sequence's first tokens; a layer with its own sliding window (5 positions here) leaves them
+    behind, in its mask and in its cache: such a layer refuses them, saying what to do, in a forward and in
+    ``generate``. The window alone runs (and equals the reference: above)."""
+    sunk = hf_knorm.patch(tiny_model(model_type), "x^3/16", softmax_window=3, attention_sinks=2)
+    inputs = tiny_inputs(model_type, length=14)
+    refusal = "own sliding window of 5 positions.*Patch this model without attention_sinks"
+    with torch.no_grad(), pytest.raises(ValueError, match=refusal):
+        sunk(**inputs)
+    with torch.no_grad(), pytest.raises(ValueError, match=refusal):
+        sunk.generate(**inputs, max_new_tokens=2, do_sample=False)
+    alone = hf_knorm.patch(tiny_model(model_type), "x^3/16", softmax_window=3)
+    with torch.no_grad():
+        assert torch.isfinite(alone(**inputs).logits).all()
 
 
 def _kv_cache(model):
@@ -225,13 +249,14 @@ def test_the_p1_hybrid_builds_no_n_by_n_tensor(padded):
 
 @pytest.mark.parametrize("spelling", ["x/1", "x^3/16"])
 def test_recorded_attention_norms_are_the_whole_matrixs(spelling):
-    """record_norms on the fast paths (x/1: linear, 140 tokens) gives the Frobenius norm of the weights that
-    output_attentions returns (both parts), per batch item and head."""
+    """record_norms gives the Frobenius norm of the weights that output_attentions returns (both parts), per batch
+    item and head. The rows of the polynomial part are normalized one by one, so a recorded call materializes them
+    on the quadratic kernel, and the path counted says so (x/1 too: a fallback from the linear path)."""
     model = hf_knorm.patch(tiny_model("llama"), spelling, softmax_window=8)
     inputs = tiny_inputs("llama", length=140)
     with hf_knorm.record_norms(model) as recorder, torch.no_grad(), attention_paths() as taken:
         model(**inputs)
-    assert dict(taken) == {("linear" if spelling == "x/1" else "quadratic"): model.config.num_hidden_layers}
+    assert dict(taken) == {"quadratic": model.config.num_hidden_layers}
     with torch.no_grad():
         attentions = model(**inputs, output_attentions=True).attentions
     for layer, weights in zip(recorder.layers, attentions):
@@ -289,14 +314,17 @@ def test_a_mix_is_saved_reloaded_exactly_and_removed_by_unpatch(tmp_path):
     assert window_mixes(reloaded) == window_mixes(model)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
-        # decoding with the constant-size state (window keys + state) applies the same mix as the full forward
-        full = model(input_ids=ids).logits
-        generated = model.generate(input_ids=ids[:, :6], max_new_tokens=8, do_sample=False, output_logits=True,
-                                   return_dict_in_generate=True)
-        with torch.no_grad():
-            again = model(input_ids=generated.sequences[:, :-1]).logits[:, 5:]
-        torch.testing.assert_close(torch.stack(generated.logits, dim=1), again, rtol=0, atol=ATOL)
-    assert full.shape[1] == 14
+        # the reloaded model decodes with the constant-size state (window keys + state) and the same mix as the
+        # original's full forward; without the mix the logits would be others
+        generated = reloaded.generate(input_ids=ids[:, :6], max_new_tokens=8, do_sample=False, output_logits=True,
+                                      return_dict_in_generate=True)
+        assert all(isinstance(layer, WindowStateLayer) for layer in output_cache(generated).layers)
+        decoded = torch.stack(generated.logits, dim=1)
+        full = model(input_ids=generated.sequences[:, :-1]).logits[:, 5:]
+        torch.testing.assert_close(decoded, full, rtol=0, atol=ATOL)
+        unmixed = hf_knorm.patch(tiny_model("llama"), "x/1", softmax_window=4)(
+            input_ids=generated.sequences[:, :-1]).logits[:, 5:]
+        assert (unmixed - decoded).abs().max() > 100 * ATOL
     hf_knorm.unpatch(model)
     assert "window_mix" not in (getattr(model.config, "hf_knorm", None) or {})
 
@@ -317,3 +345,146 @@ def test_a_bad_mix_is_refused(mix, message):
         set_window_mix(model, mix)
     with pytest.raises(ValueError, match="softmax window"):
         set_window_mix(hf_knorm.patch(tiny_model("llama"), "x^3/16"), None)
+
+
+# --- host synchronizations per decoded token -------------------------------------------------------------------------
+
+class _HostReads:
+    """Counts what reads a tensor's values to the host (a synchronization on an accelerator) in the plugin's
+    attention code (a frame of ``hf_knorm/attention`` on the stack): ``item``, ``bool``, ``int``, ``float``
+    (``aten._local_scalar_dense``), ``torch.equal``, ``nonzero`` and ``tolist``."""
+
+    OPS = ("aten._local_scalar_dense", "aten.equal", "aten.nonzero", "aten.is_nonzero")
+
+    def __init__(self):
+        self.where = []
+
+    def note(self):
+        import traceback
+
+        frames = [f"{frame.filename.split('hf_knorm/')[-1]}:{frame.lineno}" for frame in traceback.extract_stack()
+                  if "hf_knorm/attention/" in frame.filename.replace("\\", "/")]
+        if frames:
+            self.where.append(frames[-1])
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        reads = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if str(func).rsplit(".", 1)[0] in reads.OPS:  # "aten.equal.default" -> "aten.equal"
+                    reads.note()
+                return func(*args, **(kwargs or {}))
+
+        self._tolist = torch.Tensor.tolist
+
+        def tolist(tensor):
+            reads.note()
+            return reads._tolist(tensor)
+
+        torch.Tensor.tolist = tolist
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        torch.Tensor.tolist = self._tolist
+
+
+@pytest.mark.parametrize("spelling, cache, reads", [
+    ("x/1 + softmax window 4 + sinks 2", "state", 1),  # whether the step's keys are all real
+    ("x^3/16 + softmax window 4 + sinks 2", "kv", 2),  # that, and whether its older keys are (the batch is padded)
+])
+def test_a_decoded_token_reads_the_device_once_per_forward_not_per_layer(spelling, cache, reads):
+    """One decoding step of a tiny windowed model with sinks, on a left-padded batch (the sinks complete since the
+    prefill): the plugin reads values to the host ``reads`` times in the whole forward, whatever the number of
+    layers (the answers about the mask every layer shares are remembered for the forward; the path is chosen once per
+    call; a single query row gives the kernels nothing to trim). Before: 3 reads per layer with the state (6 here),
+    4 per layer with the K/V cache (8)."""
+    from hf_knorm.recurrent.cache import RecurrentStateCache
+    from transformers import DynamicCache
+
+    model = hf_knorm.patch(tiny_model("llama"), spelling)
+    inputs = tiny_inputs("llama", length=12)
+    inputs["attention_mask"][1, :3] = 0
+    kept = RecurrentStateCache(config=model.config) if cache == "state" else DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model(**inputs, use_cache=True, **cache_kwargs(kept))
+        if cache == "state":
+            assert all(layer.sinks_complete for layer in kept.layers)
+        step = dict(input_ids=out.logits[:, -1:].argmax(-1), use_cache=True, **cache_kwargs(output_cache(out)),
+                    attention_mask=torch.cat([inputs["attention_mask"], torch.ones(2, 1, dtype=torch.long)], dim=1))
+        with _HostReads() as host:
+            model(**step)
+    assert model.config.num_hidden_layers >= 2
+    assert len(host.where) == reads, host.where
+
+
+# --- the GPU kernels ------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def gpu_kernels(monkeypatch):
+    """The CUDA choices of ``backends.py`` on the CPU (its device seam set to "cuda", the packages importable), with
+    the Triton and flash-linear-attention entry points replaced by spies that note each call and compute it with the
+    PyTorch kernels (the same contract): which part of a windowed call reaches which GPU kernel, and with what."""
+    from hf_knorm.attention import backends, fla_linear, triton_kernel
+    from hf_knorm.attention.kernel import chunked_attention
+    from hf_knorm.attention.linear_kernel import linear_attention
+
+    monkeypatch.setattr(backends, "_device_type", lambda tensor: "cuda")
+    monkeypatch.setattr(backends, "_importable", lambda module: True)
+    monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": "auto", "linear": "auto"})
+    calls = []
+
+    def triton(query, key, value, allowed, normalization, **options):
+        calls.append(("triton", normalization.name, allowed is not None, options.get("causal")))
+        return chunked_attention(query, key, value, allowed, normalization, **options)[0]
+
+    def fla(query, key, value, key_valid, normalization, **options):
+        calls.append(("fla", normalization.name, options.get("initial_state") is not None, options.get("return_state")))
+        return linear_attention(query, key, value, key_valid, normalization, **options)
+
+    monkeypatch.setattr(triton_kernel, "triton_attention", triton)
+    monkeypatch.setattr(fla_linear, "fla_linear_attention", fla)
+    return calls
+
+
+@pytest.mark.parametrize("model_type, spelling, length, kernel", [
+    ("llama", "x^3/16 + softmax window 4 + sinks 2", 12, "triton"),  # key padding: the band and the older keys
+    ("mistral", "x^3/sqrtN + softmax window 3", 12, "triton"),  # the model's own sliding window: explicit masks
+    ("llama", "x/1 + softmax window 8 + sinks 2", 140, "fla"),  # the linear path
+])
+def test_the_polynomial_part_runs_on_the_gpu_kernel_the_pure_normalization_would(gpu_kernels, model_type, spelling,
+                                                                                   length, kernel):
+    """A windowed call takes the kernel choice of the pure normalization for its polynomial part (and the softmax part
+    that of a pure softmax call: the PyTorch kernel today); ``attention_paths()`` counts the kernel that ran. The
+    spies compute what the PyTorch kernels would: the logits are those of the PyTorch run."""
+    model = hf_knorm.patch(tiny_model(model_type), spelling)
+    inputs = tiny_inputs(model_type, length=length)
+    inputs["attention_mask"][1, :3] = 0
+    with torch.no_grad(), attention_paths() as taken:
+        logits = model(**inputs).logits
+    layers = model.config.num_hidden_layers
+    assert dict(taken) == {kernel: layers}
+    polynomial = normalization_of(model.model.layers[0].self_attn).polynomial.name
+    assert [call[:2] for call in gpu_kernels] == [(kernel, polynomial)] * layers
+    from hf_knorm.attention import backends
+
+    backends._CHOSEN.update(quadratic="pytorch", linear="pytorch")
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(**inputs).logits, rtol=0, atol=0)
+
+
+def test_decoding_continues_the_state_on_the_gpu_kernel(gpu_kernels):
+    """``generate`` on a p = 1 windowed model with sinks: every step's polynomial part goes to flash-linear-attention
+    with the state of the keys older than the window, and returns the new one (to the window cache)."""
+    model = hf_knorm.patch(tiny_model("llama"), "x/1", softmax_window=4, attention_sinks=2)
+    ids = tiny_inputs("llama", batch=1, length=8)["input_ids"]
+    with torch.no_grad(), attention_paths() as taken:
+        model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+    layers = model.config.num_hidden_layers
+    assert dict(taken) == {"fla": 3 * layers}  # the prompt and two decoded tokens, each layer
+    assert gpu_kernels == [("fla", "x/1", step > 0, True) for step in range(3) for _ in range(layers)]
