@@ -74,10 +74,11 @@ Fast paths (memory linear in ``N`` for a fixed ``W``):
   every explicit mask is. For ``p = 1`` that is a fallback from the linear path (warned on long inputs, an error
   under ``linear="require"``).
 
-Kernels. Each part takes the kernel choice of a plain call (:func:`.backends.with_kernel`): the polynomial part that
-of the pure normalization (on CUDA the Triton kernel for the quadratic path, flash-linear-attention for the linear
-one, decoding included: it continues the recurrent state), the softmax part that of a pure softmax call (the PyTorch
-chunked kernel today). The attention function chooses the path once per call and hands it over (``path``).
+Kernels. The polynomial part takes the kernel choice of a plain call of the pure normalization
+(:func:`.backends.with_kernel`: on CUDA the Triton kernel for the quadratic path, flash-linear-attention for the linear
+one, decoding included: it continues the recurrent state; ``use_kernels(...)`` forces or refuses them as for the pure
+normalization). The softmax part runs on the PyTorch chunked kernel (:data:`SOFTMAX_PATH`): no GPU kernel of the
+plugin computes softmax, so a forced kernel is not asked to (it would refuse softmax). The attention function chooses the path once per call and hands it over (``path``).
 ``attention_paths()`` counts one entry per call, the polynomial part's kernel: ``"linear"`` (or ``"fla"``) when the
 ``p = 1`` hybrid runs in linear time, ``"quadratic"`` (or ``"triton"``) otherwise.
 
@@ -106,6 +107,8 @@ BAND_ROWS = 32
 ``rows x (rows + W - 1)``, of which ``rows x W`` are in the window (all blocks in one kernel call)."""
 
 SOFTMAX = Normalization(power=None)
+SOFTMAX_PATH = Path(linear=False, reason="the softmax part of a window: the PyTorch chunked kernel")
+"""The softmax part's kernel: the PyTorch chunked kernel (the plugin's GPU kernels compute polynomial weights)."""
 
 
 def window_attention(
@@ -166,7 +169,6 @@ def window_attention(
                            dropout=dropout, return_weights=return_weights, has_state=handover is not None,
                            compiling=compiling, recording=frobenius_sq is not None, sliding_window=sliding_window)
         path = with_kernel(path, query, normalization.polynomial, **kernels)
-    softmax_path = with_kernel(Path(linear=False, reason="softmax"), query, SOFTMAX, **kernels)  # as a pure softmax
     check_state_window(handover, normalization)
     if mix is not None and tuple(mix.shape) != (query.shape[1],):
         raise ValueError(f"mix scales the polynomial part per query head: shape ({query.shape[1]},), got "
@@ -175,7 +177,7 @@ def window_attention(
         raise ValueError(f"A recurrent state cache decodes with linear attention only, and this call cannot: "
                          f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")
     options = dict(scaling=scaling, softcap=softcap, dropout=dropout, op=op, compiling=compiling)
-    paths = _Paths(path, softmax_path)
+    paths = _Paths(path, SOFTMAX_PATH)  # no GPU kernel computes softmax; a forced one serves the polynomial part
     dtype = query.dtype  # the parts are computed and added in fp32 (fp64 for fp64 inputs), as the kernels compute
     compute = torch.promote_types(dtype, torch.float32)
     query, key, value = query.to(compute), key.to(compute), value.to(compute)
@@ -491,7 +493,7 @@ def _explicit(query, key, value, mask, normalization, bias, return_weights, frob
 
 class _Paths(NamedTuple):
     """The kernels of a call's two parts: the polynomial part's path (what ``attention_paths()`` counts) and the
-    softmax part's (:func:`.backends.with_kernel`'s choice for a pure softmax call; today the PyTorch kernel)."""
+    softmax part's (:data:`SOFTMAX_PATH`)."""
 
     polynomial: Path
     softmax: Path

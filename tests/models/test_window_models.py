@@ -437,6 +437,7 @@ def gpu_kernels(monkeypatch):
     monkeypatch.setattr(backends, "_device_type", lambda tensor: "cuda")
     monkeypatch.setattr(backends, "_importable", lambda module: True)
     monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": "auto", "linear": "auto"})
+    monkeypatch.setattr(backends, "verdict", lambda *args: "")  # proven (the self-check is test_backends.py's)
     calls = []
 
     def triton(query, key, value, allowed, normalization, **options):
@@ -488,3 +489,17 @@ def test_decoding_continues_the_state_on_the_gpu_kernel(gpu_kernels):
     layers = model.config.num_hidden_layers
     assert dict(taken) == {"fla": 3 * layers}  # the prompt and two decoded tokens, each layer
     assert gpu_kernels == [("fla", "x/1", step > 0, True) for step in range(3) for _ in range(layers)]
+
+
+def test_a_forced_gpu_kernel_serves_the_polynomial_part_and_leaves_the_softmax_part_alone(gpu_kernels):
+    """``use_kernels(quadratic="triton")`` on a windowed model: the polynomial part runs on Triton and the softmax
+    part on the PyTorch kernel (Triton computes no softmax, so the forced kernel is not asked to and does not refuse)."""
+    from hf_knorm.attention import backends
+
+    backends._CHOSEN.update(quadratic="triton")
+    model = hf_knorm.patch(tiny_model("llama"), "x^3/16 + softmax window 4 + sinks 2")
+    with torch.no_grad(), attention_paths() as taken:
+        model(**tiny_inputs("llama", length=12))
+    layers = model.config.num_hidden_layers
+    assert dict(taken) == {"triton": layers}
+    assert [call[:2] for call in gpu_kernels] == [("triton", "x^3/16")] * layers
