@@ -55,7 +55,7 @@ def patch(model: nn.Module, normalization: str | Normalization = "softmax", *, l
     Raises:
         ValueError: unsupported architecture, unknown normalization or ``linear`` policy, ``linear="require"`` with a
             normalization that has no linear path, a softmax window or sinks that are not an integer >= 0, a window
-            on softmax or on an encoder, sinks without a window, or a model already patched with a different normalization (call :func:`unpatch` first).
+            on softmax or on an encoder, sinks without a window or on a model with sliding-window layers, or a model already patched with a different normalization (call :func:`unpatch` first).
             Patching again with the same one warns and does nothing.
     """
     architecture = architecture_of(model)
@@ -66,6 +66,8 @@ def patch(model: nn.Module, normalization: str | Normalization = "softmax", *, l
     if normalization.window and not architecture.causal:
         raise ValueError(f"{normalization.name}: a softmax window weights the keys before each query, and "
                          f"{architecture.model_type} attends both ways. Patch it without softmax_window.")
+    if normalization.sinks:
+        _refuse_sinks_on_sliding_layers(model, normalization)
     if linear not in LINEAR_POLICIES:
         raise ValueError(f"linear={linear!r} is not a policy; choose one of {', '.join(LINEAR_POLICIES)}.")
     if linear == "require" and not is_linear(normalization):
@@ -119,6 +121,30 @@ def unpatch(model: nn.Module) -> nn.Module:
         else:
             setattr(config, SECTION, section)
     return model
+
+
+def sliding_window_of(attention: nn.Module) -> int | None:
+    """The sliding window Transformers hands ``attention``'s calls (``sliding_window=``), ``None`` for a full layer:
+    the module's own attribute where it has one (Qwen2, Gemma2/3 set it per layer type), else its config's (Mistral
+    and Phi-3 pass ``config.sliding_window`` on every layer)."""
+    if hasattr(attention, "sliding_window"):
+        return attention.sliding_window
+    return getattr(attention.config, "sliding_window", None)
+
+
+def _refuse_sinks_on_sliding_layers(model: nn.Module, normalization: Normalization) -> None:
+    """Raise when ``model`` has a layer with its own sliding window: attention sinks are each sequence's first tokens,
+    which such a layer's mask and cache leave behind (the attention function refuses such a call too, for a model
+    whose config was patched elsewhere: :func:`hf_knorm.attention.window.window_path`)."""
+    sliding = {name: window for name, module in attention_modules(model)
+               if (window := sliding_window_of(module)) is not None}
+    if sliding:
+        name, window = next(iter(sliding.items()))
+        raise ValueError(f"{normalization.name}: attention sinks are each sequence's first {normalization.sinks} "
+                         f"tokens, and {len(sliding)} attention layers of this {model.config.model_type} model have "
+                         f"their own sliding window ({name}: {window} positions), which leaves them behind. Patch it "
+                         "without attention_sinks (attention_sinks=0; hf-knorm convert --attention-sinks 0: the softmax "
+                         "window alone), or use a model without sliding-window layers.")
 
 
 def own_config(model: nn.Module) -> None:

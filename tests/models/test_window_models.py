@@ -89,18 +89,22 @@ def test_token_by_token_decoding_with_the_kv_cache_equals_the_full_forward(model
 @pytest.mark.parametrize("model_type", SLIDING_TYPES)
 def test_sinks_are_refused_on_a_models_own_sliding_window(model_type):
     """The sinks are each sequence's first tokens; a layer with its own sliding window (5 positions here) leaves them
-    behind, in its mask and in its cache: such a layer refuses them, saying what to do, in a forward and in
-    ``generate``. The window alone runs (and equals the reference: above)."""
-    sunk = hf_knorm.patch(tiny_model(model_type), "x^3/16", softmax_window=3, attention_sinks=2)
+    behind, in its mask and in its cache. ``patch`` refuses them, saying what to do; a model whose saved config names
+    sinks (a plain ``from_pretrained`` runs no ``patch``) refuses them at its first forward and in ``generate``. The
+    window alone runs (and equals the reference: above)."""
+    with pytest.raises(ValueError, match="their own sliding window .*5 positions.*Patch it without attention_sinks"):
+        hf_knorm.patch(tiny_model(model_type), "x^3/16", softmax_window=3, attention_sinks=2)
+    alone = hf_knorm.patch(tiny_model(model_type), "x^3/16", softmax_window=3)
     inputs = tiny_inputs(model_type, length=14)
+    with torch.no_grad():
+        assert torch.isfinite(alone(**inputs).logits).all()
+    sunk = alone  # its config as a saved one with sinks would load (every module holds the model's one config)
+    sunk.config.hf_knorm = {**sunk.config.hf_knorm, "normalization": "x^3/16 + softmax window 3 + sinks 2"}
     refusal = "own sliding window of 5 positions.*Patch this model without attention_sinks"
     with torch.no_grad(), pytest.raises(ValueError, match=refusal):
         sunk(**inputs)
     with torch.no_grad(), pytest.raises(ValueError, match=refusal):
         sunk.generate(**inputs, max_new_tokens=2, do_sample=False)
-    alone = hf_knorm.patch(tiny_model(model_type), "x^3/16", softmax_window=3)
-    with torch.no_grad():
-        assert torch.isfinite(alone(**inputs).logits).all()
 
 
 def _kv_cache(model):
