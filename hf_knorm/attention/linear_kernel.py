@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .full_precision import full_precision
 from .normalizations import Normalization
 
 DEFAULT_CHUNK_SIZE = 64
@@ -44,6 +45,7 @@ def is_linear(normalization: Normalization) -> bool:
     return normalization.power == 1
 
 
+@full_precision
 def linear_attention(
     query: torch.Tensor,
     key: torch.Tensor,
