@@ -124,7 +124,8 @@ def chunked_attention(
             no graph break, the same result).
 
     Returns:
-        ``(output (B, q, H_q, D_v) in the query dtype, weights or None)``; computed in fp32 (fp64 for fp64 inputs).
+        ``(output (B, q, H_q, D_v) in the query dtype, weights or None)``; computed in fp32 (fp64 for fp64 inputs),
+        under autocast too, forward and backward (:mod:`.full_precision`).
     """
     plan, q, k, v = _prepare(query, key, value, allowed, normalization, bias, scaling, softcap, causal,
                              chunk_elements, trim_keys)

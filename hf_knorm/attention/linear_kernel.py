@@ -77,8 +77,9 @@ def linear_attention(
         return_state: also return the state after the last key and the count of valid keys.
 
     Returns:
-        ``output (B, q, H_q, D_v)`` in the query dtype; with ``return_state``, ``(output, state (B, H_kv, D, D_v),
-        count (B,))`` in the compute dtype (fp32, fp64 for fp64 inputs).
+        ``output (B, q, H_q, D_v)`` in the query dtype, computed in fp32 (fp64 for fp64 inputs) under autocast too
+        (:mod:`.full_precision`); with ``return_state``, ``(output, state (B, H_kv, D, D_v), count (B,))`` in the
+        compute dtype.
     """
     if not is_linear(normalization):
         raise ValueError(f"The linear path computes p = 1 normalizations (x/c, x/sqrtN), not {normalization.name}.")
