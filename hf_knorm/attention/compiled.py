@@ -13,6 +13,10 @@ kernels traced with their data-dependent shortcuts left out.
 
 Backward: the chunked kernel's own backward (``kernel.chunked_backward``, from the saved output).
 
+Autocast: a custom op runs under its caller's autocast state (at a compiled graph's runtime, the autocast around the
+compiled model), and so do the kernels the ops call; each of them turns autocast off itself (:mod:`.full_precision`),
+so the op computes in fp32 as in eager mode.
+
 The linear kernel (``x/c`` with a causal mask) is not in the op where the mask is key padding or ``None``
 (:mod:`.masks`, every plain causal model call): its form says the call is causal, so ``interface.py`` traces the
 linear kernel itself, forward and backward (autograd), with no data-dependent branch. Only an explicit 4-D mask (a

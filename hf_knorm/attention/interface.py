@@ -26,6 +26,7 @@ import torch
 from ..compat import attentions_being_collected
 from .backends import run_linear, run_quadratic, with_kernel
 from .compiled import compiled_attention
+from .full_precision import full_precision
 from .masks import KeyPadding, Mask, kernel_mask
 from .normalizations import Normalization, parse_normalization
 from .paths import check_linear_policy, choose_path, linear_keys, linear_policy_of, note_path
@@ -35,6 +36,7 @@ from .window import check_state_window, mix_of, window_attention, window_path
 ATTENTION_NAME = "hf_knorm"
 
 
+@full_precision
 def hf_knorm_attention(
     module: torch.nn.Module,
     query: torch.Tensor,

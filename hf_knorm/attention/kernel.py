@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .blocks import chunk_key_ranges
+from .full_precision import autocast_off, full_precision
 from .normalizations import Normalization
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 21  # scores per chunk on the CPU: 8 MiB in fp32; smaller chunks make small, slow matmuls
@@ -85,6 +86,7 @@ class _Plan:
         return chunk_key_ranges(self.allowed, self.rows).tolist()
 
 
+@full_precision
 def chunked_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -122,7 +124,8 @@ def chunked_attention(
             no graph break, the same result).
 
     Returns:
-        ``(output (B, q, H_q, D_v) in the query dtype, weights or None)``; computed in fp32 (fp64 for fp64 inputs).
+        ``(output (B, q, H_q, D_v) in the query dtype, weights or None)``; computed in fp32 (fp64 for fp64 inputs),
+        under autocast too, forward and backward (:mod:`.full_precision`).
     """
     plan, q, k, v = _prepare(query, key, value, allowed, normalization, bias, scaling, softcap, causal,
                              chunk_elements, trim_keys)
@@ -141,6 +144,7 @@ def chunked_attention(
     return output, weights
 
 
+@full_precision
 def chunked_forward(query, key, value, allowed, normalization, *, bias=None, scaling=None, softcap=None,
                     causal=False) -> torch.Tensor:
     """The inference forward of :func:`chunked_attention` (same arguments), output ``(B, q, H_q, D_v)`` in the
@@ -151,6 +155,7 @@ def chunked_forward(query, key, value, allowed, normalization, *, bias=None, sca
     return output.reshape(batch, q_len, q_heads, -1)
 
 
+@full_precision
 def chunked_backward(grad_output, query, key, value, output, allowed, normalization, *, bias=None, scaling=None,
                      softcap=None, causal=False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`chunked_forward` with respect to ``query``, ``key``, ``value`` (in their dtypes), given
@@ -245,7 +250,8 @@ class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         q, k, v, output = ctx.saved_tensors
-        dq, dk, dv = _backward(q, k, v, output, grad_output, ctx.plan)
+        with autocast_off(grad_output.device.type):  # the caller's autocast state, not the forward's
+            dq, dk, dv = _backward(q, k, v, output, grad_output, ctx.plan)
         return dq, dk, dv, None, None
 
 

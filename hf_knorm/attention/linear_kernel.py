@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .full_precision import full_precision
 from .normalizations import Normalization
 
 DEFAULT_CHUNK_SIZE = 64
@@ -44,6 +45,7 @@ def is_linear(normalization: Normalization) -> bool:
     return normalization.power == 1
 
 
+@full_precision
 def linear_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -75,8 +77,9 @@ def linear_attention(
         return_state: also return the state after the last key and the count of valid keys.
 
     Returns:
-        ``output (B, q, H_q, D_v)`` in the query dtype; with ``return_state``, ``(output, state (B, H_kv, D, D_v),
-        count (B,))`` in the compute dtype (fp32, fp64 for fp64 inputs).
+        ``output (B, q, H_q, D_v)`` in the query dtype, computed in fp32 (fp64 for fp64 inputs) under autocast too
+        (:mod:`.full_precision`); with ``return_state``, ``(output, state (B, H_kv, D, D_v), count (B,))`` in the
+        compute dtype.
     """
     if not is_linear(normalization):
         raise ValueError(f"The linear path computes p = 1 normalizations (x/c, x/sqrtN), not {normalization.name}.")

@@ -119,7 +119,7 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
         drawn = settings.examples_drawn(settings.scheduled_recovery_steps(), PartialState().num_processes)
         k = default_teacher_top_k(drawn, len(train))
     if k and teacher is not None:  # the teacher's top k once, then no teacher forward per step
-        top_k, record["teacher_top_k"] = _teacher_top_k(teacher, train, k)
+        top_k, record["teacher_top_k"] = _teacher_top_k(teacher, train, k, state["inputs"]["model"])
         teacher = None
     model.train()
     checkpoint = get_last_checkpoint(str(folder)) if folder.is_dir() else None
@@ -144,10 +144,11 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
     return model
 
 
-def _teacher_top_k(teacher, train, k: int):
+def _teacher_top_k(teacher, train, k: int, model_fingerprint: str):
     """``(the teacher's top-k of every training example, what it cost)``: read from the cache or computed on the main
     process first (the others then read its cache). ``k`` is at most the vocabulary size - 1, already the exact KL
-    (the default 256 on a model of fewer tokens)."""
+    (the default 256 on a model of fewer tokens). The cache is keyed by ``model_fingerprint``, the run's fingerprint
+    of the model folder the teacher was loaded from (``state["inputs"]["model"]``)."""
     from accelerate import PartialState
 
     from .teacher_logits import teacher_top_k
@@ -155,7 +156,7 @@ def _teacher_top_k(teacher, train, k: int):
     k = min(k, teacher.get_output_embeddings().weight.shape[0] - 1)
     started = time.perf_counter()
     with PartialState().main_process_first():
-        cache = teacher_top_k(teacher, train, k)
+        cache = teacher_top_k(teacher, train, k, teacher_id=model_fingerprint)
     return cache, {"k": k, "positions": len(cache.rest), "seconds": round(time.perf_counter() - started, 1)}
 
 

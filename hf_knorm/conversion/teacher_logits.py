@@ -17,14 +17,17 @@ exactly the full ``KL(teacher || student)`` when the bucket holds one token (``k
 smaller ``k`` (merging outcomes cannot raise a KL divergence): the student is still pulled to the teacher's mass on
 the rest, not to its shape there.
 
-The cache lives under ``cache_dir()/teacher_logits``, keyed by the teacher's weights (hashed), the examples' tokens and
-``k``; an example is found at each step by its tokens (a hash of its real token ids), so any sampler, shuffle or
-batch layout reads the right rows.
+The cache lives under ``cache_dir()/teacher_logits``, keyed by what the caller says the teacher is (``teacher_id``: a
+conversion passes its run's fingerprint of the model folder) and its weights' dtype, the examples' tokens and ``k``;
+the weights themselves are not read for the key (a 7B model's would be copied to the CPU and hashed at every start).
+An example is found at each step by its tokens (a hash of its real token ids), so any sampler, shuffle or batch layout
+reads the right rows.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,19 +117,33 @@ def top_k_kl(student_logits: torch.Tensor, teacher_log_probs: torch.Tensor, teac
     return per_position.sum() if reduction == "sum" else per_position.mean()
 
 
-def teacher_top_k(teacher: torch.nn.Module, examples, k: int, progress: bool = True) -> TeacherTopK:
+def teacher_top_k(teacher: torch.nn.Module, examples, k: int, *, teacher_id: str,
+                  progress: bool = True) -> TeacherTopK:
     """The teacher's top-``k`` of every example of ``examples`` (a dataset of ``input_ids`` and optionally
     ``attention_mask``), read from the cache or computed (in fp32, on the teacher's device) and cached.
 
+    Args:
+        teacher: the model whose distributions are kept.
+        examples: the dataset.
+        k: how many tokens per position.
+        teacher_id: names the teacher's weights, and changes whenever they do: the cache is keyed by it (with the
+            weights' dtype), not by the weights. A conversion passes its run's fingerprint of the model folder the
+            teacher was loaded from (:func:`hf_knorm.runs.run_folder.inputs_fingerprint`'s ``"model"``).
+        progress: show a progress bar while computing.
+
     Raises:
-        ValueError: ``k`` is not between 1 and the vocabulary size - 1 (``V - 1`` is already the exact KL).
+        ValueError: ``k`` is not between 1 and the vocabulary size - 1 (``V - 1`` is already the exact KL), or an
+            empty ``teacher_id``.
     """
     vocabulary = teacher.get_output_embeddings().weight.shape[0]
     if not 1 <= k < vocabulary:
         raise ValueError(f"teacher top-k must be between 1 and the vocabulary size - 1 ({vocabulary - 1}: the exact "
                          f"KL already), not {k}; 0 (no cache) runs the teacher at every step.")
+    if not teacher_id:
+        raise ValueError("teacher_top_k keys its cache by teacher_id, which names the teacher's weights (a conversion "
+                         "passes its fingerprint of the model folder); got an empty one.")
     sequences = _real_sequences(examples)
-    path = _cache_path(teacher, sequences, k)
+    path = _cache_path(teacher, teacher_id, sequences, k)
     if path.is_file():
         return _load(path)
     cache = _compute(teacher, sequences, k, progress)
@@ -184,14 +201,13 @@ def _compute(teacher, sequences: list[torch.Tensor], k: int, progress: bool) -> 
                        torch.cat([p[2] for p in parts]), rows)
 
 
-def _cache_path(teacher, sequences: list[torch.Tensor], k: int) -> Path:
-    """The cache file of this teacher (its weights, hashed), these examples and ``k``."""
+def _cache_path(teacher, teacher_id: str, sequences: list[torch.Tensor], k: int) -> Path:
+    """The cache file of this teacher (``teacher_id`` and its weights' dtypes; no weight is read), these examples and
+    ``k``."""
     from ..assets.pypi import cache_dir
 
-    key = hashlib.sha256(f"top-k v1 {k}".encode())
-    for name, tensor in sorted(teacher.state_dict().items()):
-        key.update(name.encode())
-        key.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    dtypes = sorted({str(parameter.dtype) for parameter in teacher.parameters()})
+    key = hashlib.sha256(json.dumps(["top-k v2", k, teacher_id, dtypes]).encode())
     for ids in sequences:
         key.update(example_key(ids).encode())
     folder = cache_dir() / "teacher_logits"

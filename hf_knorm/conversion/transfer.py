@@ -166,11 +166,9 @@ class AttentionTransfer:
         for index, (module, teacher) in enumerate(zip(self.students, self.teachers)):
             width = module.o_proj.in_features
             head_dim = width // _query_heads(module)
-            student = _head_contributions(heads[(index, "student")], module.o_proj.weight, head_dim)
-            target = _head_contributions(heads[(index, "teacher")], teacher.o_proj.weight, head_dim)
-            energy = student.pow(2).sum(dim=(0, 2))
-            gamma = torch.where(energy > 0, (student * target).sum(dim=(0, 2)) / energy.clamp_min(1e-300),
-                                torch.ones_like(energy))
+            energy, overlap = head_inner_products(heads[(index, "student")], heads[(index, "teacher")],
+                                                  module.o_proj.weight, teacher.o_proj.weight, head_dim)
+            gamma = torch.where(energy > 0, overlap / energy.clamp_min(1e-300), torch.ones_like(energy))
             if not bool(torch.isfinite(gamma).all()):
                 raise ValueError(f"Layer {index}: the attention output is not finite on the calibration batch.")
             if fold == "scores" and _scores_are_bilinear(module):
@@ -189,9 +187,10 @@ class AttentionTransfer:
         per-head factors ``m`` are the least-squares fit of what the window leaves to explain, jointly over a layer's heads
         (the transfer's loss is the layer's output error, and heads' contributions overlap): with ``u_h`` what head
         ``h``'s part adds to the layer's output at ``m_h = 1`` and ``r`` the teacher's output minus the student's with
-        the part off, ``m = argmin ||sum_h m_h u_h - r||^2`` (the ``H x H`` normal equations). The projections are
-        untouched, so the window starts as the original attention on its keys. Calling it again re-solves it for the
-        current projections (after the transfer trained them).
+        the part off, ``m = argmin ||sum_h m_h u_h - r||^2`` (the ``H x H`` normal equations, summed from per-head
+        Gram blocks: :func:`mix_normal_equations`). The projections are untouched, so the window starts as the
+        original attention on its keys. Calling it again re-solves it for the current projections (after the transfer
+        trained them).
 
         Args:
             model: the patched student, with a softmax window.
@@ -212,10 +211,10 @@ class AttentionTransfer:
         mixes = []
         for index, (module, teacher) in enumerate(zip(self.students, self.teachers)):
             head_dim = module.o_proj.in_features // _query_heads(module)
-            alone = _head_contributions(window[(index, "student")], module.o_proj.weight, head_dim)
-            part = _head_contributions(full[(index, "student")], module.o_proj.weight, head_dim) - alone
-            target = _head_contributions(window[(index, "teacher")], teacher.o_proj.weight, head_dim)
-            mix = _joint_least_squares(part, (target - alone).sum(dim=1))
+            gram, target = mix_normal_equations(window[(index, "student")], full[(index, "student")],
+                                                window[(index, "teacher")], module.o_proj.weight,
+                                                teacher.o_proj.weight, head_dim)
+            mix = _solve_normal_equations(gram, target)
             if not bool(torch.isfinite(mix).all()):
                 raise ValueError(f"Layer {index}: the attention output is not finite on the calibration batch.")
             mixes.append(mix.float())
@@ -294,18 +293,88 @@ class AttentionTransfer:
         return {"layers": layers, "positions": [[a, b] for a, b in zip(edges, edges[1:])], "by_position": by_position}
 
 
-def _head_contributions(outputs: torch.Tensor, o_weight: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Each query head's share of the attention output: ``(tokens, H_q, hidden)`` from ``(B, q, H_q * D)``."""
-    heads = outputs.double().reshape(-1, outputs.shape[-1] // head_dim, head_dim)  # (tokens, H_q, D)
-    columns = o_weight.double().reshape(o_weight.shape[0], -1, head_dim)  # (hidden, H_q, D)
-    return torch.einsum("thd,ohd->tho", heads, columns)
+TOKEN_BLOCK = 1024
+"""Tokens per step of the closed forms' sums over the calibration tokens (:func:`head_inner_products`,
+:func:`mix_normal_equations`): their float64 temporaries are a block's, whatever the number of tokens."""
 
 
-def _joint_least_squares(parts: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """``argmin_m ||sum_h m_h parts[:, h] - residual||^2`` for ``parts (tokens, H, hidden)`` and ``residual (tokens,
-    hidden)``, in float64; a head whose part is zero gets 0."""
-    gram = torch.einsum("thd,tgd->hg", parts, parts)
-    target = torch.einsum("thd,td->h", parts, residual)
+def head_inner_products(student: torch.Tensor, teacher: torch.Tensor, o_weight: torch.Tensor,
+                        teacher_o_weight: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(<c_s,h, c_s,h>, <c_s,h, c_t,h>)`` per query head, ``(H,)`` each in float64, of the heads' contributions to
+    the attention output ``c_h = o_h W_h^T`` (:meth:`AttentionTransfer.match_scale`), summed over the tokens.
+
+    From per-head Gram blocks: ``<c_s,h, c_t,h> = <W_h^T W_t,h, sum_t o_s,h o_t,h^T>_F``, the ``(H, D, D)`` blocks of
+    the weights' and of the outputs' inner products (the outputs summed over blocks of :data:`TOKEN_BLOCK`
+    tokens), never a ``(tokens, H, hidden)`` tensor.
+
+    Args:
+        student, teacher: the attention outputs before ``o_proj``, ``(B, q, H * D)``.
+        o_weight, teacher_o_weight: their ``o_proj`` weights ``(hidden, H * D)``.
+        head_dim: ``D``.
+    """
+    width = o_weight.shape[1]
+    heads = width // head_dim
+    weight = o_weight.double().view(-1, heads, head_dim)  # (hidden, H, D)
+    teacher_weight = teacher_o_weight.double().view(-1, heads, head_dim)
+    own = weight.new_zeros(heads, head_dim, head_dim)  # sum_t o_s,h o_s,h^T
+    cross = weight.new_zeros(heads, head_dim, head_dim)  # sum_t o_s,h o_t,h^T
+    rows = [outputs.reshape(-1, width) for outputs in (student, teacher)]
+    for start in range(0, rows[0].shape[0], TOKEN_BLOCK):
+        mine, theirs = (outputs[start:start + TOKEN_BLOCK].double().view(-1, heads, head_dim)
+                        for outputs in rows)
+        own += torch.einsum("thi,thj->hij", mine, mine)
+        cross += torch.einsum("thi,thj->hij", mine, theirs)
+    energy = (torch.einsum("ohi,ohj->hij", weight, weight) * own).sum(dim=(1, 2))
+    overlap = (torch.einsum("ohi,ohj->hij", weight, teacher_weight) * cross).sum(dim=(1, 2))
+    return energy, overlap
+
+
+def mix_normal_equations(window: torch.Tensor, full: torch.Tensor, teacher_window: torch.Tensor,
+                         o_weight: torch.Tensor, teacher_o_weight: torch.Tensor, head_dim: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The normal equations of the mix's least squares (:meth:`AttentionTransfer.match_mix`), in float64.
+
+    With ``d_h`` what head ``h``'s polynomial part adds to its output at ``m_h = 1`` (``full - window``), ``W_h`` the
+    ``o_proj`` columns of head ``h`` and ``r`` the teacher's attention output minus the student's with the part off
+    (``teacher_window W_t^T - window W^T``, hidden-sized), over the tokens ``t``::
+
+        gram[h, g] = sum_t <W_h d_h(t), W_g d_g(t)> = <W_h^T W_g, sum_t d_h(t) d_g(t)^T>_F
+        target[h]  = sum_t <d_h(t), W_h^T r(t)>
+
+    The per-head Gram blocks ``W_h^T W_g`` are the ``(H*D, H*D)`` matrix ``W^T W``; the inner products of the heads'
+    parts are summed over blocks of :data:`TOKEN_BLOCK` tokens. Memory: two ``(H*D, H*D)`` matrices and one
+    block's ``(tokens, hidden)``, never a ``(tokens, H, hidden)`` tensor.
+
+    Args:
+        window, full: the student's attention output before ``o_proj``, ``(B, q, H * D)``, with the polynomial part
+            off and at ``m = 1``.
+        teacher_window: the teacher's, ``(B, q, H * D)``.
+        o_weight, teacher_o_weight: ``(hidden, H * D)``, the student's and the teacher's ``o_proj`` weights.
+        head_dim: ``D``.
+
+    Returns:
+        ``(gram (H, H), target (H,))``.
+    """
+    width = o_weight.shape[1]
+    heads = width // head_dim
+    weight, teacher_weight = o_weight.double(), teacher_o_weight.double()
+    moments = weight.new_zeros(width, width)  # sum_t d(t) d(t)^T: block (h, g) is sum_t d_h d_g^T
+    target = weight.new_zeros(heads)
+    rows = [outputs.reshape(-1, width) for outputs in (window, full, teacher_window)]
+    for start in range(0, rows[0].shape[0], TOKEN_BLOCK):
+        alone, on, teacher = (outputs[start:start + TOKEN_BLOCK].double() for outputs in rows)
+        part = on - alone  # (tokens, H * D)
+        moments += part.T @ part
+        residual = teacher @ teacher_weight.T - alone @ weight.T  # (tokens, hidden)
+        target += (part * (residual @ weight)).view(-1, heads, head_dim).sum(dim=(0, 2))
+    blocks = weight.T @ weight  # (H * D, H * D): block (h, g) is W_h^T W_g
+    gram = (blocks * moments).view(heads, head_dim, heads, head_dim).sum(dim=(1, 3))
+    return gram, target
+
+
+def _solve_normal_equations(gram: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``m`` with ``gram m = target`` (least squares, float64) over the heads whose part is not zero; the others
+    get 0."""
     live = gram.diagonal() > 0
     mix = torch.zeros_like(target)
     if bool(live.any()):

@@ -43,7 +43,7 @@ from ..conversion.state import STATE_FILE, read_state, write_state
 from ..conversion.twin import fold_constant, training_normalization
 from ..data.dataset_formats import LANGUAGE_MODELING, format_description
 from ..evaluation.domains import domain
-from ..runs.precision import check_precision, run_precision
+from ..runs.precision import check_precision, run_precision, weights_dtype
 from ..runs.run_folder import (check_same_inputs, check_same_settings, inputs_fingerprint, is_main_process,
                                on_main_process, process_state, settings_record, write_json)
 from ..runs.sharding import check_fsdp
@@ -187,7 +187,7 @@ def run_convert(settings: ConvertSettings) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     state = read_state(out)
     process.wait_for_everyone()  # every process has read the state before the main one writes it
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=weights_dtype())  # fp32 weights
     device = process.device  # where the Trainer trains it: the original is evaluated, probed and sampled there
     model.to(device)
 

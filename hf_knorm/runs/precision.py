@@ -10,6 +10,18 @@ FP16_HELP = ("mixed precision in fp16 with loss scaling (TrainingArguments(fp16=
 """The help of ``--bf16`` and ``--fp16``, the same in every job's settings."""
 
 
+def weights_dtype():
+    """The dtype a training job loads the model's weights in, whatever dtype its checkpoint was saved in: fp32.
+
+    Mixed precision (``--bf16``, ``--fp16``) is autocast over fp32 weights and optimizer state. Transformers 5 loads a
+    checkpoint in its saved dtype unless told otherwise (``dtype="auto"``), which would train a bf16 checkpoint's
+    weights, and keep its optimizer's state, in bf16.
+    """
+    import torch
+
+    return torch.float32
+
+
 def has_accelerator() -> bool:
     """Whether the Trainer would train on an accelerator here (CUDA, XPU or Apple's MPS)."""
     import torch

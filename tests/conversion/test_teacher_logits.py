@@ -21,6 +21,8 @@ from hf_knorm.conversion.teacher_logits import example_key, teacher_top_k, top_k
 from hf_knorm.conversion.trainers import DistillationTrainer, distillation_kl  # noqa: E402
 
 VOCAB = 128
+TEACHER = "lm seed 0"
+"""The teacher's id (:func:`teacher_top_k` keys its cache by it; a conversion passes its model folder's fingerprint)."""
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +78,7 @@ def _examples() -> datasets.Dataset:
 def test_the_cache_holds_each_examples_own_top_k_and_is_read_back(monkeypatch):
     teacher = lm().eval()
     examples = _examples()
-    cache = teacher_top_k(teacher, examples, k=8, progress=False)
+    cache = teacher_top_k(teacher, examples, k=8, teacher_id=TEACHER, progress=False)
     assert len(cache.rows) == 3 and len(cache.rest) == 12 + 5 + 3  # the duplicate computed once
     for ids, mask in zip(examples["input_ids"], examples["attention_mask"]):
         real = torch.tensor(ids)[torch.tensor(mask).bool()]
@@ -91,18 +93,40 @@ def test_the_cache_holds_each_examples_own_top_k_and_is_read_back(monkeypatch):
         raise AssertionError("computed again")
 
     monkeypatch.setattr(teacher_logits, "_compute", no_compute)
-    again = teacher_top_k(teacher, examples, k=8, progress=False)
+    again = teacher_top_k(teacher, examples, k=8, teacher_id=TEACHER, progress=False)
     assert torch.equal(again.log_probs, cache.log_probs) and again.rows == cache.rows
-    with pytest.raises(AssertionError, match="computed again"):  # another k, other weights: another cache
-        teacher_top_k(teacher, examples, k=4, progress=False)
-    with pytest.raises(AssertionError, match="computed again"):
-        teacher_top_k(lm(seed=1).eval(), examples, k=8, progress=False)
+    with pytest.raises(AssertionError, match="computed again"):  # another k: another cache
+        teacher_top_k(teacher, examples, k=4, teacher_id=TEACHER, progress=False)
+
+
+def test_the_cache_is_keyed_by_the_teachers_id_and_dtype_not_by_reading_its_weights(monkeypatch):
+    teacher = lm().eval()
+    examples = _examples()
+    cache = teacher_top_k(teacher, examples, k=8, teacher_id=TEACHER, progress=False)
+
+    def no_compute(*args, **kwargs):
+        raise AssertionError("computed again")
+
+    def no_weights_read(*args, **kwargs):
+        raise AssertionError("the weights were read for the key")
+
+    monkeypatch.setattr(teacher_logits, "_compute", no_compute)
+    other = lm(seed=1).eval()  # the same id: the caller vouches that these are the same weights, and none is read
+    monkeypatch.setattr(other, "state_dict", no_weights_read)
+    again = teacher_top_k(other, examples, k=8, teacher_id=TEACHER, progress=False)
+    assert torch.equal(again.log_probs, cache.log_probs)
+    with pytest.raises(AssertionError, match="computed again"):  # another teacher (its model folder changed)
+        teacher_top_k(other, examples, k=8, teacher_id="another model folder", progress=False)
+    with pytest.raises(AssertionError, match="computed again"):  # the same weights in another dtype
+        teacher_top_k(lm().eval().to(torch.bfloat16), examples, k=8, teacher_id=TEACHER, progress=False)
+    with pytest.raises(ValueError, match="teacher_id"):
+        teacher_top_k(teacher, examples, k=8, teacher_id="", progress=False)
 
 
 def test_a_batch_gets_each_examples_rows_at_its_real_positions_and_an_unknown_example_fails():
     teacher = lm().eval()
     examples = _examples()
-    cache = teacher_top_k(teacher, examples, k=8, progress=False)
+    cache = teacher_top_k(teacher, examples, k=8, teacher_id=TEACHER, progress=False)
     ids, mask = torch.tensor(examples["input_ids"][1:4]), torch.tensor(examples["attention_mask"][1:4])
     log_probs, indices, rest = cache.batch(ids, mask)
     assert log_probs.shape == (3, 12, 8) and rest.shape == (3, 12)
@@ -114,7 +138,7 @@ def test_a_batch_gets_each_examples_rows_at_its_real_positions_and_an_unknown_ex
     with pytest.raises(KeyError, match="example 0 of this batch"):
         cache.batch(torch.tensor([[1, 2, 3]]), None)
     with pytest.raises(ValueError, match="between 1 and"):
-        teacher_top_k(teacher, examples, k=VOCAB, progress=False)
+        teacher_top_k(teacher, examples, k=VOCAB, teacher_id=TEACHER, progress=False)
 
 
 def test_the_recovery_loss_with_the_cache_is_the_recovery_loss_with_the_teacher(tmp_path):
@@ -129,7 +153,8 @@ def test_the_recovery_loss_with_the_cache_is_the_recovery_loss_with_the_teacher(
     for kind in ("teacher", "cache"):
         student = lm(seed=1)
         extra = ({"teacher": teacher} if kind == "teacher"
-                 else {"teacher_top_k": teacher_top_k(teacher, examples, k=VOCAB - 1, progress=False)})
+                 else {"teacher_top_k": teacher_top_k(teacher, examples, k=VOCAB - 1, teacher_id=TEACHER,
+                                                                   progress=False)})
         trainer = DistillationTrainer(model=student, args=TrainingArguments(str(tmp_path / kind), use_cpu=True,
                                                                             report_to="none"),
                                       distill_weight=0.7, **extra)
