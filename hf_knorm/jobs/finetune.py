@@ -40,7 +40,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from ..attention.normalizations import parse_normalization
 from ..runs.arguments import job_arguments
-from ..runs.precision import BF16_HELP, FP16_HELP, check_precision, run_precision
+from ..runs.precision import BF16_HELP, FP16_HELP, check_precision, run_precision, weights_dtype
 from ..runs.run_folder import (check_same_inputs, check_same_settings, inputs_fingerprint, is_main_process,
                                on_main_process, process_state, settings_record, write_json)
 from ..runs.sharding import check_fsdp, fsdp_requested, gathered_state_dict
@@ -166,7 +166,7 @@ def run_finetune(settings: FinetuneSettings) -> dict:
     if checkpoint is not None:  # the data and the model folder as the run started, checked before the model loads
         check_same_inputs(_stored_record(Path(settings.out)).get("inputs"), inputs, settings.out)
 
-    model = from_pretrained(model_dir, model_class=transformers.AutoModelForCausalLM)
+    model = from_pretrained(model_dir, model_class=transformers.AutoModelForCausalLM, dtype=weights_dtype())  # fp32
     device = process_state().device  # where the Trainer will train it: measured there, in its precision, once
     if not fsdp_requested():  # under FSDP the whole model may not fit one device: the Trainer shards it from here
         model.to(device)

@@ -182,3 +182,29 @@ def test_a_datasets_name_that_cannot_be_loaded_says_what_was_tried(tmp_path, tin
     assert "No such file" not in error
     assert ("tried datasets.load_dataset('some/name', split='train'), as a datasets name (there is no local file or "
             "folder some/name), which failed: ConnectionError: Couldn't reach 'some/name' on the Hub") in error
+
+
+class _Loaded(Exception):
+    pass
+
+
+def test_a_bf16_checkpoint_is_finetuned_in_fp32_weights(text_file, tmp_path, monkeypatch):
+    """Mixed precision is autocast over fp32 weights and optimizer state (``runs/precision.py``): a checkpoint saved
+    in bf16 is loaded in fp32, not trained in its saved dtype (Transformers 5 loads ``dtype="auto"``)."""
+    import torch
+
+    from hf_knorm.data import heldout
+
+    folder = tmp_path / "bf16_lm"
+    lm().to(torch.bfloat16).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    seen = {}
+
+    def first_measure(model, *args, **kwargs):  # the held-out perplexity before training: the model as loaded
+        seen["dtypes"] = {parameter.dtype for parameter in model.parameters()}
+        raise _Loaded
+
+    monkeypatch.setattr(heldout, "held_out_perplexity", first_measure)
+    with pytest.raises(_Loaded):
+        _finetune("--dataset", str(text_file), "--max-steps", "1", model=folder, out=tmp_path / "run")
+    assert seen["dtypes"] == {torch.float32}
