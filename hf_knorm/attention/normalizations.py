@@ -57,8 +57,9 @@ class Normalization:
         constant: the divisor ``c``; ``None`` for softmax and for the sqrtN rule.
         sqrt_n: divide each row by the square root of its number of attended keys.
         window: ``W``, the keys of the last ``W`` positions weighted by softmax (:mod:`.window`); 0 = none.
-        sinks: ``S``, the first ``S`` keys each query may attend, weighted by softmax with its window (attention
-            sinks); 0 = none, and 0 without a window.
+        sinks: ``S``, each sequence's first ``S`` real tokens, weighted by softmax with the window (attention
+            sinks; refused on a layer with its own sliding window, which leaves them behind); 0 = none, and 0
+            without a window.
     """
 
     power: int | None

@@ -470,7 +470,9 @@ def _explicit(query, key, value, mask, normalization, bias, return_weights, frob
         allowed = mask.dense() if isinstance(mask, KeyPadding) else mask[..., : key.shape[2]]
     positions = torch.arange(allowed.shape[-1], device=query.device)
     last = torch.where(allowed, positions, -1).amax(dim=-1, keepdim=True)  # a_i: the last key row i may attend
-    sinks = allowed & (allowed.cumsum(dim=-1) <= normalization.sinks)  # the first S keys each row may attend
+    # the first S keys each row may attend: its sequence's first S tokens, as every row here attends its sequence from
+    # its start (a layer with its own sliding window refuses sinks: window_path)
+    sinks = allowed & (allowed.cumsum(dim=-1) <= normalization.sinks)
     in_window = allowed & ((positions > last - normalization.window) | sinks)
     older = allowed & ~in_window
     polynomial = normalization.polynomial
