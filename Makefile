@@ -22,9 +22,11 @@ $(STAMP): requirements.lock pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/hf-knorm demo --out outputs/demo
 
+# The suite in one pytest-xdist worker per core (tests/conftest.py gives each worker its share of the threads): 8 min
+# on 2 cores, 19 min in one process (README "Tests").
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -n auto
 
 # The compatibility suite (`-m compat`) on another supported Transformers release, in its own cached venv:
 # `make compat TRANSFORMERS=5.10.4`. The venv holds the lock minus transformers, then `transformers==X` (pip may move

@@ -15,6 +15,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `make test` runs the suite in one pytest-xdist worker per core (`-n auto`): each worker gets its share of the cores,
+# so that torch's intra-op threads do not oversubscribe them (the processes a test starts inherit the setting).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(_threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+
 sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny_models.py
 sys.path.insert(0, str(Path(__file__).parent / "training"))  # tests/training/training_helpers.py, used beyond training/
 
