@@ -22,11 +22,12 @@ $(STAMP): requirements.lock pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/hf-knorm demo --out outputs/demo
 
-# The suite in one pytest-xdist worker per core (tests/conftest.py gives each worker its share of the threads): 8 min
+# The suite in one pytest-xdist worker per core (tests/conftest.py gives each worker its share of the threads; an idle
+# worker takes queued tests from a busy one: the long end-to-end tests do not leave one core idle at the end): ~8 min
 # on 2 cores, 19 min in one process (README "Tests").
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -ra -n auto
+	$(PY) -m pytest -q -ra -n auto --dist worksteal
 
 # The compatibility suite (`-m compat`) on another supported Transformers release, in its own cached venv:
 # `make compat TRANSFORMERS=5.10.4`. The venv holds the lock minus transformers, then `transformers==X` (pip may move

@@ -288,11 +288,15 @@ def test_finetune_refuses_bad_chat_data_before_the_model_loads(tmp_path, chat_lm
 
 
 @pytest.mark.slow
-def test_every_format_runs_end_to_end_on_the_default_model(tmp_path):
-    """Two steps of each format on SmolLM2-135M-Instruct with its own chat template; the labels of a conversation
-    are checked against the template's rendering: the replies and their end-of-turn tokens, nothing else."""
-    from hf_knorm.assets.default_model import default_model_dir
+def test_every_format_runs_end_to_end_with_the_default_models_chat_template(tmp_path):
+    """Two steps of each format with SmolLM2-135M-Instruct's tokenizer and chat template, on a tiny llama of its
+    vocabulary (the 135M weights add nothing to what the formats check, and cost a minute); the labels of a
+    conversation are checked against the template's rendering: the replies and their end-of-turn tokens, nothing
+    else."""
+    from tiny_models import tiny_config
     from transformers import AutoTokenizer
+
+    from hf_knorm.assets.default_model import default_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     chat = turns(("user", "What is the capital of France?"), ("assistant", "Paris."))
@@ -302,6 +306,12 @@ def test_every_format_runs_end_to_end_on_the_default_model(tmp_path):
     assert tokenizer.decode(trained) == "Paris.<|im_end|>\n"
     assert tokenizer.decode(example["input_ids"]) == tokenizer.apply_chat_template(chat, tokenize=False)
 
+    config = tiny_config("llama")
+    config.update(dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    model_dir = tmp_path / "tiny_smollm2_vocab"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
     records = {
         "text": [{"text": f"{q} {a}"} for q, a in QUESTIONS],
         "messages": [{"messages": turns(("user", q), ("assistant", a))} for q, a in QUESTIONS],
@@ -311,7 +321,8 @@ def test_every_format_runs_end_to_end_on_the_default_model(tmp_path):
         data = _write_jsonl(tmp_path / f"{kind}.jsonl", rows)
         out = tmp_path / kind
         block = "16" if kind == "text" else "64"
-        assert main(["finetune", "--dataset", str(data), "--out", str(out), "--normalization", "softmax",
+        assert main(["finetune", "--model", str(model_dir), "--dataset", str(data), "--out", str(out),
+                     "--normalization", "softmax",
                      "--max-steps", "2", "--batch-size", "2", "--eval-steps", "2", "--logging-steps", "1",
                      "--block-size", block, "--eval-tokens", "16", "--report-to", "none"]) == 0
         summary = json.loads((out / "finetune.json").read_text())
