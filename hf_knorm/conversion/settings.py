@@ -44,7 +44,8 @@ class ConvertSettings:
     """
 
     model: str = field(default="default", metadata={
-        "help": "'default' (SmolLM2-135M-Instruct, embedded) or the folder of a pretrained softmax causal LM"})
+        "help": "'default' (SmolLM2-135M-Instruct, embedded), the folder of a pretrained softmax causal LM, or its Hub id "
+                "(org/name) if it is in the local Hub cache (nothing is downloaded)"})
     dataset: str = field(default="general", metadata={
         "help": "training data: general (the original model's own samples + Paul Graham essays 0-39) | shakespeare | "
                 "paul-graham | chatterbot (conversations) | local file(s), comma-separated | a datasets name; text, "

@@ -63,7 +63,8 @@ class FinetuneSettings:
     out: str = field(default="outputs/finetune", metadata={
         "help": "the run folder: checkpoints, TensorBoard logs, norms.jsonl, finally the model"})
     model: str = field(default="default", metadata={
-        "help": "'default' (SmolLM2-135M-Instruct, embedded) or a checkpoint folder of a causal LM"})
+        "help": "'default' (SmolLM2-135M-Instruct, embedded), a checkpoint folder of a causal LM, or its Hub id (org/name) "
+                "if it is in the local Hub cache (nothing is downloaded)"})
     normalization: str = field(default="x^3/16", metadata={
         "help": "the attention normalization to train with (softmax keeps the model's own attention)"})
     balance: str | None = field(default=None, metadata={
