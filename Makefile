@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(VENV)/bin/hf-knorm demo --out outputs/demo
 
 # The suite in one pytest-xdist worker per core (tests/conftest.py gives each worker its share of the threads; an idle
-# worker takes queued tests from a busy one: the long end-to-end tests do not leave one core idle at the end): 6 min 43 s
+# worker takes queued tests from a busy one: the long end-to-end tests do not leave one core idle at the end): 7 min
 # on 2 cores, 19 min in one process (README "Quickstart").
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
