@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -94,7 +95,8 @@ def teacher_samples(model, tokenizer, tokens: int, model_dir: Path, seed: int = 
     started = time.perf_counter()
     texts, drawn = _sample(model, tokenizer, tokens, seed, progress)
     cost = {"samples": len(texts), "new_tokens": drawn, "asked": tokens, "seconds": time.perf_counter() - started,
-            "model_dir": str(model_dir), "seed": seed, "top_p": TOP_P}
+            "model_dir": str(model_dir), "seed": seed, "top_p": TOP_P, "batch_size": batch_size(tokens),
+            "device": str(next(model.parameters()).device)}
     cost["tokens_per_second"] = drawn / cost["seconds"]
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # several processes may draw the same samples
     partial.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
@@ -105,20 +107,31 @@ def teacher_samples(model, tokenizer, tokens: int, model_dir: Path, seed: int = 
     return texts
 
 
+def batch_size(tokens: int) -> int:
+    """Samples generated together when drawing ``tokens``: up to :data:`BATCH_SIZE` (the rate of a draw depends on
+    it: one sample at a time is several times slower per token than 32)."""
+    return min(BATCH_SIZE, -(-tokens // NEW_TOKENS_PER_SAMPLE))
+
+
 def announcement(model, model_dir: Path, tokens: int, path: Path) -> str:
     """What drawing ``tokens`` will cost, said before it starts: the samples, the device, and the time at the rate
-    this model sampled at before on this machine (from the cached costs), when it did."""
+    this model sampled at before on this machine (from the cached costs), only from draws at the same batch size on
+    the same device: a rate measured otherwise says nothing of this draw, and then no time is announced."""
     device = next(model.parameters()).device
+    size = batch_size(tokens)
     line = (f"Teacher samples: drawing {tokens:,} new tokens (up to {-(-tokens // NEW_TOKENS_PER_SAMPLE)} samples of "
-            f"{NEW_TOKENS_PER_SAMPLE}) from the original model on {device}, once; cached in {path.parent}")
+            f"{NEW_TOKENS_PER_SAMPLE}, {size} at a time) from the original model on {device}, once; cached in "
+            f"{path.parent}")
     rates = []
     for meta in path.parent.glob("*.json"):
         cost = json.loads(meta.read_text())
-        if cost.get("model_dir") == str(model_dir) and cost.get("tokens_per_second"):
+        if (cost.get("model_dir") == str(model_dir) and cost.get("tokens_per_second")
+                and cost.get("batch_size") == size and cost.get("device") == str(device)):
             rates.append(cost["tokens_per_second"])
     if rates:
-        rate = max(rates)
-        line += f"; about {tokens / rate / 60:.1f} min at the {rate:.0f} tokens/s it sampled at before here"
+        rate = statistics.median(rates)
+        line += (f"; about {tokens / rate / 60:.1f} min at the {rate:.0f} tokens/s it sampled at before here, "
+                 f"{size} at a time")
     return line + "."
 
 
@@ -165,7 +178,7 @@ def _sample(model, tokenizer, tokens: int, seed: int, progress: bool) -> tuple[l
         bar = tqdm(total=tokens, desc="teacher samples", unit="tok", disable=not progress)
         drawn, index = 0, 0
         while drawn < tokens:
-            size = min(BATCH_SIZE, -(-(tokens - drawn) // NEW_TOKENS_PER_SAMPLE))
+            size = batch_size(tokens - drawn)
             prompts = [_prompt(tokenizer, index + i) for i in range(size)]
             index += size
             batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
