@@ -54,7 +54,8 @@ def test_the_original_is_measured_sampled_and_probed_in_the_runs_precision(chat_
     cost = teacher_text.sampling_cost(chat_lm_dir, 2 * teacher_text.NEW_TOKENS_PER_SAMPLE)
     assert cost is not None and cost["asked"] == 2 * 256
     out = capsys.readouterr().out
-    assert "Teacher samples: drawing 512 new tokens (up to 2 samples of 256) from the original model on cpu" in out
+    assert ("Teacher samples: drawing 512 new tokens (up to 2 samples of 256, 2 at a time) from the original model "
+            "on cpu") in out
 
 
 def test_two_processes_sample_evaluate_and_probe_the_original_once(chat_lm_dir, tmp_path):
