@@ -29,7 +29,7 @@ check_transformers_version()  # first: outside the supported range, one clear Im
 
 from .assets.default_model import DEFAULT_MODEL_HUB_ID, load_default_model
 from .attention.backends import use_kernels
-from .attention.normalizations import PAPER_NORMALIZATIONS, Normalization, parse_normalization
+from .normalizations import PAPER_NORMALIZATIONS, Normalization, parse_normalization
 from .attention.paths import attention_paths
 from .attention.registration import register
 from .balancing.balance import BalanceReport, KVNorms, balance_kv, key_scales, value_scales

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_knorm.attention.kernel import chunked_attention
-from hf_knorm.attention.normalizations import parse_normalization
+from hf_knorm.normalizations import parse_normalization
 
 IMPLEMENTATIONS = ("sdpa", "x^3/16", "x^3/sqrtN")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -20,7 +20,7 @@ import torch
 
 from hf_knorm.attention.kernel import chunked_attention
 from hf_knorm.attention.linear_kernel import linear_attention
-from hf_knorm.attention.normalizations import parse_normalization
+from hf_knorm.normalizations import parse_normalization
 from hf_knorm.attention.reference import reference_attention
 
 NORMALIZATIONS = ("softmax", "x/1", "x/16", "x^3/1", "x^3/16", "x^3/sqrtN")

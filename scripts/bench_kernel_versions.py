@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from hf_knorm.attention.kernel import chunked_attention
-from hf_knorm.attention.normalizations import parse_normalization
+from hf_knorm.normalizations import parse_normalization
 
 ROOT = Path(__file__).resolve().parents[1]
 

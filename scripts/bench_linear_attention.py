@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from hf_knorm.attention.kernel import chunked_attention
 from hf_knorm.attention.linear_kernel import linear_attention
-from hf_knorm.attention.normalizations import parse_normalization
+from hf_knorm.normalizations import parse_normalization
 from hf_knorm.plots import plot_scaling
 
 X1 = parse_normalization("x/1")

@@ -148,7 +148,7 @@ def run_case(args, implementation: str, length: int, backward: bool) -> dict:
 def kernel_seconds(length: int, repeats: int) -> dict:
     """The attention kernels alone, forward, the layer's shapes: minimum of ``repeats`` after a warm-up."""
     from hf_knorm.attention.linear_kernel import linear_attention
-    from hf_knorm.attention.normalizations import parse_normalization
+    from hf_knorm.normalizations import parse_normalization
 
     x1 = parse_normalization("x/1")
     generator = torch.Generator().manual_seed(0)

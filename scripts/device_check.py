@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from hf_knorm.attention.kernel import chunked_attention
 from hf_knorm.attention.linear_kernel import linear_attention
-from hf_knorm.attention.normalizations import parse_normalization
+from hf_knorm.normalizations import parse_normalization
 from hf_knorm.extras import MissingExtraError, require
 
 ROOT = Path(__file__).resolve().parents[1]

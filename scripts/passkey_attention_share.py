@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from hf_knorm.attention.normalizations import parse_normalization
+from hf_knorm.normalizations import parse_normalization
 from hf_knorm.attention.window import mix_of
 from hf_knorm.evaluation.needle import haystack, make_sample
 from hf_knorm.evaluation.retrieval import RETRIEVAL_DEPTHS

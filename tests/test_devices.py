@@ -12,7 +12,7 @@ from transformers import DynamicCache
 import hf_knorm
 from hf_knorm.attention.kernel import chunked_attention
 from hf_knorm.attention.linear_kernel import linear_attention
-from hf_knorm.attention.normalizations import parse_normalization
+from hf_knorm.normalizations import parse_normalization
 from hf_knorm.attention.reference import reference_attention
 from hf_knorm.compat import cache_kwargs, output_cache
 from hf_knorm.recording.record_norms import record_norms

@@ -35,7 +35,7 @@ import torch
 from ..extras import require
 from .kernel import chunked_attention
 from .linear_kernel import linear_attention
-from .normalizations import Normalization
+from ..normalizations import Normalization, Polynomial
 from .paths import Path
 from .self_check import family_of, key_of, verdict
 
@@ -133,8 +133,8 @@ def _blocker(kernel: str, query: torch.Tensor, normalization: Normalization, *, 
     if recording:
         return "the attention norms are recorded (record_norms, NormLoggerCallback), which only the PyTorch kernels do"
     if kernel == "triton":
-        if normalization.is_softmax:
-            return "softmax (Transformers' sdpa and the PyTorch kernel compute it)"
+        if not isinstance(normalization, Polynomial):
+            return f"{normalization.family} (it computes the polynomial family x^p/c only)"
         if dropout:
             return "attention dropout"
         if return_weights:

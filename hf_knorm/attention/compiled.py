@@ -30,34 +30,33 @@ import torch
 
 from .kernel import chunked_backward, chunked_forward
 from .linear_kernel import linear_attention
-from .normalizations import Normalization
+from ..normalizations import Normalization, parse_normalization
 from .paths import choose_path, linear_keys
 
 
 def compiled_attention(query, key, value, allowed, bias, normalization: Normalization, *, scaling: float | None,
-                       softcap: float | None, causal: bool) -> torch.Tensor:
+                       softcap: float | None, causal: bool, params: dict | None = None) -> torch.Tensor:
     """The attention of one call through the custom op: output ``(B, q, H_q, D_v)`` in the query dtype.
 
     Arguments as :func:`hf_knorm.attention.kernel.chunked_attention` takes them (``allowed`` bool or ``None``,
-    ``bias`` an additive float mask or ``None``).
+    ``bias`` an additive float mask or ``None``, ``params`` the family's learnable values). The op carries the
+    normalization as its spelling (a constant of the graph) and the learnable values as tensors.
     """
-    if normalization.window:  # the op carries (power, constant, sqrt_n) only
+    if normalization.window:
         raise ValueError(f"The attention op computes one normalization over the mask; {normalization.name} needs its "
                          "softmax window: hf_knorm.attention.window.window_attention.")
     scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-    power = 0 if normalization.is_softmax else normalization.power
-    constant = float(normalization.constant or 0.0)
     softcap = None if softcap is None else float(softcap)
-    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    output = attention_op(query, key, value, allowed, bias, power, constant, normalization.sqrt_n, scaling, softcap,
-                          causal, not differentiable)
+    values = [params[name] for name in normalization.learnable()] if params else []
+    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *values))
+    output = attention_op(query, key, value, allowed, bias, values, normalization.name, scaling, softcap, causal,
+                          not differentiable)
     return output.to(query.dtype)
 
 
-def _normalization(power: int, constant: float, sqrt_n: bool) -> Normalization:
-    if power == 0:
-        return Normalization(power=None)
-    return Normalization(power=power, constant=None if sqrt_n else constant, sqrt_n=sqrt_n)
+def _params(spelling: str, values: list[torch.Tensor]) -> tuple[Normalization, dict[str, torch.Tensor]]:
+    normalization = parse_normalization(spelling)
+    return normalization, dict(zip(normalization.learnable(), values))
 
 
 def _nonzero(bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -76,11 +75,12 @@ def _linear_inputs(query, key, value, allowed, bias, normalization, softcap, cau
 
 @torch.library.custom_op("hf_knorm::attention", mutates_args=())
 def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None,
-                 bias: torch.Tensor | None, power: int, constant: float, sqrt_n: bool, scaling: float,
+                 bias: torch.Tensor | None, values: list[torch.Tensor], spelling: str, scaling: float,
                  softcap: float | None, causal: bool, linear_ok: bool) -> torch.Tensor:
-    """Output ``(B, q, H_q, D_v)`` in the compute dtype (fp32, fp64 for fp64 inputs). ``power`` 0 is softmax;
-    ``linear_ok``: the linear kernel may compute the call (no gradient will be asked for)."""
-    normalization = _normalization(power, constant, sqrt_n)
+    """Output ``(B, q, H_q, D_v)`` in the compute dtype (fp32, fp64 for fp64 inputs). ``values``: the learnable
+    values of the family ``spelling`` names, in its order; ``linear_ok``: the linear kernel may compute the call (no
+    gradient will be asked for)."""
+    normalization, params = _params(spelling, values)
     bias = _nonzero(bias)
     compute = torch.promote_types(query.dtype, torch.float32)
     linear = _linear_inputs(query, key, value, allowed, bias, normalization, softcap, causal) if linear_ok else None
@@ -88,43 +88,45 @@ def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, al
         key, value, key_valid = linear
         return linear_attention(query, key, value, key_valid, normalization, scaling=scaling).to(compute).contiguous()
     return chunked_forward(query, key, value, allowed, normalization, bias=bias, scaling=scaling, softcap=softcap,
-                           causal=causal).contiguous()
+                           causal=causal, params=params).contiguous()
 
 
 @attention_op.register_fake
-def _attention_shape(query, key, value, allowed, bias, power, constant, sqrt_n, scaling, softcap, causal, linear_ok):
+def _attention_shape(query, key, value, allowed, bias, values, spelling, scaling, softcap, causal, linear_ok):
     batch, q_heads, q_len = query.shape[:3]
     return query.new_empty((batch, q_len, q_heads, value.shape[-1]), dtype=torch.promote_types(query.dtype, torch.float32))
 
 
 @torch.library.custom_op("hf_knorm::attention_backward", mutates_args=())
 def attention_backward_op(grad_output: torch.Tensor, output: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                          value: torch.Tensor, allowed: torch.Tensor | None, bias: torch.Tensor | None, power: int,
-                          constant: float, sqrt_n: bool, scaling: float, softcap: float | None,
-                          causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`attention_op` (computed with ``linear_ok=False``) with respect to query, key and value."""
-    grads = chunked_backward(grad_output, query, key, value, output, allowed, _normalization(power, constant, sqrt_n),
-                             bias=_nonzero(bias), scaling=scaling, softcap=softcap, causal=causal)
-    return tuple(grad.contiguous() for grad in grads)
+                          value: torch.Tensor, allowed: torch.Tensor | None, bias: torch.Tensor | None,
+                          values: list[torch.Tensor], spelling: str, scaling: float, softcap: float | None,
+                          causal: bool) -> list[torch.Tensor]:
+    """Gradients of :func:`attention_op` (computed with ``linear_ok=False``) with respect to query, key, value and
+    then each of ``values``."""
+    normalization, params = _params(spelling, values)
+    grads = chunked_backward(grad_output, query, key, value, output, allowed, normalization, bias=_nonzero(bias),
+                             scaling=scaling, softcap=softcap, causal=causal, params=params)
+    return [grad.contiguous() for grad in grads]
 
 
 @attention_backward_op.register_fake
-def _attention_backward_shape(grad_output, output, query, key, value, *options):
-    return tuple(t.new_empty(t.shape) for t in (query, key, value))  # contiguous, as the real gradients are
+def _attention_backward_shape(grad_output, output, query, key, value, allowed, bias, values, *options):
+    return [t.new_empty(t.shape) for t in (query, key, value, *values)]  # contiguous, as the real gradients are
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, allowed, bias, *options, linear_ok = inputs
-    ctx.save_for_backward(query, key, value, allowed, bias, output)
+    query, key, value, allowed, bias, values, *options, linear_ok = inputs
+    ctx.save_for_backward(query, key, value, allowed, bias, output, *values)
     ctx.options, ctx.linear_ok = options, linear_ok
 
 
 def _backward(ctx, grad_output):
     if ctx.linear_ok:  # compiled_attention passes linear_ok only where no gradient is needed
         raise RuntimeError("hf_knorm::attention was called with linear_ok=True, so it has no gradient.")
-    query, key, value, allowed, bias, output = ctx.saved_tensors
-    grads = attention_backward_op(grad_output, output, query, key, value, allowed, bias, *ctx.options)
-    return (*grads, *[None] * (3 + len(ctx.options)))
+    query, key, value, allowed, bias, output, *values = ctx.saved_tensors
+    grads = attention_backward_op(grad_output, output, query, key, value, allowed, bias, values, *ctx.options)
+    return (*grads[:3], None, None, grads[3:], *[None] * (1 + len(ctx.options)))
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)

@@ -35,7 +35,7 @@ import torch
 
 from ..extras import require
 from .linear_kernel import _row_scale, is_linear
-from .normalizations import Normalization
+from ..normalizations import Normalization
 
 
 def fla_kernels() -> tuple[Callable, Callable]:

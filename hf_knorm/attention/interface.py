@@ -28,10 +28,12 @@ from .backends import run_linear, run_quadratic, with_kernel
 from .compiled import compiled_attention
 from .full_precision import full_precision
 from .masks import KeyPadding, Mask, kernel_mask
-from .normalizations import Normalization, parse_normalization
+from ..models.parameters import parameters_of
+from ..normalizations import Normalization, parse_normalization
+from ..normalizations.windowed import MIX
 from .paths import check_linear_policy, choose_path, linear_keys, linear_policy_of, note_path
 from .taps import current_kv_transform, current_recorder, take_state_for, taps_set
-from .window import check_state_window, mix_of, window_attention, window_path
+from .window import check_state_window, window_attention, window_path
 
 ATTENTION_NAME = "hf_knorm"
 
@@ -64,6 +66,7 @@ def hf_knorm_attention(
         ``(output (B, q, H_q, D), weights (B, H_q, q, kv) or None)``; weights only when attentions are recorded.
     """
     normalization = normalization_of(module)
+    params = parameters_of(module, normalization)  # the family's learnable values, (H_q,) each
     compiling = torch.compiler.is_compiling()
     read_taps = not compiling or taps_set()  # compiled code cannot read a ContextVar without a graph break
     handover = take_state_for(key) if read_taps else None
@@ -87,7 +90,7 @@ def hf_knorm_attention(
                            recording=recorder is not None, sliding_window=kwargs.get("sliding_window"))
     else:
         path = choose_path(normalization, query.shape[2], key.shape[2], mask, bias, **choice)
-    path = with_kernel(path, query, normalization.polynomial, dropout=dropout, return_weights=return_weights,
+    path = with_kernel(path, query, normalization.without_window, dropout=dropout, return_weights=return_weights,
                        recording=recorder is not None, compiling=compiling)
     if read_taps:
         note_path(path, module, query.shape[2], linear_policy_of(module))
@@ -100,7 +103,7 @@ def hf_knorm_attention(
     if normalization.window:  # a softmax window beside the polynomial part (window.py), on the path counted above
         output, weights = window_attention(
             query, key, value, mask, normalization, bias=bias, scaling=scaling, softcap=softcap, dropout=dropout,
-            causal=causal, return_weights=return_weights, frobenius_sq=frobenius_sq, mix=mix_of(module, query),
+            causal=causal, return_weights=return_weights, frobenius_sq=frobenius_sq, mix=params.get(MIX), params=params,
             handover=handover, path=path, sliding_window=kwargs.get("sliding_window"), op=compiling and not read_taps,
             compiling=compiling)
     elif path.linear:
@@ -108,12 +111,12 @@ def hf_knorm_attention(
         output = _linear(query, key, value, path, normalization, scaling, handover, frobenius_sq)
     elif compiling and not read_taps and dropout == 0.0 and not return_weights:
         output = compiled_attention(query, key, value, kernel_mask(mask, compiling), bias,
-                                    normalization, scaling=scaling, softcap=softcap, causal=causal)
+                                    normalization, scaling=scaling, softcap=softcap, causal=causal, params=params)
     else:
         output, weights = run_quadratic(
             path, query, key, value, kernel_mask(mask, compiling), normalization, bias=bias,
             scaling=scaling, softcap=softcap, dropout=dropout, causal=causal, return_weights=return_weights,
-            frobenius_sq=frobenius_sq, trim_keys=not compiling,
+            frobenius_sq=frobenius_sq, trim_keys=not compiling, params=params,
         )
     if recorder is not None:
         recorder.record(module, key, value, mask, frobenius_sq.reshape(query.shape[0], query.shape[1]))

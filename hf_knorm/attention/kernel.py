@@ -14,9 +14,16 @@ are recomputed and dQ, dK, dV are accumulated chunk by chunk into preallocated b
 when differentiable weights are requested, autograd runs over the chunks instead (recomputed with
 ``torch.utils.checkpoint``). ``reference.py`` holds the plain formulation all of this is tested against.
 
+Every family of :mod:`hf_knorm.normalizations` runs here: a chunk holds whole rows, so a family that normalizes
+rows (softmax, softpick, SSMax) or reads its row in order (stick-breaking) computes its weights from the chunk alone,
+with no running statistics. A family's learnable values (``params``: one per query head, the module's
+``nn.Parameter``s) get their gradients from the same backward.
+
 Gradients, with ``s`` the (softcapped) score, ``w = phi(s)`` and ``dW = dO V^T``:
     polynomial ``phi(s) = s^p / c``:  ``dS = dW * p * s^(p-1) / c`` on allowed pairs, 0 elsewhere;
     softmax:                          ``dS = w * (dW - rowsum(dO * O))``;
+    any other family:                 ``dS`` (and the parameters' gradients) by autograd over the chunk's
+                                      recomputed weights (:func:`_family_backward`);
     softcap ``s = cap * tanh(r / cap)``: ``dR = dS * (1 - tanh^2)``.
 """
 
@@ -30,7 +37,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .blocks import chunk_key_ranges
 from .full_precision import autocast_off, full_precision
-from .normalizations import Normalization
+from ..normalizations import Normalization, Polynomial
+from ..normalizations.base import Parameters
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 21  # scores per chunk on the CPU: 8 MiB in fp32; smaller chunks make small, slow matmuls
 DEVICE_CHUNK_ELEMENTS = {"cuda": 1 << 25}
@@ -59,6 +67,7 @@ class _Plan:
     rows: int
     q_len: int
     kv_len: int
+    params: dict[str, torch.Tensor]  # the family's learnable values, (H_kv, G, 1, 1) each, in the compute dtype
 
     def chunks(self, device):
         """Yield ``(start, stop, allowed, bias, lo, hi)`` per row chunk; masks cut to the attended keys ``lo:hi``."""
@@ -103,6 +112,7 @@ def chunked_attention(
     frobenius_sq: torch.Tensor | None = None,
     chunk_elements: int | None = None,
     trim_keys: bool = True,
+    params: Parameters | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention with ``normalization``, processed in query-row chunks.
 
@@ -122,20 +132,23 @@ def chunked_attention(
         trim_keys: skip the keys no row of a chunk may attend (beyond the causal diagonal, outside a sliding window).
             Finding them reads the mask's values: ``False`` where compiled code traces the kernel (``interface.py``;
             no graph break, the same result).
+        params: the family's learnable values by name, ``(H_q,)`` each (:meth:`Normalization.learnable`), or
+            ``None`` for a family without any; they get gradients like the query, key and value.
 
     Returns:
         ``(output (B, q, H_q, D_v) in the query dtype, weights or None)``; computed in fp32 (fp64 for fp64 inputs),
         under autocast too, forward and backward (:mod:`.full_precision`).
     """
+    raw = _raw_params(normalization, params, query)
     plan, q, k, v = _prepare(query, key, value, allowed, normalization, bias, scaling, softcap, causal,
-                             chunk_elements, trim_keys)
+                             chunk_elements, trim_keys, raw)
     batch, q_heads, q_len = query.shape[:3]
-    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *raw.values()))
     weights = None
     if not differentiable:
         output, weights = _forward(q, k, v, plan, query.dtype, return_weights, frobenius_sq)
     elif dropout == 0.0 and not return_weights:
-        output = _ChunkedAttention.apply(q, k, v, plan, frobenius_sq)
+        output = _ChunkedAttention.apply(q, k, v, plan, frobenius_sq, *raw.values())
     else:
         output, weights = _forward_autograd(q, k, v, plan, dropout, return_weights, frobenius_sq)
     output = output.reshape(batch, q_len, q_heads, -1).to(query.dtype)  # query head h reads kv head h // G
@@ -146,10 +159,11 @@ def chunked_attention(
 
 @full_precision
 def chunked_forward(query, key, value, allowed, normalization, *, bias=None, scaling=None, softcap=None,
-                    causal=False) -> torch.Tensor:
+                    causal=False, params=None) -> torch.Tensor:
     """The inference forward of :func:`chunked_attention` (same arguments), output ``(B, q, H_q, D_v)`` in the
     compute dtype (fp32, fp64 for fp64 inputs): what :func:`chunked_backward` takes."""
-    plan, q, k, v = _prepare(query, key, value, allowed, normalization, bias, scaling, softcap, causal)
+    raw = _raw_params(normalization, params, query)
+    plan, q, k, v = _prepare(query, key, value, allowed, normalization, bias, scaling, softcap, causal, raw=raw)
     output, _ = _forward(q, k, v, plan, q.dtype)
     batch, q_heads, q_len = query.shape[:3]
     return output.reshape(batch, q_len, q_heads, -1)
@@ -157,19 +171,44 @@ def chunked_forward(query, key, value, allowed, normalization, *, bias=None, sca
 
 @full_precision
 def chunked_backward(grad_output, query, key, value, output, allowed, normalization, *, bias=None, scaling=None,
-                     softcap=None, causal=False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`chunked_forward` with respect to ``query``, ``key``, ``value`` (in their dtypes), given
-    its ``output`` and ``grad_output`` ``(B, q, H_q, D_v)``: the same computation as the training path's backward."""
-    plan, q, k, v = _prepare(query, key, value, allowed, normalization, bias, scaling, softcap, causal)
+                     softcap=None, causal=False, params=None) -> tuple[torch.Tensor, ...]:
+    """Gradients of :func:`chunked_forward` with respect to ``query``, ``key``, ``value`` (in their dtypes) and then
+    each of ``params`` (``(H_q,)``, in the order given), given its ``output`` and ``grad_output``
+    ``(B, q, H_q, D_v)``: the same computation as the training path's backward."""
+    raw = _raw_params(normalization, params, query)
+    plan, q, k, v = _prepare(query, key, value, allowed, normalization, bias, scaling, softcap, causal, raw=raw)
     batch, kv_heads, groups, q_len, _ = q.shape
     as_groups = lambda t: t.to(q.dtype).reshape(batch, q_len, kv_heads, groups, -1)  # noqa: E731
-    dq, dk, dv = _backward(q, k, v, as_groups(output), as_groups(grad_output), plan)
+    dq, dk, dv, dparams = _backward(q, k, v, as_groups(output), as_groups(grad_output), plan)
     pad = (0, 0, 0, key.shape[2] - plan.kv_len)  # keys an implicit causal mask cut get no gradient
-    return (dq.reshape(query.shape).to(query.dtype), F.pad(dk, pad).to(key.dtype), F.pad(dv, pad).to(value.dtype))
+    grads = (dq.reshape(query.shape).to(query.dtype), F.pad(dk, pad).to(key.dtype), F.pad(dv, pad).to(value.dtype))
+    return grads + tuple(dparams[name].reshape(-1).to(raw[name].dtype) for name in raw)
+
+
+def _raw_params(normalization: Normalization, params: Parameters | None, query: torch.Tensor) -> dict:
+    """The family's learnable values, ``(H_q,)`` each in the compute dtype, in :meth:`Normalization.learnable`'s
+    order.
+
+    Raises:
+        ValueError: one is missing or not one value per query head.
+    """
+    names = normalization.learnable()
+    if not names:
+        return {}
+    compute = torch.promote_types(query.dtype, torch.float32)
+    raw = {}
+    for name in names:
+        value = None if params is None else params.get(name)
+        if value is None or tuple(value.shape) != (query.shape[1],):
+            got = "nothing" if value is None else f"shape {tuple(value.shape)}"
+            raise ValueError(f"{normalization.name} learns {name!r}, one value per query head ({query.shape[1]},); "
+                             f"got {got}. A patched model's attention modules hold it (hf_knorm.patch).")
+        raw[name] = value.to(compute)
+    return raw
 
 
 def _prepare(query, key, value, allowed, normalization, bias, scaling, softcap, causal, chunk_elements=None,
-             trim_keys=True):
+             trim_keys=True, raw=None):
     """The plan, and q ``(B, H_kv, G, q, D)``, k, v in the compute dtype (fp32, fp64 for fp64 inputs)."""
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
@@ -191,6 +230,7 @@ def _prepare(query, key, value, allowed, normalization, bias, scaling, softcap, 
         rows=max(1, (chunk_elements or default_chunk_elements(query.device)) // max(1, batch * q_heads * kv_len)),
         q_len=q_len,
         kv_len=kv_len,
+        params={name: tensor.reshape(kv_heads, groups, 1, 1) for name, tensor in (raw or {}).items()},
     )
     # fp32 (fp64 for fp64 inputs): q/k/v are linear in N, so upcast copies are cheap next to the scores.
     compute = torch.promote_types(query.dtype, torch.float32)
@@ -205,7 +245,7 @@ def _forward(q, k, v, plan: _Plan, dtype, return_weights=False, frobenius_sq=Non
     weight_rows = []
     for start, stop, allowed, bias, lo, hi in plan.chunks(q.device):
         scores, _ = _scores(q[:, :, :, start:stop] * plan.scaling, k[:, :, lo:hi], bias, plan.softcap)
-        weights = plan.normalization.weights(scores, allowed, inplace=True)
+        weights = plan.normalization.weights(scores, allowed, plan.params, inplace=True)
         output[:, start:stop] = _weighted_values(weights, v[:, :, lo:hi]).permute(0, 3, 1, 2, 4)
         _accumulate(frobenius_sq, weights)
         if return_weights:
@@ -218,7 +258,7 @@ def _forward_autograd(q, k, v, plan: _Plan, dropout, return_weights, frobenius_s
     outputs, weight_rows = [], []
     for start, stop, allowed, bias, lo, hi in plan.chunks(q.device):
         args = (q[:, :, :, start:stop] * plan.scaling, k[:, :, lo:hi], v[:, :, lo:hi], allowed, bias)
-        options = dict(normalization=plan.normalization, softcap=plan.softcap, dropout=dropout)
+        options = dict(normalization=plan.normalization, softcap=plan.softcap, dropout=dropout, params=plan.params)
         if return_weights:
             out, weights, normalized = _chunk_autograd(*args, **options)
             weight_rows.append(F.pad(weights, (lo, plan.kv_len - hi)))
@@ -229,10 +269,10 @@ def _forward_autograd(q, k, v, plan: _Plan, dropout, return_weights, frobenius_s
     return torch.cat(outputs, dim=1), (torch.cat(weight_rows, dim=3) if return_weights else None)
 
 
-def _chunk_autograd(q, k, v, allowed, bias, *, normalization, softcap, dropout):
+def _chunk_autograd(q, k, v, allowed, bias, *, normalization, softcap, dropout, params):
     """Returns ``(output, weights after dropout, weights before dropout)`` of one chunk."""
     scores, _ = _scores(q, k, bias, softcap)
-    normalized = normalization.weights(scores, allowed)
+    normalized = normalization.weights(scores, allowed, params)
     weights = F.dropout(normalized, p=dropout, training=True) if dropout > 0.0 else normalized
     return _weighted_values(weights, v), weights, normalized
 
@@ -241,7 +281,7 @@ class _ChunkedAttention(torch.autograd.Function):
     """Chunked forward, and a backward that recomputes each chunk's scores (no N x N activation is stored)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: _Plan, frobenius_sq):
+    def forward(ctx, q, k, v, plan: _Plan, frobenius_sq, *params):
         output, _ = _forward(q, k, v, plan, q.dtype, frobenius_sq=frobenius_sq)
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, output)
@@ -251,37 +291,60 @@ class _ChunkedAttention(torch.autograd.Function):
     def backward(ctx, grad_output):
         q, k, v, output = ctx.saved_tensors
         with autocast_off(grad_output.device.type):  # the caller's autocast state, not the forward's
-            dq, dk, dv = _backward(q, k, v, output, grad_output, ctx.plan)
-        return dq, dk, dv, None, None
+            dq, dk, dv, dparams = _backward(q, k, v, output, grad_output, ctx.plan)
+        return dq, dk, dv, None, None, *(grad.reshape(-1) for grad in dparams.values())
 
 
 def _backward(q, k, v, output, grad_output, plan: _Plan):
-    """dq ``(B, H_kv, G, q, D)``, dk, dv: each chunk's scores recomputed; ``output`` and ``grad_output`` are
-    ``(B, q, H_kv, G, D_v)``."""
+    """dq ``(B, H_kv, G, q, D)``, dk, dv, and the parameters' gradients ``{name: (H_kv, G, 1, 1)}``: each chunk's
+    scores recomputed; ``output`` and ``grad_output`` are ``(B, q, H_kv, G, D_v)``."""
     normalization = plan.normalization
     batch, kv_heads, groups, _, dim = q.shape
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dparams = {name: torch.zeros_like(value) for name, value in plan.params.items()}
     for start, stop, allowed, bias, lo, hi in plan.chunks(q.device):
         rows = groups * (stop - start)
         q_chunk = q[:, :, :, start:stop] * plan.scaling
-        scores, capped = _scores(q_chunk, k[:, :, lo:hi], bias, plan.softcap)
-        weights = normalization.weights(scores, allowed)  # (B, H_kv, G, c, n)
+        scores, capped = _scores(q_chunk, k[:, :, lo:hi], bias, plan.softcap)  # (B, H_kv, G, c, n)
         grad_out = grad_output[:, start:stop].permute(0, 2, 3, 1, 4)  # (B, H_kv, G, c, D_v)
         grad_out_rows = grad_out.reshape(batch, kv_heads, rows, -1)
-        dv[:, :, lo:hi] += weights.reshape(batch, kv_heads, rows, -1).transpose(-1, -2) @ grad_out_rows
-        grad_weights = (grad_out_rows @ v[:, :, lo:hi].transpose(-1, -2)).view_as(weights)
+        grad_weights = (grad_out_rows @ v[:, :, lo:hi].transpose(-1, -2)).view_as(scores)
         if normalization.is_softmax:
+            weights = normalization.weights(scores, allowed)
             out = output[:, start:stop].permute(0, 2, 3, 1, 4)
             row_dot = (grad_out * out).sum(dim=-1, keepdim=True)  # rowsum(dW * w) = dO . O
             grad_scores = weights * (grad_weights - row_dot)
-        else:
+        elif isinstance(normalization, Polynomial):
+            weights = normalization.weights(scores, allowed)
             grad_scores = grad_weights * _power_derivative(scores, allowed, normalization)
+        else:
+            weights, grad_scores, grad_params = _family_backward(scores, allowed, normalization, plan.params,
+                                                                 grad_weights)
+            for name, grad in grad_params.items():
+                dparams[name] += grad
+        dv[:, :, lo:hi] += weights.reshape(batch, kv_heads, rows, -1).transpose(-1, -2) @ grad_out_rows
         if capped is not None:
             grad_scores = grad_scores * (1 - capped.square())
         grad_scores = grad_scores.reshape(batch, kv_heads, rows, -1)
         dq[:, :, :, start:stop] = (grad_scores @ k[:, :, lo:hi]).view(batch, kv_heads, groups, -1, dim) * plan.scaling
         dk[:, :, lo:hi] += grad_scores.transpose(-1, -2) @ q_chunk.reshape(batch, kv_heads, rows, dim)
-    return dq, dk, dv
+    return dq, dk, dv, dparams
+
+
+def _family_backward(scores, allowed, normalization: Normalization, params: dict, grad_weights):
+    """One chunk of a family without a hand-written derivative: its weights recomputed under autograd.
+
+    Returns ``(weights, dS, {name: d param (H_kv, G, 1, 1)})``; the chunk holds whole rows, so this is the
+    family's exact gradient, and the memory is the chunk's.
+    """
+    with torch.enable_grad():
+        scores = scores.detach().requires_grad_()
+        params = {name: value.detach().requires_grad_() for name, value in params.items()}
+        weights = normalization.weights(scores, allowed, params)
+        grads = torch.autograd.grad(weights, [scores, *params.values()], grad_weights, allow_unused=True)
+    grad_params = {name: (torch.zeros_like(value) if grad is None else grad.sum_to_size(value.shape))
+                   for (name, value), grad in zip(params.items(), grads[1:])}
+    return weights.detach(), grads[0], grad_params
 
 
 def _power_derivative(scores, allowed, normalization: Normalization) -> torch.Tensor:

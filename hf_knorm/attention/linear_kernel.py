@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .full_precision import full_precision
-from .normalizations import Normalization
+from ..normalizations import Normalization, Polynomial
 
 DEFAULT_CHUNK_SIZE = 64
 """Query rows per chunk (BENCHMARKS.md, "Linear-time x/1": 64 was the fastest of 32-256 on the layer benchmark)."""
@@ -41,8 +41,8 @@ segments one after the other carrying the state, so the working set stays the sa
 
 
 def is_linear(normalization: Normalization) -> bool:
-    """Whether ``normalization`` is linear attention (``p = 1``: ``x/c`` or ``x/sqrtN``)."""
-    return normalization.power == 1
+    """Whether ``normalization`` is linear attention (the polynomial family with ``p = 1``: ``x/c`` or ``x/sqrtN``)."""
+    return isinstance(normalization, Polynomial) and normalization.power == 1
 
 
 @full_precision

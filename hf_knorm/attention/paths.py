@@ -36,7 +36,7 @@ import torch
 
 from .linear_kernel import is_linear
 from .masks import KeyPadding, Mask
-from .normalizations import Normalization
+from ..normalizations import Normalization
 from .taps import count_tap
 
 LINEAR_MIN_QUERIES = 128
@@ -81,7 +81,7 @@ def choose_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mas
     """The path for one call (see the module docstring); ``mask`` as :func:`.interface.read_mask` gives it, ``bias``
     an additive float mask or ``None``."""
     if not is_linear(normalization):
-        return Path(linear=False, reason=f"{normalization.name} is not linear (p = {normalization.power})")
+        return Path(linear=False, reason=f"{normalization.name} is not linear attention (only x/c and x/sqrtN are)")
     reason = _blocker(bias, softcap, dropout, return_weights)
     key_valid = None
     if not reason:

@@ -1,15 +1,17 @@
 """A plain reference of the plugin's attention, for tests: the whole score matrix at once, K/V repeated for GQA;
 and of a normalization with a softmax window (:func:`reference_window_attention`).
 
-Written independently of ``kernel.py`` and of ``Normalization.weights`` (it reads only ``power``, ``constant``
-and ``sqrt_n``), so that the memory-efficient path is checked against a second formulation of the same definition.
+Written independently of ``kernel.py``; softmax and ``x^p/c`` also independently of their ``weights`` (it reads only
+``power``, ``constant`` and ``sqrt_n``), so that the memory-efficient path is checked against a second formulation
+of the same definition. Every other family's ``weights`` is its plain definition (:mod:`hf_knorm.normalizations`),
+applied here to the whole score matrix at once, with the learnable values broadcast per query head.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .normalizations import Normalization
+from ..normalizations import Normalization, Polynomial
 from .window import ROW_EPS
 
 
@@ -22,12 +24,13 @@ def reference_attention(
     scaling: float | None = None,
     softcap: float | None = None,
     causal: bool = False,
+    params: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention in fp32 (fp64 for fp64 inputs).
 
     Args:
         query ``(B, H_q, q, D)``; key, value ``(B, H_kv, kv, D)``; allowed: bool ``(B or 1, 1, q, kv)`` or None (then
-        ``causal`` means a top-left causal mask).
+        ``causal`` means a top-left causal mask); params: the family's learnable values, ``(H_q,)`` each.
 
     Returns:
         ``(output (B, q, H_q, D) in the query dtype, weights (B, H_q, q, kv) fp32)``.
@@ -49,6 +52,8 @@ def reference_attention(
     if normalization.is_softmax:
         weights = torch.softmax(torch.where(allowed, scores, float("-inf")), dim=-1)
         weights = torch.nan_to_num(weights, nan=0.0)  # rows with nothing to attend
+    elif not isinstance(normalization, Polynomial):
+        weights = normalization.weights(scores, allowed, per_head(params, compute))
     else:
         weights = torch.where(allowed, scores, torch.zeros_like(scores)) ** normalization.power
         if normalization.sqrt_n:
@@ -68,6 +73,7 @@ def reference_window_attention(
     scaling: float | None = None,
     softcap: float | None = None,
     mix: torch.Tensor | None = None,
+    params: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of a normalization with a softmax window (``x^p/c + softmax window W``, :mod:`.window`), in fp32
     (fp64 for fp64 inputs): the whole score matrix, the two parts side by side.
@@ -81,7 +87,7 @@ def reference_window_attention(
     Args:
         query ``(B, H_q, q, D)``; key, value ``(B, H_kv, kv, D)``; allowed: bool ``(B or 1, 1 or H_q, q, kv)``, or
         ``None`` for a bottom-right causal mask (query ``i`` attends keys ``j <= kv - q + i``); mix: ``(H_q,)``
-        factors of the polynomial part, or ``None`` (1).
+        factors of the polynomial part, or ``None`` (1); params: the base family's learnable values.
 
     Returns:
         ``(output (B, q, H_q, D) in the query dtype, weights (B, H_q, q, kv))``.
@@ -104,11 +110,15 @@ def reference_window_attention(
     in_window, older = window_split(allowed, normalization.window, normalization.sinks)
     in_window, older = in_window.expand_as(scores), older.expand_as(scores)
     soft = torch.nan_to_num(torch.softmax(torch.where(in_window, scores, float("-inf")), dim=-1), nan=0.0)
-    poly = torch.where(older, scores, torch.zeros_like(scores)) ** normalization.power
-    if normalization.sqrt_n:
-        poly = poly / older.sum(-1, keepdim=True).clamp_min(1).to(compute).sqrt()
+    base = normalization.without_window
+    if isinstance(base, Polynomial):
+        poly = torch.where(older, scores, torch.zeros_like(scores)) ** base.power
+        if base.sqrt_n:
+            poly = poly / older.sum(-1, keepdim=True).clamp_min(1).to(compute).sqrt()
+        else:
+            poly = poly / base.constant
     else:
-        poly = poly / normalization.constant
+        poly = base.weights(scores, older, per_head(params, compute))
     part = poly @ v  # (B, H_q, q, D): the polynomial part before its row normalization
     factor = torch.rsqrt(part.pow(2).mean(dim=-1, keepdim=True) + ROW_EPS)  # 1 / RMS of each row (window.row_scale)
     if mix is not None:
@@ -155,3 +165,8 @@ def window_split(allowed: torch.Tensor, window: int, sinks: int) -> tuple[torch.
             previous = keys
     return tuple(torch.tensor(flags, dtype=torch.bool, device=allowed.device).view(allowed.shape)
                  for flags in (soft, older))
+
+
+def per_head(params: dict[str, torch.Tensor] | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``{name: (H_q,)}`` -> ``{name: (H_q, 1, 1)}`` in ``dtype``: broadcast against ``(B, H_q, q, kv)`` scores."""
+    return {name: value.to(dtype)[:, None, None] for name, value in (params or {}).items()}

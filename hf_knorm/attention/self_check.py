@@ -41,7 +41,7 @@ import torch
 
 from .kernel import chunked_attention
 from .linear_kernel import linear_attention
-from .normalizations import Normalization
+from ..normalizations import Normalization, Polynomial
 
 KERNELS = ("triton", "fla")
 _LOCK = threading.Lock()
@@ -51,8 +51,8 @@ _VERDICTS: dict[tuple, str] = {}  # key (see key_of) -> "" (passed) or why the k
 def family_of(normalization: Normalization) -> str:
     """What of ``normalization`` a kernel's code depends on: ``"softmax"``, ``"x^p/c"`` or ``"x^p/sqrtN"`` (``p``
     written out; ``"x/c"``, ``"x/sqrtN"`` for ``p = 1``), whatever its constant and its softmax window."""
-    if normalization.is_softmax:
-        return "softmax"
+    if not isinstance(normalization, Polynomial):
+        return normalization.family
     base = "x" if normalization.power == 1 else f"x^{normalization.power}"
     return f"{base}/{'sqrtN' if normalization.sqrt_n else 'c'}"
 
@@ -75,7 +75,7 @@ def verdict(kernel: str, device: torch.device, dtype: torch.dtype, normalization
     key = key_of(kernel, device, dtype, normalization, head_dim)
     with _LOCK:
         if key not in _VERDICTS:
-            _VERDICTS[key] = run_check(kernel, torch.device(key[0]), dtype, normalization.polynomial, head_dim)
+            _VERDICTS[key] = run_check(kernel, torch.device(key[0]), dtype, normalization.without_window, head_dim)
         return _VERDICTS[key]
 
 

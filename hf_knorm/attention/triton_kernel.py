@@ -46,7 +46,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from .blocks import block_any, first_last
-from .normalizations import Normalization
+from ..normalizations import Normalization
 
 BLOCK_M = 64
 """Query rows per program (not tuned on a GPU yet: BENCHMARKS.md, "Attention on a GPU")."""

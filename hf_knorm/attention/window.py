@@ -99,14 +99,14 @@ from .backends import run_linear, run_quadratic, with_kernel
 from .compiled import compiled_attention
 from .linear_kernel import is_linear
 from .masks import KeyPadding, Mask, read_once
-from .normalizations import Normalization
+from ..normalizations import Normalization, Softmax
 from .paths import Path, choose_path, linear_keys
 
 BAND_ROWS = 32
 """Queries per block of the softmax part (at least ``W``, at most ``q``; read at call time): a block's scores are
 ``rows x (rows + W - 1)``, of which ``rows x W`` are in the window (all blocks in one kernel call)."""
 
-SOFTMAX = Normalization(power=None)
+SOFTMAX = Softmax()
 SOFTMAX_PATH = Path(linear=False, reason="the softmax part of a window: the PyTorch chunked kernel")
 """The softmax part's kernel: the PyTorch chunked kernel (the plugin's GPU kernels compute polynomial weights)."""
 
@@ -131,8 +131,9 @@ def window_attention(
     sliding_window: int | None = None,
     op: bool = False,
     compiling: bool = False,
+    params: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention with a softmax window of ``normalization.window`` keys beside ``normalization.polynomial``.
+    """Attention with a softmax window of ``normalization.window`` keys beside ``normalization.without_window``.
 
     Args:
         query: ``(B, H_q, q, D)``; key, value ``(B, H_kv, kv, D)``, not repeated for GQA.
@@ -149,11 +150,12 @@ def window_attention(
         handover: a recurrent state handed over by a window cache layer (``read() -> (state, count)`` of the keys
             older than the ``kv`` keys of this call, ``write(state, count)``, ``window``), or ``None``.
         path: the polynomial part's path with its kernel named, as the attention function chose and counted it
-            (:func:`window_path`, then :func:`.backends.with_kernel` on ``normalization.polynomial``); ``None``:
+            (:func:`window_path`, then :func:`.backends.with_kernel` on ``normalization.without_window``); ``None``:
             chosen here, from the same arguments.
         sliding_window: the layer's own sliding window (Transformers' ``sliding_window`` keyword), or ``None``.
         op: run the quadratic parts through the custom op (``compiled.py``: compiled code with no tap).
         compiling: traced by ``torch.compile``: nothing reads tensor values (the chunked kernel keeps every key).
+        params: the base family's learnable values, ``(H_q,)`` each (the mix is ``mix``).
 
     Returns:
         ``(output (B, q, H_q, D_v) in the query dtype, weights or None)``.
@@ -168,7 +170,7 @@ def window_attention(
         path = window_path(normalization, query.shape[2], key.shape[2], mask, bias, causal=causal, softcap=softcap,
                            dropout=dropout, return_weights=return_weights, has_state=handover is not None,
                            compiling=compiling, recording=frobenius_sq is not None, sliding_window=sliding_window)
-        path = with_kernel(path, query, normalization.polynomial, **kernels)
+        path = with_kernel(path, query, normalization.without_window, **kernels)
     check_state_window(handover, normalization)
     if mix is not None and tuple(mix.shape) != (query.shape[1],):
         raise ValueError(f"mix scales the polynomial part per query head: shape ({query.shape[1]},), got "
@@ -176,7 +178,7 @@ def window_attention(
     if handover is not None and not path.linear:
         raise ValueError(f"A recurrent state cache decodes with linear attention only, and this call cannot: "
                          f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")
-    options = dict(scaling=scaling, softcap=softcap, dropout=dropout, op=op, compiling=compiling)
+    options = dict(scaling=scaling, softcap=softcap, dropout=dropout, op=op, compiling=compiling, params=params)
     paths = _Paths(path, SOFTMAX_PATH)  # no GPU kernel computes softmax; a forced one serves the polynomial part
     dtype = query.dtype  # the parts are computed and added in fp32 (fp64 for fp64 inputs), as the kernels compute
     compute = torch.promote_types(dtype, torch.float32)
@@ -212,7 +214,7 @@ def window_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mas
                 compiling: bool = False, recording: bool = False, sliding_window: int | None = None) -> Path:
     """The path of a call with a softmax window, as :func:`.paths.choose_path` gives it for the pure normalization
     (same arguments): the polynomial part's path, the softmax part being linear in ``N`` on either. Which kernel
-    computes it is :func:`.backends.with_kernel`'s choice for ``normalization.polynomial``.
+    computes it is :func:`.backends.with_kernel`'s choice for ``normalization.without_window``.
 
     Raises:
         ValueError: ``normalization`` has no window or is softmax, the call is bidirectional, or it has sinks and the
@@ -231,7 +233,7 @@ def window_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mas
                          "leaves them behind (as its cache does). Patch this model without attention_sinks "
                          "(attention_sinks=0; hf-knorm convert --attention-sinks 0: the softmax window alone), or use "
                          "a model without sliding-window layers.")
-    polynomial = normalization.polynomial
+    polynomial = normalization.without_window
     if _explicit_route(mask, bias, return_weights, recording):
         reason = ("the attention weights were requested" if return_weights
                   else "the attention norms are recorded (the polynomial part's rows are normalized one by one)"
@@ -419,7 +421,7 @@ def _older_keys(query, key, value, key_valid, normalization, path, mix, handover
         if handover is not None:
             handover.write(*handover.read())
         return None
-    polynomial, start = normalization.polynomial, q_len - rows
+    polynomial, start = normalization.without_window, q_len - rows
     q, k, v = query[:, :, start:], key[:, :, :older], value[:, :, :older]
     # the path's key validity, or the keys without the sinks (the path was chosen on the mask, sinks or not)
     linear_valid = (None if key_valid is None else key_valid[:, :older]) if normalization.sinks else path.key_valid
@@ -475,7 +477,7 @@ def _explicit(query, key, value, mask, normalization, bias, return_weights, frob
     sinks = allowed & (allowed.cumsum(dim=-1) <= normalization.sinks)
     in_window = allowed & ((positions > last - normalization.window) | sinks)
     older = allowed & ~in_window
-    polynomial = normalization.polynomial
+    polynomial = normalization.without_window
     options = dict(options, return_weights=return_weights, bias=bias)
     soft, soft_weights = _quadratic(paths.softmax, query, key, value, in_window, SOFTMAX, frobenius_sq=frobenius_sq,
                                     **options)
@@ -502,42 +504,16 @@ class _Paths(NamedTuple):
 
 
 def _quadratic(path, query, key, value, allowed, normalization, *, scaling, softcap, dropout, op, compiling,
-               frobenius_sq=None, bias=None, return_weights=False, trim_keys=True):
+               params=None, frobenius_sq=None, bias=None, return_weights=False, trim_keys=True):
     """The quadratic kernel ``path`` names (:func:`.backends.run_quadratic`), or the custom op (compiled code with
     no tap, no dropout, no weights). ``trim_keys``: let the PyTorch kernel skip the keys no row of a chunk attends
     (one read of the mask's ranges to the host per call; a single query row attends every key of its part, so the
     callers pass ``False`` there, and compiled code never reads)."""
     if op and dropout == 0.0 and not return_weights and frobenius_sq is None:
         return compiled_attention(query, key, value, allowed, bias, normalization, scaling=scaling, softcap=softcap,
-                                  causal=allowed is None), None
+                                  causal=allowed is None, params=params), None
     return run_quadratic(path, query, key, value, allowed, normalization, bias=bias, scaling=scaling, softcap=softcap,
                          dropout=dropout, causal=allowed is None, return_weights=return_weights,
-                         frobenius_sq=frobenius_sq, trim_keys=trim_keys and not compiling)
+                         frobenius_sq=frobenius_sq, trim_keys=trim_keys and not compiling, params=params)
 
 
-
-MIX_FIELD = "window_mix"
-"""The ``hf_knorm`` config section's entry holding a converted model's mix: ``[[m_h for each query head] for each
-layer]`` (floats; absent: 1 everywhere). Written by :func:`hf_knorm.models.window_mix.set_window_mix`."""
-
-
-def mix_of(module, like: torch.Tensor) -> torch.Tensor | None:
-    """The ``(H_q,)`` mix of ``module``'s polynomial part from its config (``None``: no mix saved, 1), on ``like``'s
-    device in fp32; the tensor is cached on the module while the config holds the same list.
-
-    Raises:
-        ValueError: a mix saved without this module's layer (the config and the model disagree).
-    """
-    mixes = (getattr(module.config, "hf_knorm", None) or {}).get(MIX_FIELD)
-    if mixes is None:
-        return None
-    cached = module.__dict__.get("_hf_knorm_mix")
-    if cached is not None and cached[0] is mixes and cached[1].device == like.device:
-        return cached[1]
-    layer = getattr(module, "layer_idx", None)
-    if layer is None or not 0 <= layer < len(mixes):
-        raise ValueError(f"The config's {MIX_FIELD} has {len(mixes)} layers and {type(module).__name__} is layer "
-                         f"{layer}: the config does not belong to this model.")
-    tensor = torch.tensor(mixes[layer], dtype=torch.float32, device=like.device)
-    module.__dict__["_hf_knorm_mix"] = (mixes, tensor)
-    return tensor

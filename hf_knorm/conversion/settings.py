@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..attention.normalizations import Normalization, parse_normalization, with_window
+from ..normalizations import Normalization, parse_normalization, with_window
 from ..runs.precision import BF16_HELP, FP16_HELP
 
 RECOVERY_MODES = ("lora", "full", "none")
@@ -210,7 +210,7 @@ def default_recovery_learning_rate(normalization: Normalization, recovery: str =
     power (``RECOVERY_LEARNING_RATES``)."""
     if recovery == "lora":
         return LORA_RECOVERY_LEARNING_RATE
-    return RECOVERY_LEARNING_RATES.get(normalization.power, DEFAULT_RECOVERY_LEARNING_RATE)
+    return RECOVERY_LEARNING_RATES.get(getattr(normalization.without_window, "power", None), DEFAULT_RECOVERY_LEARNING_RATE)
 
 
 def default_teacher_top_k(drawn: int, examples: int) -> int:

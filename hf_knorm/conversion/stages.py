@@ -8,7 +8,6 @@ model (``transfer/model``, ``recovery/model``), then is marked ``done``, and is 
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -16,10 +15,8 @@ import torch
 import transformers
 from transformers.trainer_utils import get_last_checkpoint
 
-from ..attention.normalizations import Normalization
-from ..attention.window import MIX_FIELD
+from ..normalizations import Normalization
 from ..models.patching import patch
-from ..models.window_mix import set_window_mix
 from ..runs.arguments import job_arguments
 from ..runs.run_folder import is_main_process
 from ..training.callback import NormLoggerCallback
@@ -58,8 +55,8 @@ def run_transfer(model, settings: ConvertSettings, normalization: Normalization,
     patch(model, normalization)
     checkpoint = get_last_checkpoint(str(folder)) if folder.is_dir() else None
     calibration = _calibration_rows(train, settings.block_size)
-    if normalization.window and checkpoint is not None:  # the mix solved when the stage started, in its config
-        set_window_mix(model, _saved_mix(Path(checkpoint)))
+    if normalization.window and checkpoint is not None:
+        pass  # the mix solved when the stage started comes back with the checkpoint's weights (a parameter)
     elif normalization.window:
         record["initial_window_mix"] = [mix.tolist() for mix in transfer.match_mix(model, calibration)]
     elif checkpoint is None:  # a checkpoint holds the scaled weights already
@@ -164,16 +161,6 @@ def _advice(learning_rate_flag: str) -> str:
     """What a conversion stopped on a non-finite gradient can do (its settings cannot change on ``--resume``)."""
     return (f"convert again into another --out with a lower {learning_rate_flag} or --max-grad-norm, or another "
             "--seed (a conversion resumes only with the settings it started with)")
-
-
-def _saved_mix(checkpoint: Path) -> list[list[float]]:
-    """The window mix a Trainer checkpoint's config holds (the weights reload through the Trainer, the config
-    does not)."""
-    section = json.loads((checkpoint / "config.json").read_text()).get("hf_knorm") or {}
-    if MIX_FIELD not in section:
-        raise ValueError(f"{checkpoint} has no window mix in its config.json: it was not written by this conversion. "
-                         "Start the run again in a new --out folder.")
-    return section[MIX_FIELD]
 
 
 def _error_sample(eval_sets: dict) -> list[torch.Tensor]:

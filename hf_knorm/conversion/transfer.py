@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 
 from ..attention.masks import explicit_mask
-from ..attention.normalizations import parse_normalization
+from ..normalizations import parse_normalization
 from ..models.architectures import attention_modules
 from ..models.patching import patched_normalization
 from .settings import SCALE_FOLDS

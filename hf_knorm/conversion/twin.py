@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..attention.normalizations import Normalization, parse_normalization
+from ..normalizations import Normalization, Polynomial, parse_normalization
 from ..models.architectures import attention_modules
 from ..models.patching import patch, patched_normalization, unpatch
 
@@ -32,11 +32,11 @@ def training_normalization(model: nn.Module, normalization: str | Normalization)
         normalization: the normalization the converted model will have.
     """
     target = parse_normalization(normalization)
-    if target.constant in (None, 1) or target.window:  # softmax, sqrtN, its own twin; a window: see fold_constant
+    if not isinstance(target, Polynomial) or target.constant in (None, 1):  # softmax, sqrtN, its own twin; a window: see fold_constant
         return target
     if not all(_query_scale_site(module) is not None for _, module in attention_modules(model)):
         return target
-    return Normalization(power=target.power, constant=1.0)
+    return Polynomial(power=target.power, constant=1.0)
 
 
 def fold_constant(model: nn.Module, normalization: str | Normalization) -> nn.Module:
@@ -53,7 +53,9 @@ def fold_constant(model: nn.Module, normalization: str | Normalization) -> nn.Mo
     if target.window:
         raise ValueError(f"{target.name}: the queries also score the softmax window, which a constant folded into "
                          "them would change; train it as it is (training_normalization returns it unchanged).")
-    twin = Normalization(power=target.power, constant=1.0)
+    if not isinstance(target, Polynomial):
+        raise ValueError(f"{target.name}: only the constant c of x^p/c folds into the queries.")
+    twin = Polynomial(power=target.power, constant=1.0)
     if target.constant is None or patched_normalization(model) != twin.name:
         raise ValueError(f"Folding the constant of {target.name} needs a model patched with {twin.name}, not "
                          f"{patched_normalization(model)}.")

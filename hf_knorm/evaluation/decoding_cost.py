@@ -18,7 +18,7 @@ import torch.nn as nn
 from transformers import DynamicCache
 
 from ..attention.linear_kernel import is_linear
-from ..attention.normalizations import parse_normalization
+from ..normalizations import parse_normalization
 from ..compat import cache_kwargs
 from ..models.patching import patch, patched_normalization, unpatch
 from ..plots import plot_scaling

@@ -37,7 +37,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..attention.linear_kernel import is_linear
-from ..attention.normalizations import parse_normalization
+from ..normalizations import parse_normalization
 from ..compat import update_position_ids
 from .settings import EvictionSettings, kept_count
 

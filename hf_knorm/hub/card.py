@@ -31,7 +31,7 @@ import transformers
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from huggingface_hub.repocard_data import model_index_to_eval_results
 
-from ..attention.normalizations import parse_normalization
+from ..normalizations import Polynomial, parse_normalization
 from ..version import __version__
 from .base_model import is_hub_id
 from .card_inputs import CardInputs
@@ -172,10 +172,13 @@ def _meaning(spelling: str) -> str:
     norm = parse_normalization(spelling)
     if norm.is_softmax:
         return "softmax computed by the plugin's attention, equal to the model's own to fp32 precision"
-    divisor = "sqrt(N_i), N_i the number of keys query i may attend" if norm.sqrt_n else f"{norm.constant:g}"
-    power = "s_ij" if norm.power == 1 else f"s_ij^{norm.power}"
+    if not isinstance(norm.without_window, Polynomial):
+        return f"w_ij = {norm.formula} ({norm.source}); masked pairs exactly 0"
+    base = norm.without_window
+    divisor = "sqrt(N_i), N_i the number of keys query i may attend" if base.sqrt_n else f"{base.constant:g}"
+    power = "s_ij" if base.power == 1 else f"s_ij^{base.power}"
     if norm.window:
-        divisor = "sqrt(N_i), N_i the number of those older keys" if norm.sqrt_n else divisor
+        divisor = "sqrt(N_i), N_i the number of those older keys" if base.sqrt_n else divisor
         sinks = f" and the sequence's first {norm.sinks} (attention sinks)" if norm.sinks else ""
         return (f"softmax over the keys of each query's last {norm.window} positions{sinks}; w_ij = {power} / "
                 f"{divisor} on the older keys, no row normalization there; masked pairs exactly 0")

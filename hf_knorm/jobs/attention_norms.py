@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..attention.normalizations import parse_normalization
+from ..normalizations import parse_normalization
 from ..training.history import read_norm_history
 from ..training.norm_figure import plot_norm_history
 

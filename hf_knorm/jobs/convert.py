@@ -36,7 +36,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ..attention.normalizations import Normalization, parse_normalization
+from ..normalizations import Normalization, parse_normalization
 from ..conversion.mixture import GENERAL
 from ..conversion.settings import RECOVERY_MODES, RECOVERY_TRAINABLE, SCALE_FOLDS, ConvertSettings
 from ..conversion.state import STATE_FILE, read_state, write_state

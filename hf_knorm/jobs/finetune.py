@@ -38,7 +38,7 @@ from pathlib import Path
 
 from transformers.trainer_utils import get_last_checkpoint
 
-from ..attention.normalizations import parse_normalization
+from ..normalizations import parse_normalization
 from ..runs.arguments import job_arguments
 from ..runs.precision import BF16_HELP, FP16_HELP, check_precision, run_precision, weights_dtype
 from ..runs.run_folder import (check_same_inputs, check_same_settings, inputs_fingerprint, is_main_process,

@@ -19,15 +19,21 @@ from transformers import PretrainedConfig
 
 from ..attention.interface import ATTENTION_NAME
 from ..attention.linear_kernel import is_linear
-from ..attention.normalizations import Normalization, parse_normalization, with_window
+from ..normalizations import Normalization, parse_normalization, with_window
+from ..normalizations.registry import RECORD_FORMAT
 from ..attention.paths import LINEAR_POLICIES
-from ..attention.window import MIX_FIELD
 from ..compat import attn_implementation_of
 from ..recurrent.cache import unwatch_steps, watch_steps
 from ..version import __version__
 from .architectures import architecture_of, attention_modules
+from .parameters import add_parameters, remove_parameters
 
 SECTION = "hf_knorm"
+LEGACY_MIX_FIELD = "window_mix"
+"""Where releases before the normalization families kept a window mix (the config; now a parameter)."""
+SECTION_KEYS = ("normalization", "normalization_record", "format", "original_attn_implementation", "linear",
+                LEGACY_MIX_FIELD)
+"""The section's entries :func:`patch` writes and :func:`unpatch` removes (``version`` stays with other users')."""
 
 
 def patch(model: nn.Module, normalization: str | Normalization = "softmax", *, linear: str = "auto",
@@ -39,8 +45,10 @@ def patch(model: nn.Module, normalization: str | Normalization = "softmax", *, l
 
     Args:
         model: a Transformers model of a supported architecture (``hf_knorm.SUPPORTED_ARCHITECTURES``).
-        normalization: ``"softmax"``, ``"x/1"``, ``"x/16"``, ``"x^3/1"``, ``"x^3/16"``, ``"x^3/sqrtN"`` or ``"x^p/c"``
-            (or a :class:`Normalization`; its spelling with a window, ``"x^3/16 + softmax window 64"``, too).
+        normalization: a :class:`~hf_knorm.normalizations.Normalization` (``hf_knorm.Sigmoid()``) or its spelling
+            (``"sigmoid(bias=-log n)"``, ``"x^3/16"``, ``"x^3/16 + softmax window 64"``; the families and their
+            spellings: ``hf_knorm.normalizations()``). A family's learnable values become ``nn.Parameter``s of each
+            attention module (``hf_knorm_<name>``, :mod:`hf_knorm.models.parameters`), in ``state_dict``.
         softmax_window: ``W``: the keys of each query's last ``W`` positions are weighted by softmax over them, the
             older keys by ``normalization`` (:mod:`hf_knorm.attention.window`); decoders only. ``0`` or ``None``: the
             pure normalization (``None`` keeps a window the spelling names). Saved in the config as part of the
@@ -86,11 +94,13 @@ def patch(model: nn.Module, normalization: str | Normalization = "softmax", *, l
     own_config(model)  # the section below goes into the model's own config, not one it shares
     for config in _configs(model):
         section = dict(getattr(config, SECTION, None) or {})
-        section.update(normalization=normalization.name, original_attn_implementation=original, version=__version__)
+        section.update(normalization=normalization.name, normalization_record=normalization.to_record(),
+                       format=RECORD_FORMAT, original_attn_implementation=original, version=__version__)
         if linear != "auto":
             section["linear"] = linear
         setattr(config, SECTION, section)
     model.set_attn_implementation(ATTENTION_NAME)
+    add_parameters(model, normalization)
     if is_linear(normalization):  # generate decodes it with a constant-size state (hf_knorm.recurrent.generation)
         watch_steps(model)  # a layer that misses its state is an error at the step's end
     return model
@@ -112,9 +122,10 @@ def unpatch(model: nn.Module) -> nn.Module:
     original = model.config.hf_knorm.get("original_attn_implementation") or "sdpa"
     model.set_attn_implementation(original)
     unwatch_steps(model)
+    remove_parameters(model)
     for config in _configs(model):
         section = dict(getattr(config, SECTION, None) or {})
-        for key in ("normalization", "original_attn_implementation", "linear", MIX_FIELD):
+        for key in SECTION_KEYS:
             section.pop(key, None)
         if set(section) <= {"version"}:
             config.__dict__.pop(SECTION, None)

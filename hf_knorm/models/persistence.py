@@ -10,6 +10,13 @@ back (the one writer of that marker: :mod:`hf_knorm.attention.registration`). Wi
 :func:`from_pretrained` here reads the section itself, so a checkpoint whose ``config.json`` lost the marker (saved
 by an earlier hf_knorm) loads with its normalization too.
 
+A normalization's learnable values (:mod:`.parameters`: ``hf_knorm_<name>`` on each attention module) are saved with
+the weights. Transformers' loader does not know them; :func:`from_pretrained` registers them and reads them from the
+checkpoint's safetensors files, and refuses a checkpoint that lacks one. The section records the normalization twice:
+its spelling (``normalization``), and a versioned typed record (``normalization_record``, ``format`` 2); the two must
+agree. A checkpoint of format 1 (the spelling alone, a window mix as JSON floats in ``window_mix``) loads to the same
+logits: the mix moves into the parameters.
+
 :func:`save_pretrained` here writes the weights and the config; the public ``hf_knorm.save_pretrained``
 (:mod:`hf_knorm.hub.saving`) calls it and adds the tokenizer and the model card.
 """
@@ -25,9 +32,12 @@ import torch.nn as nn
 
 from ..attention.interface import ATTENTION_NAME
 from ..attention.paths import LINEAR_POLICIES
-from ..attention.normalizations import parse_normalization
+from ..normalizations import Normalization, from_record, parse_normalization
+from ..normalizations.registry import RECORD_FORMAT
+from ..normalizations.windowed import MIX
 from ..version import __version__
-from .patching import SECTION
+from .parameters import PREFIX, add_parameters, set_learned_values
+from .patching import LEGACY_MIX_FIELD, SECTION, _configs
 
 
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwargs) -> Path:
@@ -59,7 +69,7 @@ def from_pretrained(path: str | os.PathLike, model_class=None, **kwargs) -> nn.M
     section = getattr(config, SECTION, None) or {}
     normalization = section.get("normalization")
     if normalization is not None:
-        parse_normalization(normalization)
+        normalization = saved_normalization(section, path)
         if section.get("linear", "auto") not in LINEAR_POLICIES:
             raise ValueError(f"{path}'s config names linear={section['linear']!r}; the policies are "
                              f"{', '.join(LINEAR_POLICIES)}. Fix config.json's hf_knorm section.")
@@ -77,7 +87,83 @@ def from_pretrained(path: str | os.PathLike, model_class=None, **kwargs) -> nn.M
         architectures = getattr(config, "architectures", None) or []
         model_class = getattr(transformers, architectures[0], None) if architectures else None
         model_class = model_class or transformers.AutoModel
-    return model_class.from_pretrained(path, **kwargs)  # a p = 1 model decodes with its state (recurrent.generation)
+    model = model_class.from_pretrained(path, **kwargs)  # a p = 1 model decodes with its state (recurrent.generation)
+    if normalization is not None and normalization.learnable():
+        _restore_learned(model, normalization, path, section)
+    if normalization is not None:
+        _upgrade_section(model, normalization)
+    return model
+
+
+def _upgrade_section(model: nn.Module, normalization: Normalization) -> None:
+    """Write the loaded model's section in the current format (the typed record; no config-held mix, which now
+    lives in the parameters), so that saving it again is saving this release's checkpoint."""
+    for config in _configs(model):
+        section = dict(getattr(config, SECTION, None) or {})
+        section.pop(LEGACY_MIX_FIELD, None)
+        section.update(normalization_record=normalization.to_record(), format=RECORD_FORMAT)
+        setattr(config, SECTION, section)
+
+
+def saved_normalization(section: dict, path) -> Normalization:
+    """The normalization a config's ``hf_knorm`` section names: its typed record (format 2) checked against its
+    spelling, or the spelling alone (format 1).
+
+    Raises:
+        ValueError: a format this hf_knorm does not know, or a record and a spelling that disagree.
+    """
+    spelled = parse_normalization(section["normalization"])
+    fmt = section.get("format", 1)
+    if fmt not in (1, RECORD_FORMAT):
+        raise ValueError(f"{path}'s hf_knorm section has format {fmt}; this hf_knorm reads formats 1 and "
+                         f"{RECORD_FORMAT}. Upgrade hf_knorm.")
+    record = section.get("normalization_record")
+    if record is not None and from_record(record) != spelled:
+        raise ValueError(f"{path}'s config names {spelled.name} and records {from_record(record).name}; fix "
+                         "config.json's hf_knorm section (the record is what patch wrote).")
+    return spelled
+
+
+def _restore_learned(model: nn.Module, normalization: Normalization, path, section: dict) -> None:
+    """Register the learnable values on ``model`` and read them from the checkpoint (or, for a format-1 window
+    mix, from the config).
+
+    Raises:
+        ValueError: the checkpoint lacks a learned value the normalization needs.
+    """
+    add_parameters(model, normalization)
+    saved = _saved_tensors(path)
+    names = {name for name, _ in model.named_parameters() if name.rsplit(".", 1)[-1].startswith(PREFIX)}
+    found = {name: saved[name] for name in names if name in saved}
+    model.load_state_dict(found, strict=False)
+    missing = sorted(names - set(found))
+    legacy_mix = section.get(LEGACY_MIX_FIELD)
+    if legacy_mix is not None:
+        set_learned_values(model, MIX, legacy_mix)
+        missing = [name for name in missing if not name.endswith(PREFIX + MIX)]
+    elif normalization.window and all(name.endswith(PREFIX + MIX) for name in missing) and section.get("format", 1) == 1:
+        missing = []  # format 1 without a saved mix: m_h = 1, what add_parameters set
+    if missing:
+        raise ValueError(f"{path} holds no saved value for {missing[0]} ({len(missing)} missing): it was saved "
+                         f"without {normalization.name}'s learned values. Save the patched model with "
+                         "hf_knorm.save_pretrained or model.save_pretrained.")
+
+
+def _saved_tensors(path) -> dict[str, torch.Tensor]:
+    """The ``hf_knorm_*`` tensors of a checkpoint's safetensors files (a local folder or a Hub repository)."""
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    folder = Path(path)
+    if not folder.is_dir():
+        folder = Path(cached_file(str(path), "config.json")).parent
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                if name.rsplit(".", 1)[-1].startswith(PREFIX):
+                    tensors[name] = handle.get_tensor(name)
+    return tensors
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, **kwargs):

@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache
 
 from ..attention.interface import ATTENTION_NAME
 from ..attention.linear_kernel import is_linear
-from ..attention.normalizations import parse_normalization
+from ..normalizations import parse_normalization
 from ..attention.taps import hand_over_state, pending_handover, taps_set
 from ..compat import attn_implementation_of, layer_types_and_kwargs
 from .state import RecurrentStateLayer

@@ -7,7 +7,7 @@ import torch
 
 from hf_knorm.attention.interface import read_mask
 from hf_knorm.attention.kernel import chunked_attention
-from hf_knorm.attention.normalizations import PAPER_NORMALIZATIONS, parse_normalization
+from hf_knorm.normalizations import PAPER_NORMALIZATIONS, parse_normalization
 from hf_knorm.attention.reference import reference_attention
 
 NORMALIZATIONS = PAPER_NORMALIZATIONS + ("x^2/4",)

@@ -25,7 +25,7 @@ from hf_knorm.attention.compiled import compiled_attention  # noqa: E402
 from hf_knorm.attention.interface import ATTENTION_NAME, hf_knorm_attention  # noqa: E402
 from hf_knorm.attention.kernel import chunked_attention  # noqa: E402
 from hf_knorm.attention.linear_kernel import linear_attention  # noqa: E402
-from hf_knorm.attention.normalizations import parse_normalization  # noqa: E402
+from hf_knorm.normalizations import parse_normalization  # noqa: E402
 from hf_knorm.attention.paths import attention_paths  # noqa: E402
 
 BOUND = 2.0**-16

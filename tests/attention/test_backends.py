@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hf_knorm.attention import backends, self_check
-from hf_knorm.attention.normalizations import parse_normalization
+from hf_knorm.normalizations import parse_normalization
 from hf_knorm.attention.paths import Path
 from hf_knorm.extras import MissingExtraError
 

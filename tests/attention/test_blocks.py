@@ -5,7 +5,7 @@ import torch
 
 from hf_knorm.attention import blocks, kernel
 from hf_knorm.attention.kernel import chunked_attention, default_chunk_elements
-from hf_knorm.attention.normalizations import parse_normalization
+from hf_knorm.normalizations import parse_normalization
 
 
 def _window_mask(batch=2, q_len=37, kv_len=45, pad=30, window=9):

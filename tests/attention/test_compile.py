@@ -14,7 +14,7 @@ import torch
 import hf_knorm
 from hf_knorm.attention import paths
 from hf_knorm.attention.compiled import attention_op
-from hf_knorm.attention.normalizations import PAPER_NORMALIZATIONS
+from hf_knorm.normalizations import PAPER_NORMALIZATIONS
 from hf_knorm.attention.paths import attention_paths
 from hf_knorm.attention.taps import taps_set
 

@@ -22,7 +22,7 @@ from fla.ops.linear_attn.naive import naive_recurrent_linear_attn  # noqa: E402
 
 from hf_knorm.attention.fla_linear import fla_kernels, fla_linear_attention  # noqa: E402
 from hf_knorm.attention.linear_kernel import linear_attention  # noqa: E402
-from hf_knorm.attention.normalizations import parse_normalization  # noqa: E402
+from hf_knorm.normalizations import parse_normalization  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 KERNELS = [pytest.param("naive", id="fla-naive"),

@@ -11,7 +11,7 @@ import hf_knorm
 from hf_knorm.attention import linear_kernel, paths
 from hf_knorm.attention.kernel import chunked_attention
 from hf_knorm.attention.linear_kernel import linear_attention
-from hf_knorm.attention.normalizations import parse_normalization
+from hf_knorm.normalizations import parse_normalization
 from hf_knorm.attention.paths import attention_paths, causal_key_validity, choose_path
 from hf_knorm.attention.reference import reference_attention
 from hf_knorm.recording.record_norms import record_norms

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hf_knorm.attention.normalizations import PAPER_NORMALIZATIONS, Normalization, parse_normalization
+from hf_knorm.normalizations import PAPER_NORMALIZATIONS, Normalization, parse_normalization
 
 
 @pytest.mark.parametrize(

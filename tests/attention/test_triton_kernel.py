@@ -18,7 +18,7 @@ import torch
 triton_kernel = pytest.importorskip("hf_knorm.attention.triton_kernel",
                                     reason="triton is not installed (pip install 'hf_knorm[gpu]')")
 
-from hf_knorm.attention.normalizations import parse_normalization  # noqa: E402
+from hf_knorm.normalizations import parse_normalization  # noqa: E402
 from hf_knorm.attention.reference import reference_attention  # noqa: E402
 
 pytestmark = [pytest.mark.triton, pytest.mark.device]  # make device runs them compiled on a GPU

@@ -13,7 +13,7 @@ import torch
 
 from hf_knorm.attention import paths, window
 from hf_knorm.attention.masks import KeyPadding
-from hf_knorm.attention.normalizations import Normalization, parse_normalization, with_window
+from hf_knorm.normalizations import Normalization, parse_normalization, with_window
 from hf_knorm.attention.reference import reference_attention, reference_window_attention, window_split
 from hf_knorm.attention.window import ROW_EPS, window_attention, window_path
 

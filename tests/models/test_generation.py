@@ -13,7 +13,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 import hf_knorm
-from hf_knorm.attention.normalizations import parse_normalization
+from hf_knorm.normalizations import parse_normalization
 from hf_knorm.attention.reference import reference_attention
 from hf_knorm.attention.masks import explicit_bool_mask
 from hf_knorm.compat import cache_kwargs, output_cache

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from ...attention.normalizations import parse_normalization
+from ...normalizations import parse_normalization
 from ...hub.checks import check_repo_id, resolve_token
 from ...models.persistence import load_model
 from ...version import __version__

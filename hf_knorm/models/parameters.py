@@ -1,0 +1,102 @@
+"""A normalization's learnable values as ``nn.Parameter``s of the model's attention modules.
+
+A family with learnable values (a sigmoid's bias, a sink logit, SSMax's scale; a softmax window's mix: see
+:meth:`hf_knorm.normalizations.Normalization.learnable`) gets, on every attention module, one ``nn.Parameter`` per
+value, of one entry per query head, named ``hf_knorm_<name>`` (``model.layers.0.self_attn.hf_knorm_bias``). So they
+are in ``state_dict``, the Trainer trains them (LoRA freezes them with the rest of the base model), and
+``save_pretrained`` writes them with the weights; ``hf_knorm.from_pretrained`` puts them back
+(:mod:`.persistence`). :func:`hf_knorm.patch` adds them (each at the family's initial value), ``unpatch`` removes
+them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..normalizations import Normalization
+from .architectures import attention_modules
+
+PREFIX = "hf_knorm_"
+
+
+def query_heads(module: nn.Module) -> int:
+    """The query heads of an attention module (its own count where it keeps one, else its config's)."""
+    for name in ("num_heads", "num_attention_heads"):
+        if isinstance(getattr(module, name, None), int):
+            return getattr(module, name)
+    return module.config.num_attention_heads
+
+
+def add_parameters(model: nn.Module, normalization: Normalization) -> None:
+    """Register ``normalization``'s learnable values on each attention module of ``model``, at their initial values,
+    on the device of the module's weights, in fp32."""
+    for _, module in attention_modules(model):
+        device = next(module.parameters()).device
+        for name, init in normalization.learnable().items():
+            value = torch.full((query_heads(module),), float(init), dtype=torch.float32, device=device)
+            module.register_parameter(PREFIX + name, nn.Parameter(value))
+
+
+def remove_parameters(model: nn.Module) -> None:
+    """Remove every value :func:`add_parameters` registered."""
+    for _, module in attention_modules(model):
+        for name in [name for name in module._parameters if name.startswith(PREFIX)]:
+            del module._parameters[name]
+
+
+def parameters_of(module: nn.Module, normalization: Normalization) -> dict[str, torch.Tensor]:
+    """``{name: (H_q,) parameter}`` of ``normalization``'s learnable values on ``module`` (``{}`` for none).
+
+    Raises:
+        RuntimeError: the module lacks one (a model patched in its config only, e.g. loaded by plain
+            ``from_pretrained`` without its learned values); the message says how to load it.
+    """
+    names = normalization.learnable()
+    if not names:
+        return {}
+    found = {}
+    for name in names:
+        value = module._parameters.get(PREFIX + name)
+        if value is None:
+            raise RuntimeError(
+                f"{normalization.name} learns {name!r} per head, and {type(module).__name__} (layer "
+                f"{getattr(module, 'layer_idx', '?')}) has no {PREFIX + name} parameter. Load a saved model with "
+                "hf_knorm.from_pretrained (it restores the learned values), or patch the model with hf_knorm.patch.")
+        found[name] = value
+    return found
+
+
+def learned_values(model: nn.Module, name: str) -> list[torch.Tensor]:
+    """The ``(H_q,)`` values of ``name`` per attention layer, in layer order (detached copies)."""
+    values = []
+    for _, module in attention_modules(model):
+        parameter = module._parameters.get(PREFIX + name)
+        if parameter is None:
+            raise ValueError(f"The model's attention has no learned {name!r} ({PREFIX + name}).")
+        values.append(parameter.detach().clone())
+    return values
+
+
+def set_learned_values(model: nn.Module, name: str, values) -> None:
+    """Write ``values`` (one ``(H_q,)`` sequence per attention layer) into ``name``'s parameters, in place.
+
+    Raises:
+        ValueError: the model has no such parameter, or the number of layers or heads is not the model's, or a
+            value is not finite.
+    """
+    modules = [module for _, module in attention_modules(model)]
+    if len(values) != len(modules):
+        raise ValueError(f"The model has {len(modules)} attention layers; got {name} values for {len(values)}.")
+    for index, (layer, module) in enumerate(zip(values, modules)):
+        parameter = module._parameters.get(PREFIX + name)
+        if parameter is None:
+            raise ValueError(f"The model's attention has no learned {name!r} ({PREFIX + name}).")
+        layer = torch.as_tensor(layer, dtype=torch.float32)
+        if layer.shape != parameter.shape:
+            raise ValueError(f"Layer {index} has {parameter.shape[0]} query heads; got {tuple(layer.shape)} {name} "
+                             "values.")
+        if not bool(torch.isfinite(layer).all()):
+            raise ValueError(f"Layer {index}'s {name} is not finite: {layer.tolist()}.")
+        with torch.no_grad():
+            parameter.copy_(layer.to(parameter.dtype))

@@ -1,0 +1,21 @@
+"""Attention normalizations: one typed, frozen object per family, one file per family (:mod:`.base` says what each
+family defines; :mod:`.registry` parses spellings and saved records)."""
+
+from .base import Learnable, Normalization
+from .polynomial import Polynomial
+from .rectified import Rectified
+from .registry import FAMILIES, from_record, normalizations, parse_normalization
+from .sigmoid import Sigmoid
+from .sink_softmax import SinkSoftmax
+from .softmax import Softmax
+from .softpick import Softpick
+from .ssmax import SSMax
+from .stick_breaking import StickBreaking
+from .windowed import Windowed, with_window
+
+PAPER_NORMALIZATIONS = ("softmax", "x/1", "x/16", "x^3/1", "x^3/16", "x^3/sqrtN")
+"""The spellings of "Rethinking Softmax"'s figure legend (arXiv 2410.18613)."""
+
+__all__ = ["FAMILIES", "PAPER_NORMALIZATIONS", "Learnable", "Normalization", "Polynomial", "Rectified", "SSMax",
+           "Sigmoid", "SinkSoftmax", "Softmax", "Softpick", "StickBreaking", "Windowed", "from_record",
+           "normalizations", "parse_normalization", "with_window"]

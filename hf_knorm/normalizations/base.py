@@ -1,0 +1,190 @@
+"""What every attention normalization is: a typed, frozen object of one family.
+
+A normalization turns a row of scores ``s_ij`` (``scaling * q_i . k_j`` plus what the architecture adds: a softcap, an
+additive bias) into weights ``w_ij``. Each family lives in its own file of this package and says there:
+
+- its weights (:meth:`Normalization.weights`: the plain definition, which the chunked kernel calls on whole rows and
+  the tests take as the reference);
+- whether rows are normalized (:attr:`Normalization.row_normalizer`: what a streaming kernel must carry, a running
+  maximum and a denominator, or nothing);
+- what ``n`` is (:func:`row_counts`): the number of keys row ``i`` may attend, so the same for a causal row of a
+  prefill, a padded row (its real keys) and one decoded token against a cache;
+- its parameters: fixed ones are fields of the dataclass; learnable ones (:class:`Learnable`) are one value per
+  query head, registered on each attention module as an ``nn.Parameter`` (:mod:`hf_knorm.models.parameters`), so they
+  are in ``state_dict``, trained by the Trainer and saved with the weights;
+- its spelling (:attr:`Normalization.name`), which :func:`hf_knorm.normalizations.parse` reads back to an equal
+  object, and its saved record (:meth:`Normalization.to_record`);
+- the fast paths that compute it exactly (:attr:`Normalization.fast_paths`).
+
+The registry (:mod:`.registry`) lists the families; adding one is a new file and one registry line.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+import torch
+
+Parameters = Mapping[str, torch.Tensor]
+"""A module's learnable values by name, each broadcastable to the scores: ``(H_q, 1, 1)`` against
+``(B, H_q, q, kv)``, ``(H_kv, G, 1, 1)`` against the chunked kernel's ``(B, H_kv, G, q, kv)``."""
+
+
+@dataclass(frozen=True)
+class Learnable:
+    """A parameter learned per query head, starting at ``init`` (spelled ``learned`` or ``learned(init)``)."""
+
+    init: float
+
+    def spelling(self, default: float) -> str:
+        return "learned" if self.init == default else f"learned({_number(self.init)})"
+
+
+class Normalization:
+    """Base of every family (each a frozen dataclass). Subclasses set the class attributes and :meth:`weights`."""
+
+    family: ClassVar[str]
+    """The registry key and the first word of the spelling, e.g. ``"sigmoid"``."""
+    source: ClassVar[str]
+    """Where the family comes from (paper, arXiv id)."""
+    formula: ClassVar[str]
+    """The weights in one line, ``n_i`` the keys row ``i`` may attend (for model cards and listings)."""
+    examples: ClassVar[tuple[str, ...]]
+    """Spellings that parse to this family; the first is the one listed (``hf_knorm.normalizations()``)."""
+    row_normalizer: ClassVar[str] = "none"
+    """``"none"`` (weights of a key depend on its score alone, or on its row's count ``n``), ``"max+sum"`` (a
+    softmax: a streaming kernel carries a running maximum and a denominator), ``"sum"`` (a denominator over the
+    row), or ``"row"`` (a weight depends on other keys of its row in order: stick-breaking)."""
+    fast_paths: ClassVar[tuple[str, ...]] = ("chunked",)
+    """The paths computing the family exactly: ``"chunked"`` (the PyTorch quadratic kernel, whole rows per chunk:
+    any family), ``"sdpa"`` (softmax over modified logits), ``"linear"`` / ``"fla"`` (``p = 1``), ``"triton"``."""
+
+    is_softmax: ClassVar[bool] = False
+    window: ClassVar[int] = 0
+    sinks: ClassVar[int] = 0
+
+    @property
+    def without_window(self) -> Normalization:
+        """What weights the keys older than a softmax window: the normalization itself when it has no window."""
+        return self
+
+    @property
+    def name(self) -> str:
+        """The canonical spelling; ``parse(name)`` gives back an equal object."""
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.name
+
+    def learnable(self) -> dict[str, float]:
+        """The learnable parameters, ``{name: initial value}``; one value per query head each."""
+        return {}
+
+    def weights(self, scores: torch.Tensor, allowed: torch.Tensor | None, params: Parameters | None = None,
+                inplace: bool = False) -> torch.Tensor:
+        """Turn scores into attention weights.
+
+        Args:
+            scores: fp32 (or fp64) scores ``(..., q, kv)``; whole rows (every key a row may attend is there).
+            allowed: bool mask broadcastable to ``scores`` (True = may attend), or ``None`` (every key).
+            params: the learnable values (:data:`Parameters`), for a family that has some.
+            inplace: the scores may be overwritten (inference only).
+
+        Returns:
+            Weights of the shape of ``scores``; masked pairs are exactly 0, and so is a row with no allowed key.
+        """
+        raise NotImplementedError
+
+    def to_record(self) -> dict:
+        """The saved form: ``{"family": ..., field: value, ...}`` (JSON types; a learnable field as
+        ``{"learned": init}``)."""
+        record = {"family": self.family}
+        for field in fields(self):
+            value = getattr(self, field.name)
+            record[field.name] = {"learned": value.init} if isinstance(value, Learnable) else value
+        return record
+
+    @classmethod
+    def from_record(cls, record: Mapping) -> Normalization:
+        values = {key: (Learnable(value["learned"]) if isinstance(value, Mapping) else value)
+                  for key, value in record.items() if key != "family"}
+        return cls(**values)
+
+    @classmethod
+    def parse(cls, text: str) -> Normalization | None:
+        """This family's object for ``text`` (spaces removed, as typed otherwise), ``None`` when ``text`` is not
+        this family's spelling. Raises ``ValueError`` for this family's spelling with a bad value."""
+        raise NotImplementedError
+
+
+def row_counts(scores: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """``n`` of each row, ``(..., q, 1)`` in the scores' dtype: the keys the row may attend (at least 1). A causal
+    row ``i`` has ``i + 1``; a padded batch item's row its real keys; a decoded token the keys of its cache."""
+    if allowed is None:
+        return scores.new_full((*scores.shape[:-1], 1), float(scores.shape[-1]))
+    return allowed.sum(dim=-1, keepdim=True, dtype=scores.dtype).expand(*scores.shape[:-1], 1).clamp_min(1.0)
+
+
+def masked(weights: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """``weights`` with masked pairs set to exactly 0 (in place)."""
+    return weights if allowed is None else weights.masked_fill_(~allowed, 0.0)
+
+
+def read_value(family: str, key: str, text: str, learnable_default: float | None = None) -> float | Learnable:
+    """A number, or (where ``learnable_default`` is given) ``learned`` / ``learned(x)``.
+
+    Raises:
+        ValueError: anything else, naming the family, the field and what it takes.
+    """
+    if learnable_default is not None and text.startswith("learned"):
+        rest = text[len("learned"):]
+        if not rest:
+            return Learnable(learnable_default)
+        if rest.startswith("(") and rest.endswith(")"):
+            return Learnable(_finite(family, key, rest[1:-1]))
+    return _finite(family, key, text)
+
+
+def _finite(family: str, key: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise ValueError(f"{family}: {key} must be a finite number{' or learned' if key else ''}, got {text!r}.")
+    return value
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def arguments(text: str, family: str) -> dict[str, str] | None:
+    """``"family(a=1,b=x)"`` -> ``{"a": "1", "b": "x"}``; ``"family"`` -> ``{}``; another family's text -> ``None``.
+
+    Raises:
+        ValueError: the family's name followed by something that is not an argument list.
+    """
+    if not text.lower().startswith(family):
+        return None
+    rest = text[len(family):]
+    if not rest:
+        return {}
+    if not (rest.startswith("(") and rest.endswith(")")):
+        return None
+    values = {}
+    for item in filter(None, rest[1:-1].split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"{family}{rest}: arguments are key=value, got {item!r}.")
+        values[key.strip().lower()] = value.strip()
+    return values
+
+
+def check_keys(family: str, given: Mapping[str, str], known: tuple[str, ...]) -> None:
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ValueError(f"{family} takes {', '.join(known) or 'no arguments'}; unknown: {', '.join(unknown)}.")

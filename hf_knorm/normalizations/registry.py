@@ -1,0 +1,109 @@
+"""The registered families, and the one place a spelling or a saved record becomes a normalization.
+
+``parse_normalization("sigmoid(bias=-log n)")`` and ``Sigmoid()`` are the same object; every entry point (``hf_knorm.patch``, the
+CLI, a saved config) parses here once and passes the object on. :func:`normalizations` lists the families with an
+example spelling each (the CLI's ``--help`` prints the same list).
+
+Adding a family: one file in this package (a frozen dataclass subclassing :class:`~.base.Normalization`), and one
+line in :data:`FAMILIES`. The parametrized tests (``tests/normalizations/``) then check it everywhere.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from functools import lru_cache
+
+from .base import Normalization
+from .polynomial import Polynomial
+from .rectified import Rectified
+from .sigmoid import Sigmoid
+from .sink_softmax import SinkSoftmax
+from .softmax import Softmax
+from .softpick import Softpick
+from .ssmax import SSMax
+from .stick_breaking import StickBreaking
+from .windowed import Windowed, with_window
+
+FAMILIES: dict[str, type[Normalization]] = {
+    family.family: family
+    for family in (Softmax, Polynomial, Rectified, Sigmoid, SinkSoftmax, Softpick, SSMax, StickBreaking)
+}
+"""Every family by its registry key, in the order they are listed."""
+
+RECORD_FORMAT = 2
+"""The version of the saved record (``config.hf_knorm["normalization_record"]``); format 1 (releases before the
+families) saved the spelling only."""
+
+_WINDOW = re.compile(r"^(?P<base>.*?)\s*\+\s*softmax\s*window\s*(?P<window>\S*)"
+                     r"(?:\s*\+\s*sinks\s*(?P<sinks>\S*))?\s*$", re.IGNORECASE)
+
+
+def accepted_forms() -> str:
+    """One line per family: its key, example spellings and source."""
+    return "\n".join(f"  {key:<15} {', '.join(family.examples):<55} {family.source}"
+                     for key, family in FAMILIES.items())
+
+
+def normalizations() -> dict[str, dict[str, str]]:
+    """The registered families: ``{key: {"example": spelling, "examples": ..., "source": ..., "fast_paths": ...}}``;
+    each example parses (``hf_knorm.parse_normalization(example)``)."""
+    listed = {}
+    for key, family in FAMILIES.items():
+        example = parse_normalization(family.examples[0])
+        listed[key] = {"example": family.examples[0], "examples": ", ".join(family.examples),
+                       "source": family.source, "fast_paths": ", ".join(example.fast_paths)}
+    return listed
+
+
+@lru_cache(maxsize=256)
+def _parse_text(spelling: str) -> Normalization:
+    windowed = _WINDOW.match(spelling)
+    if windowed is not None:
+        window, sinks = windowed["window"], windowed["sinks"]
+        if not window.isdigit():
+            raise ValueError(f"Normalization {spelling!r}: the softmax window is a number of keys, an integer >= 0, "
+                             f"got {window!r}. Spell it like 'x^3/16 + softmax window 64'.")
+        if sinks is not None and not sinks.isdigit():
+            raise ValueError(f"Normalization {spelling!r}: the sinks are a number of keys, an integer >= 0, got "
+                             f"{sinks!r}. Spell it like 'x^3/16 + softmax window 64 + sinks 4'.")
+        return with_window(_parse_text(windowed["base"]), int(window), sinks=int(sinks or 0))
+    text = spelling.strip().replace(" ", "")
+    for family in FAMILIES.values():
+        parsed = family.parse(text)
+        if parsed is not None:
+            return parsed
+    raise ValueError(f"Unknown normalization {spelling!r}. The families and their spellings:\n{accepted_forms()}")
+
+
+def parse_normalization(spelling: str | Normalization) -> Normalization:
+    """The normalization a spelling names (a :class:`Normalization` is returned as it is).
+
+    Raises:
+        ValueError: not a spelling of a registered family (the message lists them with examples), or a family's
+            spelling with a bad value (the message says which).
+    """
+    if isinstance(spelling, Normalization):
+        return spelling
+    if not isinstance(spelling, str):
+        raise ValueError(f"A normalization is a string or a hf_knorm normalization object, got "
+                         f"{type(spelling).__name__}. The families:\n{accepted_forms()}")
+    return _parse_text(spelling)
+
+
+def from_record(record: Mapping) -> Normalization:
+    """The normalization a saved record (:meth:`Normalization.to_record`) describes.
+
+    Raises:
+        ValueError: an unknown family (a record written by a newer hf_knorm) or fields the family does not take.
+    """
+    family = record.get("family")
+    if family == Windowed.family:
+        return Windowed.from_record(record)
+    if family not in FAMILIES:
+        raise ValueError(f"The saved normalization's family {family!r} is not one this hf_knorm knows "
+                         f"({', '.join(FAMILIES)}); upgrade hf_knorm to load it.")
+    try:
+        return FAMILIES[family].from_record(record)
+    except TypeError as error:
+        raise ValueError(f"The saved {family} normalization {dict(record)} does not fit this hf_knorm: {error}.") from None

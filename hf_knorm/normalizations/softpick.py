@@ -1,0 +1,57 @@
+"""Softpick: ``w_ij = relu(e^{s_ij} - 1) / (sum_k |e^{s_ik} - 1| + eps)``.
+
+Zuhri, Fuadi, Aji, "Softpick: No Attention Sink, No Massive Activations with Rectified Softmax", arXiv 2504.20966.
+A key whose score is below 0 gets no weight but still counts in the denominator, so rows sum to at most 1 and need
+not put weight anywhere (no attention sink).
+
+Computed as the paper's kernel does, shifted by the row's maximum for range: with ``m = max(0, max_k s_ik)``,
+``w_ij = relu(e^{s_ij - m} - e^{-m}) / (sum_k |e^{s_ik - m} - e^{-m}| + eps)`` (the definition itself when every
+score is <= 0; ``eps`` is added after the shift, as in the reference implementation). Masked keys are in neither
+sum; a row with no key gets zero weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Normalization, _number, arguments, check_keys, masked, read_value
+
+DEFAULT_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Softpick(Normalization):
+    """Attribute ``eps``: the denominator's floor (the paper: 1e-6)."""
+
+    eps: float = DEFAULT_EPS
+
+    family = "softpick"
+    formula = "relu(e^s_ij - 1) / (sum_k |e^s_ik - 1| + eps)"
+    source = "Zuhri et al., Softpick, arXiv 2504.20966"
+    examples = ("softpick",)
+    row_normalizer = "max+sum"
+
+    @property
+    def name(self) -> str:
+        return "softpick" if self.eps == DEFAULT_EPS else f"softpick(eps={_number(self.eps)})"
+
+    def weights(self, scores, allowed, params=None, inplace=False):
+        logits = scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
+        shift = logits.amax(dim=-1, keepdim=True).clamp_min(0.0)  # a row with no key: -inf -> 0
+        moved = torch.exp(logits - shift) - torch.exp(-shift)  # masked keys: 0 - e^{-m}, zeroed below
+        moved = masked(moved, allowed)
+        denominator = moved.abs().sum(dim=-1, keepdim=True) + self.eps
+        return moved.clamp_min(0.0) / denominator
+
+    @classmethod
+    def parse(cls, text):
+        given = arguments(text, cls.family)
+        if given is None:
+            return None
+        check_keys(cls.family, given, ("eps",))
+        eps = read_value(cls.family, "eps", given.get("eps", str(DEFAULT_EPS)))
+        if eps <= 0:
+            raise ValueError(f"softpick: eps must be > 0, got {eps}.")
+        return cls(eps=eps)

@@ -1,0 +1,47 @@
+"""Stick-breaking attention: ``w_ij = beta_ij * prod_{k > j} (1 - beta_ik)``, ``beta = sigma(s)``.
+
+Tan, Shen, Yang, Courville, Panda, "Scaling Stick-Breaking Attention: An Efficient Implementation and In-depth
+Study", arXiv 2410.17980. Each row breaks a stick from its most recent key backwards: the nearest key takes the
+fraction ``beta`` of what is left, the next one a fraction of the rest, and so on; rows sum to at most 1, and the
+order of the keys replaces a position encoding (the model's own RoPE stays: patching changes the weights only).
+
+``k`` runs over the keys row ``i`` may attend after ``j`` (its own key included under a causal mask, as
+Transformers' masks have it); masked keys break nothing. Computed in log space: ``log w_ij = log sigma(s_ij) +
+sum_{k > j} log sigma(-s_ik)``, a reversed cumulative sum over the row (so a chunk needs whole rows, which the chunked
+kernel has).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .base import Normalization, arguments, check_keys, masked
+
+
+@dataclass(frozen=True)
+class StickBreaking(Normalization):
+    family = "stick-breaking"
+    formula = "sigmoid(s_ij) prod_{k > j} (1 - sigmoid(s_ik))"
+    source = "Tan et al., Stick-breaking attention, arXiv 2410.17980"
+    examples = ("stick-breaking",)
+    row_normalizer = "row"
+
+    @property
+    def name(self) -> str:
+        return "stick-breaking"
+
+    def weights(self, scores, allowed, params=None, inplace=False):
+        remaining = masked(F.logsigmoid(-scores), allowed)  # log(1 - beta): 0 for a masked key (breaks nothing)
+        later = remaining.flip(-1).cumsum(-1).flip(-1) - remaining  # sum over the keys after j
+        return masked(torch.exp(F.logsigmoid(scores) + later), allowed)
+
+    @classmethod
+    def parse(cls, text):
+        given = arguments(text, cls.family)
+        if given is None:
+            return None
+        check_keys(cls.family, given, ())
+        return cls()

@@ -1,0 +1,98 @@
+"""A softmax window (and attention sinks) beside any family: ``base + softmax window W + sinks S``.
+
+For query ``i``, the keys of the last ``W`` positions and each sequence's first ``S`` tokens (the attention sinks) are
+weighted by softmax over them; the older keys by ``base``, scaled per query head by the window mix ``m_h``
+(:mod:`hf_knorm.attention.window` computes it; LoLCATs arXiv 2410.10254, Liger arXiv 2503.01496; sinks: StreamingLLM,
+Xiao et al., arXiv 2309.17453). ``W = 0`` is ``base`` itself. The mix is a learnable parameter (``window_mix``, one
+value per query head, starting at 1), in ``state_dict`` with the base family's own.
+
+Spelling: ``x^3/16 + softmax window 64``, ``relu(x)^3/16 + softmax window 64 + sinks 4``; it parses back to the same
+object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import Normalization
+
+MIX = "window_mix"
+"""The learnable parameter scaling the part beside the window, one value per query head."""
+
+
+@dataclass(frozen=True)
+class Windowed(Normalization):
+    """Attributes: ``base`` (what weights the older keys), ``window`` ``W >= 1``, ``sinks`` ``S >= 0``."""
+
+    base: Normalization
+    window: int
+    sinks: int = 0
+
+    family = "windowed"
+    formula = "softmax over the last W keys and the first S; m_h * (the base family, RMS-normalized) over the older keys"
+    source = "LoLCATs (arXiv 2410.10254); StreamingLLM's sinks (arXiv 2309.17453)"
+    examples = ("x^3/16 + softmax window 64 + sinks 4", "relu(x)^3/16 + softmax window 64")
+
+    @property
+    def without_window(self) -> Normalization:
+        return self.base
+
+    @property
+    def fast_paths(self) -> tuple[str, ...]:
+        return self.base.fast_paths
+
+    @property
+    def name(self) -> str:
+        sinks = f" + sinks {self.sinks}" if self.sinks else ""
+        return f"{self.base.name} + softmax window {self.window}{sinks}"
+
+    def learnable(self):
+        return {**self.base.learnable(), MIX: 1.0}
+
+    def weights(self, scores, allowed, params=None, inplace=False):
+        raise ValueError(f"{self.name} weights keys by their position; compute it with "
+                         "hf_knorm.attention.window.window_attention (the kernels take its two parts).")
+
+    def to_record(self) -> dict:
+        return {"family": self.family, "base": self.base.to_record(), "window": self.window, "sinks": self.sinks}
+
+    @classmethod
+    def from_record(cls, record):
+        from .registry import from_record
+
+        return cls(base=from_record(record["base"]), window=int(record["window"]), sinks=int(record.get("sinks", 0)))
+
+    @classmethod
+    def parse(cls, text):
+        return None  # the registry reads the " + softmax window" suffix around any family (registry.parse)
+
+
+def with_window(normalization: Normalization, window: int, sinks: int | None = None) -> Normalization:
+    """``normalization`` with a softmax window of ``window`` keys (``0``: without one, the pure normalization) and
+    ``sinks`` attention sinks beside it (``None``: the ones ``normalization`` has, else 0).
+
+    Raises:
+        ValueError: ``window`` or ``sinks`` is not an integer >= 0, ``normalization`` is softmax (a softmax window on
+            softmax is softmax: patch with ``"softmax"`` alone), it already has another window or other sinks, or
+            sinks without a window.
+    """
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"softmax_window is a number of keys, an integer >= 0 (0 = no window), got {window!r}.")
+    if sinks is not None and (isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0):
+        raise ValueError(f"attention_sinks is a number of keys, an integer >= 0 (0 = none), got {sinks!r}.")
+    if window and normalization.is_softmax:
+        raise ValueError(f"softmax_window={window} with softmax: every key is already weighted by softmax. Pass "
+                         "softmax_window=0, or another normalization such as 'x^3/16' to weight the keys "
+                         "older than the window.")
+    if normalization.window and window != normalization.window:
+        raise ValueError(f"{normalization.name} already has a softmax window of {normalization.window}; "
+                         f"softmax_window={window} contradicts it. Give the window once.")
+    if sinks is not None and normalization.sinks and sinks != normalization.sinks:
+        raise ValueError(f"{normalization.name} already has {normalization.sinks} attention sinks; "
+                         f"attention_sinks={sinks} contradicts it. Give the sinks once.")
+    sinks = normalization.sinks if sinks is None else sinks
+    if sinks and not window:
+        raise ValueError(f"attention_sinks={sinks} without a softmax window: the sinks are keys that softmax weights "
+                         "beside the window. Give softmax_window=W > 0 too, or attention_sinks=0.")
+    base = normalization.without_window
+    return Windowed(base=base, window=window, sinks=sinks) if window else base
