@@ -129,8 +129,8 @@ def row_counts(scores: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tens
 
 
 def masked(weights: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-    """``weights`` with masked pairs set to exactly 0 (in place)."""
-    return weights if allowed is None else weights.masked_fill_(~allowed, 0.0)
+    """``weights`` with masked pairs set to exactly 0 (a new tensor: autograd may need ``weights``)."""
+    return weights if allowed is None else weights.masked_fill(~allowed, 0.0)
 
 
 def read_value(family: str, key: str, text: str, learnable_default: float | None = None) -> float | Learnable:

@@ -17,7 +17,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from .base import Normalization, row_counts
+from .base import Normalization, masked, row_counts
 
 _SPELLING = re.compile(r"^relu\(x\)(?:\^(?P<power>[+-]?\d+))?/(?P<divisor>.+)$", re.IGNORECASE)
 ROW_RULES = ("n", "sqrtN")
@@ -44,16 +44,14 @@ class Rectified(Normalization):
         return f"{base}/{divisor}"
 
     def weights(self, scores, allowed, params=None, inplace=False):
-        weights = scores.clamp_min_(0.0) if inplace else scores.clamp_min(0.0)
-        if allowed is not None:
-            weights.masked_fill_(~allowed, 0.0)
+        weights = masked(scores.clamp_min(0.0), allowed)  # masked before the power: no inf from a masked score
         if self.power != 1:
-            weights.pow_(self.power)
+            weights = weights.pow(self.power)
         if self.divisor == "n":
-            return weights.div_(row_counts(weights, allowed))
+            return weights / row_counts(weights, allowed)
         if self.divisor == "sqrtN":
-            return weights.div_(row_counts(weights, allowed).sqrt_())
-        return weights.div_(self.divisor)
+            return weights / row_counts(weights, allowed).sqrt()
+        return weights / self.divisor
 
     @classmethod
     def parse(cls, text):
