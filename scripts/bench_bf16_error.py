@@ -19,7 +19,7 @@ import argparse
 import torch
 
 from hf_knorm.attention.kernel import chunked_attention
-from hf_knorm.attention.linear_kernel import linear_attention
+from hf_knorm.attention.linear_kernel import is_linear, linear_attention
 from hf_knorm.normalizations import parse_normalization
 from hf_knorm.attention.reference import reference_attention
 
@@ -43,7 +43,7 @@ def main() -> None:
     for spelling in NORMALIZATIONS:
         normalization = parse_normalization(spelling)
         kernels = {"quadratic": lambda q, k, v: chunked_attention(q, k, v, None, normalization, causal=True)[0]}
-        if normalization.power == 1:
+        if is_linear(normalization):
             kernels["linear"] = lambda q, k, v: linear_attention(q, k, v, None, normalization)
         errors = {}
         for dtype in (torch.bfloat16, torch.float32):

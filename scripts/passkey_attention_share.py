@@ -33,7 +33,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from hf_knorm.normalizations import parse_normalization
-from hf_knorm.attention.window import mix_of
+from hf_knorm.models.parameters import parameters_of
 from hf_knorm.evaluation.needle import haystack, make_sample
 from hf_knorm.evaluation.retrieval import RETRIEVAL_DEPTHS
 from hf_knorm.eviction.pipeline import encode_prompt
@@ -101,7 +101,7 @@ def measure(path: str, lengths, seeds: int, window: int, sinks: int) -> dict:
     model, tokenizer = load_model(path)
     name = patched_normalization(model)
     normalization = None if name is None else parse_normalization(name)
-    own = None if normalization is None else f"x^{normalization.power}"
+    own = None if normalization is None else f"x^{normalization.without_window.power}"
     recorder = LastRowScores(model)
     filler = haystack("passkey", tokenizer)
     per_sample = []
@@ -119,7 +119,7 @@ def measure(path: str, lengths, seeds: int, window: int, sinks: int) -> dict:
                 read[:sinks] = False
                 read[count - window:] = False
                 digits = digit_positions(tokenizer, ids, context.shape[1])
-                powers = POWERS if own is None else (normalization.power,)
+                powers = POWERS if own is None else (normalization.without_window.power,)
                 best = {}
                 for layer, scores in recorder.scores.items():
                     for weighting, share in shares(scores, read, digits, powers).items():
@@ -129,7 +129,8 @@ def measure(path: str, lengths, seeds: int, window: int, sinks: int) -> dict:
                 mix = None
                 if own is not None:
                     layer, head = best[own][1:]
-                    mixes = mix_of(recorder.modules[layer], logits)
+                    module = recorder.modules[layer]
+                    mixes = parameters_of(module, normalization).get("window_mix")
                     mix = None if mixes is None else float(mixes[head].abs())
                 per_sample.append(dict(length=length, depth=depth, seed=seed, expected=sample["expected"],
                                        first_token=first_digit, digits=len(digits), read=int(read.sum()),

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 import hf_knorm
 from hf_knorm.attention.kernel import chunked_attention
-from hf_knorm.attention.linear_kernel import linear_attention
+from hf_knorm.attention.linear_kernel import is_linear, linear_attention
 from hf_knorm.normalizations import parse_normalization
 from hf_knorm.attention.reference import reference_attention
 from hf_knorm.compat import cache_kwargs, output_cache
@@ -61,7 +61,7 @@ def test_kernels_forward_and_backward_against_the_reference(setup, spelling):
     grad = torch.randn(expected.shape, generator=generator).to(device)
     expected_grads = torch.autograd.grad((expected * grad).sum(), exact)
     kernels = {"quadratic": lambda q, k, v: chunked_attention(q, k, v, None, normalization, causal=True)[0]}
-    if normalization.power == 1:
+    if is_linear(normalization):
         kernels["linear"] = lambda q, k, v: linear_attention(q, k, v, None, normalization)
     for name, kernel in kernels.items():
         output = kernel(*inputs)

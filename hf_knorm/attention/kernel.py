@@ -192,6 +192,9 @@ def _raw_params(normalization: Normalization, params: Parameters | None, query: 
     Raises:
         ValueError: one is missing or not one value per query head.
     """
+    if normalization.window:
+        raise ValueError(f"{normalization.name} weights keys by their position; compute it with "
+                         "hf_knorm.attention.window.window_attention (the kernels take its two parts).")
     names = normalization.learnable()
     if not names:
         return {}
@@ -332,19 +335,16 @@ def _backward(q, k, v, output, grad_output, plan: _Plan):
 
 
 def _family_backward(scores, allowed, normalization: Normalization, params: dict, grad_weights):
-    """One chunk of a family without a hand-written derivative: its weights recomputed under autograd.
+    """One chunk of a family without a hand-written derivative: its weights recomputed and differentiated by
+    ``torch.func.vjp`` (which, unlike ``torch.autograd.grad``, also runs inside the custom op of ``compiled.py``,
+    where autograd is off).
 
     Returns ``(weights, dS, {name: d param (H_kv, G, 1, 1)})``; the chunk holds whole rows, so this is the
     family's exact gradient, and the memory is the chunk's.
     """
-    with torch.enable_grad():
-        scores = scores.detach().requires_grad_()
-        params = {name: value.detach().requires_grad_() for name, value in params.items()}
-        weights = normalization.weights(scores, allowed, params)
-        grads = torch.autograd.grad(weights, [scores, *params.values()], grad_weights, allow_unused=True)
-    grad_params = {name: (torch.zeros_like(value) if grad is None else grad.sum_to_size(value.shape))
-                   for (name, value), grad in zip(params.items(), grads[1:])}
-    return weights.detach(), grads[0], grad_params
+    weights, pullback = torch.func.vjp(lambda s, p: normalization.weights(s, allowed, p), scores, dict(params))
+    grad_scores, grad_params = pullback(grad_weights)
+    return weights, grad_scores, {name: grad_params[name].sum_to_size(params[name].shape) for name in params}
 
 
 def _power_derivative(scores, allowed, normalization: Normalization) -> torch.Tensor:

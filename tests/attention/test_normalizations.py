@@ -1,11 +1,11 @@
-"""Spellings, errors and the elementwise definition of each normalization."""
+"""Spellings, errors and the elementwise definition of softmax and the paper's polynomial family ``x^p/c``."""
 
 import math
 
 import pytest
 import torch
 
-from hf_knorm.normalizations import PAPER_NORMALIZATIONS, Normalization, parse_normalization
+from hf_knorm.normalizations import PAPER_NORMALIZATIONS, Polynomial, Softmax, parse_normalization
 
 
 @pytest.mark.parametrize(
@@ -25,7 +25,10 @@ from hf_knorm.normalizations import PAPER_NORMALIZATIONS, Normalization, parse_n
 )
 def test_spellings(spelling, power, constant, sqrt_n, canonical):
     parsed = parse_normalization(spelling)
-    assert (parsed.power, parsed.constant, parsed.sqrt_n) == (power, constant, sqrt_n)
+    if power is None:
+        assert parsed == Softmax()
+    else:
+        assert parsed == Polynomial(power=power, constant=constant, sqrt_n=sqrt_n)
     assert parsed.name == canonical
     assert parse_normalization(parsed.name) == parsed
 
@@ -34,6 +37,7 @@ def test_spellings(spelling, power, constant, sqrt_n, canonical):
     "spelling, message",
     [
         ("relu", "Unknown normalization"),
+        ("x^3", "Unknown normalization"),
         ("x^0/1", "power p must be an integer >= 1"),
         ("x^-1/1", "power p must be an integer >= 1"),
         ("x^1.5/2", "Unknown normalization"),
@@ -50,7 +54,7 @@ def test_bad_spellings_raise_with_the_accepted_forms(spelling, message):
 
 
 def test_non_string_is_rejected():
-    with pytest.raises(ValueError, match="is a string"):
+    with pytest.raises(ValueError, match="is a string or a hf_knorm normalization"):
         parse_normalization(3)
 
 
@@ -61,16 +65,16 @@ def test_paper_legend_parses():
 def test_polynomial_weights_keep_sign_zero_masked_and_use_row_counts():
     scores = torch.tensor([[2.0, -3.0, 100.0]])
     allowed = torch.tensor([[True, True, False]])
-    weights = Normalization(power=3, sqrt_n=True).weights(scores, allowed)
+    weights = Polynomial(power=3, sqrt_n=True).weights(scores, allowed)
     expected = torch.tensor([[8.0, -27.0, 0.0]]) / math.sqrt(2)
     torch.testing.assert_close(weights, expected)
-    assert Normalization(power=2, constant=4.0).weights(scores, allowed).tolist() == [[1.0, 2.25, 0.0]]
+    assert Polynomial(power=2, constant=4.0).weights(scores, allowed).tolist() == [[1.0, 2.25, 0.0]]
 
 
 def test_softmax_row_without_keys_is_zero_not_nan():
     scores = torch.randn(2, 3)
     allowed = torch.tensor([[True, True, False], [False, False, False]])
-    weights = Normalization(power=None).weights(scores, allowed)
+    weights = Softmax().weights(scores, allowed)
     assert torch.isfinite(weights).all()
     assert weights[1].abs().sum() == 0
     torch.testing.assert_close(weights[0].sum(), torch.tensor(1.0))

@@ -19,7 +19,7 @@ from hf_knorm.attention.interface import normalization_of
 from hf_knorm.attention.masks import explicit_bool_mask
 from hf_knorm.attention.paths import attention_paths
 from hf_knorm.attention.reference import reference_window_attention
-from hf_knorm.attention.window import mix_of
+from hf_knorm.models.parameters import parameters_of
 from hf_knorm.models.window_mix import distant_part_off, set_window_mix, window_mixes
 from hf_knorm.recurrent.window_cache import WindowStateLayer
 from hf_knorm.compat import cache_kwargs, output_cache
@@ -32,8 +32,10 @@ ATOL = 1e-4  # fp32 decoding against the full forward (logits of size ~10)
 
 def reference_window(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The plain reference of the model's windowed normalization, as an ``AttentionInterface`` function."""
-    output, _ = reference_window_attention(query, key, value, attention_mask, normalization_of(module),
-                                           scaling=scaling, softcap=kwargs.get("softcap"), mix=mix_of(module, query))
+    normalization = normalization_of(module)
+    params = parameters_of(module, normalization)
+    output, _ = reference_window_attention(query, key, value, attention_mask, normalization, scaling=scaling,
+                                           softcap=kwargs.get("softcap"), mix=params.get("window_mix"), params=params)
     return output, None
 
 
@@ -474,7 +476,7 @@ def test_the_polynomial_part_runs_on_the_gpu_kernel_the_pure_normalization_would
         logits = model(**inputs).logits
     layers = model.config.num_hidden_layers
     assert dict(taken) == {kernel: layers}
-    polynomial = normalization_of(model.model.layers[0].self_attn).polynomial.name
+    polynomial = normalization_of(model.model.layers[0].self_attn).without_window.name
     assert [call[:2] for call in gpu_kernels] == [(kernel, polynomial)] * layers
     from hf_knorm.attention import backends
 
