@@ -40,6 +40,7 @@ from .eviction.pipeline import KNormTextGenerationPipeline, knorm_cache_for, kno
 from .hub import HubPushError, push_folder, push_to_hub, save_pretrained
 from .jobs.convert import convert
 from .models.architectures import SUPPORTED_ARCHITECTURES, architecture_of, attention_modules
+from .models.parameters import register as register_learned_values
 from .models.patching import patch, patched_normalization, unpatch
 from .models.persistence import from_pretrained, load_model
 from .recording.record_norms import record_norms
@@ -53,6 +54,7 @@ from .version import __version__
 register()
 register_pipeline()
 register_state_decoding()
+register_learned_values()
 
 __all__ = [
     "BalanceReport",

@@ -402,3 +402,51 @@ def choose_default_generation_cache(name: str, choose: Callable) -> None:
 
     setattr(_prepare_cache_for_generation, _CHOOSES, True)
     GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
+
+
+# =====================================================================================================================
+# Learnable normalization values: present in every model built from a patched config
+# =====================================================================================================================
+
+_BUILDS = "_hf_knorm_adds_parameters"
+
+
+def add_parameters_when_built(add: Callable[[torch.nn.Module], None],
+                              initialize: Callable[[torch.nn.Module], None]) -> None:
+    """Make every Transformers model call ``add(model)`` when it is built, and ``initialize(module)`` where
+    Transformers initializes the weights a checkpoint lacks.
+
+    Why: a normalization's learnable values are ``nn.Parameter``s of the attention modules
+    (:mod:`hf_knorm.models.parameters`). Transformers' loader fills only the parameters a model has when it is built;
+    so that a plain ``AutoModelForCausalLM.from_pretrained`` (and ``from_config``, a pipeline, a Trainer resuming)
+    of a patched checkpoint gets its learned values, the model must have them before the weights are read. A value
+    the checkpoint lacks is left uninitialized by Transformers (it only knows how to initialize its own layers).
+
+    How: ``PreTrainedModel.post_init`` (called at the end of every model's ``__init__``) and
+    ``PreTrainedModel._init_weights`` (called on the modules whose weights are missing) are wrapped class-wide, once;
+    ``add`` and ``initialize`` decide from the model's config and do nothing for a model without the plugin's
+    section.
+
+    Checked on: Transformers 5.24. Test: ``tests/models/test_learned_values_load.py``.
+    """
+    from transformers import PreTrainedModel
+
+    post_init, init_weights = PreTrainedModel.post_init, PreTrainedModel._init_weights
+    if getattr(post_init, _BUILDS, False):
+        return
+
+    @functools.wraps(post_init)
+    def wrapped_post_init(self, *args, **kwargs):
+        result = post_init(self, *args, **kwargs)
+        add(self)
+        return result
+
+    @functools.wraps(init_weights)
+    def wrapped_init_weights(self, module, *args, **kwargs):
+        result = init_weights(self, module, *args, **kwargs)
+        initialize(module)
+        return result
+
+    setattr(wrapped_post_init, _BUILDS, True)
+    PreTrainedModel.post_init = wrapped_post_init
+    PreTrainedModel._init_weights = wrapped_init_weights

@@ -41,8 +41,10 @@ segments one after the other carrying the state, so the working set stays the sa
 
 
 def is_linear(normalization: Normalization) -> bool:
-    """Whether ``normalization`` is linear attention (the polynomial family with ``p = 1``: ``x/c`` or ``x/sqrtN``)."""
-    return isinstance(normalization, Polynomial) and normalization.power == 1
+    """Whether ``normalization`` is linear attention (the polynomial family with ``p = 1``: ``x/c`` or ``x/sqrtN``), or
+    has it beside a softmax window."""
+    base = normalization.without_window
+    return isinstance(base, Polynomial) and base.power == 1
 
 
 @full_precision

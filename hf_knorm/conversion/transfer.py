@@ -197,7 +197,8 @@ class AttentionTransfer:
             input_ids: ``(B, N)`` calibration tokens.
 
         Returns:
-            One ``(H_q,)`` float tensor of mixes per layer (also in ``model.config.hf_knorm["window_mix"]``).
+            One ``(H_q,)`` float tensor of mixes per layer (also written into the model's mix parameters,
+            :mod:`hf_knorm.models.window_mix`).
         """
         from ..models.window_mix import distant_part_off, set_window_mix
 

@@ -4,9 +4,9 @@ A family with learnable values (a sigmoid's bias, a sink logit, SSMax's scale; a
 :meth:`hf_knorm.normalizations.Normalization.learnable`) gets, on every attention module, one ``nn.Parameter`` per
 value, of one entry per query head, named ``hf_knorm_<name>`` (``model.layers.0.self_attn.hf_knorm_bias``). So they
 are in ``state_dict``, the Trainer trains them (LoRA freezes them with the rest of the base model), and
-``save_pretrained`` writes them with the weights; ``hf_knorm.from_pretrained`` puts them back
-(:mod:`.persistence`). :func:`hf_knorm.patch` adds them (each at the family's initial value), ``unpatch`` removes
-them.
+``save_pretrained`` writes them with the weights. :func:`hf_knorm.patch` adds them (each at the family's initial
+value), ``unpatch`` removes them. A model built from a patched config (any ``from_pretrained``, ``from_config``)
+gets them when it is built (:func:`register`), so Transformers' own loader reads them from the checkpoint.
 """
 
 from __future__ import annotations
@@ -14,10 +14,15 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..normalizations import Normalization
+from ..compat import add_parameters_when_built
+from ..normalizations import Normalization, parse_normalization
+from ..normalizations.windowed import MIX
 from .architectures import attention_modules
 
 PREFIX = "hf_knorm_"
+SECTION = "hf_knorm"
+LEGACY_MIX_FIELD = "window_mix"
+"""Where releases before the normalization families kept a window mix (the config's section; now a parameter)."""
 
 
 def query_heads(module: nn.Module) -> int:
@@ -29,13 +34,54 @@ def query_heads(module: nn.Module) -> int:
 
 
 def add_parameters(model: nn.Module, normalization: Normalization) -> None:
-    """Register ``normalization``'s learnable values on each attention module of ``model``, at their initial values,
-    on the device of the module's weights, in fp32."""
+    """Register ``normalization``'s learnable values on each attention module of ``model`` that lacks them, at their
+    initial values (:func:`initial_values`), on the device and in the dtype of the module's weights."""
     for _, module in attention_modules(model):
-        device = next(module.parameters()).device
-        for name, init in normalization.learnable().items():
-            value = torch.full((query_heads(module),), float(init), dtype=torch.float32, device=device)
-            module.register_parameter(PREFIX + name, nn.Parameter(value))
+        weight = next(module.parameters())
+        for name in normalization.learnable():
+            if PREFIX + name not in module._parameters:
+                value = initial_values(module, normalization, name).to(weight.device, weight.dtype)
+                module.register_parameter(PREFIX + name, nn.Parameter(value))
+
+
+def initial_values(module: nn.Module, normalization: Normalization, name: str) -> torch.Tensor:
+    """``(H_q,)`` fp32: the family's initial value, or for a window mix kept in a format-1 config, that layer's mix."""
+    legacy = (getattr(module.config, SECTION, None) or {}).get(LEGACY_MIX_FIELD)
+    if name == MIX and legacy is not None:
+        return torch.tensor(legacy[module.layer_idx], dtype=torch.float32)
+    return torch.full((query_heads(module),), float(normalization.learnable()[name]), dtype=torch.float32)
+
+
+def _configured_normalization(config) -> Normalization | None:
+    section = getattr(config, SECTION, None) or {}
+    spelling = section.get("normalization") if isinstance(section, dict) else None
+    return None if spelling is None else parse_normalization(spelling)
+
+
+def _add_when_built(model: nn.Module) -> None:
+    """The build hook: a model whose config is patched with a family that learns values gets them."""
+    normalization = _configured_normalization(getattr(model, "config", None))
+    if normalization is None or not normalization.learnable():
+        return
+    try:
+        add_parameters(model, normalization)
+    except ValueError:  # a sub-model holding no attention of a known architecture: its parent adds them
+        return
+
+
+def _initialize_missing(module: nn.Module) -> None:
+    """The initialization hook: values a checkpoint lacks start at :func:`initial_values` (not uninitialized)."""
+    normalization = None
+    for name, parameter in module._parameters.items():
+        if name.startswith(PREFIX) and not getattr(parameter, "_is_hf_initialized", False):
+            normalization = normalization or _configured_normalization(module.config)
+            with torch.no_grad():
+                parameter.copy_(initial_values(module, normalization, name[len(PREFIX):]).to(parameter))
+
+
+def register() -> None:
+    """Give every model built from a patched config its learnable values (``import hf_knorm`` calls it; once)."""
+    add_parameters_when_built(_add_when_built, _initialize_missing)
 
 
 def remove_parameters(model: nn.Module) -> None:
@@ -92,7 +138,7 @@ def set_learned_values(model: nn.Module, name: str, values) -> None:
         parameter = module._parameters.get(PREFIX + name)
         if parameter is None:
             raise ValueError(f"The model's attention has no learned {name!r} ({PREFIX + name}).")
-        layer = torch.as_tensor(layer, dtype=torch.float32)
+        layer = torch.as_tensor(layer, dtype=torch.float64)  # python floats are doubles: keep them exactly
         if layer.shape != parameter.shape:
             raise ValueError(f"Layer {index} has {parameter.shape[0]} query heads; got {tuple(layer.shape)} {name} "
                              "values.")

@@ -26,11 +26,9 @@ from ..compat import attn_implementation_of
 from ..recurrent.cache import unwatch_steps, watch_steps
 from ..version import __version__
 from .architectures import architecture_of, attention_modules
-from .parameters import add_parameters, remove_parameters
+from .parameters import LEGACY_MIX_FIELD, add_parameters, remove_parameters
 
 SECTION = "hf_knorm"
-LEGACY_MIX_FIELD = "window_mix"
-"""Where releases before the normalization families kept a window mix (the config; now a parameter)."""
 SECTION_KEYS = ("normalization", "normalization_record", "format", "original_attn_implementation", "linear",
                 LEGACY_MIX_FIELD)
 """The section's entries :func:`patch` writes and :func:`unpatch` removes (``version`` stays with other users')."""

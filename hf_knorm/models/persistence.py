@@ -11,8 +11,8 @@ back (the one writer of that marker: :mod:`hf_knorm.attention.registration`). Wi
 by an earlier hf_knorm) loads with its normalization too.
 
 A normalization's learnable values (:mod:`.parameters`: ``hf_knorm_<name>`` on each attention module) are saved with
-the weights. Transformers' loader does not know them; :func:`from_pretrained` registers them and reads them from the
-checkpoint's safetensors files, and refuses a checkpoint that lacks one. The section records the normalization twice:
+the weights; a model built from a patched config has them, so Transformers' loader reads them back;
+:func:`from_pretrained` also refuses a checkpoint that lacks one. The section records the normalization twice:
 its spelling (``normalization``), and a versioned typed record (``normalization_record``, ``format`` 2); the two must
 agree. A checkpoint of format 1 (the spelling alone, a window mix as JSON floats in ``window_mix``) loads to the same
 logits: the mix moves into the parameters.
@@ -36,8 +36,8 @@ from ..normalizations import Normalization, from_record, parse_normalization
 from ..normalizations.registry import RECORD_FORMAT
 from ..normalizations.windowed import MIX
 from ..version import __version__
-from .parameters import PREFIX, add_parameters, set_learned_values
-from .patching import LEGACY_MIX_FIELD, SECTION, _configs
+from .parameters import LEGACY_MIX_FIELD, PREFIX
+from .patching import SECTION, _configs
 
 
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwargs) -> Path:
@@ -89,7 +89,7 @@ def from_pretrained(path: str | os.PathLike, model_class=None, **kwargs) -> nn.M
         model_class = model_class or transformers.AutoModel
     model = model_class.from_pretrained(path, **kwargs)  # a p = 1 model decodes with its state (recurrent.generation)
     if normalization is not None and normalization.learnable():
-        _restore_learned(model, normalization, path, section)
+        _check_learned(model, normalization, path, section)
     if normalization is not None:
         _upgrade_section(model, normalization)
     return model
@@ -124,46 +124,38 @@ def saved_normalization(section: dict, path) -> Normalization:
     return spelled
 
 
-def _restore_learned(model: nn.Module, normalization: Normalization, path, section: dict) -> None:
-    """Register the learnable values on ``model`` and read them from the checkpoint (or, for a format-1 window
-    mix, from the config).
+def _check_learned(model: nn.Module, normalization: Normalization, path, section: dict) -> None:
+    """Check that the checkpoint held every learned value the model now has (Transformers' loader read them:
+    :func:`hf_knorm.models.parameters.register`); a format-1 window mix comes from the config (or is 1).
 
     Raises:
         ValueError: the checkpoint lacks a learned value the normalization needs.
     """
-    add_parameters(model, normalization)
-    saved = _saved_tensors(path)
+    saved = _saved_names(path)
     names = {name for name, _ in model.named_parameters() if name.rsplit(".", 1)[-1].startswith(PREFIX)}
-    found = {name: saved[name] for name in names if name in saved}
-    model.load_state_dict(found, strict=False)
-    missing = sorted(names - set(found))
-    legacy_mix = section.get(LEGACY_MIX_FIELD)
-    if legacy_mix is not None:
-        set_learned_values(model, MIX, legacy_mix)
+    missing = sorted(names - saved)
+    if section.get("format", 1) == 1:  # the mix: from the config's window_mix, or 1 (initial_values)
         missing = [name for name in missing if not name.endswith(PREFIX + MIX)]
-    elif normalization.window and all(name.endswith(PREFIX + MIX) for name in missing) and section.get("format", 1) == 1:
-        missing = []  # format 1 without a saved mix: m_h = 1, what add_parameters set
     if missing:
         raise ValueError(f"{path} holds no saved value for {missing[0]} ({len(missing)} missing): it was saved "
                          f"without {normalization.name}'s learned values. Save the patched model with "
                          "hf_knorm.save_pretrained or model.save_pretrained.")
 
 
-def _saved_tensors(path) -> dict[str, torch.Tensor]:
-    """The ``hf_knorm_*`` tensors of a checkpoint's safetensors files (a local folder or a Hub repository)."""
+def _saved_names(path) -> set[str]:
+    """The names of the ``hf_knorm_*`` tensors in a checkpoint's safetensors files (a local folder or a Hub
+    repository)."""
     from safetensors import safe_open
     from transformers.utils import cached_file
 
     folder = Path(path)
     if not folder.is_dir():
         folder = Path(cached_file(str(path), "config.json")).parent
-    tensors = {}
+    names = set()
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                if name.rsplit(".", 1)[-1].startswith(PREFIX):
-                    tensors[name] = handle.get_tensor(name)
-    return tensors
+            names.update(name for name in handle.keys() if name.rsplit(".", 1)[-1].startswith(PREFIX))
+    return names
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, **kwargs):

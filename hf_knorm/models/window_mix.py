@@ -41,7 +41,7 @@ def set_window_mix(model: nn.Module, mixes: Sequence[Sequence[float] | torch.Ten
     _check_windowed(model)
     if mixes is None:
         mixes = [torch.ones(query_heads(module)) for _, module in attention_modules(model)]
-    set_learned_values(model, MIX, [torch.as_tensor(layer, dtype=torch.float32) for layer in mixes])
+    set_learned_values(model, MIX, mixes)
 
 
 def _check_windowed(model: nn.Module) -> None:

@@ -19,7 +19,7 @@ from hf_knorm.attention.interface import normalization_of
 from hf_knorm.attention.masks import explicit_bool_mask
 from hf_knorm.attention.paths import attention_paths
 from hf_knorm.attention.reference import reference_window_attention
-from hf_knorm.models.parameters import parameters_of
+from hf_knorm.models.parameters import add_parameters, parameters_of
 from hf_knorm.models.window_mix import distant_part_off, set_window_mix, window_mixes
 from hf_knorm.recurrent.window_cache import WindowStateLayer
 from hf_knorm.compat import cache_kwargs, output_cache
@@ -47,6 +47,7 @@ def _twins(model_type, spelling, window, dtype=torch.float64):
     model = hf_knorm.patch(tiny_model(model_type, dtype=dtype), spelling, softmax_window=window)
     reference = tiny_model(model_type, dtype=dtype)
     reference.config.hf_knorm = dict(model.config.hf_knorm)
+    add_parameters(reference, hf_knorm.parse_normalization(hf_knorm.patched_normalization(model)))  # the mix at 1
     reference.set_attn_implementation(REFERENCE)
     return model, reference
 
@@ -283,7 +284,7 @@ def _random_mix(model, seed=0):
 def test_a_saved_mix_scales_each_heads_polynomial_part_as_the_reference_does(model_type, spelling):
     model, reference = _twins(model_type, spelling, 3)
     set_window_mix(model, _random_mix(model))
-    reference.config.hf_knorm = dict(model.config.hf_knorm)
+    set_window_mix(reference, window_mixes(model))
     inputs = tiny_inputs(model_type, length=14)
     inputs["attention_mask"][1, :4] = 0
     got, want = logits_and_grads(model, inputs), logits_and_grads(reference, inputs)
