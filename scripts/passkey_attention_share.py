@@ -33,7 +33,6 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from hf_knorm.normalizations import parse_normalization
-from hf_knorm.models.parameters import parameters_of
 from hf_knorm.evaluation.needle import haystack, make_sample
 from hf_knorm.evaluation.retrieval import RETRIEVAL_DEPTHS
 from hf_knorm.eviction.pipeline import encode_prompt
@@ -130,7 +129,7 @@ def measure(path: str, lengths, seeds: int, window: int, sinks: int) -> dict:
                 if own is not None:
                     layer, head = best[own][1:]
                     module = recorder.modules[layer]
-                    mixes = parameters_of(module, normalization).get("window_mix")
+                    mixes = normalization.values_on(module).get("window_mix")
                     mix = None if mixes is None else float(mixes[head].abs())
                 per_sample.append(dict(length=length, depth=depth, seed=seed, expected=sample["expected"],
                                        first_token=first_digit, digits=len(digits), read=int(read.sum()),

@@ -28,7 +28,6 @@ from .backends import run_linear, run_quadratic, with_kernel
 from .compiled import compiled_attention
 from .full_precision import full_precision
 from .masks import KeyPadding, Mask, kernel_mask
-from ..models.parameters import parameters_of
 from ..normalizations import Normalization, parse_normalization
 from ..normalizations.windowed import MIX
 from .paths import check_linear_policy, choose_path, linear_keys, linear_policy_of, note_path
@@ -66,7 +65,7 @@ def hf_knorm_attention(
         ``(output (B, q, H_q, D), weights (B, H_q, q, kv) or None)``; weights only when attentions are recorded.
     """
     normalization = normalization_of(module)
-    params = parameters_of(module, normalization)  # the family's learnable values, (H_q,) each
+    params = normalization.values_on(module)  # the family's learnable values, (H_q,) each
     compiling = torch.compiler.is_compiling()
     read_taps = not compiling or taps_set()  # compiled code cannot read a ContextVar without a graph break
     handover = take_state_for(key) if read_taps else None

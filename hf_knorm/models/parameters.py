@@ -16,10 +16,11 @@ import torch.nn as nn
 
 from ..compat import add_parameters_when_built
 from ..normalizations import Normalization, parse_normalization
+from ..normalizations.base import PARAMETER_PREFIX
 from ..normalizations.windowed import MIX
 from .architectures import attention_modules
 
-PREFIX = "hf_knorm_"
+PREFIX = PARAMETER_PREFIX
 SECTION = "hf_knorm"
 LEGACY_MIX_FIELD = "window_mix"
 """Where releases before the normalization families kept a window mix (the config's section; now a parameter)."""
@@ -89,28 +90,6 @@ def remove_parameters(model: nn.Module) -> None:
     for _, module in attention_modules(model):
         for name in [name for name in module._parameters if name.startswith(PREFIX)]:
             del module._parameters[name]
-
-
-def parameters_of(module: nn.Module, normalization: Normalization) -> dict[str, torch.Tensor]:
-    """``{name: (H_q,) parameter}`` of ``normalization``'s learnable values on ``module`` (``{}`` for none).
-
-    Raises:
-        RuntimeError: the module lacks one (a model patched in its config only, e.g. loaded by plain
-            ``from_pretrained`` without its learned values); the message says how to load it.
-    """
-    names = normalization.learnable()
-    if not names:
-        return {}
-    found = {}
-    for name in names:
-        value = module._parameters.get(PREFIX + name)
-        if value is None:
-            raise RuntimeError(
-                f"{normalization.name} learns {name!r} per head, and {type(module).__name__} (layer "
-                f"{getattr(module, 'layer_idx', '?')}) has no {PREFIX + name} parameter. Load a saved model with "
-                "hf_knorm.from_pretrained (it restores the learned values), or patch the model with hf_knorm.patch.")
-        found[name] = value
-    return found
 
 
 def learned_values(model: nn.Module, name: str) -> list[torch.Tensor]:

@@ -1,5 +1,6 @@
 """Attention normalizations: one typed, frozen object per family, one file per family (:mod:`.base` says what each
-family defines; :mod:`.registry` parses spellings and saved records)."""
+family defines; :mod:`.registry` parses spellings and saved records). Imports nothing of hf_knorm above it (torch
+only): the attention, the models and every job import it."""
 
 from .base import Learnable, Normalization
 from .polynomial import Polynomial

@@ -28,6 +28,9 @@ from typing import ClassVar
 
 import torch
 
+PARAMETER_PREFIX = "hf_knorm_"
+"""A learnable value ``name`` is the attention module's ``nn.Parameter`` ``hf_knorm_<name>``."""
+
 Parameters = Mapping[str, torch.Tensor]
 """A module's learnable values by name, each broadcastable to the scores: ``(H_q, 1, 1)`` against
 ``(B, H_q, q, kv)``, ``(H_kv, G, 1, 1)`` against the chunked kernel's ``(B, H_kv, G, q, kv)``."""
@@ -82,6 +85,25 @@ class Normalization:
     def learnable(self) -> dict[str, float]:
         """The learnable parameters, ``{name: initial value}``; one value per query head each."""
         return {}
+
+    def values_on(self, module) -> dict[str, torch.Tensor]:
+        """``{name: (H_q,) parameter}`` of the learnable values an attention module holds (``{}`` for none): its
+        ``nn.Parameter`` ``hf_knorm_<name>`` each (:mod:`hf_knorm.models.parameters` registers them).
+
+        Raises:
+            RuntimeError: the module lacks one (the message says how to get it).
+        """
+        found = {}
+        for name in self.learnable():
+            value = module._parameters.get(PARAMETER_PREFIX + name)
+            if value is None:
+                raise RuntimeError(
+                    f"{self.name} learns {name!r} per head, and {type(module).__name__} (layer "
+                    f"{getattr(module, 'layer_idx', '?')}) has no {PARAMETER_PREFIX + name} parameter. Patch the model "
+                    "with hf_knorm.patch, or load a saved one with hf_knorm imported (the values load with the "
+                    "weights).")
+            found[name] = value
+        return found
 
     def weights(self, scores: torch.Tensor, allowed: torch.Tensor | None, params: Parameters | None = None,
                 inplace: bool = False) -> torch.Tensor:

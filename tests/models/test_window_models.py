@@ -19,7 +19,7 @@ from hf_knorm.attention.interface import normalization_of
 from hf_knorm.attention.masks import explicit_bool_mask
 from hf_knorm.attention.paths import attention_paths
 from hf_knorm.attention.reference import reference_window_attention
-from hf_knorm.models.parameters import add_parameters, parameters_of
+from hf_knorm.models.parameters import add_parameters
 from hf_knorm.models.window_mix import distant_part_off, set_window_mix, window_mixes
 from hf_knorm.recurrent.window_cache import WindowStateLayer
 from hf_knorm.compat import cache_kwargs, output_cache
@@ -33,7 +33,7 @@ ATOL = 1e-4  # fp32 decoding against the full forward (logits of size ~10)
 def reference_window(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The plain reference of the model's windowed normalization, as an ``AttentionInterface`` function."""
     normalization = normalization_of(module)
-    params = parameters_of(module, normalization)
+    params = normalization.values_on(module)
     output, _ = reference_window_attention(query, key, value, attention_mask, normalization, scaling=scaling,
                                            softcap=kwargs.get("softcap"), mix=params.get("window_mix"), params=params)
     return output, None
