@@ -1,6 +1,9 @@
 """hf_knorm: attention-norm tools for Hugging Face Transformers.
 
-- ``patch(model, "x^3/16")`` / ``unpatch(model)``: polynomial attention of "Rethinking Softmax" (arXiv 2410.18613);
+- ``patch(model, hf_knorm.Sigmoid())`` (or its spelling ``"sigmoid(bias=-log n)"``) / ``unpatch(model)``: the field's
+  attention normalizations, one typed object per family (``hf_knorm.normalizations()`` lists them: softmax, x^p/c,
+  relu(x)^p/c, sigmoid, softmax with a sink, softpick, SSMax, stick-breaking; a softmax window beside any of them);
+  ``patch(model, "x^3/16")``: polynomial attention of "Rethinking Softmax" (arXiv 2410.18613);
   ``x/1`` and ``x/16`` run in linear time (``attention_paths()`` shows which kernel ran) and ``generate`` decodes them
   with a constant-size state (``RecurrentStateCache``); on CUDA, Triton and flash-linear-attention kernels run them
   (``pip install 'hf_knorm[gpu]'``; ``use_kernels()`` forces or refuses them).
@@ -29,7 +32,8 @@ check_transformers_version()  # first: outside the supported range, one clear Im
 
 from .assets.default_model import DEFAULT_MODEL_HUB_ID, load_default_model
 from .attention.backends import use_kernels
-from .normalizations import PAPER_NORMALIZATIONS, Normalization, parse_normalization
+from .normalizations import (PAPER_NORMALIZATIONS, Normalization, Polynomial, Rectified, Sigmoid, SinkSoftmax, Softmax,
+                             Softpick, SSMax, StickBreaking, normalizations, parse_normalization)
 from .attention.paths import attention_paths
 from .attention.registration import register
 from .balancing.balance import BalanceReport, KVNorms, balance_kv, key_scales, value_scales
@@ -70,6 +74,14 @@ __all__ = [
     "NormLoggerCallback",
     "NormRecorder",
     "Normalization",
+    "Polynomial",
+    "Rectified",
+    "SSMax",
+    "Sigmoid",
+    "SinkSoftmax",
+    "Softmax",
+    "Softpick",
+    "StickBreaking",
     "RecurrentStateCache",
     "__version__",
     "architecture_of",
@@ -84,6 +96,7 @@ __all__ = [
     "knorm_generate",
     "load_default_model",
     "load_model",
+    "normalizations",
     "parse_normalization",
     "patch",
     "patched_normalization",

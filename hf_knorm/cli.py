@@ -279,11 +279,20 @@ COMMANDS: tuple[Command, ...] = (
 )
 
 
+def normalizations_help() -> str:
+    """The registered families with example spellings and sources (``hf_knorm.normalizations()``'s list)."""
+    from .normalizations.registry import accepted_forms
+
+    return ("normalizations (--normalization, --normalizations): a family's spelling; with a softmax window beside "
+            "it:\n'relu(x)^3/16 + softmax window 64 + sinks 4'\n" + accepted_forms())
+
+
 def _build_parser() -> argparse.ArgumentParser:
     """The ``hf-knorm`` parser; ``parser.command_parsers`` maps each command's name to its own parser."""
     parser = argparse.ArgumentParser(
         prog="hf-knorm",
         description="Attention-norm tools for Hugging Face Transformers (runs offline on SmolLM2-135M-Instruct by default).",
+        epilog=normalizations_help(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error, not one line")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_SettingsParser)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+import hf_knorm
+
 from hf_knorm import cli
 from hf_knorm.cli import COMMANDS, Command, _build_parser, main, parse
 from hf_knorm.jobs.demo.settings import DemoSettings
@@ -141,3 +143,12 @@ def test_niah_kv_norms_and_push_flags_fill_their_settings(tmp_path):
 def test_bad_settings_are_refused_before_a_model_loads(argv, message, capsys):
     assert main([*argv, "--model", "/no/such/model"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_help_lists_every_registered_family_with_a_spelling_that_parses():
+    from hf_knorm.cli import _build_parser
+
+    text = _build_parser().format_help()
+    for key, listed in hf_knorm.normalizations().items():
+        assert key in text and listed["example"] in text
+        assert hf_knorm.parse_normalization(listed["example"]).family == key
