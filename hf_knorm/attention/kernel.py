@@ -336,15 +336,21 @@ def _family_backward(scores, allowed, normalization: Normalization, params: dict
 
     Returns ``(weights, dS, {name: d param (H_kv, G, 1, 1)})``; the chunk holds whole rows, so this is the
     family's exact gradient, and the memory is the chunk's.
+
+    Differentiated with ``torch.func.vjp``, not ``torch.autograd.grad``: the compiled path runs this backward inside
+    the custom op ``hf_knorm::attention_backward`` (:mod:`.compiled`), whose body PyTorch dispatches below autograd,
+    where no tensor records a graph (``enable_grad`` does not undo that); a function transform differentiates there
+    as in eager mode (and under ``no_grad``).
     """
-    with torch.enable_grad():
-        scores = scores.detach().requires_grad_()
-        params = {name: value.detach().requires_grad_() for name, value in params.items()}
-        weights = normalization.weights(scores, allowed, params)
-        grads = torch.autograd.grad(weights, [scores, *params.values()], grad_weights, allow_unused=True)
-    grad_params = {name: (torch.zeros_like(value) if grad is None else grad.sum_to_size(value.shape))
-                   for (name, value), grad in zip(params.items(), grads[1:])}
-    return weights.detach(), grads[0], grad_params
+    names = list(params)
+
+    def family_weights(scores, *values):
+        return normalization.weights(scores, allowed, dict(zip(names, values)))
+
+    weights, pullback = torch.func.vjp(family_weights, scores.detach(), *(value.detach() for value in params.values()))
+    grads = pullback(grad_weights)
+    grad_params = {name: grad.sum_to_size(params[name].shape) for name, grad in zip(names, grads[1:])}
+    return weights, grads[0], grad_params
 
 
 def _power_derivative(scores, allowed, normalization: Normalization) -> torch.Tensor:
