@@ -6,8 +6,8 @@ a definition written here element by element.
   gradients of the query, key, value and every learnable value (random values, not their inits) under a random
   upstream gradient; GQA (4 query heads over 2 KV heads) throughout; causal (implicit), padded (an explicit bool mask
   with padded keys and fully masked rows), a sliding window, decoding rows (3 queries at the end of 9 keys), softcap,
-  an additive bias. Also: the inference path (no autograd), the returned weights, and the custom op's kernels
-  (``chunked_forward`` / ``chunked_backward``, what compiled models run).
+  an additive bias. Also: the inference path (no autograd), the returned weights, and the custom ops compiled models
+  run (``hf_knorm::attention`` and its backward).
 - A softmax window beside a family (:func:`hf_knorm.attention.window.window_attention`) against
   :func:`~hf_knorm.attention.reference.reference_window_attention`, the window mix and the base family's values
   included.
@@ -24,10 +24,11 @@ import math
 
 import pytest
 import torch
-from family_cases import ALL_EXAMPLES, NOT_WINDOWED, SPELLINGS, random_values
+from family_cases import ALL_EXAMPLES, LEARNABLE, NOT_WINDOWED, SPELLINGS, random_values
 
 from hf_knorm.attention import kernel
-from hf_knorm.attention.kernel import chunked_attention, chunked_backward, chunked_forward
+from hf_knorm.attention.compiled import attention_backward_op, attention_op
+from hf_knorm.attention.kernel import chunked_attention
 from hf_knorm.attention.masks import KeyPadding
 from hf_knorm.attention.reference import reference_attention, reference_window_attention
 from hf_knorm.attention.window import window_attention
@@ -125,11 +126,13 @@ def test_the_chunked_kernel_equals_the_reference_with_gradients(spelling, case):
     _compare(got, want, inputs, names)
 
 
-@pytest.mark.parametrize("case", ["causal", "padded", "bias"])
+@pytest.mark.parametrize("case", ["causal", "padded", "softcap", "bias"])
 @pytest.mark.parametrize("spelling", NOT_WINDOWED)
-def test_the_custom_ops_kernels_give_the_autograd_gradients(spelling, case):
-    """``chunked_forward`` / ``chunked_backward`` (what ``hf_knorm::attention`` runs in a compiled model) against
-    ``chunked_attention`` under autograd: the learnable values' gradients come out in their order."""
+def test_the_custom_ops_give_the_autograd_gradients(spelling, case):
+    """The custom ops a compiled model runs (``hf_knorm::attention`` and ``hf_knorm::attention_backward``, called
+    through the dispatcher, which runs their bodies below autograd, as a compiled graph does) against
+    ``chunked_attention`` under autograd: output, and the gradients of the query, key, value and then each learnable
+    value in its order."""
     normalization = parse_normalization(spelling)
     q_len, allowed, options = _case(case)
     query, key, value = _tensors(q_len=q_len, seed=2)
@@ -137,14 +140,28 @@ def test_the_custom_ops_kernels_give_the_autograd_gradients(spelling, case):
     reference, _ = chunked_attention(query, key, value, allowed, normalization, params=params, **options)
     upstream = torch.randn(reference.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     expected = torch.autograd.grad(reference, (query, key, value, *params.values()), upstream)
-    with torch.no_grad():
-        output = chunked_forward(query, key, value, allowed, normalization, params=params, **options)
-        grads = chunked_backward(upstream, query, key, value, output, allowed, normalization, params=params,
-                                 **options)
+    tensors = [tensor.detach() for tensor in (query, key, value)]
+    values = [value.detach() for value in params.values()]
+    settings = (normalization.name, options.get("scaling", DIM**-0.5), options.get("softcap"),
+                options.get("causal", False))
+    output = attention_op(*tensors, allowed, options.get("bias"), values, *settings, False)
+    grads = attention_backward_op(upstream, output, *tensors, allowed, options.get("bias"), values, *settings)
     torch.testing.assert_close(output, reference, rtol=0, atol=ATOL)
     assert len(grads) == len(expected)
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("spelling", LEARNABLE)
+def test_the_custom_op_with_learnable_values_passes_opcheck(spelling):
+    """torch.library.opcheck with the learnable values as the op's tensor list: schema, fake shapes, autograd."""
+    normalization = parse_normalization(spelling)
+    query, key, value = _tensors(q_len=6, kv_len=6, seed=13)
+    values = list(_params(normalization, seed=14).values())
+    allowed = _causal(6, 6).expand(BATCH, 1, 6, 6).clone()
+    allowed[0, :, :, :2] = False
+    torch.library.opcheck(attention_op, (query, key, value, allowed, None, values, normalization.name, 0.35, None,
+                                         True, False))
 
 
 def test_a_missing_learnable_value_is_refused():
