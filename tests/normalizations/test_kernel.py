@@ -6,8 +6,8 @@ a definition written here element by element.
   gradients of the query, key, value and every learnable value (random values, not their inits) under a random
   upstream gradient; GQA (4 query heads over 2 KV heads) throughout; causal (implicit), padded (an explicit bool mask
   with padded keys and fully masked rows), a sliding window, decoding rows (3 queries at the end of 9 keys), softcap,
-  an additive bias. Also: the inference path (no autograd), the returned weights, and the custom ops compiled models
-  run (``hf_knorm::attention`` and its backward).
+  an additive bias. Also: the inference path (no autograd), the returned weights (on the padded mask), and the
+  custom ops compiled models run (``hf_knorm::attention`` and its backward).
 - A softmax window beside a family (:func:`hf_knorm.attention.window.window_attention`) against
   :func:`~hf_knorm.attention.reference.reference_window_attention`, the window mix and the base family's values
   included.
@@ -118,7 +118,9 @@ def test_the_chunked_kernel_equals_the_reference_with_gradients(spelling, case):
                                          chunk_elements=CHUNK_ELEMENTS, **options)
     torch.testing.assert_close(inference, want, rtol=0, atol=ATOL)
 
-    # the returned weights (autograd through the chunks)
+    if case != "padded":
+        return
+    # the returned weights (autograd through the chunks), on the padded mask
     got, weights = chunked_attention(query, key, value, allowed, normalization, params=params, return_weights=True,
                                      chunk_elements=CHUNK_ELEMENTS, **options)
     kv_len = weights.shape[-1]
@@ -126,7 +128,7 @@ def test_the_chunked_kernel_equals_the_reference_with_gradients(spelling, case):
     _compare(got, want, inputs, names)
 
 
-@pytest.mark.parametrize("case", ["causal", "padded", "softcap", "bias"])
+@pytest.mark.parametrize("case", ["causal", "padded", "bias"])
 @pytest.mark.parametrize("spelling", NOT_WINDOWED)
 def test_the_custom_ops_give_the_autograd_gradients(spelling, case):
     """The custom ops a compiled model runs (``hf_knorm::attention`` and ``hf_knorm::attention_backward``, called
@@ -152,7 +154,7 @@ def test_the_custom_ops_give_the_autograd_gradients(spelling, case):
         torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize("spelling", LEARNABLE)
+@pytest.mark.parametrize("spelling", LEARNABLE[:1])  # ~1 s each: the ops of every family are run above
 def test_the_custom_op_with_learnable_values_passes_opcheck(spelling):
     """torch.library.opcheck with the learnable values as the op's tensor list: schema, fake shapes, autograd."""
     normalization = parse_normalization(spelling)
