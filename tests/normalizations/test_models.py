@@ -7,17 +7,20 @@ variants, softmax windows beside a family), learnable values set to random value
   (softcapped scores, sliding layers): every spelling on llama, one per family and a window on the others (sinks are
   refused on the models with sliding-window layers).
 - Token-by-token decoding with the KV cache equals the full forward: fp32 logits within 1e-5 absolute (logits of
-  size ~2; measured at most 4.2e-6, over llama, mistral and gemma2).
+  size ~2; measured at most 2.8e-6, over llama, mistral and gemma2).
 - Greedy ``generate`` picks the argmax of the full forward re-run on what it generated.
 - A Trainer trains each family: the loss and the learnable values stay finite, every learnable value moves, and
   ``NormLoggerCallback`` logs every layer's norms (finite) at every logging step and into ``norms.jsonl``.
 - ``hf_knorm.record_norms`` gives the Frobenius norms of the weights the model returns (``output_attentions``).
 - ``hf_knorm.save_pretrained`` + ``hf_knorm.from_pretrained`` give identical logits, and the learned values come back;
   a plain Transformers load of a learnable family refuses to run instead of running at the initial values.
-- ``torch.compile(fullgraph=True)`` equals eager mode, forward and backward, on a few families (each compile takes
-  5-10 s here; the inductor backend on the same custom op is tests/attention/test_compile.py's).
-- A bf16 model against the fp32 model: logits within :data:`BF16_ATOL` (measured: at most 0.05 on logits of size
-  ~2, softmax 0.03).
+- ``torch.compile(fullgraph=True)`` equals eager mode, forward and backward (logits within 1e-5, gradients within
+  1e-4 of their largest entry, as tests/attention/test_compile.py), on two families (:data:`COMPILED`).
+- A bf16 model against the fp32 model: logits within :data:`BF16_ATOL` (measured: at most 0.063, relu(x)/n, on
+  logits of size ~2.5; softmax 0.031), its learnable values kept in fp32. The error is the bf16 rounding of the
+  weights and of the activations around the attention (the attention computes in fp32: on this model, computing it
+  in bf16 moves the error by 0.005), so this bounds gross failures (overflow, a value lost in bf16), not the
+  attention's own precision.
 """
 
 from __future__ import annotations
@@ -47,9 +50,10 @@ from hf_knorm.recording.per_step import STATISTICS
 REFERENCE = "test_families_reference"
 MODEL_TYPES = ("llama", "mistral", "gemma2")
 DECODE_ATOL = 1e-5
-BF16_ATOL = 0.15
+BF16_ATOL = 0.1
 """bf16 weights and activations against fp32 (the attention itself computes in fp32 either way), on logits of size
-~2: measured at most 0.05 over the families (softmax: 0.03)."""
+~2.5 (real rows of a left-padded batch): measured at most 0.063 over the families (relu(x)/n; x^3/16 0.056, softmax
+0.031)."""
 
 
 def reference_families(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -203,8 +207,11 @@ def test_a_saved_model_loads_with_its_learned_values_and_identical_logits(spelli
 
 
 COMPILED = ("sigmoid(bias=learned)", "sigmoid(bias=learned) + softmax window 4")
-"""Families compiled (each takes a compile): learnable values through the custom op, and a window beside a learnable
-family (the mix and the base's value); every family's custom ops run through the dispatcher in test_kernel.py."""
+"""Families compiled: learnable values through the custom op, and a window beside a learnable family (the mix and
+the base's value). Backend ``aot_eager``: Dynamo's tracing (no graph break allowed) and AOTAutograd's forward and
+backward graphs around the same custom op, 5 s a case; inductor takes 55 s on the first with a cold cache (both pass
+it; tests/attention/test_compile.py runs inductor on the op). Every family's custom ops run through the dispatcher
+in test_kernel.py."""
 
 
 @pytest.mark.parametrize("spelling", COMPILED)
@@ -223,9 +230,11 @@ def test_the_compiled_model_equals_eager_without_graph_breaks(spelling):
 def test_a_bf16_model_stays_close_to_fp32(spelling):
     inputs = tiny_inputs("llama", length=12)
     inputs["attention_mask"][0, :3] = 0
+    half_model = _patched("llama", spelling, dtype=torch.bfloat16)
+    assert all(value.dtype == torch.float32 for value in _learned(half_model).values())
     with torch.no_grad():
         full = _patched("llama", spelling)(**inputs).logits
-        half = _patched("llama", spelling, dtype=torch.bfloat16)(**inputs).logits
+        half = half_model(**inputs).logits
     assert half.dtype == torch.bfloat16 and torch.isfinite(half).all()
     real = inputs["attention_mask"].bool()  # padded queries are read by nothing
     error = (half.float() - full)[real].abs().max().item()
