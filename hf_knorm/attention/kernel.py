@@ -335,12 +335,15 @@ def _backward(q, k, v, output, grad_output, plan: _Plan):
 
 
 def _family_backward(scores, allowed, normalization: Normalization, params: dict, grad_weights):
-    """One chunk of a family without a hand-written derivative: its weights recomputed and differentiated by
-    ``torch.func.vjp`` (which, unlike ``torch.autograd.grad``, also runs inside the custom op of ``compiled.py``,
-    where autograd is off).
+    """One chunk of a family without a hand-written derivative: its weights recomputed and differentiated.
 
     Returns ``(weights, dS, {name: d param (H_kv, G, 1, 1)})``; the chunk holds whole rows, so this is the
     family's exact gradient, and the memory is the chunk's.
+
+    Differentiated with ``torch.func.vjp``, not ``torch.autograd.grad``: the compiled path runs this backward inside
+    the custom op ``hf_knorm::attention_backward`` (:mod:`.compiled`), whose body PyTorch dispatches below autograd,
+    where no tensor records a graph (``enable_grad`` does not undo that); a function transform differentiates there
+    as in eager mode (and under ``no_grad``).
     """
     weights, pullback = torch.func.vjp(lambda s, p: normalization.weights(s, allowed, p), scores, dict(params))
     grad_scores, grad_params = pullback(grad_weights)

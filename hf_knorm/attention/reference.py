@@ -25,12 +25,14 @@ def reference_attention(
     softcap: float | None = None,
     causal: bool = False,
     params: dict[str, torch.Tensor] | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention in fp32 (fp64 for fp64 inputs).
 
     Args:
         query ``(B, H_q, q, D)``; key, value ``(B, H_kv, kv, D)``; allowed: bool ``(B or 1, 1, q, kv)`` or None (then
-        ``causal`` means a top-left causal mask); params: the family's learnable values, ``(H_q,)`` each.
+        ``causal`` means a top-left causal mask); params: the family's learnable values, ``(H_q,)`` each; bias: an
+        additive float mask broadcastable to the scores, added after the softcap (as the kernels add it), or None.
 
     Returns:
         ``(output (B, q, H_q, D) in the query dtype, weights (B, H_q, q, kv) fp32)``.
@@ -43,6 +45,8 @@ def reference_attention(
     scores = query.to(compute) @ k.transpose(-1, -2) * scaling
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
+    if bias is not None:
+        scores = scores + bias.to(compute)
     if allowed is None:
         q_len, kv_len = scores.shape[-2:]
         allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device)
@@ -74,6 +78,7 @@ def reference_window_attention(
     softcap: float | None = None,
     mix: torch.Tensor | None = None,
     params: dict[str, torch.Tensor] | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of a normalization with a softmax window (``x^p/c + softmax window W``, :mod:`.window`), in fp32
     (fp64 for fp64 inputs): the whole score matrix, the two parts side by side.
@@ -87,7 +92,8 @@ def reference_window_attention(
     Args:
         query ``(B, H_q, q, D)``; key, value ``(B, H_kv, kv, D)``; allowed: bool ``(B or 1, 1 or H_q, q, kv)``, or
         ``None`` for a bottom-right causal mask (query ``i`` attends keys ``j <= kv - q + i``); mix: ``(H_q,)``
-        factors of the polynomial part, or ``None`` (1); params: the base family's learnable values.
+        factors of the polynomial part, or ``None`` (1); params: the base family's learnable values; bias: an
+        additive float mask broadcastable to the scores, added after the softcap, or ``None``.
 
     Returns:
         ``(output (B, q, H_q, D) in the query dtype, weights (B, H_q, q, kv))``.
@@ -104,6 +110,8 @@ def reference_window_attention(
     scores = query.to(compute) @ k.transpose(-1, -2) * scaling
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
+    if bias is not None:
+        scores = scores + bias.to(compute)
     q_len, kv_len = scores.shape[-2:]
     if allowed is None:
         allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)[None, None]

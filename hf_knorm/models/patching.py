@@ -43,10 +43,11 @@ def patch(model: nn.Module, normalization: str | Normalization = "softmax", *, l
 
     Args:
         model: a Transformers model of a supported architecture (``hf_knorm.SUPPORTED_ARCHITECTURES``).
-        normalization: a :class:`~hf_knorm.normalizations.Normalization` (``hf_knorm.Sigmoid()``) or its spelling
-            (``"sigmoid(bias=-log n)"``, ``"x^3/16"``, ``"x^3/16 + softmax window 64"``; the families and their
-            spellings: ``hf_knorm.normalizations()``). A family's learnable values become ``nn.Parameter``s of each
-            attention module (``hf_knorm_<name>``, :mod:`hf_knorm.models.parameters`), in ``state_dict``.
+        normalization: a :class:`~hf_knorm.normalizations.Normalization` (``hf_knorm.normalizations.Sigmoid()``) or
+            its spelling (``"sigmoid(bias=-log n)"``, ``"x^3/16"``, ``"x^3/16 + softmax window 64"``; the families
+            and their spellings: ``hf_knorm.normalizations.normalizations()``). A family's learnable values become
+            ``nn.Parameter``s of each attention module (``hf_knorm_<name>``, :mod:`hf_knorm.models.parameters`), in
+            ``state_dict``.
         softmax_window: ``W``: the keys of each query's last ``W`` positions are weighted by softmax over them, the
             older keys by ``normalization`` (:mod:`hf_knorm.attention.window`); decoders only. ``0`` or ``None``: the
             pure normalization (``None`` keeps a window the spelling names). Saved in the config as part of the

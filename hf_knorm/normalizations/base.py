@@ -12,8 +12,8 @@ additive bias) into weights ``w_ij``. Each family lives in its own file of this 
 - its parameters: fixed ones are fields of the dataclass; learnable ones (:class:`Learnable`) are one value per
   query head, registered on each attention module as an ``nn.Parameter`` (:mod:`hf_knorm.models.parameters`), so they
   are in ``state_dict``, trained by the Trainer and saved with the weights;
-- its spelling (:attr:`Normalization.name`), which :func:`hf_knorm.normalizations.parse` reads back to an equal
-  object, and its saved record (:meth:`Normalization.to_record`);
+- its spelling (:attr:`Normalization.name`), which :func:`hf_knorm.normalizations.parse_normalization` reads back
+  to an equal object, and its saved record (:meth:`Normalization.to_record`);
 - the fast paths that compute it exactly (:attr:`Normalization.fast_paths`).
 
 The registry (:mod:`.registry`) lists the families; adding one is a new file and one registry line.
@@ -56,7 +56,8 @@ class Normalization:
     formula: ClassVar[str]
     """The weights in one line, ``n_i`` the keys row ``i`` may attend (for model cards and listings)."""
     examples: ClassVar[tuple[str, ...]]
-    """Spellings that parse to this family; the first is the one listed (``hf_knorm.normalizations()``)."""
+    """Spellings that parse to this family; the first is the one listed
+    (``hf_knorm.normalizations.normalizations()``)."""
     row_normalizer: ClassVar[str] = "none"
     """``"none"`` (weights of a key depend on its score alone, or on its row's count ``n``), ``"max+sum"`` (a
     softmax: a streaming kernel carries a running maximum and a denominator), ``"sum"`` (a denominator over the
