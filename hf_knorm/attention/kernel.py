@@ -22,8 +22,8 @@ with no running statistics. A family's learnable values (``params``: one per que
 Gradients, with ``s`` the (softcapped) score, ``w = phi(s)`` and ``dW = dO V^T``:
     polynomial ``phi(s) = s^p / c``:  ``dS = dW * p * s^(p-1) / c`` on allowed pairs, 0 elsewhere;
     softmax:                          ``dS = w * (dW - rowsum(dO * O))``;
-    any other family:                 ``dS`` (and the parameters' gradients) by autograd over the chunk's
-                                      recomputed weights (:func:`_family_backward`);
+    any other family:                 ``dS`` (and the parameters' gradients): the vector-Jacobian product of
+                                      the chunk's recomputed weights (:func:`_family_backward`);
     softcap ``s = cap * tanh(r / cap)``: ``dR = dS * (1 - tanh^2)``.
 """
 
@@ -139,6 +139,7 @@ def chunked_attention(
         ``(output (B, q, H_q, D_v) in the query dtype, weights or None)``; computed in fp32 (fp64 for fp64 inputs),
         under autocast too, forward and backward (:mod:`.full_precision`).
     """
+    _refuse_window(normalization)
     raw = _raw_params(normalization, params, query)
     plan, q, k, v = _prepare(query, key, value, allowed, normalization, bias, scaling, softcap, causal,
                              chunk_elements, trim_keys, raw)
@@ -185,6 +186,12 @@ def chunked_backward(grad_output, query, key, value, output, allowed, normalizat
     return grads + tuple(dparams[name].reshape(-1).to(raw[name].dtype) for name in raw)
 
 
+def _refuse_window(normalization: Normalization) -> None:
+    if normalization.window:
+        raise ValueError(f"The chunked kernel computes one normalization over the mask; {normalization.name} needs its "
+                         "softmax window: hf_knorm.attention.window.window_attention.")
+
+
 def _raw_params(normalization: Normalization, params: Parameters | None, query: torch.Tensor) -> dict:
     """The family's learnable values, ``(H_q,)`` each in the compute dtype, in :meth:`Normalization.learnable`'s
     order.
@@ -210,6 +217,7 @@ def _raw_params(normalization: Normalization, params: Parameters | None, query: 
 def _prepare(query, key, value, allowed, normalization, bias, scaling, softcap, causal, chunk_elements=None,
              trim_keys=True, raw=None):
     """The plan, and q ``(B, H_kv, G, q, D)``, k, v in the compute dtype (fp32, fp64 for fp64 inputs)."""
+    _refuse_window(normalization)
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     if q_heads % kv_heads:
@@ -332,19 +340,22 @@ def _backward(q, k, v, output, grad_output, plan: _Plan):
 
 
 def _family_backward(scores, allowed, normalization: Normalization, params: dict, grad_weights):
-    """One chunk of a family without a hand-written derivative: its weights recomputed under autograd.
+    """One chunk of a family without a hand-written derivative: the vector-Jacobian product of its weights.
 
     Returns ``(weights, dS, {name: d param (H_kv, G, 1, 1)})``; the chunk holds whole rows, so this is the
-    family's exact gradient, and the memory is the chunk's.
+    family's exact gradient, and the memory is the chunk's. ``torch.func.vjp``, not ``torch.autograd.grad``: the
+    compiled backward runs this inside a custom op (``compiled.py``), below autograd, where ``enable_grad`` records
+    nothing.
     """
-    with torch.enable_grad():
-        scores = scores.detach().requires_grad_()
-        params = {name: value.detach().requires_grad_() for name, value in params.items()}
-        weights = normalization.weights(scores, allowed, params)
-        grads = torch.autograd.grad(weights, [scores, *params.values()], grad_weights, allow_unused=True)
-    grad_params = {name: (torch.zeros_like(value) if grad is None else grad.sum_to_size(value.shape))
-                   for (name, value), grad in zip(params.items(), grads[1:])}
-    return weights.detach(), grads[0], grad_params
+    names = list(params)
+
+    def weights_of(scores, *values):
+        return normalization.weights(scores, allowed, dict(zip(names, values)))
+
+    weights, vjp = torch.func.vjp(weights_of, scores.detach(), *(value.detach() for value in params.values()))
+    grads = vjp(grad_weights)
+    grad_params = {name: grad.sum_to_size(params[name].shape) for name, grad in zip(names, grads[1:])}
+    return weights, grads[0], grad_params
 
 
 def _power_derivative(scores, allowed, normalization: Normalization) -> torch.Tensor:

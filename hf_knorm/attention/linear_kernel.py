@@ -81,11 +81,11 @@ def linear_attention(
         (:mod:`.full_precision`); with ``return_state``, ``(output, state (B, H_kv, D, D_v), count (B,))`` in the
         compute dtype.
     """
-    if not is_linear(normalization):
-        raise ValueError(f"The linear path computes p = 1 normalizations (x/c, x/sqrtN), not {normalization.name}.")
     if normalization.window:
         raise ValueError(f"The linear kernel computes x/c over every key; {normalization.name} needs its softmax "
                          "window: hf_knorm.attention.window.window_attention.")
+    if not is_linear(normalization):
+        raise ValueError(f"The linear path computes p = 1 normalizations (x/c, x/sqrtN), not {normalization.name}.")
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     if q_heads % kv_heads:

@@ -41,6 +41,7 @@ CASES = [("llama", spelling, 130 if spelling == "x/1" else 12) for spelling in P
 CASES += [
     ("mistral", "x^3/sqrtN", 12),  # a sliding window shorter than the sequence
     ("gemma2", "x/16", 12),  # softcapped scores
+    ("llama", "sigmoid(bias=learned)", 12),  # a learned value: its gradient from the op's backward (torch.func.vjp)
 ]
 
 
@@ -113,7 +114,7 @@ def test_compiled_x1_traces_the_linear_kernel_with_no_n_by_n_tensor(train):
     assert_same_step((logits, grads), (eager_logits, eager_grads), logits_atol=1e-5, grads_relative=1e-4)
 
 
-@pytest.mark.parametrize("spelling", ["softmax", "x^3/16", "x/1"])
+@pytest.mark.parametrize("spelling", ["softmax", "x^3/16", "x/1", "ssmax(scale=learned)"])
 def test_the_custom_op_passes_opcheck(spelling, monkeypatch):
     """torch.library.opcheck: the fake implementation's shapes, the schema, the autograd registration."""
     monkeypatch.setattr(paths, "LINEAR_MIN_QUERIES", 1)  # x/1 without gradients: the linear kernel on 6 queries
@@ -123,11 +124,12 @@ def test_the_custom_op_passes_opcheck(spelling, monkeypatch):
     allowed = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
     allowed[0, :, :, :2] = False
     normalization = hf_knorm.parse_normalization(spelling)
-    power = 0 if normalization.is_softmax else normalization.power
+    values = [torch.full((4,), init, dtype=torch.float64) for init in normalization.learnable().values()]
     for linear_ok, args in ((False, (query, key, value.requires_grad_())), (True, (query.detach(), key.detach(),
                                                                                   value.detach()))):
-        torch.library.opcheck(attention_op, (*args, allowed, None, power, float(normalization.constant or 0.0),
-                                             normalization.sqrt_n, 0.35, None, True, linear_ok))
+        learned = [value.clone().requires_grad_(not linear_ok) for value in values]
+        torch.library.opcheck(attention_op, (*args, allowed, None, learned, normalization.name, 0.35, None, True,
+                                             linear_ok))
 
 
 @pytest.mark.parametrize("spelling", ["softmax", "x^3/sqrtN"])

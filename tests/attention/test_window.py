@@ -13,7 +13,7 @@ import torch
 
 from hf_knorm.attention import paths, window
 from hf_knorm.attention.masks import KeyPadding
-from hf_knorm.normalizations import Normalization, parse_normalization, with_window
+from hf_knorm.normalizations import Softmax, parse_normalization, with_window
 from hf_knorm.attention.reference import reference_attention, reference_window_attention, window_split
 from hf_knorm.attention.window import ROW_EPS, window_attention, window_path
 
@@ -63,11 +63,11 @@ def _real_rows(valid, batch, q_len, kv_len):
 
 def test_the_window_is_part_of_the_normalization_and_its_name():
     windowed = parse_normalization("x^3/16 + softmax window 64")
-    assert (windowed.power, windowed.constant, windowed.window) == (3, 16.0, 64)
+    assert (windowed.base.power, windowed.base.constant, windowed.window) == (3, 16.0, 64)
     assert windowed.name == str(windowed) == "x^3/16 + softmax window 64"
     assert parse_normalization(windowed.name) == windowed == with_window(parse_normalization("x^3/16"), 64)
     assert parse_normalization(" x/sqrtN+Softmax Window 8 ").name == "x/sqrtN + softmax window 8"
-    assert windowed.polynomial == parse_normalization("x^3/16")
+    assert windowed.base == windowed.without_window == parse_normalization("x^3/16")
     pure = parse_normalization("x^3/16")
     assert with_window(pure, 0) == pure and with_window(pure, 0).name == "x^3/16"
     assert parse_normalization("x^3/16 + softmax window 0") == pure  # W = 0 is the pure normalization
@@ -77,7 +77,7 @@ def test_the_sinks_are_part_of_the_name_and_need_a_window():
     sunk = parse_normalization("x^3/16 + softmax window 64 + sinks 4")
     assert (sunk.window, sunk.sinks, sunk.name) == (64, 4, "x^3/16 + softmax window 64 + sinks 4")
     assert parse_normalization(sunk.name) == sunk == with_window(parse_normalization("x^3/16"), 64, sinks=4)
-    assert sunk.polynomial == parse_normalization("x^3/16")
+    assert sunk.base == parse_normalization("x^3/16")
     assert with_window(sunk, 64) == sunk  # the sinks it has are kept
     assert parse_normalization("x/1 + softmax window 8 + sinks 0").name == "x/1 + softmax window 8"
     for bad, message in [(dict(window=0, sinks=2), "without a softmax window"), (dict(window=64, sinks=-1), ">= 0"),
@@ -160,7 +160,7 @@ def test_reference_by_hand_on_packed_sequences_with_a_sink():
 
 def test_reference_with_a_window_longer_than_the_keys_is_softmax_and_the_older_part_has_rms_one():
     q, k, v = _inputs(q_len=9, kv_len=9)
-    softmax, _ = reference_attention(q, k, v, None, Normalization(power=None), causal=True)
+    softmax, _ = reference_attention(q, k, v, None, Softmax(), causal=True)
     windowed, _ = reference_window_attention(q, k, v, None, parse_normalization("x^3/sqrtN + softmax window 9"))
     torch.testing.assert_close(windowed, softmax, rtol=0, atol=1e-12)
     _, weights = reference_window_attention(q, k, v, None, parse_normalization("x/sqrtN + softmax window 3"))
@@ -202,7 +202,7 @@ def test_key_padding_paths_equal_the_reference(spelling, window_size, q_len, kv_
     _compare(got, want, (q, k, v), _real_rows(valid, 2, q_len, kv_len), extra=(mix,))
     path = window_path(normalization, q_len, kv_len, mask, None, causal=True, softcap=None, dropout=0.0,
                        return_weights=False, has_state=False)
-    assert path.linear == (normalization.power == 1 and kv_len > window_size)
+    assert path.linear == (normalization.base.power == 1 and kv_len > window_size)
 
 
 @pytest.mark.parametrize("spelling", ["x^3/16", "x/1"])
