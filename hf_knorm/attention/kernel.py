@@ -247,12 +247,28 @@ def _prepare(query, key, value, allowed, normalization, bias, scaling, softcap, 
 
 
 def _forward(q, k, v, plan: _Plan, dtype, return_weights=False, frobenius_sq=None):
-    """Inference: in-place normalization, each chunk written into the ``(B, q, H_kv, G, D_v)`` output."""
-    batch, kv_heads, groups, _, _ = q.shape
+    """Inference: each chunk's scores written into one buffer reused by every chunk, normalized in place, and its
+    output written into the ``(B, q, H_kv, G, D_v)`` output.
+
+    One buffer, not a new tensor per chunk: a chunk's scores (8 MiB on the CPU) are larger than a core's cache, and a
+    fresh allocation of that size is fresh pages, faulted in on every chunk."""
+    batch, kv_heads, groups, _, dim = q.shape
     output = q.new_zeros(batch, plan.q_len, kv_heads, groups, v.shape[-1], dtype=dtype)
     weight_rows = []
+    buffer = None
     for start, stop, allowed, bias, lo, hi in plan.chunks(q.device):
-        scores, _ = _scores(q[:, :, :, start:stop] * plan.scaling, k[:, :, lo:hi], bias, plan.softcap)
+        rows = groups * (stop - start)
+        shape = (batch, kv_heads, rows, hi - lo)
+        if buffer is None:  # sized for the first chunk's rows (no chunk has more) and every key
+            buffer = q.new_empty(batch * kv_heads * rows * plan.kv_len)
+        scores = buffer[: batch * kv_heads * rows * (hi - lo)].view(shape)
+        q_chunk = (q[:, :, :, start:stop] * plan.scaling).reshape(batch, kv_heads, rows, dim)
+        torch.matmul(q_chunk, k[:, :, lo:hi].transpose(-1, -2), out=scores)
+        scores = scores.view(batch, kv_heads, groups, stop - start, hi - lo)
+        if plan.softcap is not None:
+            scores.div_(plan.softcap).tanh_().mul_(plan.softcap)
+        if bias is not None:
+            scores.add_(bias)
         weights = plan.normalization.weights(scores, allowed, plan.params, inplace=True)
         output[:, start:stop] = _weighted_values(weights, v[:, :, lo:hi]).permute(0, 3, 1, 2, 4)
         _accumulate(frobenius_sq, weights)

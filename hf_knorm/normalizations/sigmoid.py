@@ -51,8 +51,8 @@ class Sigmoid(Normalization):
             bias = -row_counts(scores, allowed).log_()
         else:
             bias = self.bias
-        weights = torch.sigmoid(scores + bias)
-        return masked(weights, allowed)
+        weights = scores.add_(bias).sigmoid_() if inplace else torch.sigmoid(scores + bias)
+        return masked(weights, allowed, inplace)
 
     @classmethod
     def parse(cls, text):

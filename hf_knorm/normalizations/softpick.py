@@ -38,12 +38,19 @@ class Softpick(Normalization):
         return "softpick" if self.eps == DEFAULT_EPS else f"softpick(eps={_number(self.eps)})"
 
     def weights(self, scores, allowed, params=None, inplace=False):
-        logits = scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
-        shift = logits.amax(dim=-1, keepdim=True).clamp_min(0.0)  # a row with no key: -inf -> 0
-        moved = torch.exp(logits - shift) - torch.exp(-shift)  # masked keys: 0 - e^{-m}, zeroed below
-        moved = masked(moved, allowed)
-        denominator = moved.abs().sum(dim=-1, keepdim=True) + self.eps
-        return moved.clamp_min(0.0) / denominator
+        # Masked scores set to 0 first: m = max(0, max_k s_ik) is the same with them (a row with no key: m = 0).
+        moved = masked(scores, allowed, inplace)
+        shift = moved.amax(dim=-1, keepdim=True).clamp_min(0.0)
+        if not inplace:
+            moved = masked(torch.exp(moved - shift) - torch.exp(-shift), allowed)  # masked keys: made exactly 0
+            denominator = moved.abs().sum(dim=-1, keepdim=True) + self.eps
+            return moved.clamp_min(0.0) / denominator
+        moved.sub_(shift).exp_().sub_(shift.neg().exp_())
+        moved = masked(moved, allowed, inplace=True)  # e^{-m} - e^{-m}: 0 but for the last bit of two exp kernels
+        total = moved.sum(dim=-1, keepdim=True)
+        positive = moved.clamp_min_(0.0).sum(dim=-1, keepdim=True)
+        denominator = positive.mul_(2.0).sub_(total).add_(self.eps)  # sum |x| = 2 sum relu(x) - sum x
+        return moved.mul_(denominator.reciprocal_())
 
     @classmethod
     def parse(cls, text):
