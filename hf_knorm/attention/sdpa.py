@@ -136,7 +136,7 @@ def sdpa_attention(
         mask = bias.to(compute) if allowed is None else bias.to(compute).masked_fill(~allowed, float("-inf"))
     head_dim = v.shape[-1]
     if isinstance(normalization, SinkSoftmax):
-        q, k, v, mask = _with_sink(normalization, raw, q * scaling, k, v, mask, is_causal)
+        q, k, v, mask = _with_sink(normalization, raw, q, scaling, k, v, mask, is_causal)
         scale = 1.0
     output = _sdpa(q, k, v, mask, is_causal, scale, q_heads // kv_heads)
     if isinstance(normalization, SinkSoftmax):
@@ -160,18 +160,19 @@ def _ssmax_factor(normalization: SSMax, raw, allowed, is_causal: bool, q_len: in
     return counts.log() * scale
 
 
-def _with_sink(normalization: SinkSoftmax, raw, q, k, v, mask, is_causal: bool):
-    """Queries (already scaled), keys, values and mask with the sink: one more key first, its logit ``sigma_h`` on one
-    more head dimension (see the module docstring)."""
+def _with_sink(normalization: SinkSoftmax, raw, q, scaling: float, k, v, mask, is_causal: bool):
+    """Queries (multiplied by ``scaling``), keys, values and mask with the sink: one more key first, its logit
+    ``sigma_h`` on one more head dimension (see the module docstring). One copy of each tensor."""
     batch, q_heads, q_len, dim = q.shape
     sink = raw["sink"] if "sink" in raw else q.new_full((q_heads,), float(normalization.sink))
-    q = torch.cat([q, sink[:, None, None].expand(batch, q_heads, q_len, 1)], dim=-1)
+    # under is_causal a dummy query row first: top-left causal then gives row i the sink and keys 0 .. i
+    q = F.pad(q, (0, 1, int(is_causal), 0))  # a new tensor: the products below may write into it
+    q.mul_(F.pad(q.new_full((dim,), scaling), (0, 1)))
+    q.add_(F.pad(sink[:, None, None], (dim, 0)))  # sigma_h on the extra dimension of each head's queries
     k = F.pad(k, (0, 1, 1, 0))  # a zero dimension, and the sink's key first
     k[:, :, 0, dim] = 1.0
     v = F.pad(v, (0, 1 if v.shape[-1] == dim else 0, 1, 0))  # the sink's value 0; head dims equal for the flash kernel
-    if is_causal:  # a dummy query row first: top-left causal then gives row i the sink and keys 0 .. i
-        q = F.pad(q, (0, 0, 1, 0))
-    elif mask is not None:  # the sink's column: always attended, score sigma_h (bias 0)
+    if not is_causal and mask is not None:  # the sink's column: always attended, score sigma_h (bias 0)
         column = (mask.new_ones if mask.dtype == torch.bool else mask.new_zeros)((*mask.shape[:-1], 1))
         mask = torch.cat([column, mask], dim=-1)
     return q, k, v, mask
