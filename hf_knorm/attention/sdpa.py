@@ -17,11 +17,13 @@ modified logits: softmax itself, SSMax and softmax with a sink. Exact: the same 
 Masks: no mask, or the implicit causal one (``allowed`` ``None`` with ``causal``: top-left, keys cut to the queries,
 the kernel's convention) run SDPA's ``is_causal``, with no ``N x N`` tensor: on the CPU its flash kernel, memory
 linear in ``N``, which skips the blocks above the diagonal. An explicit bool mask (padding, a cache with more keys
-than queries, where SDPA's top-left ``is_causal`` would be wrong) is passed as ``attn_mask``; the CPU flash kernel
-then computes every block (about twice the time of ``is_causal`` at 4,096 tokens) and reads the ``(B, 1, q, kv)``
-mask, which :meth:`.masks.KeyPadding.dense` builds (``B * q * kv`` bytes). An additive float bias becomes a float
-mask (``-inf`` on masked pairs) of the same shape; for SSMax with a learned scale it is scaled per query head, so
-``(B, H_q, q, kv)``. A row with no key to attend gets 0 (the plugin's convention, not softmax's 0/0): such rows are
+than queries, where SDPA's top-left ``is_causal`` would be wrong) is passed as ``attn_mask``: the ``(B, 1, q, kv)``
+mask :meth:`.masks.KeyPadding.dense` builds for the chunked kernel as well (``B * q * kv`` bytes). The CPU flash kernel
+then computes every block (about twice the time of ``is_causal`` at 4,096 tokens), and first turns the bool mask
+into an additive float mask, 4 bytes per entry (measured: 76 MiB over the inputs at 4,096 tokens against 12 MiB with
+``is_causal``); so a large mask goes to SDPA in blocks of query rows (:data:`MASK_BLOCK_ELEMENTS`). An additive
+float bias becomes a float mask (``-inf`` on masked pairs) of the same shape; for SSMax with a learned scale it is
+scaled per query head, so ``(B, H_q, q, kv)``. A row with no key to attend gets 0 (the plugin's convention, not softmax's 0/0): such rows are
 opened to every key for SDPA and their output zeroed, so no NaN reaches the backward pass.
 
 Not this path (:func:`sdpa_blocker`; the chunked kernel computes those calls): a softcap, attention dropout, returned
@@ -43,6 +45,11 @@ from ..normalizations.base import Parameters
 
 SDPA_FAMILIES = (Softmax, SSMax, SinkSoftmax)
 """The families SDPA computes (each lists ``"sdpa"`` in its ``fast_paths``)."""
+
+MASK_BLOCK_ELEMENTS = 1 << 22
+"""Mask entries per SDPA call (read at call time). SDPA's CPU kernel turns a bool mask into an additive float one, 4
+bytes per entry (64 MiB for 4,096 x 4,096): an explicit mask larger than this goes to SDPA in blocks of query rows
+(each row is its own softmax), so that the float form exists for one block at a time (16 MiB)."""
 
 _ENABLE_GQA = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 """SDPA groups the query heads itself from torch 2.5 on; before, K and V are repeated."""
@@ -179,7 +186,15 @@ def _with_sink(normalization: SinkSoftmax, raw, q, scaling: float, k, v, mask, i
 
 
 def _sdpa(q, k, v, mask, is_causal: bool, scale: float, groups: int) -> torch.Tensor:
+    """SDPA, over blocks of query rows when an explicit mask is large (:data:`MASK_BLOCK_ELEMENTS`)."""
     if groups > 1 and not _ENABLE_GQA:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     options = dict(enable_gqa=True) if groups > 1 and _ENABLE_GQA else {}
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, **options)
+    rows = q.shape[-2] if mask is None or mask.shape[-2] == 1 else \
+        max(1, MASK_BLOCK_ELEMENTS // max(1, mask[..., 0, :].numel()))
+    if rows >= q.shape[-2]:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, **options)
+    return torch.cat([F.scaled_dot_product_attention(q[..., start:start + rows, :], k, v,
+                                                     attn_mask=mask[..., start:start + rows, :], scale=scale,
+                                                     **options)
+                      for start in range(0, q.shape[-2], rows)], dim=-2)

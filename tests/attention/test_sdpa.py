@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_knorm
-from hf_knorm.attention import backends
+from hf_knorm.attention import backends, sdpa
 from hf_knorm.attention.kernel import chunked_attention
 from hf_knorm.attention.paths import attention_paths
 from hf_knorm.attention.reference import reference_attention
@@ -105,6 +105,23 @@ def test_a_row_with_no_key_is_zero_with_finite_gradients(spelling):
     grads = torch.autograd.grad(out.square().sum(), (q, k, v, *params.values()))
     assert all(torch.isfinite(grad).all() for grad in grads)
     assert q.shape == grads[0].shape and grads[0][:, :, 2].abs().max() == 0
+
+
+@pytest.mark.parametrize("spelling", FAMILIES)
+def test_a_large_mask_goes_to_sdpa_in_blocks_of_rows(spelling, monkeypatch):
+    """The bool mask SDPA turns into a float one exists for a block of query rows at a time: the same values."""
+    monkeypatch.setattr(sdpa, "MASK_BLOCK_ELEMENTS", 2 * 2 * 11)  # 2 rows of (B=2, kv=11) per call (the sink: 1)
+    calls = []
+    original = sdpa.F.scaled_dot_product_attention
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", lambda *a, **o: calls.append(1) or original(*a, **o))
+    normalization = parse_normalization(spelling)
+    q, k, v = _tensors(2, 4, 2, 9, 11)
+    params = _params(normalization, 4)
+    allowed = _causal(2, 9, 11, pad=4)
+    got = sdpa_attention(q, k, v, allowed, normalization, scaling=0.4, params=params)
+    assert len(calls) == (9 if "sink" in spelling else 5)
+    want, _ = reference_attention(q, k, v, allowed, normalization, scaling=0.4, params=params)
+    _assert_same(got, want, (q, k, v, *params.values()), 1e-10)
 
 
 def test_bf16_inputs_are_computed_in_fp32_and_returned_in_bf16():
