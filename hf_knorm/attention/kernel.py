@@ -29,7 +29,7 @@ Gradients, with ``s`` the (softcapped) score, ``w = phi(s)`` and ``dW = dO V^T``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -68,13 +68,11 @@ class _Plan:
     q_len: int
     kv_len: int
     params: dict[str, torch.Tensor]  # the family's learnable values, (H_kv, G, 1, 1) each, in the compute dtype
+    _layout: list | None = field(default=None, repr=False)
 
     def chunks(self, device):
         """Yield ``(start, stop, allowed, bias, lo, hi)`` per row chunk; masks cut to the attended keys ``lo:hi``."""
-        ranges = self._key_ranges()
-        for index, start in enumerate(range(0, self.q_len, self.rows)):
-            stop = min(self.q_len, start + self.rows)
-            lo, hi = ranges[index] if ranges is not None else (0, self.kv_len)
+        for start, stop, lo, hi in self.layout():
             if self.allowed is not None:
                 allowed = self.allowed[..., start:stop, lo:hi]
             elif self.implicit_causal:  # top-left causal, built per chunk
@@ -85,13 +83,32 @@ class _Plan:
             bias = None if self.bias is None else self.bias[..., start:stop, lo:hi]
             yield start, stop, allowed, bias, lo, hi
 
-    def _key_ranges(self) -> list[list[int]] | None:
+    def layout(self) -> list[tuple[int, int, int, int]]:
+        """``(start, stop, lo, hi)`` of every chunk: its rows and the keys it attends (computed once per call)."""
+        if self._layout is None:
+            bounds = self._bounds()
+            ranges = self._key_ranges(bounds)
+            self._layout = [(start, stop, *(ranges[index] if ranges is not None else (0, self.kv_len)))
+                            for index, (start, stop) in enumerate(bounds)]
+        return self._layout
+
+    def most_scores(self) -> int:
+        """The most scores per query head (and batch item) of any chunk: ``rows x keys``."""
+        return max((stop - start) * (hi - lo) for start, stop, lo, hi in self.layout())
+
+    def _bounds(self) -> list[tuple[int, int]]:
+        """Each chunk's rows ``[start, stop)``, ``rows`` each. (Under the implicit causal mask, more rows for the first
+        chunks, which attend few keys, so that each holds ``rows x kv`` scores, measured slower at 4,096 tokens on
+        the CPU: 1.31x SDPA's time against 1.13x for x^3/16, in the same run.)"""
+        return [(start, min(self.q_len, start + self.rows)) for start in range(0, self.q_len, self.rows)]
+
+    def _key_ranges(self, bounds) -> list[list[int]] | None:
         """Each chunk's attended keys ``[lo, hi)`` (``None``: all keys for every chunk). Implicit causal: from the
         shapes; an explicit mask: one pass over it and one read to the host for the whole call."""
         if not self.trim_keys or (self.allowed is None and not self.implicit_causal):
             return None
         if self.allowed is None:  # top-left causal: row r attends keys 0..r
-            return [[0, min(self.kv_len, start + self.rows)] for start in range(0, self.q_len, self.rows)]
+            return [[0, min(self.kv_len, stop)] for _, stop in bounds]
         return chunk_key_ranges(self.allowed, self.rows).tolist()
 
 
@@ -255,12 +272,10 @@ def _forward(q, k, v, plan: _Plan, dtype, return_weights=False, frobenius_sq=Non
     batch, kv_heads, groups, _, dim = q.shape
     output = q.new_zeros(batch, plan.q_len, kv_heads, groups, v.shape[-1], dtype=dtype)
     weight_rows = []
-    buffer = None
+    buffer = q.new_empty(batch * kv_heads * groups * plan.most_scores())
     for start, stop, allowed, bias, lo, hi in plan.chunks(q.device):
         rows = groups * (stop - start)
         shape = (batch, kv_heads, rows, hi - lo)
-        if buffer is None:  # sized for the first chunk's rows (no chunk has more) and every key
-            buffer = q.new_empty(batch * kv_heads * rows * plan.kv_len)
         scores = buffer[: batch * kv_heads * rows * (hi - lo)].view(shape)
         q_chunk = (q[:, :, :, start:stop] * plan.scaling).reshape(batch, kv_heads, rows, dim)
         torch.matmul(q_chunk, k[:, :, lo:hi].transpose(-1, -2), out=scores)
