@@ -153,8 +153,7 @@ def minus_inf_masked(scores: torch.Tensor, allowed: torch.Tensor | None, inplace
         return scores.masked_fill(~allowed, float("-inf"))
     if allowed.numel() * 4 > scores.numel():
         return scores.masked_fill_(~allowed, float("-inf"))
-    return scores.add_(torch.zeros(allowed.shape, dtype=scores.dtype, device=scores.device)
-                       .masked_fill_(~allowed, float("-inf")))
+    return scores.add_(torch.where(allowed, torch.zeros((), dtype=scores.dtype, device=scores.device), float("-inf")))
 
 
 def read_value(family: str, key: str, text: str, learnable_default: float | None = None) -> float | Learnable:
