@@ -23,8 +23,9 @@ then computes every block (about twice the time of ``is_causal`` at 4,096 tokens
 into an additive float mask, 4 bytes per entry (measured: 76 MiB over the inputs at 4,096 tokens against 12 MiB with
 ``is_causal``); so a large mask goes to SDPA in blocks of query rows (:data:`MASK_BLOCK_ELEMENTS`). An additive
 float bias becomes a float mask (``-inf`` on masked pairs) of the same shape; for SSMax with a learned scale it is
-scaled per query head, so ``(B, H_q, q, kv)``. A row with no key to attend gets 0 (the plugin's convention, not softmax's 0/0): such rows are
-opened to every key for SDPA and their output zeroed, so no NaN reaches the backward pass.
+scaled per query head, so ``(B, H_q, q, kv)``. A row with no key to attend gets 0 (the plugin's convention, not
+softmax's 0/0): such rows are opened to every key for SDPA and their output zeroed, so no NaN reaches the backward
+pass.
 
 Not this path (:func:`sdpa_blocker`; the chunked kernel computes those calls): a softcap, attention dropout, returned
 weights, recorded norms, code traced by ``torch.compile`` (the custom op of :mod:`.compiled` runs the chunked
