@@ -13,6 +13,7 @@ from hf_knorm.attention.kernel import chunked_attention
 from hf_knorm.attention.paths import attention_paths
 from hf_knorm.attention.reference import reference_attention
 from hf_knorm.attention.sdpa import sdpa_attention
+from hf_knorm.normalizations import FAMILIES as FAMILIES_REGISTERED
 from hf_knorm.normalizations import parse_normalization
 
 from tiny_models import assert_same_step, logits_and_grads, tiny_inputs, tiny_model
@@ -131,6 +132,15 @@ def test_bf16_inputs_are_computed_in_fp32_and_returned_in_bf16():
     want, _ = reference_attention(q.float(), k.float(), v.float(), None, normalization, causal=True)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=0, atol=1e-2)
+
+
+def test_the_families_that_list_sdpa_are_those_it_computes():
+    for family in FAMILIES_REGISTERED.values():
+        for spelling in family.examples:
+            normalization = parse_normalization(spelling)
+            assert ("sdpa" in normalization.fast_paths) == sdpa.computes(normalization), spelling
+    windowed = parse_normalization("ssmax(scale=learned) + softmax window 8")  # window.py composes its parts
+    assert "sdpa" not in windowed.fast_paths and not sdpa.computes(windowed)
 
 
 def test_another_family_is_refused():
