@@ -1,8 +1,11 @@
 """Which implementation computes a call, once ``paths.py`` has chosen the path (quadratic or linear).
 
-- The quadratic path: the Triton kernel (``triton_kernel.py``) on CUDA for the calls it computes (a polynomial
-  ``x^p/c``, fp32/bf16/fp16, no attention dropout, no returned weights, no norm recording, not traced by
-  ``torch.compile``); the PyTorch kernel (``kernel.py``) otherwise, and always on the CPU.
+- The quadratic path: PyTorch's SDPA (``sdpa.py``) for the families that are a softmax over modified logits
+  (softmax, SSMax, a sink softmax; no softcap, no attention dropout, no returned weights, no norm recording, not
+  traced by ``torch.compile``, no softmax window), on any device; the Triton kernel (``triton_kernel.py``) on CUDA for
+  the calls it computes (a polynomial ``x^p/c``, fp32/bf16/fp16, no attention dropout, no returned weights, no norm
+  recording, not traced by ``torch.compile``); the PyTorch chunked kernel (``kernel.py``) otherwise, and for every
+  other family on the CPU.
 - The linear path (``p = 1``): flash-linear-attention (``fla_linear.py``) on CUDA for the calls it computes
   (fp32/bf16/fp16, norms not recorded, not traced by ``torch.compile``); the PyTorch linear kernel
   (``linear_kernel.py``) otherwise.
@@ -11,14 +14,16 @@ A GPU kernel computes a call only once it has proved itself on the device in use
 the PyTorch kernel on small shapes, outputs and gradients, the first time a (device, dtype, kernel, normalization
 family, head dimension) comes up in the process. Under the automatic choice a kernel whose package is not installed
 is not tried; one that fails its check or cannot be imported is reported once, with the reason, by a warning, and the
-PyTorch kernel computes its calls.
+PyTorch kernel computes its calls. SDPA needs no self-check: it is PyTorch's own, and ``sdpa.py`` builds inputs on
+which it computes the family's weights exactly (``tests/attention/test_sdpa.py``).
 
-:func:`use_kernels` overrides the automatic choice process-wide: ``"pytorch"`` never uses the GPU kernels;
-``"triton"`` / ``"fla"`` force one: they fail at once, naming the extra to install, when its package is missing, and
-raise with the reason on a call the kernel cannot compute (tensors not on CUDA, softmax, dropout, ...) and when the
-kernel fails its self-check. ``attention_paths()`` counts each call under the name of what ran: ``"triton"``,
-``"fla"``, ``"quadratic"`` (the PyTorch kernel) or ``"linear"`` (the PyTorch linear kernel); the
-``hf_knorm.attention`` logger says at DEBUG level which kernel computes a call and, for a PyTorch one, why.
+:func:`use_kernels` overrides the automatic choice process-wide: ``"pytorch"`` runs the PyTorch chunked and linear
+kernels only (no SDPA, no GPU kernel); ``"sdpa"``, ``"triton"`` / ``"fla"`` force one: the GPU kernels fail at once,
+naming the extra to install, when its package is missing, and each raises with the reason on a call it cannot compute
+(another family, tensors not on CUDA, dropout, ...) and a GPU kernel when it fails its self-check.
+``attention_paths()`` counts each call under the name of what ran: ``"sdpa"``, ``"triton"``, ``"fla"``,
+``"quadratic"`` (the PyTorch chunked kernel) or ``"linear"`` (the PyTorch linear kernel); the ``hf_knorm.attention``
+logger says at DEBUG level which kernel computes a call and, for a PyTorch one, why.
 """
 
 from __future__ import annotations
@@ -37,12 +42,13 @@ from .kernel import chunked_attention
 from .linear_kernel import linear_attention
 from ..normalizations import Normalization, Polynomial
 from .paths import Path
+from .sdpa import sdpa_attention, sdpa_blocker
 from .self_check import family_of, key_of, verdict
 
-KERNEL_CHOICES = {"quadratic": ("auto", "pytorch", "triton"), "linear": ("auto", "pytorch", "fla")}
+KERNEL_CHOICES = {"quadratic": ("auto", "pytorch", "sdpa", "triton"), "linear": ("auto", "pytorch", "fla")}
 _CHOSEN = {"quadratic": "auto", "linear": "auto"}
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_NAMES = {"triton": "the Triton kernel", "fla": "flash-linear-attention"}
+_NAMES = {"triton": "the Triton kernel", "fla": "flash-linear-attention", "sdpa": "SDPA"}
 _MODULES = {"triton": "triton", "fla": "fla"}
 logger = logging.getLogger("hf_knorm.attention")
 _REPORTED: set[tuple] = set()  # self-check keys whose failure has been warned about
@@ -55,7 +61,8 @@ def use_kernels(quadratic: str | None = None, linear: str | None = None) -> dict
     (:func:`with_kernel`).
 
     Args:
-        quadratic: ``"auto"`` (default), ``"pytorch"`` or ``"triton"``.
+        quadratic: ``"auto"`` (default), ``"pytorch"`` (the chunked kernel for every call), ``"sdpa"`` or
+            ``"triton"``.
         linear: ``"auto"`` (default), ``"pytorch"`` or ``"fla"``.
 
     Raises:
@@ -81,8 +88,10 @@ def _importable(module: str) -> bool:
 
 
 def with_kernel(path: Path, query: torch.Tensor, normalization: Normalization, *, dropout: float,
-                return_weights: bool, recording: bool, compiling: bool) -> Path:
-    """``path`` with its ``kernel`` named when a GPU kernel computes the call (see the module docstring).
+                return_weights: bool, recording: bool, compiling: bool, softcap: float | None = None,
+                sdpa: bool = True) -> Path:
+    """``path`` with its ``kernel`` named when SDPA or a GPU kernel computes the call (see the module docstring).
+    ``sdpa``: SDPA may compute it (``False`` for the parts of a softmax window, which ``window.py`` composes).
 
     Raises:
         ValueError: a kernel forced by :func:`use_kernels` cannot compute this call (the message says why).
@@ -92,6 +101,17 @@ def with_kernel(path: Path, query: torch.Tensor, normalization: Normalization, *
     chosen = _CHOSEN[kind]
     if chosen == "pytorch":
         return path if compiling else _log(path, f"use_kernels({kind}='pytorch')")
+    if not path.linear and chosen in ("auto", "sdpa"):
+        blocker = sdpa_blocker(normalization, softcap=softcap, dropout=dropout, return_weights=return_weights,
+                               recording=recording, compiling=compiling) if sdpa else "the part of a softmax window"
+        if not blocker:
+            return _log(replace(path, kernel="sdpa"), "a softmax over modified logits")
+        if chosen == "sdpa":
+            raise ValueError(f"use_kernels(quadratic='sdpa') forces SDPA, which cannot compute this call: {blocker}. "
+                             "Use use_kernels(quadratic='auto') to let the PyTorch kernel compute the calls it does "
+                             "not.")
+        if sdpa and "sdpa" in normalization.fast_paths:  # an SDPA family on a call SDPA does not compute
+            return path if compiling else _log(path, f"SDPA does not compute it: {blocker}")
     kernel = "fla" if path.linear else "triton"
     forced = chosen != "auto"
     blocker = _blocker(kernel, query, normalization, dropout=dropout, return_weights=return_weights,
@@ -153,7 +173,8 @@ def _warn_once(key: tuple, message: str) -> None:
 def _log(path: Path, why: str) -> Path:
     """``path``, after saying at DEBUG level which kernel computes the call and why."""
     if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("%s kernel (%s): %s", path.name, "GPU" if path.kernel else "PyTorch", why)
+        where = "PyTorch" if path.kernel in ("", "sdpa") else "GPU"
+        logger.debug("%s kernel (%s): %s", path.name, where, why)
     return path
 
 
@@ -164,6 +185,14 @@ def _device_type(tensor: torch.Tensor) -> str:
 
 def run_quadratic(path: Path, query, key, value, allowed, normalization, **options):
     """The quadratic path's call: :func:`.kernel.chunked_attention`'s arguments and result ``(output, weights)``."""
+    if path.kernel == "sdpa":
+        if options.get("softcap") is not None or options.get("dropout") or options.get("return_weights") \
+                or options.get("frobenius_sq") is not None:
+            raise ValueError("SDPA computes no softcap, dropout, returned weights or norms (with_kernel keeps such "
+                             "calls on the PyTorch kernel).")
+        keep = ("bias", "scaling", "causal", "params")
+        return sdpa_attention(query, key, value, allowed, normalization,
+                              **{name: options[name] for name in keep if name in options}), None
     if path.kernel != "triton":
         return chunked_attention(query, key, value, allowed, normalization, **options)
     from .triton_kernel import triton_attention  # imports triton: only when it runs

@@ -3,7 +3,8 @@
 Registered under the name ``"hf_knorm"`` (``registration.py``). Each model reads its normalization from its own config
 (``config.hf_knorm["normalization"]``), so two models in one process can use different normalizations. The math is in
 ``kernel.py`` (any normalization, quadratic time) and ``linear_kernel.py`` (``p = 1``, linear time; ``paths.py``
-chooses; on CUDA ``backends.py`` runs them as Triton and flash-linear-attention kernels), composed by ``window.py``
+chooses; ``backends.py`` runs softmax, SSMax and a sink softmax on PyTorch's SDPA, ``sdpa.py``, and on CUDA the
+polynomials as Triton and flash-linear-attention kernels), composed by ``window.py``
 for a normalization with a softmax window; this module adapts Transformers' arguments to them (mask forms, kwargs,
 output recording), reports to an active norm recorder or K/V transform, and continues the recurrent state a cache
 hands over (``taps.py``).
@@ -90,7 +91,8 @@ def hf_knorm_attention(
     else:
         path = choose_path(normalization, query.shape[2], key.shape[2], mask, bias, **choice)
     path = with_kernel(path, query, normalization.without_window, dropout=dropout, return_weights=return_weights,
-                       recording=recorder is not None, compiling=compiling)
+                       recording=recorder is not None, compiling=compiling, softcap=softcap,
+                       sdpa=not normalization.window)
     if read_taps:
         note_path(path, module, query.shape[2], linear_policy_of(module))
     elif path.fallback:

@@ -15,8 +15,9 @@ length. It is chosen automatically when it computes exactly what the quadratic k
   K/V cache in ``O(N * D)``, the linear form needs ``O(N * D^2)``), or a recurrent state to continue.
 
 Which path ran is visible: ``with attention_paths() as paths:`` counts the calls per path (``paths["linear"]``,
-``paths["quadratic"]``; on CUDA ``paths["fla"]`` and ``paths["triton"]`` for the GPU kernels, ``backends.py``), and
-the ``hf_knorm.attention`` logger says at DEBUG level why a call took the quadratic path.
+``paths["quadratic"]``, ``paths["sdpa"]`` for a quadratic call that PyTorch's SDPA computes; on CUDA ``paths["fla"]``
+and ``paths["triton"]`` for the GPU kernels, ``backends.py``), and the ``hf_knorm.attention`` logger says at DEBUG
+level why a call took the quadratic path (and ``backends.py`` which kernel computes it, and why).
 A *fallback* (a ``p = 1`` call that could not take the linear path for a reason other than its few queries) is never
 silent on a long input: from :data:`LONG_INPUT` queries on it warns once per reason. A model patched with
 ``linear="require"`` (:func:`hf_knorm.patch`) raises instead, at any length, for users who need the guarantee.
@@ -68,7 +69,7 @@ class Path:
     key_valid: torch.Tensor | None = None
     reason: str = ""
     fallback: bool = False
-    kernel: str = ""  # a GPU kernel computing the path ("triton", "fla"; backends.py); "" = the PyTorch one
+    kernel: str = ""  # what computes the path besides the PyTorch kernels ("sdpa", "triton", "fla"; backends.py)
 
     @property
     def name(self) -> str:
@@ -163,7 +164,7 @@ def note_path(path: Path, module: torch.nn.Module, q_len: int, policy: str = "au
     if paths is not None:
         paths[path.name] += 1
     if not path.linear and logger.isEnabledFor(logging.DEBUG):
-        logger.debug("layer %s: quadratic kernel: %s", getattr(module, "layer_idx", "?"), path.reason)
+        logger.debug("layer %s: quadratic path (%s): %s", getattr(module, "layer_idx", "?"), path.name, path.reason)
     if path.fallback:
         check_linear_policy(path, policy, q_len)
 
@@ -191,7 +192,7 @@ def linear_policy_of(module: torch.nn.Module) -> str:
 @contextmanager
 def attention_paths():
     """``with attention_paths() as paths:`` -> a ``Counter`` of the plugin's attention calls per path
-    (``"linear"``, ``"quadratic"``, and on CUDA ``"fla"``, ``"triton"``) made inside the block."""
+    (``"linear"``, ``"quadratic"``, ``"sdpa"``, and on CUDA ``"fla"``, ``"triton"``) made inside the block."""
     paths = Counter()
     token = _PATHS.set(paths)
     count_tap(+1)

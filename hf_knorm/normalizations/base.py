@@ -114,7 +114,9 @@ class Normalization:
             scores: fp32 (or fp64) scores ``(..., q, kv)``; whole rows (every key a row may attend is there).
             allowed: bool mask broadcastable to ``scores`` (True = may attend), or ``None`` (every key).
             params: the learnable values (:data:`Parameters`), for a family that has some.
-            inplace: the scores may be overwritten (inference only).
+            inplace: the scores may be overwritten (inference only: the chunked kernel's forward passes it, on a
+                buffer of its own); the result may then be ``scores`` itself. Without it, nothing is changed in
+                place that autograd needs.
 
         Returns:
             Weights of the shape of ``scores``; masked pairs are exactly 0, and so is a row with no allowed key.
@@ -151,9 +153,30 @@ def row_counts(scores: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tens
     return allowed.sum(dim=-1, keepdim=True, dtype=scores.dtype).expand(*scores.shape[:-1], 1).clamp_min(1.0)
 
 
-def masked(weights: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-    """``weights`` with masked pairs set to exactly 0 (a new tensor: autograd may need ``weights``)."""
-    return weights if allowed is None else weights.masked_fill(~allowed, 0.0)
+def masked(weights: torch.Tensor, allowed: torch.Tensor | None, inplace: bool = False) -> torch.Tensor:
+    """``weights`` with masked pairs set to 0: a new tensor (autograd may need ``weights``), or ``weights`` itself
+    with ``inplace``.
+
+    A product by the mask, not ``masked_fill``: the same values where ``weights`` is finite (every family's are, at
+    masked pairs too), and several times faster on the CPU (``masked_fill`` takes ~1.1 ns per element, a product by a
+    broadcast bool mask ~0.15 ns in place: a chunk of the quadratic kernel holds 2^21 scores).
+    """
+    if allowed is None:
+        return weights
+    return weights.mul_(allowed) if inplace else weights * allowed
+
+
+def minus_inf_masked(scores: torch.Tensor, allowed: torch.Tensor | None, inplace: bool = False) -> torch.Tensor:
+    """``scores`` with masked pairs set to ``-inf`` (the logits of a softmax): a new tensor, or ``scores`` itself with
+    ``inplace``. In place, a mask shared by the heads (smaller than the scores) is added as its ``0 / -inf`` form,
+    which is faster on the CPU than ``masked_fill`` over every head."""
+    if allowed is None:
+        return scores
+    if not inplace:
+        return scores.masked_fill(~allowed, float("-inf"))
+    if allowed.numel() * 4 > scores.numel():
+        return scores.masked_fill_(~allowed, float("-inf"))
+    return scores.add_(torch.where(allowed, torch.zeros((), dtype=scores.dtype, device=scores.device), float("-inf")))
 
 
 def read_value(family: str, key: str, text: str, learnable_default: float | None = None) -> float | Learnable:

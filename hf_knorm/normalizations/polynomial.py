@@ -24,7 +24,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from .base import Normalization, row_counts
+from .base import Normalization, masked, row_counts
 
 _SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹", "0123456789")
 _SPELLING = re.compile(r"^x(?:\^(?P<power>[+-]?\d+)|(?P<sup>[⁰¹²³⁴⁵⁶⁷⁸⁹]+))?/(?P<constant>sqrt\(?N\)?|[^/]+)$")
@@ -56,15 +56,15 @@ class Polynomial(Normalization):
         return f"{base}/{constant}"
 
     def weights(self, scores, allowed, params=None, inplace=False):
-        if not inplace:
-            scores = scores.clone()
         if allowed is not None:
-            scores.masked_fill_(~allowed, 0.0)  # before the power: phi(0) = 0, and no inf/NaN from a masked value
+            scores = masked(scores, allowed, inplace)  # before the power: phi(0) = 0, no inf/NaN from a masked value
+        elif not inplace:
+            scores = scores.clone()
         if self.power != 1:
             scores.pow_(self.power)
         if not self.sqrt_n:
             return scores.div_(self.constant)
-        return scores.div_(row_counts(scores, allowed).sqrt_())
+        return scores.mul_(row_counts(scores, allowed).rsqrt_())
 
     @classmethod
     def parse(cls, text):

@@ -44,14 +44,17 @@ class Rectified(Normalization):
         return f"{base}/{divisor}"
 
     def weights(self, scores, allowed, params=None, inplace=False):
-        weights = masked(scores.clamp_min(0.0), allowed)  # masked before the power: no inf from a masked score
+        weights = scores.clamp_min_(0.0) if inplace else scores.clamp_min(0.0)
+        weights = masked(weights, allowed, inplace)  # masked before the power: no inf from a masked score
         if self.power != 1:
-            weights = weights.pow(self.power)
+            weights = weights.pow_(self.power) if inplace else weights.pow(self.power)
         if self.divisor == "n":
-            return weights / row_counts(weights, allowed)
-        if self.divisor == "sqrtN":
-            return weights / row_counts(weights, allowed).sqrt()
-        return weights / self.divisor
+            factor = row_counts(weights, allowed).reciprocal_()
+        elif self.divisor == "sqrtN":
+            factor = row_counts(weights, allowed).rsqrt_()
+        else:
+            return weights.div_(self.divisor) if inplace else weights / self.divisor
+        return weights.mul_(factor) if inplace else weights * factor
 
     @classmethod
     def parse(cls, text):

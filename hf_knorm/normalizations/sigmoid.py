@@ -45,14 +45,19 @@ class Sigmoid(Normalization):
         return {"bias": self.bias.init} if isinstance(self.bias, Learnable) else {}
 
     def weights(self, scores, allowed, params=None, inplace=False):
+        if inplace and self.bias == PER_ROW and allowed is not None and allowed.numel() * 4 <= scores.numel():
+            # One addition of a mask shared by the heads: -log n on allowed pairs, -inf on masked ones, whose
+            # sigmoid is exactly 0 (a pass over the scores less than adding the bias and then masking).
+            counts = allowed.sum(dim=-1, keepdim=True, dtype=scores.dtype).clamp_min_(1.0)
+            return scores.add_(torch.where(allowed, counts.log_().neg_(), float("-inf"))).sigmoid_()
         if isinstance(self.bias, Learnable):
             bias = params["bias"].to(scores.dtype)
         elif self.bias == PER_ROW:
             bias = -row_counts(scores, allowed).log_()
         else:
             bias = self.bias
-        weights = torch.sigmoid(scores + bias)
-        return masked(weights, allowed)
+        weights = scores.add_(bias).sigmoid_() if inplace else torch.sigmoid(scores + bias)
+        return masked(weights, allowed, inplace)
 
     @classmethod
     def parse(cls, text):

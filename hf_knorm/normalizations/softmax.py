@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Normalization, arguments
+from .base import Normalization, arguments, minus_inf_masked
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,9 @@ class Softmax(Normalization):
     def weights(self, scores, allowed, params=None, inplace=False):
         if allowed is None:
             return torch.softmax(scores, dim=-1)
-        weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-        return weights.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)  # a row with no key: 0, not NaN
+        weights = torch.softmax(minus_inf_masked(scores, allowed, inplace), dim=-1)
+        empty = ~allowed.any(dim=-1, keepdim=True)  # a row with no key: 0, not NaN
+        return weights.masked_fill_(empty, 0.0) if inplace else weights.masked_fill(empty, 0.0)
 
     @classmethod
     def parse(cls, text):

@@ -52,7 +52,7 @@ class SSMax(Normalization):
 
     def weights(self, scores, allowed, params=None, inplace=False):
         factor = self.row_factor(params, row_counts(scores, allowed))
-        return Softmax().weights(scores * factor, allowed)
+        return Softmax().weights(scores.mul_(factor) if inplace else scores * factor, allowed, inplace=inplace)
 
     @classmethod
     def parse(cls, text):

@@ -39,7 +39,7 @@ class Windowed(Normalization):
 
     @property
     def fast_paths(self) -> tuple[str, ...]:
-        return self.base.fast_paths
+        return tuple(path for path in self.base.fast_paths if path != "sdpa")  # window.py composes the two parts
 
     @property
     def name(self) -> str:

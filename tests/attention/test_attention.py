@@ -7,7 +7,7 @@ import torch
 
 from hf_knorm.attention.interface import read_mask
 from hf_knorm.attention.kernel import chunked_attention
-from hf_knorm.normalizations import PAPER_NORMALIZATIONS, parse_normalization
+from hf_knorm.normalizations import FAMILIES, PAPER_NORMALIZATIONS, parse_normalization
 from hf_knorm.attention.reference import reference_attention
 
 NORMALIZATIONS = PAPER_NORMALIZATIONS + ("x^2/4",)
@@ -42,6 +42,28 @@ def test_forward_and_gradients_match_reference(spelling, chunk_elements):
     ref_grads = torch.autograd.grad((ref * upstream).sum(), (q, k, v))
     for name, grad, ref_grad in zip("qkv", grads, ref_grads):
         torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-9, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("spelling", [example for family in FAMILIES.values() for example in family.examples])
+@pytest.mark.parametrize("chunk_elements", [10**9, 300], ids=["one-chunk", "many-chunks"])
+def test_every_family_matches_reference_with_its_learnable_values(spelling, chunk_elements):
+    """Each registered family's example spellings, a padded causal batch, fp64: outputs and gradients (the learnable
+    values' included: one per query head, spread around their initial value)."""
+    normalization = parse_normalization(spelling)
+    q, k, v = _tensors()
+    generator = torch.Generator().manual_seed(1)
+    params = {name: (init + 0.3 * torch.randn(4, generator=generator, dtype=torch.float64)).requires_grad_()
+              for name, init in normalization.learnable().items()}
+    mask = _padded_causal_mask(2, 37, 37, pad=5)
+    out, _ = chunked_attention(q, k, v, mask, normalization, scaling=0.4, chunk_elements=chunk_elements, params=params)
+    ref, _ = reference_attention(q, k, v, mask, normalization, scaling=0.4, params=params)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    upstream = torch.randn_like(out)
+    inputs = (q, k, v, *params.values())
+    grads = torch.autograd.grad((out * upstream).sum(), inputs)
+    ref_grads = torch.autograd.grad((ref * upstream).sum(), inputs)
+    for index, (grad, ref_grad) in enumerate(zip(grads, ref_grads, strict=True)):
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-9, msg=lambda m: f"input {index}: {m}")
 
 
 @pytest.mark.parametrize("spelling", ["softmax", "x^3/sqrtN", "x/16"])

@@ -106,7 +106,7 @@ def test_bf16_inputs_give_a_bf16_output_computed_in_fp32(name):
 
 
 NORMALIZATIONS = {  # the normalization and how many tokens take the path named
-    "softmax": (40, "quadratic"),
+    "softmax": (40, "sdpa"),  # PyTorch's SDPA (hf_knorm/attention/sdpa.py)
     "x^3/16": (40, "quadratic"),
     "x/1": (130, "linear"),  # 128 queries or more: the linear kernel
     "x^3/16 + softmax window 8 + sinks 2": (40, "quadratic"),

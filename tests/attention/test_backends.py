@@ -72,12 +72,26 @@ def test_on_cuda_the_gpu_kernels_take_what_they_compute(proven):
         ("triton", torch.bfloat16), ("triton", torch.float16), ("fla", torch.bfloat16), ("fla", torch.float32)]
 
 
-@pytest.mark.parametrize("case", [dict(spelling="softmax"), dict(dtype=torch.float64), dict(dropout=0.1),
-                                  dict(return_weights=True), dict(recording=True), dict(compiling=True)],
-                         ids=["softmax", "fp64", "dropout", "weights", "recording", "compiling"])
+@pytest.mark.parametrize("case", [dict(spelling="softmax", dropout=0.1), dict(dtype=torch.float64),
+                                  dict(dropout=0.1), dict(return_weights=True), dict(recording=True),
+                                  dict(compiling=True)],
+                         ids=["softmax-dropout", "fp64", "dropout", "weights", "recording", "compiling"])
 def test_on_cuda_the_rest_stays_on_the_pytorch_kernel(proven, case):
     assert _name(QUADRATIC, **case) == "quadratic"
     assert not proven  # nothing to check: the kernel is not asked
+
+
+@pytest.mark.parametrize("spelling", ["softmax", "ssmax(scale=learned)", "softmax(sink=0)"])
+def test_the_softmax_families_take_sdpa_unless_forced_to_the_pytorch_kernel(proven, spelling):
+    assert _name(QUADRATIC, spelling) == "sdpa"
+    assert _name(QUADRATIC, spelling, softcap=5.0) == "quadratic"
+    assert not proven  # SDPA is PyTorch's own: no self-check
+    backends.use_kernels(quadratic="pytorch")
+    assert _name(QUADRATIC, spelling) == "quadratic"
+    backends.use_kernels(quadratic="sdpa")
+    assert _name(QUADRATIC, spelling) == "sdpa"
+    with pytest.raises(ValueError, match="forces SDPA, which cannot compute this call: a softcap on the scores"):
+        _name(QUADRATIC, spelling, softcap=5.0)
 
 
 @pytest.mark.parametrize("case", [dict(dtype=torch.float64), dict(recording=True), dict(compiling=True)],
@@ -101,7 +115,7 @@ def test_on_the_cpu_the_pytorch_kernels_run(fresh):
 def test_use_kernels_overrides_and_refuses(proven, monkeypatch):
     assert backends.use_kernels(quadratic="pytorch", linear="pytorch") == {"quadratic": "pytorch", "linear": "pytorch"}
     assert _name(QUADRATIC) == "quadratic" and _name(LINEAR, "x/1") == "linear"
-    with pytest.raises(ValueError, match="one of auto, pytorch, triton"):
+    with pytest.raises(ValueError, match="one of auto, pytorch, sdpa, triton"):
         backends.use_kernels(quadratic="flash")
     monkeypatch.setitem(sys.modules, "triton", None)  # as if not installed
     with pytest.raises(MissingExtraError, match=r"pip install 'hf_knorm\[gpu\]'"):

@@ -33,8 +33,9 @@ def test_a_chunk_that_attends_nothing_is_empty():
 
 
 def test_the_kernel_finds_its_key_ranges_once_per_call(monkeypatch):
-    """Many chunks, one pass over the mask (read to the host once); none at all for the implicit causal mask. The
-    results are the reference's (tests/attention/test_attention.py checks the values; here the count)."""
+    """Many chunks, one pass over the mask (read to the host once) for the forward and backward pass; none at all for
+    the implicit causal mask. The results are the reference's (tests/attention/test_attention.py checks the values;
+    here the count)."""
     calls = []
     original = kernel.chunk_key_ranges
     monkeypatch.setattr(kernel, "chunk_key_ranges", lambda *a: calls.append(a[1]) or original(*a))
@@ -42,7 +43,7 @@ def test_the_kernel_finds_its_key_ranges_once_per_call(monkeypatch):
     q, k, v = (torch.randn(2, 2, 37 if i == 0 else 45, 8, generator=generator, requires_grad=True) for i in range(3))
     out, _ = chunked_attention(q, k, v, _window_mask(), parse_normalization("x^3/16"), chunk_elements=400)
     out.square().sum().backward()
-    assert calls == [2, 2]  # forward and backward, 2 rows a chunk (19 chunks each)
+    assert calls == [2]  # 2 rows a chunk (19 chunks); the backward reuses the forward's plan and its ranges
     calls.clear()
     out, _ = chunked_attention(q, k[:, :, :37], v[:, :, :37], None, parse_normalization("x^3/16"), causal=True,
                                chunk_elements=400)

@@ -41,6 +41,7 @@ CASES = [("llama", spelling, 130 if spelling == "x/1" else 12) for spelling in P
 CASES += [
     ("mistral", "x^3/sqrtN", 12),  # a sliding window shorter than the sequence
     ("gemma2", "x/16", 12),  # softcapped scores
+    ("llama", "sigmoid(bias=learned)", 12),  # a learned value: its gradient from the op's backward (torch.func.vjp)
 ]
 
 
@@ -51,7 +52,8 @@ def test_compiled_model_matches_eager_without_graph_breaks(model_type, spelling,
     inputs = _padded_inputs(model_type, length)
     with attention_paths() as paths:
         eager_logits, eager_grads = logits_and_grads(model, inputs)
-    assert paths["linear" if (spelling == "x/1" and length >= 128) else "quadratic"] > 0
+    eager_path = "linear" if (spelling == "x/1" and length >= 128) else "sdpa" if spelling == "softmax" else "quadratic"
+    assert paths[eager_path] > 0
     assert not taps_set()
 
     compiled = torch.compile(model, backend="inductor", fullgraph=True)  # a graph break is an error

@@ -1,0 +1,201 @@
+"""PyTorch's SDPA (``torch.nn.functional.scaled_dot_product_attention``) for the families that are a softmax over
+modified logits: softmax itself, SSMax and softmax with a sink. Exact: the same weights as the chunked kernel
+(:mod:`.kernel`), outputs and gradients (the learnable values' included, through autograd).
+
+- **Softmax**: SDPA as it is.
+- **SSMax** ``softmax_j(s_h log(n_i) s_ij)``: each query row is multiplied by its own ``s_h log n_i`` (``n_i`` the keys
+  row ``i`` may attend: ``i + 1`` under the implicit causal mask, the allowed keys of a padded or cached row), and an
+  additive bias by the same factor.
+- **Softmax with a sink** ``e^s / (e^sigma_h + sum e^s)``: the sink is one more key, first, of value 0, that every
+  row may attend. Its logit rides on one more head dimension: the queries (already multiplied by the scaling; SDPA
+  then runs with ``scale=1``) get ``sigma_h`` there, the keys 0, and the sink's key 1 (its other dimensions 0), so its
+  score is exactly ``sigma_h``. Values get a zero dimension too: SDPA's CPU flash kernel takes equal head dimensions
+  only (a query/key dimension of 65 against values of 64 runs its math fallback, 10x slower). Under the implicit
+  causal mask a dummy query row goes first, so that SDPA's top-left ``is_causal`` gives row ``i`` the sink and keys
+  ``0 .. i`` without a mask.
+
+Masks: no mask, or the implicit causal one (``allowed`` ``None`` with ``causal``: top-left, keys cut to the queries,
+the kernel's convention) run SDPA's ``is_causal``, with no ``N x N`` tensor: on the CPU its flash kernel, memory
+linear in ``N``, which skips the blocks above the diagonal. An explicit bool mask (padding, a cache with more keys
+than queries, where SDPA's top-left ``is_causal`` would be wrong) is passed as ``attn_mask``: the ``(B, 1, q, kv)``
+mask :meth:`.masks.KeyPadding.dense` builds for the chunked kernel as well (``B * q * kv`` bytes). The CPU flash kernel
+then computes every block (about twice the time of ``is_causal`` at 4,096 tokens), and first turns the bool mask
+into an additive float mask, 4 bytes per entry (measured: 76 MiB over the inputs at 4,096 tokens against 12 MiB with
+``is_causal``); so a large mask goes to SDPA in blocks of query rows (:data:`MASK_BLOCK_ELEMENTS`). An additive
+float bias becomes a float mask (``-inf`` on masked pairs) of the same shape; for SSMax with a learned scale it is
+scaled per query head, so ``(B, H_q, q, kv)``. A row with no key to attend gets 0 (the plugin's convention, not
+softmax's 0/0): such rows are opened to every key for SDPA and their output zeroed, so no NaN reaches the backward
+pass.
+
+Not this path (:func:`sdpa_blocker`; the chunked kernel computes those calls): a softcap, attention dropout, returned
+weights, recorded norms, code traced by ``torch.compile`` (the custom op of :mod:`.compiled` runs the chunked
+kernel), and a softmax window's parts (:mod:`.window`).
+
+The computation is in fp32 (fp64 for fp64 inputs) whatever the inputs' dtype and autocast, as the chunked kernel's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .full_precision import full_precision
+from .kernel import _raw_params
+from ..normalizations import Normalization, SinkSoftmax, Softmax, SSMax
+from ..normalizations.base import Parameters
+
+SDPA_FAMILIES = (Softmax, SSMax, SinkSoftmax)
+"""The families SDPA computes (each lists ``"sdpa"`` in its ``fast_paths``)."""
+
+MASK_BLOCK_ELEMENTS = 1 << 22
+"""Mask entries per SDPA call (read at call time). SDPA's CPU kernel turns a bool mask into an additive float one, 4
+bytes per entry (64 MiB for 4,096 x 4,096): an explicit mask larger than this goes to SDPA in blocks of query rows
+(each row is its own softmax), so that the float form exists for one block at a time (16 MiB)."""
+
+_ENABLE_GQA = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+"""SDPA groups the query heads itself from torch 2.5 on; before, K and V are repeated."""
+
+
+def computes(normalization: Normalization) -> bool:
+    """Whether SDPA computes ``normalization`` (without a softmax window: :mod:`.window` composes its parts)."""
+    return isinstance(normalization, SDPA_FAMILIES) and not normalization.window
+
+
+def sdpa_blocker(normalization: Normalization, *, softcap: float | None, dropout: float, return_weights: bool,
+                 recording: bool, compiling: bool) -> str:
+    """Why SDPA cannot compute a call (``""`` when it can)."""
+    if not computes(normalization):
+        return f"{normalization.name} is not a softmax over modified logits"
+    if softcap is not None:
+        return "a softcap on the scores (SDPA has none)"
+    if dropout > 0.0:
+        return "attention dropout (the chunked kernel drops the normalized weights)"
+    if return_weights:
+        return "the attention weights were requested"
+    if recording:
+        return "the attention norms are recorded, which only the chunked kernel accumulates"
+    if compiling:
+        return "the call is traced by torch.compile (the custom op runs the chunked kernel: compiled.py)"
+    return ""
+
+
+@full_precision
+def sdpa_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: torch.Tensor | None,
+    normalization: Normalization,
+    *,
+    bias: torch.Tensor | None = None,
+    scaling: float | None = None,
+    causal: bool = False,
+    params: Parameters | None = None,
+) -> torch.Tensor:
+    """Attention with softmax, SSMax or a sink softmax through SDPA.
+
+    Args:
+        query ``(B, H_q, q, D)``; key ``(B, H_kv, kv, D)``; value ``(B, H_kv, kv, D_v)``; ``H_q % H_kv == 0``.
+        allowed: bool ``(B or 1, 1 or H_q, q, kv)`` (True = may attend), or ``None``: no mask, or with ``causal``
+            (and ``q > 1``) a top-left causal mask with the keys cut to ``q``, as :func:`.kernel.chunked_attention`
+            has it.
+        normalization: one of :data:`SDPA_FAMILIES`, without a window.
+        bias: an additive float mask of ``allowed``'s shape, or ``None``.
+        scaling: the score scale (default ``D ** -0.5``).
+        params: the family's learnable values, ``(H_q,)`` each (SSMax's ``scale``, the sink's ``sink``).
+
+    Returns:
+        ``(B, q, H_q, D_v)`` in the query's dtype, computed in fp32 (fp64 for fp64 inputs).
+
+    Raises:
+        ValueError: a family SDPA does not compute, head counts that do not group, a learnable value missing.
+    """
+    if not computes(normalization):
+        raise ValueError(f"SDPA computes softmax, SSMax and a sink softmax without a window, not {normalization.name}.")
+    batch, q_heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    if q_heads % kv_heads:
+        raise ValueError(f"{q_heads} query heads cannot be grouped over {kv_heads} key-value heads.")
+    raw = _raw_params(normalization, params, query)  # (H_q,) each, in the compute dtype
+    compute = torch.promote_types(query.dtype, torch.float32)
+    q, k, v = query.to(compute), key.to(compute), value.to(compute)
+    scaling = dim**-0.5 if scaling is None else float(scaling)
+    is_causal = allowed is None and causal and q_len > 1
+    if is_causal:  # top-left, keys cut to the queries (the kernel's convention)
+        kv_len = min(kv_len, q_len)
+        k, v = k[:, :, :kv_len], v[:, :, :kv_len]
+    empty = None  # (B, 1 or H_q, q, 1): rows with no key, answered by 0
+    if allowed is not None:
+        allowed = allowed[..., :kv_len]
+        bias = None if bias is None else bias[..., :kv_len]
+        has_key = allowed.any(dim=-1, keepdim=True)
+        if not bool(has_key.all()):
+            empty = ~has_key
+    scale = scaling
+    if isinstance(normalization, SSMax):
+        factor = _ssmax_factor(normalization, raw, allowed, is_causal, q_len, kv_len, compute, q.device)
+        q = q * (factor * scaling)
+        bias = None if bias is None else bias * factor
+        scale = 1.0
+    if empty is not None:
+        allowed = allowed | empty  # opened for SDPA (no 0/0), zeroed below
+    mask = allowed
+    if bias is not None:
+        mask = bias.to(compute) if allowed is None else bias.to(compute).masked_fill(~allowed, float("-inf"))
+    head_dim = v.shape[-1]
+    if isinstance(normalization, SinkSoftmax):
+        q, k, v, mask = _with_sink(normalization, raw, q, scaling, k, v, mask, is_causal)
+        scale = 1.0
+    output = _sdpa(q, k, v, mask, is_causal, scale, q_heads // kv_heads)
+    if isinstance(normalization, SinkSoftmax):
+        output = output[:, :, 1:] if is_causal else output
+        output = output[..., :head_dim]
+    if empty is not None:
+        output = output.masked_fill(empty, 0.0)
+    return output.transpose(1, 2).to(query.dtype)
+
+
+def _ssmax_factor(normalization: SSMax, raw, allowed, is_causal: bool, q_len: int, kv_len: int, dtype,
+                  device) -> torch.Tensor:
+    """``s_h log n_i``, ``(B or 1, H_q or 1, q, 1)``: ``n_i`` the keys row ``i`` may attend (at least 1)."""
+    if allowed is not None:
+        counts = allowed.sum(dim=-1, keepdim=True, dtype=dtype).clamp_min(1.0)
+    elif is_causal:
+        counts = torch.arange(1, q_len + 1, device=device, dtype=dtype).clamp_max(kv_len)[None, None, :, None]
+    else:
+        counts = torch.full((1, 1, q_len, 1), float(kv_len), device=device, dtype=dtype)
+    scale = raw["scale"][:, None, None] if "scale" in raw else normalization.scale
+    return counts.log() * scale
+
+
+def _with_sink(normalization: SinkSoftmax, raw, q, scaling: float, k, v, mask, is_causal: bool):
+    """Queries (multiplied by ``scaling``), keys, values and mask with the sink: one more key first, its logit
+    ``sigma_h`` on one more head dimension (see the module docstring). One copy of each tensor."""
+    batch, q_heads, q_len, dim = q.shape
+    sink = raw["sink"] if "sink" in raw else q.new_full((q_heads,), float(normalization.sink))
+    # under is_causal a dummy query row first: top-left causal then gives row i the sink and keys 0 .. i
+    q = F.pad(q, (0, 1, int(is_causal), 0))  # a new tensor: the products below may write into it
+    q.mul_(F.pad(q.new_full((dim,), scaling), (0, 1)))
+    q.add_(F.pad(sink[:, None, None], (dim, 0)))  # sigma_h on the extra dimension of each head's queries
+    k = F.pad(k, (0, 1, 1, 0))  # a zero dimension, and the sink's key first
+    k[:, :, 0, dim] = 1.0
+    v = F.pad(v, (0, 1 if v.shape[-1] == dim else 0, 1, 0))  # the sink's value 0; head dims equal for the flash kernel
+    if not is_causal and mask is not None:  # the sink's column: always attended, score sigma_h (bias 0)
+        column = (mask.new_ones if mask.dtype == torch.bool else mask.new_zeros)((*mask.shape[:-1], 1))
+        mask = torch.cat([column, mask], dim=-1)
+    return q, k, v, mask
+
+
+def _sdpa(q, k, v, mask, is_causal: bool, scale: float, groups: int) -> torch.Tensor:
+    """SDPA, over blocks of query rows when an explicit mask is large (:data:`MASK_BLOCK_ELEMENTS`)."""
+    if groups > 1 and not _ENABLE_GQA:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    options = dict(enable_gqa=True) if groups > 1 and _ENABLE_GQA else {}
+    rows = q.shape[-2] if mask is None or mask.shape[-2] == 1 else \
+        max(1, MASK_BLOCK_ELEMENTS // max(1, mask[..., 0, :].numel()))
+    if rows >= q.shape[-2]:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, **options)
+    return torch.cat([F.scaled_dot_product_attention(q[..., start:start + rows, :], k, v,
+                                                     attn_mask=mask[..., start:start + rows, :], scale=scale,
+                                                     **options)
+                      for start in range(0, q.shape[-2], rows)], dim=-2)
