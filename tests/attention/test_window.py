@@ -6,14 +6,13 @@ terms in another order). Rows compared: every query whose own key is real (a pad
 module docstring); left padding, where a padded query attends nothing, is compared on every row.
 """
 
-import math
 
 import pytest
 import torch
 
 from hf_knorm.attention import paths, window
 from hf_knorm.attention.masks import KeyPadding
-from hf_knorm.normalizations import Normalization, Softmax, parse_normalization, with_window
+from hf_knorm.normalizations import Softmax, parse_normalization, with_window
 from hf_knorm.attention.reference import reference_attention, reference_window_attention, window_split
 from hf_knorm.attention.window import ROW_EPS, window_attention, window_path
 
