@@ -115,7 +115,7 @@ def report(out: Path, families: list[str], figure: Path | None, layers: list[int
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in results:
         cells = [f"{_ppl(r['before'][d])} / {_ppl(r['after'][d])}" for d in DOMAIN_NAMES]
-        ratios = (", ".join(f"{r['after'][d] / control['after'][d]:.2f}" if math.isfinite(r['after'][d]) else "nan"
+        ratios = (", ".join(_number(r['after'][d] / control['after'][d]) if math.isfinite(r['after'][d]) else "nan"
                             for d in DOMAIN_NAMES) if control else "-")
         lines.append(f"| {r['normalization']} | " + " | ".join(cells) + f" | {ratios} | {r['finetune_seconds']:.0f} s |")
     table = "\n".join(lines)
@@ -137,31 +137,44 @@ def draw(out: Path, families: list[str], path: Path, layers: list[int] | None) -
     histories = {f: read_norm_history(out / slug(f) / "run") for f in families}
     total = len(next(iter(histories.values()))[0]["layers"])
     layers = layers or sorted({0, total // 3, 2 * total // 3, total - 1})
-    fig = Figure(figsize=(3.6 * len(layers), 3.6))
-    axes = fig.subplots(1, len(layers), sharex=True)
+    columns = min(2, len(layers))
+    rows = -(-len(layers) // columns)
+    legend_rows = -(-len(histories) // 5)
+    height = 3.0 * rows + 0.5 + 0.3 * legend_rows
+    fig = Figure(figsize=(5.2 * columns, height))
+    axes = list(np.atleast_1d(fig.subplots(rows, columns, sharex=True, squeeze=False)).ravel())
     for number, (family, history) in enumerate(histories.items()):
         steps = [record["step"] for record in history]
         for ax, layer in zip(axes, layers):
             values = np.array([record["layers"][layer]["attn_fro"] for record in history], dtype=float)
             ax.plot(steps, values, marker="o", ms=3, lw=1.2, color=LINE_COLORS[number % len(LINE_COLORS)],
                     ls="-" if family == "softmax" else "--", label=family if ax is axes[0] else None)
-    for ax, layer in zip(axes, layers):
+    for number, ax in enumerate(axes):
+        if number >= len(layers):
+            ax.set_visible(False)
+            continue
         ax.set_yscale("log")
-        ax.set_title(f"Layer {layer + 1} of {total}", fontsize=10)
-        ax.set_xlabel("fine-tuning step")
+        ax.set_title(f"Layer {layers[number] + 1} of {total}", fontsize=10)
         ax.grid(True, which="major", alpha=0.3)
-    axes[0].set_ylabel("||A||_F")
+        if number % columns == 0:
+            ax.set_ylabel("||A||_F")
+        if number >= len(layers) - columns:
+            ax.set_xlabel("fine-tuning step")
     fig.legend(loc="lower center", ncol=min(len(histories), 5), frameon=False)
-    fig.suptitle("||A||_F during a short fine-tune of SmolLM2-135M-Instruct, per normalization family")
-    rows = -(-len(histories) // 5)
-    fig.tight_layout(rect=(0, (0.2 + 0.25 * rows) / 3.6, 1, 1 - 0.35 / 3.6))
+    fig.suptitle("||A||_F during a short fine-tune of SmolLM2-135M-Instruct, one line per normalization")
+    fig.tight_layout(rect=(0, (0.15 + 0.3 * legend_rows) / height, 1, 1 - 0.35 / height))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path
 
 
 def _ppl(value: float) -> str:
-    return f"{value:,.1f}" if math.isfinite(value) else "nan"
+    return _number(value) if math.isfinite(value) else "nan"
+
+
+def _number(value: float) -> str:
+    """Three significant figures; scientific notation from 10^4 on (a swapped model's perplexity reaches 10^11)."""
+    return f"{value:.3g}" if value < 1e4 else f"{value:.2e}"
 
 
 def main(argv: list[str] | None = None) -> int:
