@@ -148,8 +148,16 @@ def plot_needle_heatmap_grid(panels, path, title: str | None = None):
 # --- Norms during training ----------------------------------------------------------------------------------------
 
 
+LINE_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
+               "tab:olive", "tab:cyan", "black", "gold")
+"""Twelve distinguishable line colours: a figure of up to twelve runs (every family of the attention-norms job) has
+no two lines of one colour."""
+LEGEND_COLUMNS = 6
+"""At most this many legend entries side by side below the panels; more runs take more legend rows."""
+
+
 def plot_layer_curves(runs, path, ylabel: str = "||A||_F", xlabel: str = "step", title: str | None = None,
-                      colors=None):
+                      colors=None, linestyles=None):
     """The "attention norms across layers" figure: one panel per layer, one line per run, log y.
 
     Args:
@@ -158,28 +166,32 @@ def plot_layer_curves(runs, path, ylabel: str = "||A||_F", xlabel: str = "step",
             layer's values stop being finite, the line ends with an ``x`` marker at its last finite value (at the
             panel's top when none was finite).
         path: the PNG to write; ylabel, xlabel, title: axis labels and the suptitle.
-        colors: one matplotlib colour per run (default: the tab10 cycle), e.g. the seed figure's softmax orange,
-            x/1 yellow, x/16 green, x^3/1 blue, x^3/16 purple.
+        colors: one matplotlib colour per run (default: :data:`LINE_COLORS`, cycled), e.g. the seed figure's softmax
+            orange, x/1 yellow, x/16 green, x^3/1 blue, x^3/16 purple.
+        linestyles: one matplotlib line style per run (default: all solid), e.g. solid for the paper's
+            normalizations and dashed for the other families.
 
     Returns:
-        The path written. Panels sit in rows of 4 (3 x 4 for 12 layers).
+        The path written. Panels sit in rows of 4 (3 x 4 for 12 layers); the legend is below them, in rows of at most
+        :data:`LEGEND_COLUMNS` entries.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     layers = max(np.asarray(values).shape[0] for _, _, values in runs)
     columns = min(4, layers)
     rows = -(-layers // columns)
-    fig = Figure(figsize=(3.6 * columns, 2.7 * rows + 0.6))
+    legend_rows = -(-len(runs) // LEGEND_COLUMNS)
+    fig = Figure(figsize=(3.6 * columns, 2.7 * rows + 0.6 + 0.25 * (legend_rows - 1)))
     axes = np.atleast_1d(fig.subplots(rows, columns, sharex=True, squeeze=False)).ravel()
-    palette = list(colors or ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
-                              "tab:gray"])
+    palette = list(colors or LINE_COLORS)
+    styles = list(linestyles or ["-"])
     for number, (label, x, values) in enumerate(runs):
         x, values = np.asarray(x, dtype=float), np.asarray(values, dtype=float)
-        color = palette[number % len(palette)]
+        color, style = palette[number % len(palette)], styles[number % len(styles)]
         for layer in range(values.shape[0]):
             ax, y = axes[layer], values[layer]
             finite = np.isfinite(y) & (y > 0)
-            ax.plot(x[finite], y[finite], color=color, lw=1.2, label=label if layer == 0 else None)
+            ax.plot(x[finite], y[finite], color=color, ls=style, lw=1.2, label=label if layer == 0 else None)
             broken = np.flatnonzero(~np.isfinite(y))
             if broken.size:
                 before = np.flatnonzero(finite[: broken[0]])
@@ -200,11 +212,11 @@ def plot_layer_curves(runs, path, ylabel: str = "||A||_F", xlabel: str = "step",
         if layer >= layers - columns:
             ax.set_xlabel(xlabel)
     height = fig.get_figheight()
-    fig.legend(loc="lower center", ncol=len(runs), frameon=False)
+    fig.legend(loc="lower center", ncol=min(len(runs), LEGEND_COLUMNS), frameon=False, handlelength=3)
     if title:
         fig.suptitle(title)
     # Leave fixed room (in inches) for the legend below and the title above, whatever the number of layer rows.
-    fig.tight_layout(rect=(0, 0.45 / height, 1, 1 - (0.4 if title else 0.0) / height))
+    fig.tight_layout(rect=(0, (0.45 + 0.25 * (legend_rows - 1)) / height, 1, 1 - (0.4 if title else 0.0) / height))
     fig.savefig(path, dpi=110)
     return path
 

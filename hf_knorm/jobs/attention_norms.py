@@ -1,10 +1,13 @@
 """The job behind ``hf-knorm attention-norms``: the paper's "attention norms across 12 layers" figure, reproduced.
 
 The same 12-layer ViT (:mod:`hf_knorm.data.digits_vit`) is trained from the same initial weights, on the same
-data in the same order, once per normalization (softmax, x/1, x/16, x^3/1, x^3/16 by default), with
-:class:`~hf_knorm.training.callback.NormLoggerCallback` writing each run's ``norms.jsonl``. The figure is drawn from
-the five history files: 3 x 4 panels, one per layer, log y, one line per normalization, x in epochs. The softmax
-run keeps Transformers' own attention (the callback reads it through hf_knorm's softmax on logging steps only).
+data in the same order, once per normalization, with :class:`~hf_knorm.training.callback.NormLoggerCallback`
+writing each run's ``norms.jsonl``. By default every family of :mod:`hf_knorm.normalizations` is trained: the paper's
+five (softmax, x/1, x/16, x^3/1, x^3/16) and one spelling per other family (:data:`OTHER_FAMILIES`), twelve runs. The
+figure is drawn from the history files: 3 x 4 panels, one per layer, log y, one line per normalization, x in epochs;
+twelve colours, the paper's normalizations solid and the other families dashed, the legend below the panels. The
+softmax run keeps Transformers' own attention (the callback reads it through hf_knorm's softmax on logging steps
+only); every other run is patched, its learnable values (a sink logit, SSMax's scale) trained with the weights.
 
 The ``16`` of ``x/16`` and ``x^3/16`` is kept as the paper's legend spells it (there it is sqrt(256) tokens); here a
 sequence has N = 17 tokens, so sqrt(N) would be 4.1.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,7 +32,14 @@ from ..normalizations import parse_normalization
 from ..training.history import read_norm_history
 from ..training.norm_figure import plot_norm_history
 
-FIGURE_NORMALIZATIONS = ("softmax", "x/1", "x/16", "x^3/1", "x^3/16")
+PAPER_NORMALIZATIONS = ("softmax", "x/1", "x/16", "x^3/1", "x^3/16")
+"""The paper's legend."""
+OTHER_FAMILIES = ("relu(x)/n", "relu(x)^2/n", "sigmoid(bias=-log n)", "softmax(sink=learned)", "softpick",
+                  "ssmax(scale=learned)", "stick-breaking")
+"""One spelling per other family of :mod:`hf_knorm.normalizations`, chosen for this encoder (N = 17 keys in every
+row, attending both ways): the rectified family with ``c = n`` at p = 1 and 2, the sigmoid with its ``-log n`` bias,
+softmax with a learned sink logit, softpick, SSMax with a learned scale, stick-breaking."""
+FIGURE_NORMALIZATIONS = PAPER_NORMALIZATIONS + OTHER_FAMILIES
 
 
 @dataclass
@@ -36,7 +47,7 @@ class AttentionNormsSettings:
     """Settings of the figure job: each field is a flag of ``hf-knorm attention-norms``, with its help in
     ``metadata["help"]``.
 
-    Defaults (all five runs and the figure: 11 min 53 s on a quiet 2-core CPU, BENCHMARKS.md): ViT-Tiny's 12
+    Defaults (twelve runs, one per line of the figure; the times are in BENCHMARKS.md): ViT-Tiny's 12
     layers, width 192 and 3 heads; 20 epochs of batches of 64 (the paper: 200 epochs, by
     ``epochs``); AdamW, learning rate 1e-3 with 5% warmup and cosine decay, weight decay 0.05, gradient clipping
     at 1.0 (Transformers' default), norms logged every 5 steps (about 4.6 times per epoch).
@@ -45,7 +56,8 @@ class AttentionNormsSettings:
     out: str = field(default="outputs/attention_norms", metadata={
         "help": "output folder: one run folder per normalization, the figure, summary.json/md"})
     normalizations: tuple[str, ...] = field(default=FIGURE_NORMALIZATIONS, metadata={
-        "help": "comma-separated normalizations, one run each (the default is the paper's legend)"})
+        "help": "comma-separated normalizations, one run each (default: the paper's five and one spelling "
+                "per other family)"})
     epochs: float = field(default=20, metadata={"help": "epochs per run (the paper: 200)"})
     layers: int = field(default=12, metadata={"help": "transformer layers (ViT-Tiny: 12)"})
     hidden: int = field(default=192, metadata={"help": "width (ViT-Tiny: 192)"})
@@ -60,8 +72,10 @@ class AttentionNormsSettings:
 
 
 def run_slug(normalization: str) -> str:
-    """A folder name for a normalization: ``x^3/16`` -> ``x3-16``, ``softmax`` -> ``softmax``."""
-    return parse_normalization(normalization).name.replace("^", "").replace("/", "-")
+    """A folder name for a normalization: ``x^3/16`` -> ``x3-16``, ``softmax`` -> ``softmax``,
+    ``sigmoid(bias=-log n)`` -> ``sigmoid-bias-log-n``, ``relu(x)^2/n`` -> ``relu-x-2-n``."""
+    name = parse_normalization(normalization).name.replace("^", "").replace("/", "-")
+    return re.sub(r"[^A-Za-z0-9.+]+", "-", name).strip("-")
 
 
 def run_attention_norms(settings: AttentionNormsSettings) -> dict:
@@ -86,6 +100,7 @@ def run_attention_norms(settings: AttentionNormsSettings) -> dict:
     figure = plot_norm_history(
         [out / run_slug(name) for name in names], out / "attention_norms.png", statistic="attn_fro", labels=names,
         x="epoch", title=f"Attention-matrix Frobenius norm per layer, {settings.layers}-layer ViT on 8x8 digits",
+        linestyles=["-" if name in PAPER_NORMALIZATIONS else "--" for name in names],
     )
     medians = late_medians({name: read_norm_history(out / run_slug(name)) for name in names})
     summary = {"settings": asdict(settings), "figure": str(figure), "runs": results, "late_medians": medians}
@@ -156,14 +171,15 @@ def name_is_polynomial(normalization: str) -> bool:
 
 
 def summary_table(results: list[dict]) -> str:
-    """A Markdown table: per normalization, held-out accuracy, the final ``||A||_F`` range over layers, time."""
-    lines = ["| normalization | held-out accuracy | final Frobenius norm of A, min - max over layers "
-             "| first non-finite | time |", "|---|---|---|---|---|"]
+    """A Markdown table: per normalization, held-out accuracy, the training loss (mean over the run), the final
+    ``||A||_F`` range over layers, the first non-finite statistic, time."""
+    lines = ["| normalization | held-out accuracy | training loss, mean over the run "
+             "| final Frobenius norm of A, min - max over layers | first non-finite | time |", "|---|---|---|---|---|---|"]
     for result in results:
         finals = [value for value in result["final_attn_fro"] if math.isfinite(value)]
         span = f"{min(finals):.3g} - {max(finals):.3g}" if finals else "non-finite"
         first = result["first_nonfinite"]
-        lines.append(f"| {result['normalization']} | {result['test_accuracy']:.3f} | {span} | "
+        lines.append(f"| {result['normalization']} | {result['test_accuracy']:.3f} | {result['train_loss']:.3g} | {span} | "
                      f"{'step %s, %s' % tuple(first) if first else '-'} | {result['seconds']:.0f} s |")
     return "\n".join(lines)
 

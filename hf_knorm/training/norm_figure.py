@@ -22,7 +22,7 @@ _YLABELS = {
 
 
 def plot_norm_history(runs, path, statistic: str = "attn_fro", labels=None, x: str = "step",
-                      title: str | None = None) -> Path:
+                      title: str | None = None, colors=None, linestyles=None) -> Path:
     """Draw one panel per layer, one line per run, log y, from the runs' norm histories.
 
     Args:
@@ -33,6 +33,7 @@ def plot_norm_history(runs, path, statistic: str = "attn_fro", labels=None, x: s
             share one).
         x: ``"step"`` or ``"epoch"``.
         title: the figure title (default: names the statistic).
+        colors, linestyles: one matplotlib colour and line style per run (defaults: :func:`hf_knorm.plots.plot_layer_curves`'s).
 
     Returns:
         The path written. A run whose statistic stops being finite ends with an ``x`` at its last finite value.
@@ -62,4 +63,5 @@ def plot_norm_history(runs, path, statistic: str = "attn_fro", labels=None, x: s
         values = np.array([[layer[statistic] for layer in record["layers"]] for record in history], dtype=float).T
         curves.append((label, steps, values))
     return plot_layer_curves(curves, path, ylabel=_YLABELS[statistic], xlabel=x,
-                             title=title or f"{_YLABELS[statistic]} per layer during training")
+                             title=title or f"{_YLABELS[statistic]} per layer during training", colors=colors,
+                             linestyles=linestyles)

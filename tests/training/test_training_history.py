@@ -81,6 +81,25 @@ def test_plot_norm_history_one_panel_per_layer_one_line_per_run(tmp_path, monkey
     assert [t.get_text() for t in figures[0].legends[0].get_texts()] == ["softmax", "x3-16"]
 
 
+def test_twelve_runs_have_twelve_distinct_styles_and_a_legend_in_rows(tmp_path, monkeypatch):
+    from hf_knorm.plots import LEGEND_COLUMNS
+
+    figures = _drawn(monkeypatch)
+    runs = []
+    for number in range(12):
+        history = NormHistory(tmp_path / f"run{number}" / "norms.jsonl")
+        for step in range(1, 4):
+            history.append(_record(step, [step * (number + 1.0)] * 2, f"run{number}"))
+        runs.append(tmp_path / f"run{number}")
+    styles = ["-"] * 5 + ["--"] * 7
+    hf_knorm.plot_norm_history(runs, tmp_path / "fig.png", linestyles=styles)
+    lines = figures[0].axes[0].lines
+    assert len({line.get_color() for line in lines}) == 12
+    assert [line.get_linestyle() for line in lines] == styles
+    legend = figures[0].legends[0]
+    assert len(legend.get_texts()) == 12 and legend._ncols == LEGEND_COLUMNS
+
+
 def test_the_figure_marks_where_a_run_went_nonfinite(tmp_path, monkeypatch):
     figures = _drawn(monkeypatch)
     history = NormHistory(tmp_path / "x-1" / "norms.jsonl")
