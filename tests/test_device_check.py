@@ -24,7 +24,7 @@ TIMING = re.compile(r"^\| attention N=128 (?P<name>.+?) \((?P<setting>[^)]*)\) \
 @pytest.fixture(scope="module")
 def output():
     command = [sys.executable, "scripts/device_check.py", "--skip-tests", "--skip-conversion", "--skip-compile",
-               "--lengths", "128"]
+               "--lengths", "128", "--family-lengths", "128"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     return result.stdout
@@ -53,6 +53,19 @@ def test_the_attention_rows_time_each_implementation(output):
         figures = [float(row[name]) for name in ("forward", "forward_ratio", "backward", "ratio")]
         assert all(math.isfinite(figure) and figure > 0 for figure in figures), row.group(0)
     assert {(row["forward_ratio"], row["ratio"]) for row in rows if row["name"] == "sdpa"} == {("1.00", "1.00")}
+
+
+def test_every_family_is_timed_and_compared_in_bf16(output):
+    from hf_knorm.normalizations import FAMILIES
+
+    timed = re.findall(r"^\| family (.+?), N=128 \((?:bf16|fp32), path (\S+)\) \| forward (\S+) ms", output, re.M)
+    errors = dict(re.findall(r"^\| family (.+?), bf16 against fp32 .*largest logit error (\S+) of", output, re.M))
+    names = [name for name, _, _ in timed]
+    assert names[0].startswith("SDPA softmax") and all(float(ms) > 0 for _, _, ms in timed)
+    for family in FAMILIES.values():  # each family's first example: timed through a plugin path, and its bf16 error
+        assert family.examples[0] in names and family.examples[0] in errors, output
+    assert all(path in ("quadratic", "sdpa", "linear", "triton", "fla") for name, path, _ in timed[1:]), timed
+    assert all(math.isfinite(float(error)) and float(error) < 0.1 for error in errors.values()), errors
 
 
 def test_what_it_cannot_run_here_is_said(output):

@@ -42,7 +42,7 @@ from hf_knorm.attention.interface import normalization_of
 from hf_knorm.attention.masks import explicit_bool_mask
 from hf_knorm.attention.reference import reference_attention, reference_window_attention
 from hf_knorm.compat import cache_kwargs, output_cache
-from hf_knorm.models.parameters import PREFIX, parameters_of
+from hf_knorm.models.parameters import PREFIX
 from hf_knorm.normalizations import parse_normalization
 from hf_knorm.normalizations.windowed import MIX
 from hf_knorm.recording.per_step import STATISTICS
@@ -60,7 +60,7 @@ def reference_families(module, query, key, value, attention_mask, scaling=None, 
     """The plain reference of the model's normalization with the module's learnable values, as an
     ``AttentionInterface`` function."""
     normalization = normalization_of(module)
-    params = parameters_of(module, normalization)
+    params = normalization.values_on(module)
     options = dict(scaling=scaling, softcap=kwargs.get("softcap"), params=params)
     if normalization.window:
         output, _ = reference_window_attention(query, key, value, attention_mask, normalization, mix=params[MIX],
