@@ -1,7 +1,7 @@
 """hf_knorm: attention-norm tools for Hugging Face Transformers.
 
 - ``patch(model, hf_knorm.Sigmoid())`` (or its spelling ``"sigmoid(bias=-log n)"``) / ``unpatch(model)``: the field's
-  attention normalizations, one typed object per family (``hf_knorm.normalizations()`` lists them: softmax, x^p/c,
+  attention normalizations, one typed object per family (``hf_knorm.list_normalizations()`` lists them: softmax, x^p/c,
   relu(x)^p/c, sigmoid, softmax with a sink, softpick, SSMax, stick-breaking; a softmax window beside any of them);
   ``patch(model, "x^3/16")``: polynomial attention of "Rethinking Softmax" (arXiv 2410.18613);
   ``x/1`` and ``x/16`` run in linear time (``attention_paths()`` shows which kernel ran) and ``generate`` decodes them
@@ -33,7 +33,7 @@ check_transformers_version()  # first: outside the supported range, one clear Im
 from .assets.default_model import DEFAULT_MODEL_HUB_ID, load_default_model
 from .attention.backends import use_kernels
 from .normalizations import (PAPER_NORMALIZATIONS, Normalization, Polynomial, Rectified, Sigmoid, SinkSoftmax, Softmax,
-                             Softpick, SSMax, StickBreaking, normalizations, parse_normalization)
+                             Softpick, SSMax, StickBreaking, list_normalizations, parse_normalization)
 from .attention.paths import attention_paths
 from .attention.registration import register
 from .balancing.balance import BalanceReport, KVNorms, balance_kv, key_scales, value_scales
@@ -96,7 +96,7 @@ __all__ = [
     "knorm_generate",
     "load_default_model",
     "load_model",
-    "normalizations",
+    "list_normalizations",
     "parse_normalization",
     "patch",
     "patched_normalization",

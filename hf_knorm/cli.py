@@ -280,7 +280,7 @@ COMMANDS: tuple[Command, ...] = (
 
 
 def normalizations_help() -> str:
-    """The registered families with example spellings and sources (``hf_knorm.normalizations()``'s list)."""
+    """The registered families with example spellings and sources (``hf_knorm.list_normalizations()``'s list)."""
     from .normalizations.registry import accepted_forms
 
     return ("normalizations (--normalization, --normalizations): a family's spelling; with a softmax window beside "

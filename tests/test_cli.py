@@ -149,6 +149,6 @@ def test_the_help_lists_every_registered_family_with_a_spelling_that_parses():
     from hf_knorm.cli import _build_parser
 
     text = _build_parser().format_help()
-    for key, listed in hf_knorm.normalizations().items():
+    for key, listed in hf_knorm.list_normalizations().items():
         assert key in text and listed["example"] in text
         assert hf_knorm.parse_normalization(listed["example"]).family == key

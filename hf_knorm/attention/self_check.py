@@ -50,7 +50,9 @@ _VERDICTS: dict[tuple, str] = {}  # key (see key_of) -> "" (passed) or why the k
 
 def family_of(normalization: Normalization) -> str:
     """What of ``normalization`` a kernel's code depends on: ``"softmax"``, ``"x^p/c"`` or ``"x^p/sqrtN"`` (``p``
-    written out; ``"x/c"``, ``"x/sqrtN"`` for ``p = 1``), whatever its constant and its softmax window."""
+    written out; ``"x/c"``, ``"x/sqrtN"`` for ``p = 1``), whatever its constant and its softmax window (the GPU kernels
+    compute a windowed model's family part; the window's softmax runs on the PyTorch kernel)."""
+    normalization = normalization.without_window
     if not isinstance(normalization, Polynomial):
         return normalization.family
     base = "x" if normalization.power == 1 else f"x^{normalization.power}"

@@ -45,7 +45,7 @@ def patch(model: nn.Module, normalization: str | Normalization = "softmax", *, l
         model: a Transformers model of a supported architecture (``hf_knorm.SUPPORTED_ARCHITECTURES``).
         normalization: a :class:`~hf_knorm.normalizations.Normalization` (``hf_knorm.normalizations.Sigmoid()``) or
             its spelling (``"sigmoid(bias=-log n)"``, ``"x^3/16"``, ``"x^3/16 + softmax window 64"``; the families
-            and their spellings: ``hf_knorm.normalizations.normalizations()``). A family's learnable values become
+            and their spellings: ``hf_knorm.list_normalizations()``). A family's learnable values become
             ``nn.Parameter``s of each attention module (``hf_knorm_<name>``, :mod:`hf_knorm.models.parameters`), in
             ``state_dict``.
         softmax_window: ``W``: the keys of each query's last ``W`` positions are weighted by softmax over them, the

@@ -57,7 +57,7 @@ class Normalization:
     """The weights in one line, ``n_i`` the keys row ``i`` may attend (for model cards and listings)."""
     examples: ClassVar[tuple[str, ...]]
     """Spellings that parse to this family; the first is the one listed
-    (``hf_knorm.normalizations.normalizations()``)."""
+    (``hf_knorm.list_normalizations()``)."""
     row_normalizer: ClassVar[str] = "none"
     """``"none"`` (weights of a key depend on its score alone, or on its row's count ``n``), ``"max+sum"`` (a
     softmax: a streaming kernel carries a running maximum and a denominator), ``"sum"`` (a denominator over the

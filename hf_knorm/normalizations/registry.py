@@ -45,7 +45,7 @@ def accepted_forms() -> str:
                      for key, family in FAMILIES.items())
 
 
-def normalizations() -> dict[str, dict[str, str]]:
+def list_normalizations() -> dict[str, dict[str, str]]:
     """The registered families: ``{key: {"example": spelling, "examples": ..., "source": ..., "fast_paths": ...}}``;
     each example parses (``hf_knorm.parse_normalization(example)``)."""
     listed = {}

@@ -13,11 +13,12 @@ variants, softmax windows beside a family), learnable values set to random value
   ``NormLoggerCallback`` logs every layer's norms (finite) at every logging step and into ``norms.jsonl``.
 - ``hf_knorm.record_norms`` gives the Frobenius norms of the weights the model returns (``output_attentions``).
 - ``hf_knorm.save_pretrained`` + ``hf_knorm.from_pretrained`` give identical logits, and the learned values come back;
-  a plain Transformers load of a learnable family refuses to run instead of running at the initial values.
+  so does a plain Transformers load (``hf_knorm`` imported: the learned values are parameters of every model built
+  from a patched config, :mod:`hf_knorm.models.parameters`).
 - ``torch.compile(fullgraph=True)`` equals eager mode, forward and backward (logits within 1e-5, gradients within
   1e-4 of their largest entry, as tests/attention/test_compile.py), on two families (:data:`COMPILED`).
 - A bf16 model against the fp32 model: logits within :data:`BF16_ATOL` (measured: at most 0.063, relu(x)/n, on
-  logits of size ~2.5; softmax 0.031), its learnable values kept in fp32. The error is the bf16 rounding of the
+  logits of size ~2.5; softmax 0.031), its learnable values in the model's dtype. The error is the bf16 rounding of the
   weights and of the activations around the attention (the attention computes in fp32: on this model, computing it
   in bf16 moves the error by 0.005), so this bounds gross failures (overflow, a value lost in bf16), not the
   attention's own precision.
@@ -200,10 +201,10 @@ def test_a_saved_model_loads_with_its_learned_values_and_identical_logits(spelli
         assert torch.equal(restored[name], value), name
     with torch.no_grad():
         assert torch.equal(loaded(**inputs).logits, model(**inputs).logits)
-    if saved:  # a plain load has no learned values: it refuses to run, saying how to load
-        plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path)
-        with torch.no_grad(), pytest.raises(RuntimeError, match="hf_knorm.from_pretrained"):
-            plain(**inputs)
+    plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # Transformers' own load, hf_knorm imported
+    assert _learned(plain).keys() == saved.keys()
+    with torch.no_grad():
+        assert torch.equal(plain(**inputs).logits, model(**inputs).logits)
 
 
 COMPILED = ("sigmoid(bias=learned)", "sigmoid(bias=learned) + softmax window 4")
@@ -231,7 +232,7 @@ def test_a_bf16_model_stays_close_to_fp32(spelling):
     inputs = tiny_inputs("llama", length=12)
     inputs["attention_mask"][0, :3] = 0
     half_model = _patched("llama", spelling, dtype=torch.bfloat16)
-    assert all(value.dtype == torch.float32 for value in _learned(half_model).values())
+    assert all(value.dtype == torch.bfloat16 for value in _learned(half_model).values())  # the model's dtype
     with torch.no_grad():
         full = _patched("llama", spelling)(**inputs).logits
         half = half_model(**inputs).logits

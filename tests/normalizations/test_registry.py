@@ -12,7 +12,7 @@ from tiny_models import tiny_model
 
 import hf_knorm
 from hf_knorm.normalizations import (FAMILIES, Learnable, Normalization, Sigmoid, SinkSoftmax, SSMax, Windowed,
-                                     from_record, normalizations, parse_normalization)
+                                     from_record, list_normalizations, parse_normalization)
 
 EXTRA_SPELLINGS = ("sigmoid(bias=learned(-2))", "softmax(sink=learned(-2))", "ssmax(scale=learned(0.3))",
                    "softpick(eps=0.001)", "relu(x)^2/sqrtN", "relu(x)^3/2.5", "x^2/0.5", "x/sqrtN",
@@ -56,7 +56,7 @@ def test_every_family_has_examples_of_itself_and_says_what_it_is(key):
 
 
 def test_the_listing_names_every_registered_family_with_a_parsing_example():
-    listed = normalizations()
+    listed = list_normalizations()
     assert list(listed) == list(FAMILIES)
     for key, entry in listed.items():
         normalization = parse_normalization(entry["example"])
@@ -65,7 +65,7 @@ def test_the_listing_names_every_registered_family_with_a_parsing_example():
         assert entry["source"] == FAMILIES[key].source
         assert entry["fast_paths"] == ", ".join(normalization.fast_paths)
         assert "chunked" in normalization.fast_paths  # the chunked kernel computes every family
-    assert hf_knorm.normalizations.normalizations is normalizations
+    assert hf_knorm.list_normalizations is list_normalizations and hf_knorm.normalizations.FAMILIES is FAMILIES
 
 
 def test_learnable_values_are_named_and_start_at_their_init():
