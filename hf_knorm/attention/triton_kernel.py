@@ -22,8 +22,9 @@ key block is attended by) are found on the device from it, before the launch, wi
 ``c = sqrtN`` counts each row's allowed keys in the forward and keeps the row scales for the backward.
 
 Precision: scores and weights in fp32; the products ``w V`` and ``dS K`` take bf16 operands for bf16 inputs (as
-FlashAttention does for ``P V``), fp32 ones for fp16 inputs (``s^p`` of a score of ~60 overflows fp16; TF32 products)
-and fp32 inputs (IEEE, not TF32); every sum accumulates in fp32. fp64 inputs are the PyTorch kernel's.
+FlashAttention does for ``P V``), fp32 ones for fp16 inputs (``s^p`` of a score of ~60 overflows fp16)
+and fp32 inputs, IEEE products for both (TF32 products for fp16 failed to compile on an H200 under Triton 3.6: the
+device check of issue 45); every sum accumulates in fp32. fp64 inputs are the PyTorch kernel's.
 
 Under Triton's interpreter (``TRITON_INTERPRET=1``, how ``tests/attention/test_triton_kernel.py`` and the self-check
 of ``self_check.py`` run these kernels on a CPU) the code is the same, bf16 operands included: the interpreter of
@@ -155,10 +156,10 @@ def _range_strides(ranges: torch.Tensor | None) -> tuple[int, int, int]:
 
 def _dot_options(dtype: torch.dtype) -> tuple[bool, str]:
     """``(fp32 operands, tl.dot input precision)`` for inputs of ``dtype`` (see the module docstring): bf16 operands
-    stay bf16 (on a GPU and under the interpreter alike), anything else is computed on fp32 operands (IEEE for fp32 inputs, TF32 for fp16 ones, whose
-    10-bit mantissa TF32 holds exactly)."""
+    stay bf16 (on a GPU and under the interpreter alike), anything else is computed on fp32 operands with IEEE
+    products (fp16's TF32 products did not compile on an H200, Triton 3.6)."""
     upcast = dtype != torch.bfloat16
-    return upcast, ("ieee" if dtype == torch.float32 else "tf32")
+    return upcast, "ieee"
 
 
 class _TritonAttention(torch.autograd.Function):
