@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import Normalization
+from .sink_softmax import SinkSoftmax
 
 MIX = "window_mix"
 """The learnable parameter scaling the part beside the window, one value per query head."""
@@ -84,6 +85,11 @@ def with_window(normalization: Normalization, window: int, sinks: int | None = N
         raise ValueError(f"softmax_window={window} with softmax: every key is already weighted by softmax. Pass "
                          "softmax_window=0, or another normalization such as 'x^3/16' to weight the keys "
                          "older than the window.")
+    if window and isinstance(normalization.without_window, SinkSoftmax):
+        raise ValueError(f"softmax_window={window} with {normalization.without_window.name}: the part beside the window is "
+                         "RMS-normalized per row, which cancels a sink (it only rescales rows), so the sink would have "
+                         "no effect and no gradient. Use another family beside the window, e.g. 'x^3/16' or "
+                         "'sigmoid(bias=learned)'.")
     if normalization.window and window != normalization.window:
         raise ValueError(f"{normalization.name} already has a softmax window of {normalization.window}; "
                          f"softmax_window={window} contradicts it. Give the window once.")

@@ -94,6 +94,7 @@ def test_the_sinks_are_part_of_the_name_and_need_a_window():
     ("x^3/16", 2.5, "integer >= 0"),
     ("x^3/16", True, "integer >= 0"),
     ("softmax", 4, "already weighted by softmax"),
+    ("softmax(sink=learned)", 4, "cancels a sink"),  # the part beside the window is RMS-normalized per row
     ("x^3/16 + softmax window 8", 4, "contradicts"),
 ])
 def test_bad_windows_raise_saying_what_to_do(spelling, window, message):
