@@ -24,7 +24,7 @@ demo: $(STAMP)
 
 # The suite in one pytest-xdist worker per core (tests/conftest.py gives each worker its share of the threads; an idle
 # worker takes queued tests from a busy one: the long end-to-end tests do not leave one core idle at the end): 7 min
-# on 2 cores, 19 min in one process (README "Quickstart").
+# on 2 cores, 19 min in one process (docs/status.md "Setup, times and status").
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -ra -n auto --dist worksteal

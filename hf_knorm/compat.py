@@ -21,7 +21,7 @@ import re
 import transformers
 
 # Checked on every 5.x minor from 5.10 to 5.24 (sources), tested by the compatibility suite on 5.10.4, 5.17.0 and
-# 5.24.0 (README "Supported Transformers versions").
+# 5.24.0 (docs/compatibility.md "Supported Transformers versions").
 
 SUPPORTED_TRANSFORMERS = ">=5.10,<6"
 """The supported range, as pyproject.toml declares it: every 5.x minor from 5.10 on, up to the next major."""

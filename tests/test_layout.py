@@ -1,4 +1,5 @@
-"""The README's Layout block is the map of the package: every module is on it, and everything on it exists."""
+"""The Layout block of docs/architecture.md is the map of the package: every module is on it, and everything on it
+exists."""
 
 import re
 from pathlib import Path
@@ -7,8 +8,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _layout_block() -> list[str]:
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("## Layout", 1)[1].split("```", 2)[1]
+    architecture = (ROOT / "docs" / "architecture.md").read_text()
+    block = architecture.split("## Layout", 1)[1].split("```", 2)[1]
     return block.splitlines()
 
 
@@ -30,7 +31,7 @@ def _listed_modules() -> set[str]:
     return listed
 
 
-def test_readme_layout_matches_the_package():
+def test_the_layout_block_matches_the_package():
     package = ROOT / "hf_knorm"
     actual = {
         str(p.relative_to(package))
@@ -38,8 +39,8 @@ def test_readme_layout_matches_the_package():
         if p.name != "__init__.py" and "__pycache__" not in p.parts
     }
     listed = _listed_modules()
-    assert actual - listed == set(), "modules missing from the README's Layout block"
-    assert listed - actual == set(), "the README's Layout block names modules that do not exist"
+    assert actual - listed == set(), "modules missing from the Layout block of docs/architecture.md"
+    assert listed - actual == set(), "the Layout block of docs/architecture.md names modules that do not exist"
 
 
 def test_every_subpackage_says_what_it_holds_and_may_import():
@@ -55,9 +56,10 @@ def _contract_layers() -> list[str]:
     return [name.strip() for layer in contract["layers"] for name in layer.split("|")]
 
 
-def test_readme_names_every_layer_of_the_import_contract_in_order():
-    """The README's sentence on the layers names those of pyproject.toml's contract, top to bottom, none left out."""
-    readme = (ROOT / "README.md").read_text()
+def test_the_architecture_page_names_every_layer_of_the_import_contract_in_order():
+    """docs/architecture.md's sentence on the layers names those of pyproject.toml's contract, top to bottom, none left
+    out."""
+    readme = (ROOT / "docs" / "architecture.md").read_text()
     sentence = readme.split("The layers, top to bottom, are declared once in", 1)[1].split("An upward import", 1)[0]
     named = re.findall(r"`([a-z_]+)`", sentence)  # `pyproject.toml`, `make test`, `lint-imports` do not match
     assert named == _contract_layers()

@@ -1,6 +1,6 @@
 """Held-out evaluation for every training job: texts no step trains on, perplexity through the Trainer's evaluation.
 
-A patched pretrained model is a new model (README.md, "Conversion"): ``hf-knorm finetune`` and ``hf-knorm convert``
+A patched pretrained model is a new model (docs/usage.md, "Conversion"): ``hf-knorm finetune`` and ``hf-knorm convert``
 both report held-out perplexity at the start and every ``eval_steps``, through the Trainer's own evaluation
 (``eval_dataset``; ``eval_loss`` and ``eval_perplexity`` in the log stream, hence TensorBoard/W&B and
 ``state.log_history``).

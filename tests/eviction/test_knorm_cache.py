@@ -337,7 +337,7 @@ def _unknown_config():
 def test_padded_batch_raises():
     """Inside ``generate`` the cache sees the position ids (``hf_knorm.compat.update_position_ids``): fails loudly the
     day Transformers stops passing them to ``Cache.update``. Not in the compatibility suite: before 5.24 Transformers
-    calls ``Cache.update`` without them (README "Supported Transformers versions"; knorm_generate and the pipeline
+    calls ``Cache.update`` without them (docs/compatibility.md "Supported Transformers versions"; knorm_generate and the pipeline
     still refuse padded batches there)."""
     model = knorm_model("llama")
     inputs = tiny_inputs("llama", batch=2, length=PROMPT)
