@@ -1,0 +1,62 @@
+"""The README's examples run as written: the normalization, balancing and eviction snippets on the real default model,
+in order, in one namespace (as a reader would paste them); the training and conversion snippets, which need a dataset
+and minutes of training, are compiled and the calls they make checked to exist with the arguments they pass."""
+
+import ast
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+import hf_knorm
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _snippets() -> dict[str, str]:
+    """``{section heading: its python snippet}`` of the README."""
+    readme = (ROOT / "README.md").read_text()
+    found = {}
+    for section in re.split(r"^## ", readme, flags=re.M)[1:]:
+        heading = section.splitlines()[0].strip()
+        blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+        if blocks:
+            found[heading] = "\n".join(blocks)
+    return found
+
+
+RUN = ["Attention normalizations", "K/V balancing", "KV-cache eviction by key norm"]
+CHECKED = ["Norms while training", "Conversion, saving and the Hub"]
+
+
+def test_every_python_snippet_is_covered_here():
+    assert sorted(_snippets()) == sorted(RUN + CHECKED)
+
+
+def test_the_runnable_snippets_run_as_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace = {"long_prompt": "The quick brown fox jumps over the lazy dog. " * 40}
+    for heading in RUN:
+        exec(compile(_snippets()[heading], f"README.md ({heading})", "exec"), namespace)
+    model = namespace["model"]
+    assert model.config._attn_implementation != "hf_knorm"  # unpatched at the end, as it says
+    assert model.config.hf_knorm["kv_balancing"]["mode"] == "layer"  # balanced, in its config
+    assert (tmp_path / "kv_norms.png").stat().st_size > 0
+    assert namespace["out"].shape[-1] > namespace["tokenizer"](namespace["long_prompt"], return_tensors="pt")[
+        "input_ids"].shape[-1]
+
+
+@pytest.mark.parametrize("heading", CHECKED)
+def test_the_other_snippets_call_what_exists_with_arguments_it_takes(heading):
+    tree = ast.parse(_snippets()[heading])
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+             and isinstance(node.func.value, ast.Name) and node.func.value.id == "hf_knorm"]
+    assert calls, heading
+    for call in calls:
+        function = getattr(hf_knorm, call.func.attr)  # AttributeError: the README calls a name that is not there
+        target = function.__init__ if inspect.isclass(function) else function
+        parameters = inspect.signature(target).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        for keyword in call.keywords:
+            assert takes_any or keyword.arg in parameters, f"hf_knorm.{call.func.attr} takes no {keyword.arg}="
