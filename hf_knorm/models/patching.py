@@ -34,7 +34,7 @@ SECTION_KEYS = ("normalization", "normalization_record", "format", "original_att
 """The section's entries :func:`patch` writes and :func:`unpatch` removes (``version`` stays with other users')."""
 
 
-def patch(model: nn.Module, normalization: str | Normalization = "softmax", *, linear: str = "auto",
+def patch(model: nn.Module, normalization: str | Normalization, *, linear: str = "auto",
           softmax_window: int | None = None, attention_sinks: int | None = None) -> nn.Module:
     """Replace softmax in ``model``'s attention by ``normalization``; returns the same model.
 
