@@ -6,7 +6,7 @@
   ``patch(model, "x^3/16")``: polynomial attention of "Rethinking Softmax" (arXiv 2410.18613);
   ``x/1`` and ``x/16`` run in linear time (``attention_paths()`` shows which kernel ran) and ``generate`` decodes them
   with a constant-size state (``RecurrentStateCache``); on CUDA, Triton and flash-linear-attention kernels run them
-  (``pip install 'hf_knorm[gpu]'``; ``use_kernels()`` forces or refuses them).
+  (``pip install 'hf_knorm[gpu]'``; ``with hf_knorm.kernels(...)`` forces or refuses them).
 - ``save_pretrained`` / ``from_pretrained``: checkpoints that keep their normalization, with their model card.
 - ``push_to_hub(model, "user/name", tokenizer=tok)``: weights, config, tokenizer and card in one commit.
 - ``record_norms(model)``: per-layer attention-matrix and K/V channel norms.
@@ -30,23 +30,23 @@ from .compat import check_transformers_version
 
 check_transformers_version()  # first: outside the supported range, one clear ImportError instead of a deep traceback
 
-from .assets.default_model import DEFAULT_MODEL_HUB_ID, load_default_model
-from .attention.backends import use_kernels
+from .assets.default_model import load_default_model
+from .attention.backends import kernels
 from .normalizations import (PAPER_NORMALIZATIONS, Normalization, Polynomial, Rectified, Sigmoid, SinkSoftmax, Softmax,
                              Softpick, SSMax, StickBreaking, list_normalizations, parse_normalization)
 from .attention.paths import attention_paths
-from .attention.registration import register
-from .balancing.balance import BalanceReport, KVNorms, balance_kv, key_scales, value_scales
+from .attention.registration import register as _register_attention
+from .balancing.balance import BalanceReport, KVNorms, balance_kv
 from .conversion.settings import ConvertSettings
 from .eviction.cache import KNormCache
-from .eviction.defaults import knorm_defaults, set_knorm_defaults
-from .eviction.pipeline import KNormTextGenerationPipeline, knorm_cache_for, knorm_generate, register_pipeline
+from .eviction.defaults import set_knorm_defaults
+from .eviction.pipeline import KNormTextGenerationPipeline, register_pipeline
 from .hub import HubPushError, push_folder, push_to_hub, save_pretrained
 from .jobs.convert import convert
-from .models.architectures import SUPPORTED_ARCHITECTURES, architecture_of, attention_modules
+from .models.architectures import SUPPORTED_ARCHITECTURES
 from .models.parameters import register as register_learned_values
 from .models.patching import patch, patched_normalization, unpatch
-from .models.persistence import from_pretrained, load_model
+from .models.persistence import from_pretrained
 from .recording.record_norms import record_norms
 from .recording.statistics import LayerNorms, NormRecorder
 from .recurrent.cache import RecurrentStateCache
@@ -55,7 +55,7 @@ from .training.callback import NormLoggerCallback
 from .training.norm_figure import plot_norm_history
 from .version import __version__
 
-register()
+_register_attention()
 register_pipeline()
 register_state_decoding()
 register_learned_values()
@@ -63,7 +63,6 @@ register_learned_values()
 __all__ = [
     "BalanceReport",
     "ConvertSettings",
-    "DEFAULT_MODEL_HUB_ID",
     "HubPushError",
     "PAPER_NORMALIZATIONS",
     "SUPPORTED_ARCHITECTURES",
@@ -84,18 +83,11 @@ __all__ = [
     "StickBreaking",
     "RecurrentStateCache",
     "__version__",
-    "architecture_of",
-    "attention_modules",
     "attention_paths",
     "balance_kv",
     "convert",
     "from_pretrained",
-    "key_scales",
-    "knorm_cache_for",
-    "knorm_defaults",
-    "knorm_generate",
     "load_default_model",
-    "load_model",
     "list_normalizations",
     "parse_normalization",
     "patch",
@@ -104,10 +96,41 @@ __all__ = [
     "push_folder",
     "push_to_hub",
     "record_norms",
-    "register",
     "save_pretrained",
     "set_knorm_defaults",
     "unpatch",
-    "use_kernels",
-    "value_scales",
+    "kernels",
 ]
+
+
+_MOVED = {
+    "DEFAULT_MODEL_HUB_ID": "assets.default_model",
+    "architecture_of": "models.architectures",
+    "attention_modules": "models.architectures",
+    "key_scales": "balancing.balance",
+    "value_scales": "balancing.balance",
+    "knorm_cache_for": "eviction.pipeline",
+    "knorm_generate": "eviction.pipeline",
+    "knorm_defaults": "eviction.defaults",
+    "load_model": "models.persistence",
+    "register": "attention.registration",
+    "use_kernels": "attention.backends",
+}
+"""Helpers the top level exported before 0.2.0, now in their subpackages: ``hf_knorm.<name>`` still works, with a
+DeprecationWarning, until 0.3.0."""
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        import importlib
+        import warnings
+
+        where = f"hf_knorm.{_MOVED[name]}"
+        replacement = {"knorm_cache_for": " (or hf_knorm.KNormCache with model.generate)",
+                       "knorm_generate": " (or hf_knorm.KNormCache with model.generate)",
+                       "load_model": " (or hf_knorm.from_pretrained)",
+                       "use_kernels": " (or the context manager hf_knorm.kernels)"}.get(name, "")
+        warnings.warn(f"hf_knorm.{name} moved to {where}.{name}{replacement}; the top-level name is deprecated and "
+                      "will be removed in 0.3.0.", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(where), name)
+    raise AttributeError(f"module 'hf_knorm' has no attribute {name!r}")

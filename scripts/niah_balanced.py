@@ -52,7 +52,7 @@ def kept_overlap(model, tokenizer, length: int = 2000) -> float:
     sample = make_sample("niah", tokenizer, haystack("niah", tokenizer), length, 0.5, seed=0)
     ids = tokenizer(sample["context"], add_special_tokens=False, return_tensors="pt")["input_ids"]
     full = model(input_ids=ids, cache=DynamicCache(), use_cache=True).cache
-    original = KNormCache.from_dynamic_cache(full, compression_ratio=0.5, key_scales=hf_knorm.key_scales(model.config))
+    original = KNormCache.from_dynamic_cache(full, compression_ratio=0.5, key_scales=hf_knorm.balancing.balance.key_scales(model.config))
     cached = KNormCache.from_dynamic_cache(full, compression_ratio=0.5)
     common = total = 0
     for layer in range(len(full.layers)):

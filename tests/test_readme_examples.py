@@ -60,3 +60,15 @@ def test_the_other_snippets_call_what_exists_with_arguments_it_takes(heading):
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
         for keyword in call.keywords:
             assert takes_any or keyword.arg in parameters, f"hf_knorm.{call.func.attr} takes no {keyword.arg}="
+
+
+def test_the_helpers_that_left_the_top_level_still_work_for_one_release():
+    import hf_knorm.balancing.balance as balance
+
+    with pytest.warns(DeprecationWarning, match="moved to hf_knorm.balancing.balance.key_scales"):
+        assert hf_knorm.key_scales is balance.key_scales
+    with pytest.warns(DeprecationWarning, match="or hf_knorm.KNormCache with model.generate"):
+        hf_knorm.knorm_generate
+    assert "key_scales" not in hf_knorm.__all__ and "kernels" in hf_knorm.__all__
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        hf_knorm.not_a_name

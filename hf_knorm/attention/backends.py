@@ -17,7 +17,7 @@ is not tried; one that fails its check or cannot be imported is reported once, w
 PyTorch kernel computes its calls. SDPA needs no self-check: it is PyTorch's own, and ``sdpa.py`` builds inputs on
 which it computes the family's weights exactly (``tests/attention/test_sdpa.py``).
 
-:func:`use_kernels` overrides the automatic choice process-wide: ``"pytorch"`` runs the PyTorch chunked and linear
+:func:`kernels` overrides the automatic choice inside a ``with`` block: ``"pytorch"`` runs the PyTorch chunked and linear
 kernels only (no SDPA, no GPU kernel); ``"sdpa"``, ``"triton"`` / ``"fla"`` force one: the GPU kernels fail at once,
 naming the extra to install, when its package is missing, and each raises with the reason on a call it cannot compute
 (another family, tensors not on CUDA, dropout, ...) and a GPU kernel when it fails its self-check.
@@ -32,6 +32,7 @@ import importlib.util
 import logging
 import threading
 import warnings
+from contextlib import contextmanager
 from dataclasses import replace
 from functools import lru_cache
 
@@ -55,10 +56,11 @@ _REPORTED: set[tuple] = set()  # self-check keys whose failure has been warned a
 _REPORTED_LOCK = threading.Lock()
 
 
-def use_kernels(quadratic: str | None = None, linear: str | None = None) -> dict[str, str]:
-    """Set which kernels run (``None`` leaves a setting as it is); returns the settings now in force. A forced
-    kernel (``"triton"``, ``"fla"``) then raises on a call it cannot compute and when it fails its self-check
-    (:func:`with_kernel`).
+@contextmanager
+def kernels(quadratic: str | None = None, linear: str | None = None):
+    """``with kernels(quadratic="pytorch"):``: which kernels run inside the block (``None`` leaves a setting as it
+    is); yields the settings in force, and restores the previous ones on leaving. A forced kernel (``"triton"``,
+    ``"fla"``) raises on a call it cannot compute and when it fails its self-check (:func:`with_kernel`).
 
     Args:
         quadratic: ``"auto"`` (default), ``"pytorch"`` (the chunked kernel for every call), ``"sdpa"`` or
@@ -69,6 +71,24 @@ def use_kernels(quadratic: str | None = None, linear: str | None = None) -> dict
         ValueError: an unknown choice (the message lists them).
         MissingExtraError: ``"triton"`` or ``"fla"`` without its package (``pip install 'hf_knorm[gpu]'``).
     """
+    previous = dict(_CHOSEN)
+    try:
+        yield _choose(quadratic, linear)
+    finally:
+        _CHOSEN.update(previous)
+
+
+def use_kernels(quadratic: str | None = None, linear: str | None = None) -> dict[str, str]:
+    """Deprecated (0.2.0; removed in 0.3.0): ``with hf_knorm.kernels(...)``. Sets the kernels process-wide, until the
+    next call; returns the settings now in force."""
+    warnings.warn("hf_knorm.use_kernels is deprecated and will be removed in 0.3.0: use the context manager "
+                  "`with hf_knorm.kernels(quadratic=..., linear=...):`, which restores the previous kernels on leaving.",
+                  DeprecationWarning, stacklevel=2)
+    return _choose(quadratic, linear)
+
+
+def _choose(quadratic: str | None, linear: str | None) -> dict[str, str]:
+    """Check and set the kernel choices (``None`` leaves one as it is); returns those in force."""
     for path, choice in (("quadratic", quadratic), ("linear", linear)):
         if choice is None:
             continue
@@ -94,21 +114,21 @@ def with_kernel(path: Path, query: torch.Tensor, normalization: Normalization, *
     ``sdpa``: SDPA may compute it (``False`` for the parts of a softmax window, which ``window.py`` composes).
 
     Raises:
-        ValueError: a kernel forced by :func:`use_kernels` cannot compute this call (the message says why).
+        ValueError: a kernel forced by :func:`kernels` cannot compute this call (the message says why).
         RuntimeError: a forced kernel failed its self-check on this device (the message says how).
     """
     kind = "linear" if path.linear else "quadratic"
     chosen = _CHOSEN[kind]
     if chosen == "pytorch":
-        return path if compiling else _log(path, f"use_kernels({kind}='pytorch')")
+        return path if compiling else _log(path, f"kernels({kind}='pytorch')")
     if not path.linear and chosen in ("auto", "sdpa"):
         blocker = sdpa_blocker(normalization, softcap=softcap, dropout=dropout, return_weights=return_weights,
                                recording=recording, compiling=compiling) if sdpa else "the part of a softmax window"
         if not blocker:
             return _log(replace(path, kernel="sdpa"), "a softmax over modified logits")
         if chosen == "sdpa":
-            raise ValueError(f"use_kernels(quadratic='sdpa') forces SDPA, which cannot compute this call: {blocker}. "
-                             "Use use_kernels(quadratic='auto') to let the PyTorch kernel compute the calls it does "
+            raise ValueError(f"kernels(quadratic='sdpa') forces SDPA, which cannot compute this call: {blocker}. "
+                             "Use kernels(quadratic='auto') to let the PyTorch kernel compute the calls it does "
                              "not.")
         if sdpa and "sdpa" in normalization.fast_paths:  # an SDPA family on a call SDPA does not compute
             return path if compiling else _log(path, f"SDPA does not compute it: {blocker}")
@@ -118,8 +138,8 @@ def with_kernel(path: Path, query: torch.Tensor, normalization: Normalization, *
                        recording=recording, compiling=compiling)
     if blocker:
         if forced:
-            raise ValueError(f"use_kernels({kind}={chosen!r}) forces {_NAMES[kernel]}, which cannot compute this "
-                             f"call: {blocker}. Use use_kernels({kind}='auto') to let the PyTorch kernel compute the "
+            raise ValueError(f"kernels({kind}={chosen!r}) forces {_NAMES[kernel]}, which cannot compute this "
+                             f"call: {blocker}. Use kernels({kind}='auto') to let the PyTorch kernel compute the "
                              "calls it does not.")
         if compiling:  # traced code: no logging (a graph break)
             return path
@@ -131,10 +151,10 @@ def with_kernel(path: Path, query: torch.Tensor, normalization: Normalization, *
         what = (f"{_NAMES[kernel]} failed its self-check against the PyTorch kernel on {query.device} "
                 f"({query.dtype}, {family_of(normalization)}, head dim {query.shape[-1]}): {failure}")
         if forced:
-            raise RuntimeError(f"use_kernels({kind}={chosen!r}) forces {_NAMES[kernel]}, and {what}. Use "
-                               f"use_kernels({kind}='pytorch'), or 'auto' (the PyTorch kernel, with a warning).")
+            raise RuntimeError(f"kernels({kind}={chosen!r}) forces {_NAMES[kernel]}, and {what}. Use "
+                               f"kernels({kind}='pytorch'), or 'auto' (the PyTorch kernel, with a warning).")
         _warn_once(key_of(kernel, query.device, query.dtype, normalization, query.shape[-1]),
-                   f"hf_knorm: {what}. The PyTorch kernel computes these calls (use_kernels({kind}='pytorch') "
+                   f"hf_knorm: {what}. The PyTorch kernel computes these calls (kernels({kind}='pytorch') "
                    "says so without this warning).")
         return _log(path, f"{_NAMES[kernel]} failed its self-check: {failure}")
     return _log(replace(path, kernel=kernel), "self-check passed")

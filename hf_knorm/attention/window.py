@@ -76,7 +76,7 @@ Fast paths (memory linear in ``N`` for a fixed ``W``):
 
 Kernels. The polynomial part takes the kernel choice of a plain call of the pure normalization
 (:func:`.backends.with_kernel`: on CUDA the Triton kernel for the quadratic path, flash-linear-attention for the linear
-one, decoding included: it continues the recurrent state; ``use_kernels(...)`` forces or refuses them as for the pure
+one, decoding included: it continues the recurrent state; ``kernels(...)`` forces or refuses them as for the pure
 normalization). The softmax part runs on the PyTorch chunked kernel (:data:`SOFTMAX_PATH`): no GPU kernel of the
 plugin computes softmax, so a forced kernel is not asked to (it would refuse softmax). The attention function chooses the path once per call and hands it over (``path``).
 ``attention_paths()`` counts one entry per call, the polynomial part's kernel: ``"linear"`` (or ``"fla"``) when the

@@ -170,7 +170,7 @@ def answer_cell(model, tokenizer, sample: dict, variants: list[Variant], max_new
     """Answers of every variant for one sample; the context is prefilled once.
 
     A ``kvpress`` variant runs :func:`hf_knorm.eviction.pipeline.answer_after_context`, the ``knorm-text-generation``
-    pipeline's own protocol, on that shared prefill; its cache is :func:`~hf_knorm.knorm_cache_for` with exactly the
+    pipeline's own protocol, on that shared prefill; its cache is :func:`~hf_knorm.eviction.pipeline.knorm_cache_for` with exactly the
     variant's options (a model's recorded KNorm defaults are not applied: every row names its options).
     """
     context_ids, question_ids = encode_prompt(tokenizer, sample["context"], sample["question"], sample["answer_prefix"])

@@ -198,7 +198,7 @@ class KNormCache(Cache):
         config (PreTrainedConfig, optional): The model's config. With it the cache checks that the model is a supported
             decoder and gives sliding-window layers (Mistral, Gemma 2/3) Transformers' own sliding layer, uncompressed.
             **Pass it for models with sliding-window layers**; without it every layer is a KNorm layer.
-            ``hf_knorm.knorm_generate`` and the ``knorm-text-generation`` pipeline pass it for you.
+            ``hf_knorm.eviction.pipeline.knorm_generate`` and the ``knorm-text-generation`` pipeline pass it for you.
 
     Attributes:
         settings (EvictionSettings): The options above, validated, with public fields

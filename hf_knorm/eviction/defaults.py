@@ -2,7 +2,7 @@
 
 ``set_knorm_defaults(model, compression_ratio=0.5, sink_tokens=4)`` validates the options (by building the
 :class:`KNormCache` they describe) and records them in ``config.hf_knorm["knorm"]``, so ``save_pretrained`` and
-``push_to_hub`` carry them and the model card lists them. :func:`hf_knorm.knorm_cache_for`, ``knorm_generate`` and
+``push_to_hub`` carry them and the model card lists them. :func:`hf_knorm.eviction.pipeline.knorm_cache_for`, ``knorm_generate`` and
 the ``knorm-text-generation`` pipeline start from them; an option passed at call time wins, and a call that sizes
 the cache itself (``compression_ratio``, ``budget`` or ``layer_ratios``) replaces the recorded sizing as a whole
 (a recorded ratio never meets a passed budget).

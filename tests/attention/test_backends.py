@@ -16,6 +16,7 @@ import warnings
 import pytest
 import torch
 
+import hf_knorm
 from hf_knorm.attention import backends, self_check
 from hf_knorm.normalizations import parse_normalization
 from hf_knorm.attention.paths import Path
@@ -86,12 +87,13 @@ def test_the_softmax_families_take_sdpa_unless_forced_to_the_pytorch_kernel(prov
     assert _name(QUADRATIC, spelling) == "sdpa"
     assert _name(QUADRATIC, spelling, softcap=5.0) == "quadratic"
     assert not proven  # SDPA is PyTorch's own: no self-check
-    backends.use_kernels(quadratic="pytorch")
-    assert _name(QUADRATIC, spelling) == "quadratic"
-    backends.use_kernels(quadratic="sdpa")
-    assert _name(QUADRATIC, spelling) == "sdpa"
-    with pytest.raises(ValueError, match="forces SDPA, which cannot compute this call: a softcap on the scores"):
-        _name(QUADRATIC, spelling, softcap=5.0)
+    with backends.kernels(quadratic="pytorch"):
+        assert _name(QUADRATIC, spelling) == "quadratic"
+    with backends.kernels(quadratic="sdpa"):
+        assert _name(QUADRATIC, spelling) == "sdpa"
+        with pytest.raises(ValueError, match="forces SDPA, which cannot compute this call: a softcap on the scores"):
+            _name(QUADRATIC, spelling, softcap=5.0)
+    assert _name(QUADRATIC, spelling, softcap=5.0) == "quadratic"  # the automatic choice again, outside the blocks
 
 
 @pytest.mark.parametrize("case", [dict(dtype=torch.float64), dict(recording=True), dict(compiling=True)],
@@ -112,18 +114,33 @@ def test_on_the_cpu_the_pytorch_kernels_run(fresh):
     assert _name(LINEAR, "x/16") == "linear"
 
 
-def test_use_kernels_overrides_and_refuses(proven, monkeypatch):
-    assert backends.use_kernels(quadratic="pytorch", linear="pytorch") == {"quadratic": "pytorch", "linear": "pytorch"}
-    assert _name(QUADRATIC) == "quadratic" and _name(LINEAR, "x/1") == "linear"
+def test_kernels_override_inside_their_block_and_refuse(proven, monkeypatch):
+    with backends.kernels(quadratic="pytorch", linear="pytorch") as chosen:
+        assert chosen == {"quadratic": "pytorch", "linear": "pytorch"}
+        assert _name(QUADRATIC) == "quadratic" and _name(LINEAR, "x/1") == "linear"
+        with backends.kernels(linear="auto") as inner:
+            assert inner == {"quadratic": "pytorch", "linear": "auto"}
+        assert backends._CHOSEN == {"quadratic": "pytorch", "linear": "pytorch"}  # the outer block's, restored
+    assert backends._CHOSEN == {"quadratic": "auto", "linear": "auto"}
     with pytest.raises(ValueError, match="one of auto, pytorch, sdpa, triton"):
-        backends.use_kernels(quadratic="flash")
+        with backends.kernels(quadratic="flash"):
+            pass
     monkeypatch.setitem(sys.modules, "triton", None)  # as if not installed
     with pytest.raises(MissingExtraError, match=r"pip install 'hf_knorm\[gpu\]'"):
-        backends.use_kernels(quadratic="triton")
+        with backends.kernels(quadratic="triton"):
+            pass
     monkeypatch.setitem(sys.modules, "fla", None)
     with pytest.raises(MissingExtraError,
                        match=r"needs fla-core, which is not installed: pip install 'hf_knorm\[gpu\]'"):
-        backends.use_kernels(linear="fla")
+        with backends.kernels(linear="fla"):
+            pass
+    assert backends._CHOSEN == {"quadratic": "auto", "linear": "auto"}  # a refused choice changes nothing
+
+
+def test_use_kernels_still_works_for_one_release_and_says_what_replaces_it(fresh):
+    with pytest.warns(DeprecationWarning, match="with hf_knorm.kernels"):
+        assert hf_knorm.use_kernels(quadratic="pytorch")["quadratic"] == "pytorch"
+    assert backends._CHOSEN["quadratic"] == "pytorch"
 
 
 def test_a_forced_gpu_kernel_refuses_cpu_tensors(fresh, monkeypatch):

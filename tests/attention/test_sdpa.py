@@ -158,7 +158,7 @@ def _padded(model_type="llama", length=12):
 @pytest.mark.parametrize("spelling", ["softmax", "ssmax(scale=learned)", "softmax(sink=learned)"])
 def test_a_patched_model_takes_sdpa_and_equals_the_chunked_kernel(spelling, monkeypatch, caplog):
     """Training step of a tiny Llama (GQA, a left-padded batch): every attention call on SDPA, the logits and every
-    gradient (the learnable values' included) those of the chunked kernel (``use_kernels(quadratic="pytorch")``)."""
+    gradient (the learnable values' included) those of the chunked kernel (``kernels(quadratic="pytorch")``)."""
     model = hf_knorm.patch(tiny_model("llama").train(), normalization=spelling)
     inputs = _padded()
     caplog.set_level(logging.DEBUG, logger="hf_knorm.attention")
@@ -182,12 +182,8 @@ def test_a_decoding_step_with_a_cache_takes_sdpa():
     with torch.no_grad(), attention_paths() as paths:
         generated = model.generate(**inputs, max_new_tokens=3, do_sample=False)
     assert dict(paths) == {"sdpa": 2 * 3}
-    hf_knorm.use_kernels(quadratic="pytorch")
-    try:
-        with torch.no_grad():
-            assert torch.equal(model.generate(**inputs, max_new_tokens=3, do_sample=False), generated)
-    finally:
-        hf_knorm.use_kernels(quadratic="auto")
+    with torch.no_grad(), hf_knorm.kernels(quadratic="pytorch"):
+        assert torch.equal(model.generate(**inputs, max_new_tokens=3, do_sample=False), generated)
 
 
 def test_what_sdpa_does_not_compute_takes_the_chunked_kernel(caplog):
@@ -210,12 +206,9 @@ def test_what_sdpa_does_not_compute_takes_the_chunked_kernel(caplog):
 
 def test_forcing_sdpa_refuses_what_it_does_not_compute():
     model = hf_knorm.patch(tiny_model("llama"), normalization="x^3/16")
-    hf_knorm.use_kernels(quadratic="sdpa")
-    try:
-        with pytest.raises(ValueError, match="forces SDPA, which cannot compute this call: x\\^3/16 is not a softmax"):
-            model(**_padded())
-    finally:
-        hf_knorm.use_kernels(quadratic="auto")
+    with hf_knorm.kernels(quadratic="sdpa"), pytest.raises(
+            ValueError, match="forces SDPA, which cannot compute this call: x\\^3/16 is not a softmax"):
+        model(**_padded())
 
 
 @pytest.mark.parametrize("spelling", ["ssmax(scale=learned)", "softmax(sink=learned)"])

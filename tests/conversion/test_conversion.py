@@ -68,7 +68,7 @@ def test_inside_teaching_the_student_model_computes_the_original_models_logits()
             taught = student(input_ids=ids).logits
     assert not torch.allclose(patched, expected, atol=1e-3)  # the patch alone changes the model
     torch.testing.assert_close(taught, expected, atol=1e-5, rtol=1e-5)
-    assert sorted(transfer.layer_errors) == list(range(len(hf_knorm.attention_modules(student))))
+    assert sorted(transfer.layer_errors) == list(range(len(hf_knorm.models.architectures.attention_modules(student))))
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -121,7 +121,7 @@ def test_folding_the_scale_into_the_scores_computes_what_folding_it_into_o_proj_
     with torch.no_grad():
         torch.testing.assert_close(into_scores(input_ids=ids).logits, into_output(input_ids=ids).logits,
                                    atol=1e-4, rtol=1e-4)
-    module, untouched = hf_knorm.attention_modules(into_scores)[0][1], hf_knorm.attention_modules(original)[0][1]
+    module, untouched = hf_knorm.models.architectures.attention_modules(into_scores)[0][1], hf_knorm.models.architectures.attention_modules(original)[0][1]
     # o_proj keeps its size (only signs flip); the scale is in q and k
     torch.testing.assert_close(module.o_proj.weight.abs(), untouched.o_proj.weight.abs())
     assert not torch.allclose(module.q_proj.weight, untouched.q_proj.weight)

@@ -96,7 +96,7 @@ def test_a_windowed_conversion_saves_its_mix_and_measures_beyond_the_window(tiny
     # the reloaded model's beyond-window perplexity is what the record says: scored from position START only
     from hf_knorm.conversion.beyond_window import beyond_window_blocks, beyond_window_perplexities
 
-    tokenizer = hf_knorm.load_model(str(out))[1]
+    tokenizer = hf_knorm.models.persistence.load_model(str(out))[1]
     blocks = beyond_window_blocks(["essays"], tokenizer, 1024)
     assert all(label == -100 for label in blocks["essays"][0]["labels"][:START])
     assert beyond_window_perplexities(reloaded.eval(), blocks, "reloaded")["essays"] == pytest.approx(

@@ -189,8 +189,8 @@ def test_balanced_model_original_basis_recovers_unbalanced_ranking():
     balanced = copy.deepcopy(model)
     calibration = [tiny_inputs("llama", batch=1, length=64, seed=s) for s in range(2)]
     hf_knorm.balance_kv(balanced, None, calibration, mode="channel", progress=False, min_tokens=1)
-    original = hf_knorm.knorm_cache_for(balanced, score_basis="original", compression_ratio=0.5)
-    cached = hf_knorm.knorm_cache_for(balanced, score_basis="cached", compression_ratio=0.5)
+    original = hf_knorm.eviction.pipeline.knorm_cache_for(balanced, score_basis="original", compression_ratio=0.5)
+    cached = hf_knorm.eviction.pipeline.knorm_cache_for(balanced, score_basis="cached", compression_ratio=0.5)
     balanced(input_ids=ids, cache=original, use_cache=True)
     balanced(input_ids=ids, cache=cached, use_cache=True)
     for layer in range(2):

@@ -17,11 +17,11 @@ from hf_knorm.eviction.scores import KeyDiff, KVDiff, Random, resolve_score
 def test_recorded_defaults_are_what_knorm_cache_for_uses():
     model = tiny_model("llama")
     hf_knorm.set_knorm_defaults(model, compression_ratio=0.5, sink_tokens=2, layer_ratios={0: 0.0})
-    recorded = hf_knorm.knorm_cache_for(model).settings
+    recorded = hf_knorm.eviction.pipeline.knorm_cache_for(model).settings
     assert (recorded.compression_ratio, recorded.sink_tokens, recorded.layer_ratios) == (0.5, 2, {0: 0.0})
-    override = hf_knorm.knorm_cache_for(model, sink_tokens=0).settings
+    override = hf_knorm.eviction.pipeline.knorm_cache_for(model, sink_tokens=0).settings
     assert (override.compression_ratio, override.sink_tokens) == (0.5, 0)
-    sized = hf_knorm.knorm_cache_for(model, budget=8).settings  # a passed budget replaces the recorded ratios
+    sized = hf_knorm.eviction.pipeline.knorm_cache_for(model, budget=8).settings  # a passed budget replaces the recorded ratios
     assert (sized.budget, sized.compression_ratio, sized.layer_ratios, sized.sink_tokens) == (8, 0.0, {}, 2)
 
 
@@ -45,7 +45,7 @@ def test_bad_defaults_are_refused():
         hf_knorm.set_knorm_defaults(model, score_basis="query")
     with pytest.raises(ValueError, match="encoder"):
         hf_knorm.set_knorm_defaults(tiny_model("bert"), compression_ratio=0.5)
-    assert hf_knorm.knorm_defaults(model.config) == {}
+    assert hf_knorm.eviction.defaults.knorm_defaults(model.config) == {}
 
 
 def test_defaults_travel_with_the_model_and_can_be_removed(tmp_path):
@@ -55,22 +55,22 @@ def test_defaults_travel_with_the_model_and_can_be_removed(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["hf_knorm"]["knorm"]["layer_ratios"] == {"0": 0.0,
                                                                                                        "1": 0.5}
     loaded = hf_knorm.from_pretrained(tmp_path)
-    assert hf_knorm.knorm_defaults(loaded.config) == {"compression_ratio": 0.25, "layer_ratios": {0: 0.0, 1: 0.5},
+    assert hf_knorm.eviction.defaults.knorm_defaults(loaded.config) == {"compression_ratio": 0.25, "layer_ratios": {0: 0.0, 1: 0.5},
                                                       "score_basis": "original"}
-    assert hf_knorm.knorm_cache_for(loaded).settings.layer_ratios == {0: 0.0, 1: 0.5}
+    assert hf_knorm.eviction.pipeline.knorm_cache_for(loaded).settings.layer_ratios == {0: 0.0, 1: 0.5}
     card = (tmp_path / "README.md").read_text()
     assert "KNorm KV-cache compression defaults" in card and "`compression_ratio=0.25`" in card
     hf_knorm.set_knorm_defaults(loaded)
-    assert hf_knorm.knorm_defaults(loaded.config) == {}
+    assert hf_knorm.eviction.defaults.knorm_defaults(loaded.config) == {}
     assert hf_knorm.patched_normalization(loaded) == "x^3/16"  # the rest of the section stays
 
 
 def test_recorded_defaults_can_be_ignored():
     model = tiny_model("llama")
     hf_knorm.set_knorm_defaults(model, compression_ratio=0.5, sink_tokens=2, score="kv_diff")
-    settings = hf_knorm.knorm_cache_for(model, recorded_defaults=False, budget=8).settings
+    settings = hf_knorm.eviction.pipeline.knorm_cache_for(model, recorded_defaults=False, budget=8).settings
     assert (settings.budget, settings.sink_tokens, settings.score.name) == (8, 0, "key_norm")
-    assert hf_knorm.knorm_cache_for(model, budget=8).settings.sink_tokens == 2  # by default they apply
+    assert hf_knorm.eviction.pipeline.knorm_cache_for(model, budget=8).settings.sink_tokens == 2  # by default they apply
 
 
 @pytest.mark.parametrize("score, spelling", [(KeyDiff(pool=3), "key_diff+pool3"), (Random(seed=7), "random+seed7"),
@@ -81,7 +81,7 @@ def test_a_recorded_score_instance_is_saved_as_text_and_read_back(tmp_path, scor
     model.save_pretrained(tmp_path)  # a plain save: JSON would refuse a dataclass
     assert json.loads((tmp_path / "config.json").read_text())["hf_knorm"]["knorm"]["score"] == spelling
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
-    assert hf_knorm.knorm_cache_for(loaded).settings.score == resolve_score(score)
+    assert hf_knorm.eviction.pipeline.knorm_cache_for(loaded).settings.score == resolve_score(score)
 
 
 def test_a_custom_score_cannot_be_recorded():
@@ -95,5 +95,5 @@ def test_a_custom_score_cannot_be_recorded():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="cannot be written as text.*pass it at call time"):
         hf_knorm.set_knorm_defaults(model, compression_ratio=0.5, score=Mine())
-    assert hf_knorm.knorm_defaults(model.config) == {}
-    assert hf_knorm.knorm_cache_for(model, score=Mine()).settings.score == Mine()  # usable at call time
+    assert hf_knorm.eviction.defaults.knorm_defaults(model.config) == {}
+    assert hf_knorm.eviction.pipeline.knorm_cache_for(model, score=Mine()).settings.score == Mine()  # usable at call time

@@ -167,7 +167,7 @@ def test_bad_score_name_lists_the_accepted_ones():
     with pytest.raises(ValueError, match="score instance"):
         KNormCache(0.5, score=42)
     with pytest.raises(ValueError, match="key_diff"):
-        hf_knorm.knorm_cache_for(knorm_model("llama"), compression_ratio=0.5, score="keydiff")
+        hf_knorm.eviction.pipeline.knorm_cache_for(knorm_model("llama"), compression_ratio=0.5, score="keydiff")
     assert isinstance(resolve_score(KeyDiff()), KeyDiff) and isinstance(resolve_score("recent"), Recent)
 
 
@@ -210,10 +210,10 @@ def test_balanced_model_original_basis_keeps_what_the_unbalanced_model_keeps():
     balanced = copy.deepcopy(model)
     calibration = [tiny_inputs("llama", batch=1, length=64, seed=s) for s in range(2)]
     hf_knorm.balance_kv(balanced, None, calibration, mode="channel", alpha=1.0, progress=False, min_tokens=1)
-    assert hf_knorm.value_scales(balanced.config) is not None
+    assert hf_knorm.balancing.balance.value_scales(balanced.config) is not None
 
     def kept(m, score, basis="cached"):
-        cache = hf_knorm.knorm_cache_for(m, score_basis=basis, compression_ratio=0.5, score=score)
+        cache = hf_knorm.eviction.pipeline.knorm_cache_for(m, score_basis=basis, compression_ratio=0.5, score=score)
         m(input_ids=ids, cache=cache, use_cache=True)
         return [cache.kept_positions(i) for i in range(2)]
 
@@ -253,7 +253,7 @@ def test_knorm_generate_and_pipeline_take_a_score(default_model_and_tokenizer):
     from hf_knorm.assets.texts import SAMPLE_TEXT
 
     ids = tokenizer(SAMPLE_TEXT, return_tensors="pt")["input_ids"][:, :96]
-    out = hf_knorm.knorm_generate(model, ids, compression_ratio=0.5, score="key_diff", max_new_tokens=4,
+    out = hf_knorm.eviction.pipeline.knorm_generate(model, ids, compression_ratio=0.5, score="key_diff", max_new_tokens=4,
                                   do_sample=False)
     cache = KNormCache(0.5, score="key_diff", config=model.config)
     plain = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=4,

@@ -26,7 +26,7 @@ LOAD_AND_RUN = textwrap.dedent("""
         logits = model(**inputs).logits
         tokens = model.generate(**inputs, max_new_tokens=8, do_sample=False, pad_token_id=0)
     torch.save({"logits": logits, "tokens": tokens, "normalization": hf_knorm.patched_normalization(model),
-                "key_scales": hf_knorm.key_scales(model.config), "pad": tokenizer.pad_token_id,
+                "key_scales": hf_knorm.balancing.balance.key_scales(model.config), "pad": tokenizer.pad_token_id,
                 "version": model.config.hf_knorm.get("version")}, out_path)
 """)
 
@@ -57,7 +57,7 @@ def _assert_same_model(model, fresh):
     assert torch.equal(fresh["logits"], logits)
     assert torch.equal(fresh["tokens"], tokens)
     assert fresh["normalization"] == "x^3/16" and fresh["version"] == hf_knorm.__version__
-    for loaded, ours in zip(fresh["key_scales"], hf_knorm.key_scales(model.config)):
+    for loaded, ours in zip(fresh["key_scales"], hf_knorm.balancing.balance.key_scales(model.config)):
         assert torch.equal(loaded, ours)
     assert fresh["pad"] == 0  # the tokenizer came along
 

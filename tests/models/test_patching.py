@@ -157,7 +157,7 @@ def test_every_registered_architecture_has_a_tiny_model():
     assert set(hf_knorm.SUPPORTED_ARCHITECTURES) == set(ALL_TYPES)
     for model_type in ALL_TYPES:
         assert tiny_config(model_type).model_type == model_type
-        assert hf_knorm.attention_modules(tiny_model(model_type))
+        assert hf_knorm.models.architectures.attention_modules(tiny_model(model_type))
 
 
 def test_training_step_runs_and_matches_across_chunk_sizes(monkeypatch):

@@ -88,7 +88,7 @@ def test_corrupt_saved_normalization_is_reported(tmp_path):
 
 def test_missing_folder_is_reported():
     with pytest.raises(FileNotFoundError, match="No model folder"):
-        hf_knorm.load_model("/nonexistent/model")
+        hf_knorm.models.persistence.load_model("/nonexistent/model")
 
 
 def test_hf_knorm_loader_repairs_a_config_that_lost_the_marker(tmp_path):

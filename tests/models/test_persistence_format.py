@@ -63,7 +63,7 @@ def test_a_pre_layout_balanced_checkpoint_keeps_its_scales(tmp_path):
     _write_pre_layout_checkpoint(model, tmp_path, section)
     loaded = hf_knorm.from_pretrained(tmp_path)
     assert hf_knorm.patched_normalization(loaded) == "x/16"
-    scales = hf_knorm.key_scales(loaded.config)
+    scales = hf_knorm.balancing.balance.key_scales(loaded.config)
     assert len(scales) == layers and scales[0].shape == (kv_heads, head_dim)
     torch.testing.assert_close(torch.stack(scales), key_scale)
-    torch.testing.assert_close(torch.stack(hf_knorm.value_scales(loaded.config)), 1 / key_scale)
+    torch.testing.assert_close(torch.stack(hf_knorm.balancing.balance.value_scales(loaded.config)), 1 / key_scale)

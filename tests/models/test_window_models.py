@@ -499,7 +499,7 @@ def test_decoding_continues_the_state_on_the_gpu_kernel(gpu_kernels):
 
 
 def test_a_forced_gpu_kernel_serves_the_polynomial_part_and_leaves_the_softmax_part_alone(gpu_kernels):
-    """``use_kernels(quadratic="triton")`` on a windowed model: the polynomial part runs on Triton and the softmax
+    """``kernels(quadratic="triton")`` on a windowed model: the polynomial part runs on Triton and the softmax
     part on the PyTorch kernel (Triton computes no softmax, so the forced kernel is not asked to and does not refuse)."""
     from hf_knorm.attention import backends
 

@@ -121,7 +121,7 @@ def _patched_llama(layers: int):
 
 def _last_layer_attends_with(model, implementation: str) -> None:
     """The last layer alone leaves the plugin: its attention module reads a config of its own."""
-    attention = hf_knorm.attention_modules(model)[-1][1]
+    attention = hf_knorm.models.architectures.attention_modules(model)[-1][1]
     attention.config = copy.copy(attention.config)
     attention.config._attn_implementation = implementation
 

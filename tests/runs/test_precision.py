@@ -47,7 +47,7 @@ def test_the_jobs_trainer_runs_the_forward_in_the_precision_asked_on_the_cpu(no_
     CPU autocast (the projections compute in bf16) while the weights stay fp32; without it, fp32 throughout."""
     model = lm("x^3/16")
     computed = []
-    attention = hf_knorm.attention_modules(model)[0][1]
+    attention = hf_knorm.models.architectures.attention_modules(model)[0][1]
     attention.q_proj.register_forward_hook(lambda module, args, output: computed.append(output.dtype))
     arguments = job_arguments(tmp_path, steps=1, batch_size=2, learning_rate=1e-3, warmup_steps=0, logging_steps=1,
                               save_steps=10, eval_steps=10, report_to=(), seed=0, bf16=bf16, eval_strategy="no",

@@ -99,7 +99,7 @@ def test_the_reference_models_calls_are_left_out_of_the_norms(tmp_path):
     for scale in (1.0, 3.0):
         reference = lm("x^3/16", seed=1).eval()
         with torch.no_grad():
-            for _, module in hf_knorm.attention_modules(reference):
+            for _, module in hf_knorm.models.architectures.attention_modules(reference):
                 module.q_proj.weight.mul_(scale)
                 module.k_proj.weight.mul_(scale)
         out = tmp_path / f"scale_{scale}"

@@ -21,7 +21,7 @@ import hf_knorm  # noqa: E402
 def lm(normalization: str | None = None, seed: int = 0, attention_dropout: float = 0.0):
     """The tiny llama causal LM in train mode, patched with ``normalization`` (None: unpatched, SDPA)."""
     model = tiny_model("llama", seed=seed)
-    for _, module in hf_knorm.attention_modules(model):
+    for _, module in hf_knorm.models.architectures.attention_modules(model):
         module.attention_dropout = attention_dropout
     if normalization:
         hf_knorm.patch(model, normalization)
