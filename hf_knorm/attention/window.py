@@ -18,10 +18,10 @@ Definition (ours; the reference is :func:`.reference.reference_window_attention`
   (StreamingLLM's attention sinks, Xiao et al., arXiv 2309.17453; a softmax model parks much of many heads' weight
   there, and the
   default model's window of 64 alone, untrained, is 5-23x the original's perplexity beyond the window, 1.3-1.8x
-  with 4 sinks: ``scripts/window_sinks.py``); softmax is normalized over them alone, so this part is a convex
+  with 4 sinks: ``research/2026-12/window_sinks.py``); softmax is normalized over them alone, so this part is a convex
   combination of the window's values (Liger's window branch; not LoLCATs' joint denominator, which needs
   non-negative polynomial weights: ``x^3`` keeps the sign of the score, and a denominator could vanish). Measured on
-  the original's own attention (``scripts/distant_part_ceiling.py``, BENCHMARKS.md "Why the polynomial part is
+  the original's own attention (``research/2026-12/distant_part_ceiling.py``, BENCHMARKS.md "Why the polynomial part is
   decoration"), this is what limits the part: weights that ignore the sign of the score (``|s|^p``, ``s^p``) explain
   a few percent of what softmax puts beyond the window, ``max(s, 0)^p`` under the joint denominator most of it.
 - older keys: ``j <= a_i - W``, allowed and not sinks. They get the paper's unnormalized weight ``s^p / c``

@@ -8,7 +8,7 @@ script checks that every decoding call ran on the state). A cell is correct when
 the needle's. A linear state of d x d per head is known to retrieve worse than a K/V cache: this measures by how much.
 
 Usage:
-    python scripts/linear_retrieval.py outputs/convert_x1 --lengths 1000,2000,4000 --seeds 2 --out outputs/linear_retrieval
+    python research/2026-12/linear_retrieval.py outputs/convert_x1 --lengths 1000,2000,4000 --seeds 2 --out outputs/linear_retrieval
 """
 
 from __future__ import annotations

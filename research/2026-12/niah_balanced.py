@@ -7,7 +7,7 @@ r=0.5 scored on the cached (balanced) keys, r=0.5 scored in the original basis (
 model's r=0.5 row on the same cells comes from the main ``hf-knorm niah`` run (same seeds, same contexts). Last,
 the fraction of kept (layer, head, token) entries the two bases share, on a 2000-token NIAH context.
 
-Usage: ``OMP_NUM_THREADS=1 python scripts/niah_balanced.py --lengths 1000,2000 --out outputs/niah_balanced``
+Usage: ``OMP_NUM_THREADS=1 python research/2026-12/niah_balanced.py --lengths 1000,2000 --out outputs/niah_balanced``
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ prints per layer the number of KV heads (of 3) that keep all 7 digit tokens of t
 key norm is among the lowest of its head. ``--scores`` repeats the count for other eviction scores
 (``hf-knorm niah --scores`` entries) and ends with a one-line summary per score and ratio.
 
-Usage: ``OMP_NUM_THREADS=1 python scripts/knorm_needle_retention.py --ratios 0.25,0.5``
-       ``OMP_NUM_THREADS=1 python scripts/knorm_needle_retention.py --ratios 0.5 --scores key_norm,kv_diff``
+Usage: ``OMP_NUM_THREADS=1 python research/2026-12/knorm_needle_retention.py --ratios 0.25,0.5``
+       ``OMP_NUM_THREADS=1 python research/2026-12/knorm_needle_retention.py --ratios 0.5 --scores key_norm,kv_diff``
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ positions >= 256), as ``hf-knorm convert`` evaluates. StreamingLLM (Xiao et al.,
 softmax model parks much of its attention on the first tokens and that a window without them breaks down; this says
 how much that holds for the default model at W = 64.
 
-    python scripts/window_sinks.py --windows 64 --sinks 0,1,4 --out runs/window_sinks.json
+    python research/2026-12/window_sinks.py --windows 64 --sinks 0,1,4 --out runs/window_sinks.json
 
 Prints a table (perplexity and ratio to the original per domain, the worst) and writes it as JSON.
 """

@@ -8,7 +8,7 @@ passkey's first digit (the last token of the prompt ``retrieval.answer`` generat
 - the share of the attention weight on the passkey's digit tokens among the keys older than the window and not
   sinks (the keys the polynomial part reads): ``e^s`` for the original's softmax, ``|s|^p`` for ``x^p`` (the part's
   weights, signs dropped: an upper bound on how much of ``u`` the digits make), and ``max(s, 0)^p`` (``relu^p``:
-  weights that grow with the score as ``e^s``'s do, outside the paper's family; ``scripts/distant_part_ceiling.py``
+  weights that grow with the score as ``e^s``'s do, outside the paper's family; ``research/2026-12/distant_part_ceiling.py``
   measures what they would add beyond the window);
 - for a converted model, the same share under its own trained queries and keys, and the head's mix ``|m_h|``.
 
@@ -16,7 +16,7 @@ The score ``s_ij = q_i . k_j / sqrt(d)`` is recomputed from each attention modul
 attention only, as the default model). The samples are those of ``hf_knorm.evaluation.retrieval`` (the passkey grid:
 lengths x depths x 2 seeds), so the figures sit beside the conversion's passkey hits.
 
-    python scripts/passkey_attention_share.py --converted runs/sinks4_s0 runs/x1_sinks4_s0 --out runs/share.json
+    python research/2026-12/passkey_attention_share.py --converted runs/sinks4_s0 runs/x1_sinks4_s0 --out runs/share.json
 
 Prints, per model and weighting, over the samples: the median of the best head's share (and where it is), and the
 uniform share (digits / keys read) for scale.

@@ -7,7 +7,7 @@ with an explicit ``(1, 1, N, N)`` bool mask; forward and forward+backward; media
 after a warm-up, one torch thread. A ratio below 1 means this checkout is faster.
 
 Usage:
-    python scripts/bench_kernel_versions.py --base 1b59e93 --lengths 4096,8192
+    python research/2026-12/bench_kernel_versions.py --base 1b59e93 --lengths 4096,8192
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from hf_knorm.attention.kernel import chunked_attention
 from hf_knorm.normalizations import parse_normalization
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # research/2026-12/ -> the repository
 
 
 def earlier_kernel(revision: str, folder: Path):

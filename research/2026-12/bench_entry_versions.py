@@ -8,7 +8,7 @@ warm-up. Reported: the median over the repeats per version, with the range, and 
 this checkout is faster).
 
 Usage:
-    OMP_NUM_THREADS=2 python scripts/bench_entry_versions.py --base 54d50c5 --repeats 3
+    OMP_NUM_THREADS=2 python research/2026-12/bench_entry_versions.py --base 54d50c5 --repeats 3
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # research/2026-12/ -> the repository
 NORMALIZATIONS = ("softmax", "x^3/16", "x^3/16 + softmax window 64 + sinks 4", "x/1 + softmax window 64 + sinks 4")
 
 

@@ -38,7 +38,7 @@ evaluation, ``hf_knorm.conversion.beyond_window``):
    untrained otherwise), against the original and the window alone on the same tokens: what each design is worth
    before any conversion.
 
-    python scripts/distant_part_ceiling.py --out runs/distant_ceiling.json   # ~25 min, 2 threads
+    python research/2026-12/distant_part_ceiling.py --out runs/distant_ceiling.json   # ~25 min, 2 threads
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The questions are the first user turns of the conversations ``hf-knorm finetune 
 and its generation prompt; each model answers greedily (``--max-new-tokens``). Prints a markdown table.
 
 Usage:
-    python scripts/chat_answers.py --models default,outputs/chat-finetune,outputs/chat-convert --questions 8
+    python research/2026-12/chat_answers.py --models default,outputs/chat-finetune,outputs/chat-convert --questions 8
 """
 
 from __future__ import annotations

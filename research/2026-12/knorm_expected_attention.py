@@ -16,7 +16,7 @@ off on the default model before anything is built into ``KNormCache`` for it:
 Llama-style attention only (a ``q_proj`` and a ``rotary_emb`` on the base model), as kvpress. Result in
 BENCHMARKS.md ("Eviction scores"); it is not part of the package because it did not beat the query-free scores.
 
-Usage: ``OMP_NUM_THREADS=1 python scripts/knorm_expected_attention.py --task niah --lengths 1000,2000``
+Usage: ``OMP_NUM_THREADS=1 python research/2026-12/knorm_expected_attention.py --task niah --lengths 1000,2000``
 """
 
 from __future__ import annotations
