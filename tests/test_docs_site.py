@@ -76,6 +76,7 @@ def test_home_and_patch_reference_render_in_chromium(site):
         browser = playwright.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_FLAGS)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
             page.on("pageerror", lambda error: errors.append(str(error)))
             page.on("requestfailed", lambda request: errors.append(f"request failed: {request.url}"))
 
