@@ -48,7 +48,8 @@ def _first_sentence(docstring: str) -> str:
 
 def test_every_public_name_has_its_entry_in_the_api_reference(site):
     """Each name of ``hf_knorm.__all__`` is rendered under its own id on an API page: the top-level name
-    (``hf_knorm.patch``), or the member of the ``hf_knorm.normalizations`` page that it re-exports."""
+    (``hf_knorm.patch``), or the member of the ``hf_knorm.normalizations`` page that it re-exports; each helper that
+    moved from the top level to a subpackage (``hf_knorm._MOVED``, deprecated top-level names) under its new home."""
     ids = set()
     for page in (site / "api").rglob("*.html"):
         ids |= set(re.findall(r'id="(hf_knorm\.[\w.]+)"', page.read_text()))
@@ -57,6 +58,8 @@ def test_every_public_name_has_its_entry_in_the_api_reference(site):
     missing = [name for name in hf_knorm.__all__
                if f"hf_knorm.{name}" not in ids and f"hf_knorm.normalizations.{name}" not in ids]
     assert missing == [], "names of hf_knorm.__all__ without an entry in docs/api/*.md"
+    helpers = {f"hf_knorm.{module}.{name}" for name, module in getattr(hf_knorm, "_MOVED", {}).items()}
+    assert sorted(helpers - ids) == [], "helpers without an entry at their home in docs/api/*.md"
 
 
 def test_the_results_page_is_benchmarks_md_with_its_figures(site):
