@@ -4,13 +4,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test compat matrix device device-check bench clean
+.PHONY: setup demo test docs compat matrix device device-check bench clean
 
 setup: $(STAMP)
 
 # torch is pinned to the CPU wheel (2.13.0); everything else comes from requirements.lock, which holds the core
-# dependencies and those of the train, demo, gpu and dev extras (the editable install names them; --no-deps: the lock
-# already installed them).
+# dependencies and those of the train, demo, gpu and dev extras (dev brings docs; the editable install names them;
+# --no-deps: the lock already installed them).
 $(STAMP): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -21,6 +21,12 @@ $(STAMP): requirements.lock pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/hf-knorm demo --out outputs/demo
+
+# The documentation site (mkdocs.yml) into site/, in strict mode: a broken link or anchor, a page left out of the nav or
+# a docstring reference that does not resolve fails the build (tests/test_docs_site.py builds it too). Open
+# site/index.html. NO_MKDOCS_2_WARNING silences Material's banner about its successor, printed on every build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The suite in one pytest-xdist worker per core (tests/conftest.py gives each worker its share of the threads; an idle
 # worker takes queued tests from a busy one: the long end-to-end tests do not leave one core idle at the end): 7 min
@@ -84,4 +90,4 @@ bench: $(STAMP)
 	$(PY) scripts/bench_attention.py
 
 clean:
-	rm -rf $(VENV) .venv-tf* outputs
+	rm -rf $(VENV) .venv-tf* outputs site

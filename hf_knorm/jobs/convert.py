@@ -125,7 +125,7 @@ def check_settings(settings: ConvertSettings) -> Normalization:
 def convert(settings: ConvertSettings | None = None, **fields) -> dict:
     """Convert a pretrained softmax causal LM to another normalization (the Python side of ``hf-knorm convert``).
 
-    Example:
+    Examples:
         >>> summary = hf_knorm.convert(normalization="x^3/16", out="runs/x3-16")     # the embedded default model
         >>> model = hf_knorm.from_pretrained("runs/x3-16")
         >>> summary["evaluation"]["perplexity"], summary["evaluation"]["original_perplexity"]

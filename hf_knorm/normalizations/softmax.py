@@ -15,6 +15,9 @@ from .base import Normalization, arguments, minus_inf_masked
 
 @dataclass(frozen=True)
 class Softmax(Normalization):
+    """Softmax over the keys each query may attend (spelling ``softmax``): the control, equal to Transformers' own
+    attention."""
+
     family = "softmax"
     formula = "e^s_ij / sum_k e^s_ik"
     source = "Vaswani et al., arXiv 1706.03762"

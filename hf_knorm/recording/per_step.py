@@ -54,7 +54,7 @@ class StepNormRecorder:
         model: the model whose forward passes are recorded (the Trainer's ``model``; called through ``__call__``).
         layers: its attention modules in layer order (``hf_knorm.models.architectures.attention_modules``).
 
-    Example:
+    Examples:
         >>> recorder = StepNormRecorder(model, [m for _, m in attention_modules(model)])
         >>> recorder.start()
         >>> model(**batch)          # routed through the plugin (patched, or ``routed_through_plugin``)

@@ -32,7 +32,7 @@ def routed_through_plugin(model: nn.Module):
 def record_norms(model: nn.Module, keys_values: bool = True, attention: bool = True):
     """Record attention-matrix and K/V channel norms of the forward passes run inside the block.
 
-    Example:
+    Examples:
         >>> with hf_knorm.record_norms(model) as recorder:
         ...     model(**batch)
         >>> recorder.layers[3].key_channel_norms()   # (H_kv * head_dim,)

@@ -60,7 +60,7 @@ class NormRecorder:
         keys_values: record K/V channel statistics (a pass over keys per call).
         attention: record attention-matrix Frobenius norms.
 
-    Example:
+    Examples:
         >>> recorder = NormRecorder([m for _, m in attention_modules(model)])
         >>> with recorder:
         ...     model(**batch)

@@ -81,7 +81,7 @@ class NormLoggerCallback(TrainerCallback):
             or ``None``; restored from the history on resume.
         stopped_at_step: the step after which ``stop_on_nonfinite_loss`` stopped training, or ``None``.
 
-    Example:
+    Examples:
         >>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[NormLoggerCallback()])
         >>> trainer.train()
         >>> trainer.state.log_history[-2]["norms/layer_00/attn_fro"]
