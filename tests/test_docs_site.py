@@ -62,12 +62,18 @@ def test_every_public_name_has_its_entry_in_the_api_reference(site):
     assert sorted(helpers - ids) == [], "helpers without an entry at their home in docs/api/*.md"
 
 
-def test_the_results_page_is_benchmarks_md_with_its_figures(site):
+def test_the_results_index_is_benchmarks_md_and_its_pages_show_their_figures(site):
     html = (site / "results" / "index.html").read_text()
     first_heading = re.search(r"^# (.+)$", (ROOT / "BENCHMARKS.md").read_text(), re.M).group(1)
     assert f">{first_heading}<" in html
-    figures = re.findall(r'<img[^>]+src="([^"]+)"', html)
-    assert figures and all((site / "results" / src).resolve().is_file() for src in figures), figures
+    pages = sorted(path.stem for path in (ROOT / "docs" / "results").glob("*.md"))
+    body = html.split('<article', 1)[1]  # the page's own text, not the navigation
+    linked = {name for name in pages if f'href="{name}/#' in body}
+    assert linked == set(pages), (linked, pages)  # the index links into every results page
+    for name in ("attention", "training", "conversion"):
+        folder = site / "results" / name
+        figures = re.findall(r'<img[^>]+src="([^"]+)"', (folder / "index.html").read_text())
+        assert figures and all((folder / src).resolve().is_file() for src in figures), (name, figures)
 
 
 def test_home_and_patch_reference_render_in_chromium(site):
