@@ -41,7 +41,7 @@ def run_transfer(model, settings: ConvertSettings, normalization: Normalization,
     With ``transfer_steps == 0`` the model is only patched. Returns the patched (transferred) model. ``collator``
     batches ``train`` (:func:`~hf_knorm.jobs.convert.examples_collator`).
     """
-    from ..models.persistence import from_pretrained, save_pretrained
+    from ..models.persistence import from_pretrained, save_weights_and_config
 
     folder = out / "transfer"
     record = state.get("transfer", {})
@@ -80,7 +80,7 @@ def run_transfer(model, settings: ConvertSettings, normalization: Normalization,
     record.update(measured, trainable_parameters=trainable, trainable=settings.transfer_trainable,
                   errors=transfer.errors_by_layer_and_position(model, _error_sample(eval_sets)))
     if is_main_process():  # the stage is marked done (write_state) after its model is saved
-        save_pretrained(model, folder / "model")
+        save_weights_and_config(model, folder / "model")
     record["done"] = True
     state["transfer"] = record
     write_state(out, state)
@@ -91,7 +91,7 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
                  collator=transformers.default_data_collator):
     """Stage 2: next-token training of the patched model, through LoRA (merged at the end) or in full, distilled from
     ``teacher``. The recovered model is saved in ``out/recovery/model`` before the stage is marked done."""
-    from ..models.persistence import from_pretrained, save_pretrained
+    from ..models.persistence import from_pretrained, save_weights_and_config
 
     if settings.recovery == "none" or settings.scheduled_recovery_steps() == 0:
         return model
@@ -134,7 +134,7 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
     for parameter in model.parameters():
         parameter.requires_grad_(True)
     if is_main_process():  # the stage is marked done (write_state) after its model is saved
-        save_pretrained(model, folder / "model")
+        save_weights_and_config(model, folder / "model")
     record.update(measured, trainable_parameters=trainable, mode=settings.recovery, done=True)
     state["recovery"] = record
     write_state(out, state)

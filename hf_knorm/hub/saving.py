@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from ..models.persistence import save_pretrained as save_weights_and_config
+from ..models.persistence import save_weights_and_config
 from .base_model import resolve_base_model
 from .card import render_card
 from .card_inputs import CardInputs, evaluation_inputs, kv_balance_inputs, niah_inputs, norm_history_inputs

@@ -17,7 +17,7 @@ its spelling (``normalization``), and a versioned typed record (``normalization_
 agree. A checkpoint of format 1 (the spelling alone, a window mix as JSON floats in ``window_mix``) loads to the same
 logits: the mix moves into the parameters.
 
-:func:`save_pretrained` here writes the weights and the config; the public ``hf_knorm.save_pretrained``
+:func:`save_weights_and_config` writes the weights and the config; the one public save, ``hf_knorm.save_pretrained``
 (:mod:`hf_knorm.hub.saving`) calls it and adds the tokenizer and the model card.
 """
 
@@ -40,7 +40,7 @@ from .parameters import LEGACY_MIX_FIELD, PREFIX
 from .patching import SECTION, _configs
 
 
-def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwargs) -> Path:
+def save_weights_and_config(model: nn.Module, save_directory: str | os.PathLike, **kwargs) -> Path:
     """``model.save_pretrained``: the weights and ``config.json``, with the hf_knorm section and its marker.
 
     Returns:
