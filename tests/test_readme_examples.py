@@ -1,6 +1,7 @@
-"""The README's examples run as written (and the docs' python blocks are checked): the normalization, balancing and eviction snippets on the real default model,
+"""The README's examples run as written: the normalization, balancing and eviction snippets on the real default model,
 in order, in one namespace (as a reader would paste them); the training and conversion snippets, which need a dataset
-and minutes of training, are compiled and the calls they make checked to exist with the arguments they pass."""
+and minutes of training, are compiled and the calls they make checked to exist with the arguments they pass. The
+python blocks of docs/ are checked the same way."""
 
 import ast
 import inspect
