@@ -39,18 +39,11 @@ from hf_knorm.assets.default_model import default_model_dir
 from hf_knorm.attention.interface import hf_knorm_attention
 from hf_knorm.attention.masks import key_padding
 from hf_knorm.attention.paths import attention_paths
-from hf_knorm.normalizations import FAMILIES
+from hf_knorm.normalizations import representative_spellings
 
 SDPA = "F.sdpa softmax"
 TARGET = 1.3
 """The issue's target: every family's forward at 4,096 tokens within 1.3x of SDPA's softmax."""
-
-
-def default_spellings() -> list[str]:
-    """The first example of each family, then each other example that learns a value."""
-    first = [family.examples[0] for family in FAMILIES.values()]
-    learned = [example for family in FAMILIES.values() for example in family.examples[1:] if "learned" in example]
-    return first + [spelling for spelling in learned if spelling not in first]
 
 
 def attention_modules(spellings: list[str]) -> dict[str, torch.nn.Module]:
@@ -183,7 +176,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    spellings = args.normalizations.split(";") if args.normalizations else default_spellings()
+    spellings = args.normalizations.split(";") if args.normalizations else representative_spellings()
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}; attention: B=1, 9 query / 3 KV heads, "
           f"head dim 64, N={args.length}, causal, fp32, no grad; {args.repeats} interleaved rounds")
     rows, paths = bench_attention(spellings, args.length, args.repeats)

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 from hf_knorm.attention.kernel import chunked_attention
 from hf_knorm.attention.linear_kernel import linear_attention
-from hf_knorm.normalizations import parse_normalization
+from hf_knorm.normalizations import parse_normalization, representative_spellings
 from hf_knorm.extras import MissingExtraError, require
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -252,14 +252,6 @@ FAMILY_SHAPE = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=
 """SmolLM2-135M's attention shape (its config.json), so that the families' part needs no download."""
 
 
-def _family_spellings() -> list[str]:
-    from hf_knorm.normalizations import FAMILIES
-
-    first = [family.examples[0] for family in FAMILIES.values()]
-    learned = [example for family in FAMILIES.values() for example in family.examples[1:] if "learned" in example]
-    return first + [spelling for spelling in learned if spelling not in first]
-
-
 def _shaped_model(spelling: str | None, layers: int, dtype, device):
     """A random model of SmolLM2's attention shape (seed 0), patched with ``spelling`` (unpatched when ``None``)."""
     import transformers
@@ -287,7 +279,7 @@ def family_rows(lengths: list[int]) -> list[str]:
         inputs = [torch.randn(shape, generator=generator, device=device, dtype=dtype) for shape in shapes]
         mask = key_padding(1, length, 0, None, device)  # what hf_knorm's mask function hands a plain causal call
         baseline = None
-        for spelling in [None, *_family_spellings()]:
+        for spelling in [None, *representative_spellings()]:
             if spelling is None:
                 def attention(q, k, v):
                     return _sdpa(q, k, v)
@@ -317,7 +309,7 @@ def family_rows(lengths: list[int]) -> list[str]:
             print(rows[-1], flush=True)
     tokens = 512 if CUDA else 128
     ids = torch.randint(0, 4096, (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
-    for spelling in _family_spellings():
+    for spelling in representative_spellings():
         with torch.no_grad():
             full = _shaped_model(spelling, 4, torch.float32, device)(input_ids=ids).logits
             half = _shaped_model(spelling, 4, torch.bfloat16, device)(input_ids=ids).logits.float()

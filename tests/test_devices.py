@@ -12,7 +12,7 @@ from transformers import DynamicCache
 import hf_knorm
 from hf_knorm.attention.kernel import chunked_attention
 from hf_knorm.attention.linear_kernel import is_linear, linear_attention
-from hf_knorm.normalizations import parse_normalization
+from hf_knorm.normalizations import parse_normalization, representative_spellings
 from hf_knorm.attention.reference import reference_attention
 from hf_knorm.compat import cache_kwargs, output_cache
 from hf_knorm.recording.record_norms import record_norms
@@ -112,17 +112,8 @@ def test_generation_on_the_device(setup, spelling):
         assert model.generate(input_ids=ids, **options, **cache_kwargs(knorm)).tolist() == expected.tolist()
 
 
-def _family_spellings() -> list[str]:
-    """The first example of each registered family, and each example that learns a value."""
-    from hf_knorm.normalizations import FAMILIES
-
-    first = [family.examples[0] for family in FAMILIES.values()]
-    return first + [example for family in FAMILIES.values() for example in family.examples[1:]
-                    if "learned" in example and example not in first]
-
-
 @pytest.mark.parametrize("setup", SETUPS)
-@pytest.mark.parametrize("spelling", _family_spellings())
+@pytest.mark.parametrize("spelling", representative_spellings())
 def test_every_family_on_the_device_against_fp32_on_the_cpu(setup, spelling):
     """Each family patched into the same tiny model: a padded batch's logits on the device within the setup's
     tolerance of fp32 on the CPU, finite gradients for every learnable value, and KV-cache decoding equal to the full

@@ -5,7 +5,7 @@ only): the attention, the models and every job import it."""
 from .base import Learnable, Normalization
 from .polynomial import Polynomial
 from .rectified import Rectified
-from .registry import FAMILIES, from_record, list_normalizations, parse_normalization
+from .registry import FAMILIES, from_record, list_normalizations, parse_normalization, representative_spellings
 from .sigmoid import Sigmoid
 from .sink_softmax import SinkSoftmax
 from .softmax import Softmax
@@ -19,4 +19,4 @@ PAPER_NORMALIZATIONS = ("softmax", "x/1", "x/16", "x^3/1", "x^3/16", "x^3/sqrtN"
 
 __all__ = ["FAMILIES", "PAPER_NORMALIZATIONS", "Learnable", "Normalization", "Polynomial", "Rectified", "SSMax",
            "Sigmoid", "SinkSoftmax", "Softmax", "Softpick", "StickBreaking", "Windowed", "from_record",
-           "list_normalizations", "parse_normalization", "with_window"]
+           "list_normalizations", "parse_normalization", "representative_spellings", "with_window"]

@@ -45,6 +45,14 @@ def accepted_forms() -> str:
                      for key, family in FAMILIES.items())
 
 
+def representative_spellings() -> list[str]:
+    """The first example spelling of each family, then every other example that learns a value: what the benchmarks
+    and the device check run, one line per family and per learnable variant."""
+    first = [family.examples[0] for family in FAMILIES.values()]
+    learned = [example for family in FAMILIES.values() for example in family.examples[1:] if "learned" in example]
+    return first + [spelling for spelling in learned if spelling not in first]
+
+
 def list_normalizations() -> dict[str, dict[str, str]]:
     """The registered families: ``{key: {"example": spelling, "examples": ..., "source": ..., "fast_paths": ...}}``;
     each example parses (``hf_knorm.parse_normalization(example)``)."""

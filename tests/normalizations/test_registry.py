@@ -157,3 +157,13 @@ def test_patch_takes_the_object_or_its_spelling_alike(spelling):
             assert parameter.shape == (4,) and parameter.tolist() == pytest.approx([init] * 4)
     hf_knorm.unpatch(by_object)
     assert not [name for name, _ in by_object.named_parameters() if "hf_knorm_" in name]
+
+
+def test_the_representative_spellings_cover_every_family_and_every_learnable_example():
+    from hf_knorm.normalizations import representative_spellings
+
+    spellings = representative_spellings()
+    assert len(spellings) == len(set(spellings))
+    assert {type(parse_normalization(spelling)) for spelling in spellings} == set(FAMILIES.values())
+    learned = {example for family in FAMILIES.values() for example in family.examples if "learned" in example}
+    assert learned <= set(spellings)
