@@ -266,6 +266,12 @@ class KNormCache(Cache):
                 "must know the layers (and, for head budgets, check the attention implementation)."
             )
         self.config = None if config is None else config.get_text_config(decoder=True)
+        normalization = (getattr(self.config, "hf_knorm", None) or {}).get("normalization")
+        if head_budget == "heads" and normalization is not None:
+            raise ValueError(
+                f"head_budget='heads' attends through the knorm_ragged attention (softmax, SDPA); this model is "
+                f"patched with {normalization}, which it would lose. Use head_budget='uniform' with patched models."
+            )
         super().__init__(layers=[] if config is None else self._layers_for(config))
 
     # --- structure -------------------------------------------------------------------------------------------------
@@ -383,7 +389,10 @@ class KNormCache(Cache):
         return super().get_mask_sizes(query_length, layer_idx)
 
     def is_uniform(self) -> bool:
-        """True when every KNorm layer stores the same number of tokens (multi-token steps are then allowed)."""
+        """True when every KNorm layer stores the same number of tokens (multi-token steps are then allowed); never
+        with ``head_budget="heads"`` (per-head counts take one token per forward)."""
+        if any(isinstance(layer, RaggedKNormLayer) for layer in self.layers):
+            return False
         return len({layer.stored_length() for layer in self.layers if isinstance(layer, KNormLayer)}) <= 1
 
     def prefill_from(self, cache: Cache) -> KNormCache:

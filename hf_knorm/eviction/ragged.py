@@ -18,6 +18,8 @@ a ragged step under any other attention, loudly, rather than attend the padding.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -26,7 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .budgets import head_adaptive_keep
 from .cache import KNormLayer, _check_unpadded_positions
 
-__all__ = ["RAGGED_ATTENTION", "RaggedKNormLayer", "ragged_attention"]
+__all__ = ["RAGGED_ATTENTION", "RaggedKNormLayer", "ragged_attention", "ragged_attention_for"]
 
 RAGGED_ATTENTION = "knorm_ragged"
 
@@ -137,6 +139,9 @@ def ragged_attention(module, query, key, value, attention_mask, **kwargs):
     """SDPA attention (Transformers' ``sdpa_attention_forward``) that also hides the padding of a
     :class:`RaggedKNormLayer`'s view: ``key.knorm_valid`` (B, H_kv, S) bool, expanded to the query heads and AND-ed
     with the model's (B, 1, q, S) bool mask. Without it this is exactly SDPA."""
+    if kwargs.get("softcap") is not None:
+        raise ValueError("The knorm_ragged attention (SDPA) has no logit softcapping; head_budget='heads' does not "
+                         "support this model (use head_budget='uniform').")
     valid = getattr(key, "knorm_valid", None)
     if valid is not None:
         groups = query.shape[1] // key.shape[1]
@@ -146,6 +151,21 @@ def ragged_attention(module, query, key, value, attention_mask, **kwargs):
         else:
             attention_mask = attention_mask[..., : key.shape[-2]] & heads
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+@contextmanager
+def ragged_attention_for(model, cache):
+    """Run ``model`` with the ``"knorm_ragged"`` attention while the block runs if ``cache`` has per-head counts
+    (``head_budget="heads"``); its own attention is given back afterwards, even on error. Otherwise does nothing."""
+    if not any(isinstance(layer, RaggedKNormLayer) for layer in cache.layers):
+        yield
+        return
+    original = model.config._attn_implementation
+    model.set_attn_implementation(RAGGED_ATTENTION)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(original)
 
 
 AttentionInterface.register(RAGGED_ATTENTION, ragged_attention)

@@ -216,3 +216,26 @@ def test_ragged_cache_refuses_what_the_uniform_one_refuses():
     with pytest.raises(ValueError, match="padded batch"):
         model.generate(**inputs, cache=KNormCache(0.5, head_budget="heads", config=model.config), max_new_tokens=2,
                        pad_token_id=0)
+
+
+# --- the one-call paths ------------------------------------------------------------------------------------------------
+def test_knorm_generate_runs_head_budgets_and_gives_the_attention_back():
+    from hf_knorm.eviction.pipeline import answer_after_context, knorm_cache_for, knorm_generate
+
+    model = knorm_model("llama")
+    ids = tiny_inputs("llama", batch=1, length=PROMPT)["input_ids"]
+    options = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=10**6)
+    uniform = knorm_generate(model, ids, compression_ratio=0.5, **options)
+    equal = knorm_generate(model, ids, compression_ratio=0.5, head_budget="heads", head_floor=1.0, **options)
+    assert torch.equal(uniform, equal) and model.config._attn_implementation == "sdpa"
+    cache = knorm_cache_for(model, compression_ratio=0.5, head_budget="heads", layer_budget="dispersion")
+    answer = answer_after_context(model, cache, ids[:, :-4], ids[:, -4:], **options)
+    assert answer.shape == (1, NEW) and model.config._attn_implementation == "sdpa"
+
+
+def test_head_budgets_refuse_a_patched_model():
+    import hf_knorm
+
+    model = hf_knorm.patch(knorm_model("llama"), normalization="x^3/16")
+    with pytest.raises(ValueError, match="patched with x\\^3/16"):
+        KNormCache(0.5, head_budget="heads", config=model.config)
