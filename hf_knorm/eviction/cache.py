@@ -221,6 +221,15 @@ class KNormCache(Cache):
             ``None`` scores the cached keys as they are.
         value_scales (list of torch.Tensor, optional): Per layer a (H_kv, head_dim) tensor ``t``; scores see ``v / t``
             (a balanced model's values are ``v_original * t``). Only value-based scores read values.
+        head_budget (str): ``"uniform"`` (default, the paper's: the same count in every head) or ``"heads"``: AdaKV's
+            head-adaptive budget (arXiv 2407.11550; :func:`hf_knorm.eviction.budgets.head_adaptive_keep`, per-head
+            z-scores in fp32), stored per head compactly (:class:`hf_knorm.eviction.ragged.RaggedKNormLayer`); the
+            model must run with the ``"knorm_ragged"`` attention (``knorm_generate`` sets it). Needs ``config``.
+        head_floor (float): In [0, 1]; with ``head_budget="heads"`` each head keeps at least ``ceil(head_floor * k)``
+            of its uniform share ``k``. Default 0.2 (AdaKV's); ``1`` is the uniform budget exactly.
+        layer_budget (str): ``"uniform"`` (default), ``"skip_first"`` (layers 0-1 whole, as the authors' code) or
+            ``"dispersion"`` (shares from each layer's score dispersion at prefill); the total kept is the ratio's
+            (:func:`hf_knorm.eviction.budgets.layer_keep_counts`). Needs ``config``.
         config (PreTrainedConfig, optional): The model's config. With it the cache checks that the model is a supported
             decoder and gives sliding-window layers (Mistral, Gemma 2/3) Transformers' own sliding layer, uncompressed.
             **Pass it for models with sliding-window layers**; without it every layer is a KNorm layer.
@@ -231,7 +240,8 @@ class KNormCache(Cache):
             (:mod:`hf_knorm.eviction.settings`); every KNorm layer gets this one object when it is built.
 
     Note:
-        Shapes: each layer stores keys and values (B, H_kv, S_kept, D) and positions (B, H_kv, S_kept).
+        Shapes: each layer stores keys and values (B, H_kv, S_kept, D) and positions (B, H_kv, S_kept); with
+        ``head_budget="heads"`` packed (N, D) keys and values and (B, H_kv) counts (see ``hf_knorm.eviction.ragged``).
         Padded batches are refused (eviction breaks the padding-mask bookkeeping): generate one sequence at a time, or
         batch prompts of equal length. Chunked prefill (``prefill_chunk_size``) would compress only the first chunk: do
         not combine them.
