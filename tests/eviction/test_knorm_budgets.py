@@ -239,3 +239,22 @@ def test_head_budgets_refuse_a_patched_model():
     model = hf_knorm.patch(knorm_model("llama"), normalization="x^3/16")
     with pytest.raises(ValueError, match="patched with x\\^3/16"):
         KNormCache(0.5, head_budget="heads", config=model.config)
+
+
+@pytest.mark.parametrize("head_budget", ["uniform", "heads"])
+def test_prefill_from_and_reset_give_the_same_schedule(head_budget):
+    from transformers import DynamicCache
+
+    model = ragged_model(layers=4)
+    ids = tiny_inputs("llama", batch=2, length=PROMPT)["input_ids"]
+    options = dict(compression_ratio=0.5, score="kv_diff", head_budget=head_budget, layer_budget="dispersion",
+                   config=model.config)
+    direct = KNormCache(**options)
+    model(input_ids=ids, cache=direct, use_cache=True)
+    full = model(input_ids=ids, cache=DynamicCache(), use_cache=True).cache
+    later = KNormCache.from_dynamic_cache(full, **options)
+    direct.reset()
+    model(input_ids=ids, cache=direct, use_cache=True)  # a reset cache schedules its new prompt again
+    for layer in range(4):
+        assert torch.equal(later.kept_positions(layer), direct.kept_positions(layer))
+        assert torch.equal(later.stored_per_head(layer), direct.stored_per_head(layer))
