@@ -58,38 +58,44 @@ class RaggedKNormLayer(KNormLayer):
     def stored_per_head(self) -> torch.Tensor:
         return self.lengths.clone() if self.is_initialized else torch.zeros(0, 0, dtype=torch.long)
 
-    def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def padded(self, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The transient view: keys, values (B, H_kv, L, D), positions (B, H_kv, L) (-1 in padding) and the
-        (B, H_kv, L) bool ``valid``, L = the longest head."""
+        (B, H_kv, L) bool ``valid``, L = the longest head (+ ``extra`` free slots after each head's tokens)."""
         batch, heads = self.lengths.shape
-        length = self.stored_length()
+        length = self.stored_length() + extra
         valid = torch.arange(length, device=self.device) < self.lengths[..., None]  # (B, H_kv, L)
+        where = valid.nonzero(as_tuple=True)  # computed once for the three tensors
         keys = self.keys.new_zeros(batch, heads, length, self.keys.shape[-1])
         values = self.values.new_zeros(batch, heads, length, self.values.shape[-1])
         positions = torch.full((batch, heads, length), -1, dtype=torch.long, device=self.device)
-        keys[valid], values[valid], positions[valid] = self.keys, self.values, self.positions
+        keys[where], values[where], positions[where] = self.keys, self.values, self.positions
         return keys, values, positions, valid
 
     def _pack(self, keys, values, positions, keep) -> None:
         """Store the ``keep`` (B, H_kv, S) entries of padded (B, H_kv, S, D) states."""
-        self.keys, self.values, self.positions = keys[keep], values[keep], positions[keep]
+        where = keep.nonzero(as_tuple=True)
+        self.keys, self.values, self.positions = keys[where], values[where], positions[where]
         self.lengths = keep.sum(-1)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
                position_ids: torch.Tensor | None = None, **kwargs):
         """Append (B, H_kv, q, D) states per head; return the (B, H_kv, L + q, D) padded view (keys carry the bool
-        ``knorm_valid`` (B, H_kv, L + q) when some slot is padding), then compress the prompt."""
+        ``knorm_valid`` (B, H_kv, L + q) when some slot is padding), then compress the prompt.
+
+        The q new tokens of each head go right after its kept ones (slots ``lengths .. lengths + q - 1``); after the
+        prompt q is 1 (the cache refuses more), so their order against the model's mask does not matter."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, heads, q_len, _ = key_states.shape
         start = self.cumulative_length
         self.cumulative_length += q_len
-        keys, values, positions, valid = self.padded()
-        new_positions = torch.arange(start, start + q_len, device=self.device).expand(batch, heads, q_len)
-        full_keys = torch.cat([keys, key_states], dim=-2)
-        full_values = torch.cat([values, value_states], dim=-2)
-        full_positions = torch.cat([positions, new_positions], dim=-1)
-        full_valid = torch.cat([valid, valid.new_ones(batch, heads, q_len)], dim=-1)
+        full_keys, full_values, full_positions, old = self.padded(extra=q_len)
+        slots = torch.arange(full_keys.shape[-2], device=self.device)
+        full_valid = slots < (self.lengths + q_len)[..., None]  # (B, H_kv, L + q)
+        new = (full_valid & ~old).nonzero(as_tuple=True)  # q slots per head, in (batch, head, slot) order
+        full_keys[new] = key_states.reshape(-1, key_states.shape[-1])
+        full_values[new] = value_states.reshape(-1, value_states.shape[-1])
+        full_positions[new] = torch.arange(start, start + q_len, device=self.device).repeat(batch * heads)
         keep = full_valid
         if start == 0 and q_len > 0:
             _check_unpadded_positions(position_ids, q_len)
