@@ -90,6 +90,9 @@ class KNormLayer(DynamicLayer):
         if start == 0 and q_len > 0:  # the prompt: compressed once it has been attended in full
             _check_unpadded_positions(position_ids, q_len)
             self.prompt_length = q_len
+            if self.settings.layer_budget != "uniform":  # the cache compresses every layer once all have the prompt
+                self.keys, self.values, self.positions = full_keys, full_values, full_positions
+                return full_keys, full_values
             keep = self.settings.prompt_keep(self.layer_idx, q_len)
         if self.settings.decoding_budget is not None:
             keep = min(keep, self.settings.decoding_budget)
@@ -103,6 +106,29 @@ class KNormLayer(DynamicLayer):
         else:
             self.keys, self.values, self.positions = full_keys, full_values, full_positions
         return full_keys, full_values
+
+    def prompt_order(self) -> torch.Tensor:
+        """Eviction order (B, H_kv, n) of the stored, not yet compressed prompt (low = kept)."""
+        return self.settings.eviction_order(self.keys, self.values, self.positions, self.layer_idx,
+                                            self.cumulative_length)
+
+    def compress_prompt(self, keep: int, order: torch.Tensor | None = None) -> None:
+        """Keep ``keep`` tokens per head of the stored prompt (a layer budget, applied by the cache once every layer
+        holds its prompt); ``order`` is :meth:`prompt_order` if already computed."""
+        if self.settings.decoding_budget is not None:
+            keep = min(keep, self.settings.decoding_budget)
+        if keep >= self.keys.shape[-2]:
+            return
+        order = self.prompt_order() if order is None else order
+        index = order.topk(keep, dim=-1, largest=False).indices.sort(dim=-1).values  # (B, H_kv, keep)
+        self.keys = self.keys.gather(2, index[..., None].expand(-1, -1, -1, self.keys.shape[-1]))
+        self.values = self.values.gather(2, index[..., None].expand(-1, -1, -1, self.values.shape[-1]))
+        self.positions = self.positions.gather(2, index)
+
+    def stored_per_head(self) -> torch.Tensor:
+        """Tokens stored per head, (B, H_kv) int64."""
+        shape = self.positions.shape if self.is_initialized else (0, 0, 0)
+        return torch.full(shape[:2], shape[2], dtype=torch.long)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """(kv_length, kv_offset): the stored tokens plus the query, offset so the query's own tokens stay causal."""
@@ -195,6 +221,15 @@ class KNormCache(Cache):
             ``None`` scores the cached keys as they are.
         value_scales (list of torch.Tensor, optional): Per layer a (H_kv, head_dim) tensor ``t``; scores see ``v / t``
             (a balanced model's values are ``v_original * t``). Only value-based scores read values.
+        head_budget (str): ``"uniform"`` (default, the paper's: the same count in every head) or ``"heads"``: AdaKV's
+            head-adaptive budget (arXiv 2407.11550; :func:`hf_knorm.eviction.budgets.head_adaptive_keep`, per-head
+            z-scores in fp32), stored per head compactly (:class:`hf_knorm.eviction.ragged.RaggedKNormLayer`); the
+            model must run with the ``"knorm_ragged"`` attention (``knorm_generate`` sets it). Needs ``config``.
+        head_floor (float): In [0, 1]; with ``head_budget="heads"`` each head keeps at least ``ceil(head_floor * k)``
+            of its uniform share ``k``. Default 0.2 (AdaKV's); ``1`` is the uniform budget exactly.
+        layer_budget (str): ``"uniform"`` (default), ``"skip_first"`` (layers 0-1 whole, as the authors' code) or
+            ``"dispersion"`` (shares from each layer's score dispersion at prefill); the total kept is the ratio's
+            (:func:`hf_knorm.eviction.budgets.layer_keep_counts`). Needs ``config``.
         config (PreTrainedConfig, optional): The model's config. With it the cache checks that the model is a supported
             decoder and gives sliding-window layers (Mistral, Gemma 2/3) Transformers' own sliding layer, uncompressed.
             **Pass it for models with sliding-window layers**; without it every layer is a KNorm layer.
@@ -205,7 +240,8 @@ class KNormCache(Cache):
             (:mod:`hf_knorm.eviction.settings`); every KNorm layer gets this one object when it is built.
 
     Note:
-        Shapes: each layer stores keys and values (B, H_kv, S_kept, D) and positions (B, H_kv, S_kept).
+        Shapes: each layer stores keys and values (B, H_kv, S_kept, D) and positions (B, H_kv, S_kept); with
+        ``head_budget="heads"`` packed (N, D) keys and values and (B, H_kv) counts (see ``hf_knorm.eviction.ragged``).
         Padded batches are refused (eviction breaks the padding-mask bookkeeping): generate one sequence at a time, or
         batch prompts of equal length. Chunked prefill (``prefill_chunk_size``) would compress only the first chunk: do
         not combine them.
@@ -223,13 +259,29 @@ class KNormCache(Cache):
         key_scales: Sequence[torch.Tensor] | None = None,
         value_scales: Sequence[torch.Tensor] | None = None,
         score="key_norm",
+        head_budget: str = "uniform",
+        head_floor: float = 0.2,
+        layer_budget: str = "uniform",
         config=None,
     ):
         self.settings = EvictionSettings(
             compression_ratio=compression_ratio, budget=budget, sink_tokens=sink_tokens, recent_window=recent_window,
             layer_ratios=layer_ratios, decoding_budget=decoding_budget, key_scales=key_scales,
-            value_scales=value_scales, score=score,
+            value_scales=value_scales, score=score, head_budget=head_budget, head_floor=head_floor,
+            layer_budget=layer_budget,
         )
+        if config is None and (head_budget != "uniform" or layer_budget != "uniform"):
+            raise ValueError(
+                "head_budget/layer_budget need the model's config (KNormCache(..., config=model.config)): the cache "
+                "must know the layers (and, for head budgets, check the attention implementation)."
+            )
+        self.config = None if config is None else config.get_text_config(decoder=True)
+        normalization = (getattr(self.config, "hf_knorm", None) or {}).get("normalization")
+        if head_budget == "heads" and normalization is not None:
+            raise ValueError(
+                f"head_budget='heads' attends through the knorm_ragged attention (softmax, SDPA); this model is "
+                f"patched with {normalization}, which it would lose. Use head_budget='uniform' with patched models."
+            )
         super().__init__(layers=[] if config is None else self._layers_for(config))
 
     # --- structure -------------------------------------------------------------------------------------------------
@@ -248,7 +300,8 @@ class KNormCache(Cache):
         layers = []
         for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
             if kind == "full_attention":
-                layers.append(KNormLayer(self.settings, index))
+                layer_class = RaggedKNormLayer if self.settings.head_budget == "heads" else KNormLayer
+                layers.append(layer_class(self.settings, index))
             elif kind in ("sliding_attention", "chunked_attention"):
                 layers.append(DynamicSlidingWindowLayer(**kwargs))  # a window is already bounded: left uncompressed
             else:
@@ -269,7 +322,53 @@ class KNormCache(Cache):
         if not isinstance(layer, KNormLayer):
             return layer.update(key_states, value_states, *args, **kwargs)
         self._check_multi_token_step(layer, key_states.shape[-2])
-        return layer.update(key_states, value_states, position_ids=update_position_ids(kwargs))
+        if isinstance(layer, RaggedKNormLayer):
+            self._check_ragged_step(layer, key_states.shape[-2])
+        out = layer.update(key_states, value_states, position_ids=update_position_ids(kwargs))
+        if self.settings.layer_budget != "uniform" and layer.cumulative_length == layer.prompt_length:
+            self._finish_prompt()
+        return out
+
+    def _check_ragged_step(self, layer: KNormLayer, q_len: int) -> None:
+        """A step after the prompt onto per-head counts needs the ``"knorm_ragged"`` attention (the padding of the
+        view must be masked per head) and one token at a time (the causal part of the mask is not rebuilt)."""
+        if layer.cumulative_length == 0:
+            return
+        implementation = getattr(self.config, "_attn_implementation", None)
+        if implementation != RAGGED_ATTENTION:
+            raise ValueError(
+                f"KNormCache(head_budget='heads') stores a different number of tokens per head; the model's attention "
+                f"({implementation!r}) would attend the padding. Run the model with "
+                f"model.set_attn_implementation({RAGGED_ATTENTION!r}) (hf_knorm.knorm_generate does it for you)."
+            )
+        if q_len > 1:
+            raise ValueError("KNormCache(head_budget='heads') takes one token per forward after the prompt; feed the "
+                             "tokens one at a time (hf_knorm.eviction.pipeline.append_tokens does).")
+
+    def _finish_prompt(self) -> None:
+        """Compress every KNorm layer under the layer schedule once all of them hold the whole prompt (the schedule
+        reads every layer's scores). Until then a layer stores its prompt whole: the peak is a full prompt cache,
+        as with prefill into a ``DynamicCache``."""
+        layers = [layer for layer in self.layers if isinstance(layer, KNormLayer)]
+        if getattr(self, "_scheduled", False) or any(
+                not layer.is_initialized or not layer.prompt_length or layer.cumulative_length != layer.prompt_length
+                for layer in layers):
+            return
+        self._scheduled = True
+        from .budgets import layer_dispersion, layer_keep_counts
+
+        n = layers[0].prompt_length
+        keep = self.settings.prompt_keep(0, n)
+        orders = [layer.prompt_order() for layer in layers]
+        dispersions = [layer_dispersion(order) for order in orders]
+        low = max(1, min(n, self.settings.sink_tokens + self.settings.recent_window))
+        counts = layer_keep_counts(self.settings.layer_budget, n, keep, len(layers), low=low, dispersions=dispersions)
+        for layer, order, count in zip(layers, orders, counts):
+            layer.compress_prompt(count, order)
+
+    def reset(self) -> None:
+        super().reset()
+        self._scheduled = False
 
     def _check_multi_token_step(self, layer: KNormLayer, q_len: int) -> None:
         """Refuse q > 1 new tokens after the prompt if the KNorm layers that have not yet received them store
@@ -300,7 +399,10 @@ class KNormCache(Cache):
         return super().get_mask_sizes(query_length, layer_idx)
 
     def is_uniform(self) -> bool:
-        """True when every KNorm layer stores the same number of tokens (multi-token steps are then allowed)."""
+        """True when every KNorm layer stores the same number of tokens (multi-token steps are then allowed); never
+        with ``head_budget="heads"`` (per-head counts take one token per forward)."""
+        if any(isinstance(layer, RaggedKNormLayer) for layer in self.layers):
+            return False
         return len({layer.stored_length() for layer in self.layers if isinstance(layer, KNormLayer)}) <= 1
 
     def prefill_from(self, cache: Cache) -> KNormCache:
@@ -329,22 +431,37 @@ class KNormCache(Cache):
 
     # --- introspection ---------------------------------------------------------------------------------------------
     def kept_positions(self, layer_idx: int) -> torch.Tensor:
-        """Absolute positions (B, H_kv, S_kept) of the tokens a KNorm layer stores, in increasing order per head."""
+        """Absolute positions (B, H_kv, S_kept) of the tokens a KNorm layer stores, in increasing order per head
+        (with ``head_budget="heads"``, S_kept is the longest head's and shorter heads end with ``-1``)."""
         layer = self.layers[layer_idx]
         if not isinstance(layer, KNormLayer) or not layer.is_initialized:
             raise ValueError(f"Layer {layer_idx} is not a filled KNorm layer.")
-        return layer.positions
+        return layer.padded()[2] if isinstance(layer, RaggedKNormLayer) else layer.positions
 
     def stored_tokens(self) -> list[int]:
-        """Tokens stored per head, layer by layer."""
-        return [layer.keys.shape[-2] if layer.is_initialized else 0 for layer in self.layers]
+        """Tokens stored per head, layer by layer (with ``head_budget="heads"``: the longest head's)."""
+        return [layer.stored_length() if isinstance(layer, KNormLayer) else layer.keys.shape[-2]
+                if layer.is_initialized else 0 for layer in self.layers]
+
+    def stored_per_head(self, layer_idx: int) -> torch.Tensor:
+        """Tokens a KNorm layer stores in each head, (B, H_kv) int64."""
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, KNormLayer) or not layer.is_initialized:
+            raise ValueError(f"Layer {layer_idx} is not a filled KNorm layer.")
+        return layer.stored_per_head()
 
     def nbytes(self, include_positions: bool = False) -> int:
-        """Bytes held by the cached keys and values (plus the int64 position table if asked)."""
+        """Bytes held by the cached keys and values, plus the index overhead of per-head counts (``lengths``, (B,
+        H_kv) int64 per layer with ``head_budget="heads"``), plus the int64 position table if asked."""
         total = 0
         for layer in self.layers:
             if layer.is_initialized:
                 total += layer.keys.nbytes + layer.values.nbytes
+                if getattr(layer, "lengths", None) is not None:
+                    total += layer.lengths.nbytes
                 if include_positions and getattr(layer, "positions", None) is not None:
                     total += layer.positions.nbytes
         return total
+
+
+from .ragged import RAGGED_ATTENTION, RaggedKNormLayer  # noqa: E402  (ragged.py builds on KNormLayer above)

@@ -14,7 +14,7 @@ from .cache import KNormCache
 from .scores import score_spelling
 
 CACHE_OPTIONS = ("compression_ratio", "budget", "sink_tokens", "recent_window", "layer_ratios", "decoding_budget",
-                 "score")
+                 "score", "head_budget", "head_floor", "layer_budget")
 SIZING_OPTIONS = ("compression_ratio", "budget", "layer_ratios")
 SCORE_BASES = ("cached", "original")
 RECORD_KEY = "knorm"

@@ -20,6 +20,7 @@ from transformers import Pipeline
 from ..balancing.balance import key_scales, value_scales
 from ..compat import cache_kwargs
 from .cache import KNormCache
+from .ragged import ragged_attention_for
 from .defaults import CACHE_OPTIONS, SCORE_BASES, merged_options
 
 
@@ -71,7 +72,8 @@ def knorm_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
         attention_mask (torch.Tensor, optional): (B, n); must be all ones.
         score_basis ({"cached", "original"}): See :func:`knorm_cache_for`.
         **kwargs: :class:`KNormCache` options (``compression_ratio``, ``score``, ``budget``, ``sink_tokens``,
-            ``recent_window``, ``layer_ratios``, ``decoding_budget``); everything else goes to ``model.generate`` (``max_new_tokens``,
+            ``recent_window``, ``layer_ratios``, ``decoding_budget``, ``head_budget``, ``head_floor``,
+            ``layer_budget``); everything else goes to ``model.generate`` (``max_new_tokens``,
             ``do_sample``, ...).
 
     Returns:
@@ -82,7 +84,8 @@ def knorm_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     check_unpadded(attention_mask)
     options = {name: kwargs.pop(name) for name in CACHE_OPTIONS if name in kwargs}
     cache = knorm_cache_for(model, score_basis=score_basis, **options)
-    return model.generate(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(cache), **kwargs)
+    with ragged_attention_for(model, cache):  # head_budget="heads": the attention that masks per head
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(cache), **kwargs)
 
 
 @torch.no_grad()
@@ -127,11 +130,12 @@ def answer_after_context(model, cache: KNormCache, context_ids: torch.Tensor, qu
     Returns:
         torch.Tensor: (B, new) the answer's token ids.
     """
-    if prefilled is None:
-        model(input_ids=context_ids, **cache_kwargs(cache), use_cache=True)  # prefill: the context is compressed here
-    else:
-        cache.prefill_from(prefilled)
-    return generate_after(model, cache, context_ids, question_ids, **generate_kwargs)
+    with ragged_attention_for(model, cache):  # head_budget="heads": the attention that masks per head
+        if prefilled is None:
+            model(input_ids=context_ids, **cache_kwargs(cache), use_cache=True)  # prefill: compressed here
+        else:
+            cache.prefill_from(prefilled)
+        return generate_after(model, cache, context_ids, question_ids, **generate_kwargs)
 
 
 def encode_prompt(tokenizer, context: str, question: str, answer_prefix: str = "",

@@ -114,6 +114,48 @@ def reference_kept_indices(
     return torch.tensor(rows, dtype=torch.long, device=keys.device)
 
 
+def reference_head_adaptive_kept(keys: torch.Tensor, ratio: float, head_floor: float, *,
+                                 values: torch.Tensor | None = None, score: str = "key_norm", sink_tokens: int = 0,
+                                 recent_window: int = 0) -> list[list[list[int]]]:
+    """Kept positions of one layer's prompt under AdaKV's head-adaptive budget (arXiv 2407.11550), by plain loops.
+
+    Per batch row: ``k = ceil((1 - ratio) * n)`` (at least the protected tokens); every head first keeps its best
+    ``ceil(head_floor * k)`` tokens (protected first, then by decreasing importance, ties to the lower position); the
+    remaining ``H_kv * (k - floor)`` go to the tokens of the whole layer with the highest per-head z-score of the
+    importance (``(x - mean) / std`` over the head's unprotected tokens, population std), protected tokens first, ties
+    to the lower (head, position).
+
+    Args:
+        keys, values (torch.Tensor): (B, H_kv, n, D) prompt keys / values.
+
+    Returns:
+        list: per batch row, per head, the kept positions in increasing order.
+    """
+    batch, heads, n, _ = keys.shape
+    keep = max(n - math.floor(round(ratio * n, 6)), min(n, 1), min(n, sink_tokens + recent_window))
+    floor = min(keep, math.ceil(round(head_floor * keep, 6)))
+    result = []
+    for b in range(batch):
+        candidates, kept = [], []
+        for h in range(heads):
+            k = keys[b, h].float()
+            v = values[b, h].float() if values is not None else torch.zeros_like(k)
+            importance = reference_importance(score, k, v, None, {"kv_diff": 5}.get(score, 1))
+            protected = [i < sink_tokens or i >= n - recent_window for i in range(n)]
+            free = [importance[i] for i in range(n) if not protected[i]]
+            mean = sum(free) / max(len(free), 1)
+            std = math.sqrt(sum((x - mean) ** 2 for x in free) / max(len(free), 1))
+            own = sorted(range(n), key=lambda i: (not protected[i], -importance[i], i))
+            kept.append(set(own[:floor]))
+            for i in own[floor:]:
+                z = (importance[i] - mean) / std if std > 0 else 0.0
+                candidates.append((not protected[i], -z, h, i))
+        for _, _, h, i in sorted(candidates)[: heads * (keep - floor)]:
+            kept[h].add(i)
+        result.append([sorted(head) for head in kept])
+    return result
+
+
 def reference_compress(cache: DynamicCache, ratio: float, **options) -> tuple[DynamicCache, list[torch.Tensor]]:
     """Gather the kept tokens of every layer of a full cache into a new ``DynamicCache``.
 

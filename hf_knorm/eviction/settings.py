@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .budgets import HEAD_BUDGETS, LAYER_BUDGETS
 from .scores import resolve_score
 
 
@@ -39,6 +40,12 @@ class EvictionSettings:
         decoding_budget (int or None): Tokens kept per head at all times, decoding included.
         key_scales, value_scales (list of (H_kv, head_dim) tensors, or None): Per-layer scoring bases.
         score: The score object (a name of :data:`~hf_knorm.eviction.scores.SCORES` is resolved to one).
+        head_budget (str): ``"uniform"`` (the paper's: the same count in every head) or ``"heads"`` (AdaKV's
+            head-adaptive budget, :func:`~hf_knorm.eviction.budgets.head_adaptive_keep`).
+        head_floor (float): In [0, 1]; with ``head_budget="heads"`` every head keeps at least this fraction of its
+            uniform share (AdaKV: 0.2). ``1`` keeps the uniform count in every head.
+        layer_budget (str): ``"uniform"``, ``"skip_first"`` or ``"dispersion"``
+            (:func:`~hf_knorm.eviction.budgets.layer_keep_counts`); the total kept is the ratio's either way.
     """
 
     compression_ratio: float = 0.0
@@ -50,9 +57,13 @@ class EvictionSettings:
     key_scales: Sequence[torch.Tensor] | None = None
     value_scales: Sequence[torch.Tensor] | None = None
     score: Any = "key_norm"
+    head_budget: str = "uniform"
+    head_floor: float = 0.2
+    layer_budget: str = "uniform"
 
     def __post_init__(self):
         self.score = resolve_score(self.score)
+        self._check_budgets()
         _check_ratio("compression_ratio", self.compression_ratio)
         if isinstance(self.layer_ratios, Mapping):
             self.layer_ratios = dict(self.layer_ratios)
@@ -80,6 +91,30 @@ class EvictionSettings:
         self.layer_ratios = self.layer_ratios or {}
         self.key_scales = None if self.key_scales is None else list(self.key_scales)
         self.value_scales = None if self.value_scales is None else list(self.value_scales)
+
+    def _check_budgets(self) -> None:
+        if self.head_budget not in HEAD_BUDGETS:
+            raise ValueError(f"Unknown head_budget {self.head_budget!r}; use one of {', '.join(HEAD_BUDGETS)}.")
+        if self.layer_budget not in LAYER_BUDGETS:
+            raise ValueError(f"Unknown layer_budget {self.layer_budget!r}; use one of {', '.join(LAYER_BUDGETS)}.")
+        if isinstance(self.head_floor, bool) or not isinstance(self.head_floor, (int, float)) \
+                or not 0.0 <= float(self.head_floor) <= 1.0:
+            raise ValueError(
+                f"head_floor must be in [0, 1] (the fraction of its uniform share every head keeps; a head cannot "
+                f"keep more than its share and leave the layer's total unchanged), got {self.head_floor!r}."
+            )
+        self.head_floor = float(self.head_floor)
+        adaptive = self.head_budget != "uniform" or self.layer_budget != "uniform"
+        if adaptive and (self.budget is not None or self.layer_ratios):
+            raise ValueError(
+                "head_budget/layer_budget share the compression_ratio's total between heads and layers; they do not "
+                "combine with budget= or layer_ratios= (give only compression_ratio)."
+            )
+        if self.head_budget == "heads" and self.decoding_budget is not None:
+            raise ValueError(
+                "head_budget='heads' does not evict during decoding yet: drop decoding_budget, or use "
+                "head_budget='uniform'."
+            )
 
     def check_layer_count(self, num_layers: int) -> None:
         """Raise if the per-layer options name layers a model of ``num_layers`` layers does not have."""
