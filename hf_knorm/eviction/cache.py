@@ -339,7 +339,7 @@ class KNormCache(Cache):
             raise ValueError(
                 f"KNormCache(head_budget='heads') stores a different number of tokens per head; the model's attention "
                 f"({implementation!r}) would attend the padding. Run the model with "
-                f"model.set_attn_implementation({RAGGED_ATTENTION!r}) (hf_knorm.knorm_generate does it for you)."
+                f"model.set_attn_implementation({RAGGED_ATTENTION!r}) (hf_knorm.eviction.pipeline.knorm_generate does it for you)."
             )
         if q_len > 1:
             raise ValueError("KNormCache(head_budget='heads') takes one token per forward after the prompt; feed the "

@@ -12,7 +12,7 @@ decoding step builds a **transient padded view** inside the layer's call: ``upda
 states, zero-filled after each head's kept tokens, and attaches a (B, H_kv, max_len + q) bool ``knorm_valid`` to the
 returned keys; the attention registered as ``"knorm_ragged"`` (SDPA underneath) combines it with the model's mask. The
 view is a temporary of the call: the cache keeps only the packed store. A model must therefore run with
-``model.set_attn_implementation("knorm_ragged")`` (``hf_knorm.knorm_generate`` does it for the call); the cache refuses
+``model.set_attn_implementation("knorm_ragged")`` (``hf_knorm.eviction.pipeline.knorm_generate`` does it for the call); the cache refuses
 a ragged step under any other attention, loudly, rather than attend the padding.
 """
 
