@@ -176,25 +176,37 @@ def _time(function, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
+def _layer_inputs(length: int, device, dtype) -> list[torch.Tensor]:
+    """Query, key, value of one SmolLM2-shaped causal layer (9 query / 3 KV heads, head dim 64), seed 0."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    shapes = [(1, 9, length, 64), (1, 3, length, 64), (1, 3, length, 64)]
+    return [torch.randn(shape, generator=generator, device=device, dtype=dtype) for shape in shapes]
+
+
+def _passes(attention, inputs):
+    """``(forward, forward_backward)``: the two timed passes of ``attention`` on ``inputs`` (no gradient, then the
+    sum's gradient through leaf copies)."""
+    leaves = [tensor.detach().requires_grad_() for tensor in inputs]
+
+    def forward():
+        with torch.no_grad():
+            attention(*inputs)
+
+    def forward_backward():
+        attention(*leaves).float().sum().backward()
+
+    return forward, forward_backward
+
+
 def attention_rows(lengths: list[int], implementations: dict) -> list[dict]:
     """Forward and forward+backward time (and peak memory on CUDA) of each implementation at each length."""
     device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
     rows = []
     for length in lengths:
-        generator = torch.Generator(device=device).manual_seed(0)
-        shapes = [(1, 9, length, 64), (1, 3, length, 64), (1, 3, length, 64)]
-        inputs = [torch.randn(shape, generator=generator, device=device, dtype=dtype) for shape in shapes]
+        inputs = _layer_inputs(length, device, dtype)
         baseline = {}
         for name, attention in implementations.items():
-            leaves = [tensor.detach().requires_grad_() for tensor in inputs]
-
-            def forward():
-                with torch.no_grad():
-                    attention(*inputs)
-
-            def forward_backward():
-                attention(*leaves).float().sum().backward()
-
+            forward, forward_backward = _passes(attention, inputs)
             if CUDA:
                 torch.cuda.reset_peak_memory_stats()
             seconds = _time(forward), _time(forward_backward)
@@ -274,9 +286,7 @@ def family_rows(lengths: list[int]) -> list[str]:
     device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
     rows = []
     for length in lengths:
-        generator = torch.Generator(device=device).manual_seed(0)
-        shapes = [(1, 9, length, 64), (1, 3, length, 64), (1, 3, length, 64)]
-        inputs = [torch.randn(shape, generator=generator, device=device, dtype=dtype) for shape in shapes]
+        inputs = _layer_inputs(length, device, dtype)
         mask = key_padding(1, length, 0, None, device)  # what hf_knorm's mask function hands a plain causal call
         baseline = None
         for spelling in [None, *representative_spellings()]:
@@ -288,14 +298,7 @@ def family_rows(lengths: list[int]) -> list[str]:
 
                 def attention(q, k, v, module=module):
                     return hf_knorm_attention(module, q, k, v, mask, scaling=module.scaling, dropout=0.0)[0]
-            leaves = [tensor.detach().requires_grad_() for tensor in inputs]
-
-            def forward():
-                with torch.no_grad():
-                    attention(*inputs)
-
-            def forward_backward():
-                attention(*leaves).float().sum().backward()
+            forward, forward_backward = _passes(attention, inputs)
 
             with attention_paths() as counted:
                 forward()
