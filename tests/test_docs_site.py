@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from browser import CHROMIUM_FLAGS, chromium
+
 import hf_knorm
 from hf_knorm import normalizations
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"]
 
 
 @pytest.fixture(scope="module")
@@ -30,15 +30,6 @@ def site(tmp_path_factory) -> Path:
         cwd=ROOT, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     return out
-
-
-def _chromium() -> str:
-    import shutil
-
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None:
-        pytest.skip("Chromium is not installed: run `apt-get update && apt-get install -y chromium` (as root).")
-    return path
 
 
 def _first_sentence(docstring: str) -> str:
@@ -79,7 +70,7 @@ def test_the_results_index_is_benchmarks_md_and_its_pages_show_their_figures(sit
 def test_home_and_patch_reference_render_in_chromium(site):
     from playwright.sync_api import sync_playwright
 
-    executable = _chromium()
+    executable = chromium()
     errors, seen = [], {}
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_FLAGS)

@@ -1,32 +1,24 @@
 """The demo's report in a real browser: Debian's Chromium, headless, driven by Playwright.
 
-Skipped, with the install command, where Chromium is not installed (``.ci/run`` installs it, so CI always runs it).
+Skipped, with the install command, where Chromium is not installed; under ``.ci/run``, which installs it, a missing
+Chromium fails (``tests/browser.py``).
 The screenshot of the page is kept in ``outputs/test-artifacts/demo_report.png`` beside the test output.
 """
 
-import shutil
 from pathlib import Path
 
 import pytest
+from browser import CHROMIUM_FLAGS, chromium
 
 pytestmark = pytest.mark.slow
 
 ARTIFACTS = Path(__file__).resolve().parents[3] / "outputs" / "test-artifacts"
-CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"]
-
-
-def _chromium() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None:
-        pytest.skip("Chromium is not installed: run `apt-get update && apt-get install -y chromium` (as root).")
-    return path
 
 
 def test_report_renders_in_chromium_with_every_image_and_no_console_error(fast_demo):
     from playwright.sync_api import sync_playwright
 
-    executable = _chromium()
+    executable = chromium()
     report = fast_demo / "report.html"
     errors = []
     with sync_playwright() as playwright:
