@@ -20,7 +20,8 @@ class NiahSettings:
         "help": "comma-separated eviction scores, one row per ratio and score: key_norm (the paper's), kv_diff (the "
         "recommended one), value_over_key, key_diff, recent, random; append +sinksK / +windowW to protect the first K "
         "/ last W tokens (e.g. recent+sinks4 is StreamingLLM, kv_diff+sinks4+window64), +poolP to set the window of "
-        "key_diff / kv_diff"})
+        "key_diff / kv_diff, +heads for AdaKV's head-adaptive budget and +layers-dispersion / +layers-skip_first for a "
+        "per-layer schedule (e.g. kv_diff+heads+layers-dispersion)"})
     lengths: tuple[int, ...] = field(default=(1000, 2000, 4000, 8000),
                                      metadata={"help": "comma-separated context lengths (tokens)"})
     depths: tuple[float, ...] = field(default=(0.0, 0.25, 0.5, 0.75, 1.0),

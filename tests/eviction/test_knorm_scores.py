@@ -195,6 +195,11 @@ def test_score_specs_of_the_command_line():
         parse_score_spec("recent+pool5")
     with pytest.raises(ValueError, match="odd integer"):
         parse_score_spec("kv_diff+pool4")
+    assert parse_score_spec("kv_diff+heads+layers-dispersion") == {"score": "kv_diff", "head_budget": "heads",
+                                                                   "layer_budget": "dispersion"}
+    assert parse_score_spec("key_norm+layers-skip_first") == {"score": "key_norm", "layer_budget": "skip_first"}
+    with pytest.raises(ValueError, match=r"\+layers-dispersion"):
+        parse_score_spec("key_norm+layers-uniform")
     variants = score_variants([0, 0.5], ["key_norm", "key_diff+sinks4"])
     assert [v.name for v in variants] == ["r=0", "r=0.5", "r=0.5 key_diff+sinks4"]
     assert variants[0].options == {"compression_ratio": 0.0}
