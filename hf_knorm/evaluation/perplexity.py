@@ -107,7 +107,7 @@ def perplexity_after_compression(model: nn.Module, windows: list[torch.Tensor], 
     """Teacher-forced perplexity of each window's continuation read through a compressed KV cache of its beginning.
 
     Per window (``(n,)`` ids, ``n > context + 1``): the first ``context`` tokens are prefilled **once** into a full
-    cache; for each variant that cache is compressed (``KNormCache.from_dynamic_cache(full, **options)``, exactly what
+    cache; for each variant that cache is compressed (``KNormCache.from_dynamic_cache(full, config=model.config, **options)``, exactly what
     a ``KNormCache`` prefill stores) and the remaining ``n - context`` tokens are run over it teacher-forced, uncompressed
     (in one forward, or one token per forward for a cache whose layers hold different counts). Scored: every token
     predicted through the compressed cache, i.e. tokens ``context + 1 .. n - 1`` (token ``context`` is predicted by the
@@ -122,6 +122,7 @@ def perplexity_after_compression(model: nn.Module, windows: list[torch.Tensor], 
     from transformers import DynamicCache
 
     from ..eviction.cache import KNormCache
+    from ..eviction.ragged import ragged_attention_for
 
     device = next(model.parameters()).device
     totals = {name: [0.0, 0] for name in variants}
@@ -132,13 +133,14 @@ def perplexity_after_compression(model: nn.Module, windows: list[torch.Tensor], 
         full = output_cache(model(input_ids=ids[:, :context], **cache_kwargs(DynamicCache()), use_cache=True))
         continuation = ids[:, context:]  # (1, m)
         for name, options in variants.items():
-            cache = KNormCache.from_dynamic_cache(full, **options)
-            if cache.is_uniform():
-                logits = model(input_ids=continuation, **cache_kwargs(cache), use_cache=True).logits  # (1, m, V)
-            else:
-                logits = torch.cat([model(input_ids=continuation[:, i:i + 1], **cache_kwargs(cache),
-                                          use_cache=True).logits
-                                    for i in range(continuation.shape[1])], dim=1)
+            cache = KNormCache.from_dynamic_cache(full, config=model.config, **options)
+            with ragged_attention_for(model, cache):  # head_budget="heads": the attention that masks per head
+                if cache.is_uniform():
+                    logits = model(input_ids=continuation, **cache_kwargs(cache), use_cache=True).logits  # (1, m, V)
+                else:
+                    logits = torch.cat([model(input_ids=continuation[:, i:i + 1], **cache_kwargs(cache),
+                                              use_cache=True).logits
+                                        for i in range(continuation.shape[1])], dim=1)
             nll = F.cross_entropy(logits[0, :-1].float(), continuation[0, 1:], reduction="sum")
             if not torch.isfinite(nll):
                 raise ValueError(f"{name}: non-finite loss after compression.")

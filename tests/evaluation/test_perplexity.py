@@ -45,7 +45,10 @@ def test_perplexity_after_compression():
     model = tiny_model("llama")
     windows = [torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     variants = {"full": {}, "half": {"compression_ratio": 0.5, "score": "key_diff"},
-                "layer0 kept": {"compression_ratio": 0.5, "layer_ratios": {0: 0.0}}}
+                "layer0 kept": {"compression_ratio": 0.5, "layer_ratios": {0: 0.0}},
+                # head budgets read through the knorm_ragged attention; a floor of 1 keeps the uniform selection
+                "half heads": {"compression_ratio": 0.5, "score": "key_diff", "head_budget": "heads", "head_floor": 1.0},
+                "half heads adaptive": {"compression_ratio": 0.5, "score": "key_diff", "head_budget": "heads"}}
     results = perplexity_after_compression(model, windows, context=12, variants=variants, progress=False)
     assert all(r.tokens == 2 * 7 and r.windows == 2 for r in results.values())
     with torch.no_grad():  # ratio 0: the plain model's loss on the continuation's tokens 13..19
@@ -62,5 +65,7 @@ def test_perplexity_after_compression():
     assert results["half"].nll == pytest.approx(direct / 14, rel=1e-5)
     assert results["half"].nll != pytest.approx(results["full"].nll, rel=1e-4)
     assert math.isfinite(results["layer0 kept"].nll)
+    assert results["half heads"].nll == pytest.approx(results["half"].nll, rel=1e-5)
+    assert math.isfinite(results["half heads adaptive"].nll)
     with pytest.raises(ValueError, match="nothing to score"):
         perplexity_after_compression(model, windows, context=19, variants=variants, progress=False)
