@@ -108,8 +108,9 @@ def perplexity_after_compression(model: nn.Module, windows: list[torch.Tensor], 
 
     Per window (``(n,)`` ids, ``n > context + 1``): the first ``context`` tokens are prefilled **once** into a full
     cache; for each variant that cache is compressed (``KNormCache.from_dynamic_cache(full, config=model.config,
-    **options)``, exactly what a ``KNormCache`` prefill stores) and the remaining ``n - context`` tokens are run over it teacher-forced, uncompressed
-    (in one forward, or one token per forward for a cache whose layers hold different counts). Scored: every token
+    **options)``, exactly what a ``KNormCache`` prefill stores) and the remaining ``n - context`` tokens are run over
+    it teacher-forced, uncompressed (in one forward, or one token per forward for a cache whose layers hold different
+    counts; head budgets under the ``knorm_ragged`` attention). Scored: every token
     predicted through the compressed cache, i.e. tokens ``context + 1 .. n - 1`` (token ``context`` is predicted by the
     exact prefill and is the same for every variant). ``{}`` (ratio 0) is the uncompressed model.
 
