@@ -58,13 +58,24 @@ def test_the_results_index_is_benchmarks_md_and_its_pages_show_their_figures(sit
     first_heading = re.search(r"^# (.+)$", (ROOT / "BENCHMARKS.md").read_text(), re.M).group(1)
     assert f">{first_heading}<" in html
     pages = sorted(path.stem for path in (ROOT / "docs" / "results").glob("*.md"))
+    notes = sorted(path.stem for path in (ROOT / "docs" / "research").glob("*.md"))
     body = html.split('<article', 1)[1]  # the page's own text, not the navigation
     linked = {name for name in pages if f'href="{name}/#' in body}
     assert linked == set(pages), (linked, pages)  # the index links into every results page
-    for name in ("attention", "training", "conversion"):
-        folder = site / "results" / name
+    linked = {name for name in notes if f'href="../research/{name}/#' in body}
+    assert linked == set(notes), (linked, notes)  # ... and into every dated page of earlier runs
+    for page in ("results/attention", "results/training", "research/2026-12-conversion"):
+        folder = site / page
         figures = re.findall(r'<img[^>]+src="([^"]+)"', (folder / "index.html").read_text())
-        assert figures and all((folder / src).resolve().is_file() for src in figures), (name, figures)
+        assert figures and all((folder / src).resolve().is_file() for src in figures), (page, figures)
+
+
+def test_each_results_page_links_its_earlier_runs(site):
+    """A results page whose superseded runs moved to a dated page under docs/research/ links that page."""
+    for note in (ROOT / "docs" / "research").glob("*.md"):
+        capability = note.stem.split("-", 2)[2]  # 2026-12-conversion -> conversion
+        html = (site / "results" / capability / "index.html").read_text()
+        assert f'href="../../research/{note.stem}/' in html, capability
 
 
 def test_home_and_patch_reference_render_in_chromium(site):

@@ -25,12 +25,12 @@ second of a plain fine-tuning step (which is also a full recovery step: the same
 LoRA recovery step on the same model and batches: the ratios go into BENCHMARKS.md. Run it alone on the machine.
 
 Usage (BENCHMARKS.md, "Conversion: recovery side by side"; two processes of one thread each share the 2 cores):
-    OMP_NUM_THREADS=1 python scripts/conversion_recovery.py --normalizations x/1,x^3/1 &
-    OMP_NUM_THREADS=1 python scripts/conversion_recovery.py --normalizations x^3/16,x/16,x^3/sqrtN --no-softmax
-    OMP_NUM_THREADS=1 python scripts/conversion_recovery.py --normalizations x^3/16 --no-softmax --sweep-only \
+    OMP_NUM_THREADS=1 python research/2026-12/conversion_recovery.py --normalizations x/1,x^3/1 &
+    OMP_NUM_THREADS=1 python research/2026-12/conversion_recovery.py --normalizations x^3/16,x/16,x^3/sqrtN --no-softmax
+    OMP_NUM_THREADS=1 python research/2026-12/conversion_recovery.py --normalizations x^3/16 --no-softmax --sweep-only \
         --plain-sweep 1e-4,3e-4                      # the plain learning rate, tuned on x^3/16
-    python scripts/conversion_recovery.py --throughput-steps 4 --rounds 3              # alone on the machine
-    python scripts/conversion_recovery.py --report --figure docs/figures/conversion/recovery.png
+    python research/2026-12/conversion_recovery.py --throughput-steps 4 --rounds 3              # alone on the machine
+    python research/2026-12/conversion_recovery.py --report --figure docs/figures/conversion/recovery.png
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ late is what derails a run) and the wall time. A run whose ``convert.json`` exis
 resumes; ``--report`` only gathers the folders.
 
 Usage (BENCHMARKS.md, "Per normalization"):
-    python scripts/conversion_normalizations.py --out runs/normalizations
-    python scripts/conversion_normalizations.py --out runs/normalizations --normalizations x/1,x^3/1 --seed 1
-    python scripts/conversion_normalizations.py --out runs/normalizations --report
+    python research/2026-12/conversion_normalizations.py --out runs/normalizations
+    python research/2026-12/conversion_normalizations.py --out runs/normalizations --normalizations x/1,x^3/1 --seed 1
+    python research/2026-12/conversion_normalizations.py --out runs/normalizations --report
 """
 
 from __future__ import annotations

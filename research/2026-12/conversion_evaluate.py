@@ -6,7 +6,7 @@ tokens than the run used: held-out perplexity of the model and of the original o
 original's answers. Writes `evaluation.json` beside the model unless `--out` says otherwise.
 
 Usage:
-    python scripts/conversion_evaluate.py runs/x3-16 --eval-tokens 8192
+    python research/2026-12/conversion_evaluate.py runs/x3-16 --eval-tokens 8192
 """
 
 from __future__ import annotations

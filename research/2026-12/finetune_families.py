@@ -15,8 +15,8 @@ the figure (``--figure``: a few layers' ``||A||_F`` during fine-tuning, one line
 The fine-tuned weights are removed after they are measured (``--keep-models`` keeps them): 0.5 GB a run.
 
 Usage (BENCHMARKS.md, "Normalization families on the pretrained model: a short fine-tune"):
-    OMP_NUM_THREADS=1 python scripts/finetune_families.py --out outputs/finetune_families
-    python scripts/finetune_families.py --out outputs/finetune_families --report \
+    OMP_NUM_THREADS=1 python research/2026-12/finetune_families.py --out outputs/finetune_families
+    python research/2026-12/finetune_families.py --out outputs/finetune_families --report \
         --figure docs/figures/training/finetune_families.png
 """
 
@@ -219,5 +219,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     sys.exit(main())

@@ -11,8 +11,8 @@ their transfer exactly, so the rows differ by the recovery's length alone. A run
 run again; ``--report`` only gathers the folders.
 
 Usage (BENCHMARKS.md, "Budget"):
-    python scripts/conversion_budget.py --out runs/budget --budgets 1,2 --seed 1
-    python scripts/conversion_budget.py --out runs/budget --budgets 1,2 --report
+    python research/2026-12/conversion_budget.py --out runs/budget --budgets 1,2 --seed 1
+    python research/2026-12/conversion_budget.py --out runs/budget --budgets 1,2 --report
 """
 
 from __future__ import annotations

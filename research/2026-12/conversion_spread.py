@@ -8,10 +8,10 @@ the range and the largest deviation from the median (the target: within 10%). A 
 not run again, so the script resumes; ``--report`` only gathers the folders.
 
 Usage (BENCHMARKS.md, "Conversion: spread over seeds and machines"):
-    python scripts/conversion_spread.py --out runs/spread-defaults --runs 0:2,1:2,0:1
-    python scripts/conversion_spread.py --out runs/spread-old --runs 0:2,1:2,0:1 -- --recovery-steps 50 \
+    python research/2026-12/conversion_spread.py --out runs/spread-defaults --runs 0:2,1:2,0:1
+    python research/2026-12/conversion_spread.py --out runs/spread-old --runs 0:2,1:2,0:1 -- --recovery-steps 50 \
         --dataset paul-graham --recovery-learning-rate 1e-3
-    python scripts/conversion_spread.py --out runs/spread-defaults --report
+    python research/2026-12/conversion_spread.py --out runs/spread-defaults --report
 """
 
 from __future__ import annotations
