@@ -25,7 +25,9 @@ pair ``c`` has an *exit position* ``e_c`` (:func:`exit_positions`): it is in the
 ``pos_c <= a_i - W < e_c`` and in the distant part of the rows with ``a_i - W >= e_c`` (``e_c = pos_c``: it never
 entered). The full forward builds its masks from these positions, and a bounded decoding cache
 (:class:`hf_knorm.recurrent.sparse_cache.SparseWindowStateLayer`) runs the same rule one pair at a time: its
-``W + S + K`` kept pairs and its state give the full forward's outputs, given the same scores.
+``W + S + K`` kept pairs and its state give the full forward's outputs, given the same scores (a decoded key is
+rounded differently from the full forward's: pairs whose scores tie up to rounding may be chosen differently,
+:data:`hf_knorm.normalizations.sparse_choice.SPARSE_SCORES` says when that happens).
 
 Cost (correctness first). The full forward computes the scores of a block of ``ROWS`` queries against every key
 (memory ``O(ROWS * N)`` per head, time ``O(N^2 * D)``, as the quadratic kernel), and the exit positions in blocks of
@@ -65,7 +67,7 @@ class SparsePairs(NamedTuple):
 
     Attributes:
         keys, values: ``(B, H_kv, K, D)``.
-        score: ``(B, H_kv, K)`` float32, each pair's score (:func:`hf_knorm.normalizations.sparse_choice.token_scores`).
+        score: ``(B, H_kv, K)`` float32 (fp64 for fp64 keys), each pair's score (:func:`hf_knorm.normalizations.sparse_choice.token_scores`).
         position: ``(B, H_kv, K)`` long, each pair's absolute position.
         filled: ``(B, H_kv, K)`` bool, the slots in use (fewer than ``K`` while fewer keys left the window).
     """

@@ -28,16 +28,27 @@ DEFAULT_SCORE = "key_norm"
 
 
 def _key_norm(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    return -keys.float().norm(dim=-1)
+    return -_full(keys).norm(dim=-1)
 
 
 def _value_over_key(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    return values.float().norm(dim=-1) / keys.float().norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
+    return _full(values).norm(dim=-1) / _full(keys).norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))  # fp32 (as the eviction), fp64 kept
 
 
 SPARSE_SCORES = {"key_norm": _key_norm, "value_over_key": _value_over_key}
 """Each per-token score by name: ``fn(keys, values)`` on ``(B, H_kv, N, D)`` -> ``(B, H_kv, N)`` float32 (fp64 for
-fp64 inputs is not needed: only the order matters), higher = kept."""
+fp64 inputs), higher = kept.
+
+Near-ties. A decoded token's key is computed by another sequence of floating-point operations than the full
+forward's, so two pairs whose scores differ by rounding alone may be ordered differently in the two: "decoding equals
+the full forward" holds given the same choices. Such ties are common in two cases: at the first layer a repeated
+token's keys differ only by their rotation (the same norm, the same value), and under QK-norm (Qwen3, Gemma3) every
+key has nearly the norm its RMSNorm weight sets, which makes ``key_norm`` a choice by rounding there
+(``value_over_key`` is then about ``||v||``)."""
 
 CONTEXT_DEPENDENT = ("key_diff", "kv_diff", "random", "self_recall")
 
@@ -52,5 +63,5 @@ def check_sparse_score(score: str) -> None:
 
 
 def token_scores(score: str, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """The score of each pair: ``keys``, ``values`` ``(B, H_kv, N, D)`` -> ``(B, H_kv, N)`` float32."""
+    """The score of each pair: ``keys``, ``values`` ``(B, H_kv, N, D)`` -> ``(B, H_kv, N)`` float32 (fp64 for fp64)."""
     return SPARSE_SCORES[score](keys, values)
