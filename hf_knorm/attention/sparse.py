@@ -53,6 +53,7 @@ from ..normalizations.sparse_choice import token_scores
 from .linear_kernel import is_linear
 from .masks import KeyPadding, Mask
 from .paths import Path, causal_key_validity
+from .taps import SparseWindowStateHandover
 from .window import ROW_EPS, sink_keys, without_sinks
 
 ROWS = 256
@@ -372,7 +373,7 @@ def _check_call(normalization, query, key, mask, bias, dropout, causal, return_w
     if not is_linear(normalization.without_window):
         raise ValueError(f"{name}: a recurrent state continues a p = 1 base part only; decode this model with a "
                          "normal cache (cache=DynamicCache()).")
-    if getattr(handover, "sparse", 0) != normalization.sparse or not hasattr(handover, "keep_sparse"):
+    if getattr(handover, "sparse", 0) != normalization.sparse or not isinstance(handover, SparseWindowStateHandover):
         raise ValueError(f"The recurrent cache keeps a sparse cache of {getattr(handover, 'sparse', 0)} pairs and the "
                          f"model runs {name}: build it from the model's config "
                          "(RecurrentStateCache(config=model.config)).")

@@ -160,8 +160,8 @@ def test_the_sparse_cache_changes_the_output_and_holds_what_the_window_leaves():
 
 
 def test_each_row_reads_its_best_older_keys_in_the_softmax_part():
-    """The reference's choice, row by row, for one head: the K older keys of lowest key norm."""
-    normalization = parse_normalization("x/1 + softmax window 3 + sinks 1 + sparse 2")
+    """The reference's choice for x/1 + softmax window 3 + sinks 1 + sparse 2, row by row, for one head: the 2 older
+    keys of lowest key norm."""
     _, key, value = (t.detach() for t in _inputs(batch=1, kv_heads=1, length=12))
     allowed = torch.ones(12, 12, dtype=torch.bool).tril()[None, None]
     _, older = window_split(allowed, 3, 1)
