@@ -212,6 +212,7 @@ def test_a_sparse_model_travels_and_refuses_another_cache(tmp_path):
     hf_knorm.save_pretrained(model, tmp_path / "model")
     loaded = hf_knorm.from_pretrained(tmp_path / "model").eval()
     assert hf_knorm.patched_normalization(loaded) == spelling
+    assert "the 2 older keys of highest key_norm (a sparse cache" in (tmp_path / "model" / "README.md").read_text()
     ids, mask = _prompts(length=12)
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids, attention_mask=mask).logits,
