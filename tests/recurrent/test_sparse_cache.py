@@ -230,9 +230,16 @@ def test_a_sparse_model_travels_and_refuses_another_cache(tmp_path):
     assert type(RecurrentStateCache(config=windowed.config).layers[0]) is WindowStateLayer
     with pytest.raises(ValueError, match="K > 0"):
         SparseWindowStateLayer(0, 3, 0)
+    with pytest.raises(ValueError, match="linear='require' with .*quadratic in the length"):
+        hf_knorm.patch(tiny_model("llama"), spelling, linear="require")
 
 
 def test_a_models_own_sliding_window_is_refused():
-    model = hf_knorm.patch(tiny_model("mistral"), "x^3/16 + softmax window 3 + sparse 2")
+    """By ``patch``, and by the attention for a model whose config names the sparse cache (a plain load)."""
+    spelling = "x^3/16 + softmax window 3 + sparse 2"
+    with pytest.raises(ValueError, match="own sliding window .*5 positions.*without the sparse cache"):
+        hf_knorm.patch(tiny_model("mistral"), spelling)
+    model = hf_knorm.patch(tiny_model("mistral"), "x^3/16 + softmax window 3")
+    model.config.hf_knorm = {**model.config.hf_knorm, "normalization": spelling}
     with torch.no_grad(), pytest.raises(ValueError, match="own sliding window of 5 positions"):
         model(**tiny_inputs("mistral", length=12))
