@@ -84,8 +84,9 @@ def hf_knorm_attention(
     dropout = dropout if module.training else 0.0
     return_weights = _attentions_requested(kwargs)
     check_state_window(handover, normalization)
-    if normalization.sparse:  # a sparse cache beside the window (sparse.py): masked attention, or a bounded state
-        path = sparse_path(normalization, handover)
+    if normalization.sparse:  # a sparse cache beside the window (sparse.py): in blocks with a state, or masked rows
+        path = sparse_path(normalization, query.shape[2], key.shape[2], handover, softcap=softcap,
+                           return_weights=return_weights, recording=recorder is not None)
         if read_taps:
             note_path(path, module, query.shape[2], linear_policy_of(module))
         elif path.fallback:

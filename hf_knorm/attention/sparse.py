@@ -29,12 +29,17 @@ entered). The full forward builds its masks from these positions, and a bounded 
 rounded differently from the full forward's: pairs whose scores tie up to rounding may be chosen differently,
 :data:`hf_knorm.normalizations.sparse_choice.SPARSE_SCORES` says when that happens).
 
-Cost (correctness first). The full forward computes the scores of a block of ``ROWS`` queries against every key
-(memory ``O(ROWS * N)`` per head, time ``O(N^2 * D)``, as the quadratic kernel), and the exit positions in blocks of
-``ROWS`` pairs against every pair (``O(ROWS * N)`` memory, ``O(N^2)`` comparisons per KV head); for ``p = 1`` this
-is quadratic where the window alone is linear. Under autograd the blocks' tensors are kept for the backward
-(``O(N^2)`` memory in training). A decoded token against the bounded cache costs ``O((W + S + K) * D + D * D_v)``.
-A prompt given to the bounded cache in one call is computed like the full forward (quadratic in its length).
+Paths. ``p = 1`` (a full forward, or a prompt given to the bounded cache): :func:`_chunked` runs the call as the
+bounded cache decodes it, ``ROWS`` queries at a time, each block on the sinks, the sparse cache, the window's keys
+before it and its own (dense masks of ``ROWS x (S + K + W + ROWS)``), the other older pairs carried in the state:
+time ``O(N * (ROWS + W + S + K) * D + N * D * D_v)``, memory linear in ``N`` (one layer of the default model's
+shape, ``W = K = 64``, one CPU thread: 0.26 s at 2k tokens, 0.35 s at 4k). Every other call (another base family, a
+softcap, returned weights or recorded norms, queries after keys of an uncached prefix: a ``DynamicCache``) computes
+every row on dense masks in blocks of ``ROWS`` rows against every key (memory ``O(ROWS * N)`` per head, time
+``O(N^2 * D)``, as the quadratic kernel; 1.2 s at 2k on the same layer), and the exit positions in blocks of ``ROWS``
+pairs against every pair (``O(N^2)`` comparisons per KV head; also per decoded token with a ``DynamicCache``). Under
+autograd the blocks' tensors are kept for the backward. A decoded token against the bounded cache costs
+``O((W + S + K) * D + D * D_v)``.
 
 Masks. Key padding (left-padded batches) and bottom-right causal calls, as a model's forward and its cache give them;
 an explicit 4-D mask that is exactly causal with padded keys is read as such. Anything else (a model's own sliding
@@ -80,14 +85,25 @@ class SparsePairs(NamedTuple):
     filled: torch.Tensor
 
 
-def sparse_path(normalization: Normalization, handover) -> Path:
-    """What ``attention_paths()`` counts for a call with a sparse cache: ``"sparse"``. A bounded decoding step (a
-    state handed over) is linear in the context; a full forward is not, which is a fallback for ``p = 1`` (warned on
-    long inputs, an error under ``linear="require"``)."""
-    if handover is not None:
+def sparse_path(normalization: Normalization, q_len: int, kv_len: int, handover, *, softcap: float | None = None,
+                return_weights: bool = False, recording: bool = False) -> Path:
+    """What ``attention_paths()`` counts for a call with a sparse cache: ``"sparse"``; linear in the length where
+    :func:`in_blocks` (``p = 1``: a full forward, or a step from a state), else masked attention over every row at
+    once, quadratic, which is a fallback for ``p = 1`` (warned on long inputs, an error under ``linear="require"``)."""
+    if in_blocks(normalization, q_len, kv_len, handover, softcap, return_weights, recording) or q_len <= ROWS:
         return Path(linear=True, kernel="sparse")
     return Path(linear=False, kernel="sparse", fallback=is_linear(normalization.without_window),
-                reason="a sparse cache beside the window: masked attention, quadratic in the length")
+                reason="a sparse cache beside the window with a softcap, returned weights, recorded norms, another "
+                       "base family than p = 1, or queries after uncached keys: masked attention, quadratic")
+
+
+def in_blocks(normalization: Normalization, q_len: int, kv_len: int, handover, softcap, return_weights: bool,
+              recording: bool) -> bool:
+    """Whether a call runs in blocks of :data:`ROWS` queries carrying a state (:func:`_chunked`): a ``p = 1`` base,
+    more than ``ROWS`` queries, every key of the sequences in the call or a state handed over, no softcap, no
+    returned weights or recorded norms (their rows are normalized one by one over every key)."""
+    return (q_len > ROWS and (handover is not None or q_len == kv_len) and softcap is None and not return_weights
+            and not recording and is_linear(normalization.without_window))
 
 
 def sparse_window_attention(
@@ -134,14 +150,81 @@ def sparse_window_attention(
     """
     _check_call(normalization, query, key, mask, bias, dropout, causal, return_weights, mix, handover, softcap,
                 sliding_window)
+    key_valid = _key_valid(mask, query, key, handover)
+    q_len = query.shape[2]
+    if mask is None and handover is None and q_len > 1:  # sdpa's top-left causal mask: as many keys as queries
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    options = dict(scaling=scaling, softcap=softcap, return_weights=return_weights, frobenius_sq=frobenius_sq,
+                   mix=mix, params=params)
+    if in_blocks(normalization, q_len, key.shape[2], handover, softcap, return_weights, frobenius_sq is not None):
+        return _chunked(query, key, value, key_valid, normalization, options, handover), None
+    source = mask.source if isinstance(mask, KeyPadding) else None
+    return _attend(query, key, value, key_valid, source, normalization, handover, **options)
+
+
+def _chunked(query, key, value, key_valid, normalization, options, handover=None) -> torch.Tensor:
+    """A ``p = 1`` call as the bounded cache decodes it in chunks of :data:`ROWS` tokens: each chunk's queries on the
+    sinks, the sparse cache, the window's ``W`` keys before the chunk and the chunk's own, the older pairs carried in
+    the state (:class:`_Carry`; with ``handover``, a decoding layer's, continued and handed back). Time
+    ``O(N * (ROWS + W + S + K) * D + N * D * D_v)``, memory ``O(ROWS * (ROWS + W + S + K))`` per head: linear in
+    ``N``. Returns ``(B, q, H_q, D_v)``."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    offset = kv_len - q_len  # the key index of query 0
+    carry = _Carry(normalization.window, normalization.sparse)
+    before = 0  # the tokens before the call's key 0
+    if handover is not None:
+        before = handover.cumulative_length - kv_len
+        carry.state, carry.count = handover.read()
+        carry.sinks, carry.sinks_complete, carry.sparse_pairs = (handover.sinks, handover.sinks_complete,
+                                                                 handover.sparse_pairs)
+    outputs = []
+    for start in range(0, q_len, ROWS):
+        stop = min(q_len, start + ROWS)
+        begin, end = max(0, offset + start - normalization.window), offset + stop  # the window's keys before it too
+        carry.cumulative_length = before + end
+        valid = None if key_valid is None else key_valid[:, begin:end]
+        output, _ = _attend(query[:, :, start:stop], key[:, :, begin:end], value[:, :, begin:end], valid, None,
+                            normalization, carry, **options)
+        outputs.append(output)
+    if handover is not None:
+        handover.keep_sinks(carry.sinks, carry.sinks_complete)
+        handover.keep_sparse(carry.sparse_pairs)
+        handover.write(carry.state, carry.count)
+    return torch.cat(outputs, dim=1)
+
+
+class _Carry:
+    """What :func:`_chunked` carries from one chunk to the next, as a decoding layer keeps it
+    (:class:`~.taps.SparseWindowStateHandover`; the window's keys are sliced from the call's, not kept)."""
+
+    key = None
+
+    def __init__(self, window: int, sparse: int):
+        self.window, self.sparse, self.cumulative_length = window, sparse, 0
+        self.sinks, self.sinks_complete, self.sparse_pairs, self.state, self.count = None, False, None, None, None
+
+    def read(self):
+        return self.state, self.count
+
+    def write(self, state, count) -> None:
+        self.state, self.count = state, count
+
+    def keep_sinks(self, sinks, complete: bool = False) -> None:
+        self.sinks, self.sinks_complete = sinks, complete
+
+    def keep_sparse(self, pairs) -> None:
+        self.sparse_pairs = pairs
+
+
+def _attend(query, key, value, key_valid, source, normalization, handover, *, scaling, softcap, return_weights,
+            frobenius_sq, mix, params) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The call on the dense masks of its rows (in blocks of :data:`ROWS`), continuing ``handover``'s state and cache
+    if any: ``(output (B, q, H_q, D_v), weights or None)``."""
     dtype = query.dtype
     compute = torch.promote_types(dtype, torch.float32)
     batch, q_heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     groups = q_heads // kv_heads
-    key_valid = _key_valid(mask, query, key, handover)
-    if mask is None and handover is None and q_len > 1:  # sdpa's top-left causal mask: as many keys as queries
-        key, value = key[:, :, :q_len], value[:, :, :q_len]
     kv_len = key.shape[2]
     first = 0 if handover is None else handover.cumulative_length - kv_len  # absolute position of the call's key 0
     device = query.device
@@ -149,8 +232,7 @@ def sparse_window_attention(
     # the sinks (each sequence's first S real keys) and the pairs older than a window that may enter the cache
     sinks = None
     if normalization.sinks:
-        sinks = sink_keys(key, value, key_valid, normalization.sinks, q_len, handover,
-                          source=mask.source if isinstance(mask, KeyPadding) else None)
+        sinks = sink_keys(key, value, key_valid, normalization.sinks, q_len, handover, source=source)
     valid = key.new_ones(batch, kv_len, dtype=torch.bool) if key_valid is None else key_valid.expand(batch, kv_len)
     eligible = without_sinks(valid, sinks, batch, kv_len)  # (B, kv)
     position = first + torch.arange(kv_len, device=device)
@@ -310,7 +392,8 @@ def _hand_back(handover, pairs: _Candidates, exits, sparse, state, count, newest
     """After a call with a state: add the pairs that went to the distant part to the state, keep the ``K`` that are
     in the cache after the call's last query, and let the layer keep the window's ``W`` last pairs."""
     leaving = pairs.filled & (exits <= newest_older)  # (B, H_kv, M): in the distant part now, not before the call
-    keys, values = pairs.keys.float(), pairs.values.float()
+    full = torch.promote_types(pairs.keys.dtype, torch.float32)  # the state in fp32 (fp64 for fp64 keys)
+    keys, values = pairs.keys.to(full), pairs.values.to(full)
     added = (keys * leaving[..., None]).transpose(-1, -2) @ values  # (B, H_kv, D, D_v)
     state = added if state is None else state + added
     added_count = leaving[:, 0].sum(dim=-1)  # every head holds the same number of pairs (its K best): head 0's
@@ -385,4 +468,4 @@ def _check_call(normalization, query, key, mask, bias, dropout, causal, return_w
                          "continue it. Generate with a normal cache.")
 
 
-__all__ = ["NEVER", "ROWS", "SparsePairs", "exit_positions", "sparse_path", "sparse_window_attention"]
+__all__ = ["NEVER", "ROWS", "SparsePairs", "exit_positions", "in_blocks", "sparse_path", "sparse_window_attention"]

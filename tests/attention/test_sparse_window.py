@@ -144,6 +144,28 @@ def test_the_attention_equals_the_plain_reference(spelling, kind, q_heads, softc
         torch.testing.assert_close(a, b, rtol=0, atol=ATOL, msg=f"d{name}")
 
 
+@pytest.mark.parametrize("kind", ["none", "left", "holes"])
+def test_a_p1_call_runs_in_blocks_that_do_not_grow_with_the_length(kind, monkeypatch):
+    """``p = 1``: the full forward runs as the bounded cache decodes, ``ROWS`` queries at a time on the window's keys
+    before them and their own (the sinks and the sparse cache beside them, the older pairs in a state), so no block
+    grows with the length; it equals the masked computation of every row at once (the recorded norms take that)."""
+    monkeypatch.setattr(sparse, "ROWS", 6)
+    normalization = parse_normalization("x/sqrtN + softmax window 4 + sinks 2 + sparse 3")
+    query, key, value = (t.detach() for t in _inputs(length=60))
+    valid = _valid(kind, 2, 60)
+    mask = None if valid is None else KeyPadding(valid, 60, causal=True)
+    blocks, attend = [], sparse._attend
+    monkeypatch.setattr(sparse, "_attend", lambda q, k, *args, **kw: blocks.append(k.shape[2]) or attend(q, k, *args, **kw))
+    got, _ = sparse_window_attention(query, key, value, mask, normalization)
+    assert len(blocks) == 10 and max(blocks) == 6 + 4
+    blocks.clear()
+    frobenius_sq = torch.zeros(2, 2, 3, dtype=torch.float64)
+    every_row, _ = sparse_window_attention(query, key, value, mask, normalization, frobenius_sq=frobenius_sq)
+    assert blocks == [60]
+    rows = torch.ones(2, 60, dtype=torch.bool) if valid is None else valid
+    torch.testing.assert_close(got[rows], every_row[rows], rtol=0, atol=ATOL)
+
+
 def test_the_sparse_cache_changes_the_output_and_holds_what_the_window_leaves():
     """With ``K`` at least the older keys, every key is weighted by softmax: the model's own attention; with ``K``
     below, the output is neither that nor the window alone's."""

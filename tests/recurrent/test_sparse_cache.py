@@ -19,6 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import hf_knorm
 from hf_knorm import RecurrentStateCache, attention_paths
+from hf_knorm.attention import sparse
 from hf_knorm.attention.interface import normalization_of
 from hf_knorm.attention.masks import explicit_bool_mask
 from hf_knorm.attention.reference import reference_window_attention, sparse_split, window_split
@@ -99,10 +100,12 @@ def _decode(model, ids, mask, cache, sizes):
                                       "x/sqrtN + softmax window 4 + sinks 1 + sparse 2 (value_over_key)",
                                       "x/16 + softmax window 2 + sparse 1"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-def test_decoding_from_the_bounded_cache_equals_the_full_forward(model_type, spelling):
+@pytest.mark.parametrize("rows", [256, 2])  # 2: the full forward and the prompt's chunks in blocks (sparse._chunked)
+def test_decoding_from_the_bounded_cache_equals_the_full_forward(model_type, spelling, rows, monkeypatch):
     """A left-padded prompt in two chunks (5 then 4 tokens), then 21 tokens one by one: pairs enter the cache, are
     displaced and join the state; every real row's logits are the full forward's. Qwen3's QK-norm gives every key
     about one norm (key_norm would choose by rounding: sparse_choice.py), so it runs value_over_key."""
+    monkeypatch.setattr(sparse, "ROWS", rows)
     if model_type == "qwen3":
         spelling = spelling.split(" (")[0] + " (value_over_key)"
     model = hf_knorm.patch(tiny_model(model_type), spelling)
