@@ -82,10 +82,6 @@ def patch(model: nn.Module, normalization: str | Normalization, *, linear: str =
     if linear == "require" and not is_linear(normalization):
         raise ValueError(f"linear='require' needs a p = 1 normalization (x/1, x/16, x/sqrtN); {normalization.name} "
                          "has no linear-time path.")
-    if linear == "require" and normalization.sparse:
-        raise ValueError(f"linear='require' with {normalization.name}: a full forward with a sparse cache is masked "
-                         "attention, quadratic in the length (decoding from the bounded cache is not). Patch with "
-                         "linear='auto'.")
     current = patched_normalization(model)
     if current is not None:
         if current == normalization.name:

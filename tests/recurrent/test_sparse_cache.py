@@ -233,8 +233,20 @@ def test_a_sparse_model_travels_and_refuses_another_cache(tmp_path):
     assert type(RecurrentStateCache(config=windowed.config).layers[0]) is WindowStateLayer
     with pytest.raises(ValueError, match="K > 0"):
         SparseWindowStateLayer(0, 3, 0)
-    with pytest.raises(ValueError, match="linear='require' with .*quadratic in the length"):
-        hf_knorm.patch(tiny_model("llama"), spelling, linear="require")
+
+
+def test_linear_require_runs_the_blocks_and_refuses_the_masked_rows(monkeypatch):
+    """``linear="require"``: the full forward (in blocks) and bounded decoding run; recording the attention weights,
+    which needs every row's weights over every key, is the quadratic fallback and raises."""
+    monkeypatch.setattr(sparse, "ROWS", 4)
+    model = hf_knorm.patch(tiny_model("llama"), "x/1 + softmax window 3 + sinks 1 + sparse 2", linear="require")
+    ids, mask = _prompts(length=12)
+    with attention_paths() as taken, torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    assert dict(taken) == {"sparse": model.config.num_hidden_layers}
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, **GREEDY)
+    with torch.no_grad(), pytest.raises(ValueError, match="requires the linear path.*returned weights"):
+        model(input_ids=ids, attention_mask=mask, output_attentions=True)
 
 
 def test_a_models_own_sliding_window_is_refused():
