@@ -36,10 +36,10 @@ time ``O(N * (ROWS + W + S + K) * D + N * D * D_v)``, memory linear in ``N`` (on
 shape, ``W = K = 64``, one CPU thread: 0.26 s at 2k tokens, 0.35 s at 4k). Every other call (another base family, a
 softcap, returned weights or recorded norms, queries after keys of an uncached prefix: a ``DynamicCache``) computes
 every row on dense masks in blocks of ``ROWS`` rows against every key (memory ``O(ROWS * N)`` per head, time
-``O(N^2 * D)``, as the quadratic kernel; 1.2 s at 2k on the same layer), and the exit positions in blocks of ``ROWS``
-pairs against every pair (``O(N^2)`` comparisons per KV head; also per decoded token with a ``DynamicCache``). Under
-autograd the blocks' tensors are kept for the backward. A decoded token against the bounded cache costs
-``O((W + S + K) * D + D * D_v)``.
+``O(N^2 * D)``, as the quadratic kernel; 1.2 s at 2k on the same layer), and the exit positions in chunks of
+``ROWS`` pairs with the cache's ``K`` carried (``O(N * (K + ROWS))`` comparisons per KV head, also per token decoded
+with a ``DynamicCache``). Under autograd the blocks' tensors are kept for the backward. A decoded token against the
+bounded cache costs ``O((W + S + K) * D + D * D_v)``.
 
 Masks. Key padding (left-padded batches) and bottom-right causal calls, as a model's forward and its cache give them;
 an explicit 4-D mask that is exactly causal with padded keys is read as such. Anything else (a model's own sliding
@@ -311,7 +311,37 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
 
 def exit_positions(score: torch.Tensor, position: torch.Tensor, eligible: torch.Tensor, sparse: int,
                    len_prior: int = 0) -> torch.Tensor:
-    """Each pair's exit position from the sparse cache of ``sparse`` pairs (see the module docstring).
+    """Each pair's exit position from the sparse cache of ``sparse`` pairs (see the module docstring), computed in
+    chunks of :data:`ROWS` pairs in position order, the cache's ``K`` pairs carried from one chunk to the next (each
+    chunk by :func:`exits_at_once` on ``K + ROWS`` pairs): ``O(M * (K + ROWS))`` comparisons per head, not ``M^2``.
+    Arguments and result as :func:`exits_at_once`.
+    """
+    batch, heads, pairs = score.shape
+    if pairs - len_prior <= ROWS:
+        return exits_at_once(score, position, eligible, sparse, len_prior)
+    device = score.device
+    exits = torch.full_like(position, NEVER)
+    cache = torch.arange(len_prior, device=device).expand(batch, heads, -1)  # the cache's pairs, by index
+    filled = eligible[..., :len_prior]
+    for start in range(len_prior, pairs, ROWS):
+        chunk = torch.arange(start, min(pairs, start + ROWS), device=device).expand(batch, heads, -1)
+        index = torch.cat([cache, chunk], dim=-1)
+        local_eligible = torch.cat([filled, eligible.gather(-1, chunk)], dim=-1)
+        local_position = position.gather(-1, index)
+        local = exits_at_once(score.gather(-1, index), local_position, local_eligible, sparse, cache.shape[-1])
+        # a pair of the cache gets its exit from the last chunk that held it (NEVER while it stays)
+        exits.scatter_(-1, index, torch.where(local_eligible, local, exits.gather(-1, index)))
+        staying = local_eligible & (local == NEVER)  # at most K per head
+        order = torch.where(staying, local_position, NEVER).topk(min(sparse, index.shape[-1]), dim=-1,
+                                                                  largest=False).indices
+        cache, filled = index.gather(-1, order), staying.gather(-1, order)
+    return exits
+
+
+def exits_at_once(score: torch.Tensor, position: torch.Tensor, eligible: torch.Tensor, sparse: int,
+                  len_prior: int = 0) -> torch.Tensor:
+    """Each pair's exit position from the sparse cache of ``sparse`` pairs, every pair against every other (in
+    blocks of :data:`ROWS` rows: ``O(M^2)`` comparisons per head).
 
     Args:
         score: ``(B, H, M)`` the pairs' scores, higher kept; ties go to the lower position.
@@ -468,4 +498,4 @@ def _check_call(normalization, query, key, mask, bias, dropout, causal, return_w
                          "continue it. Generate with a normal cache.")
 
 
-__all__ = ["NEVER", "ROWS", "SparsePairs", "exit_positions", "in_blocks", "sparse_path", "sparse_window_attention"]
+__all__ = ["NEVER", "ROWS", "SparsePairs", "exit_positions", "exits_at_once", "in_blocks", "sparse_path", "sparse_window_attention"]

@@ -54,9 +54,11 @@ def _online_exits(score, eligible, sparse_count):
     return exits
 
 
+@pytest.mark.parametrize("rows", [256, 4])  # 4: in chunks of 4 pairs, the cache carried between them
 @pytest.mark.parametrize("sparse_count", [1, 3, 8, 40])
 @pytest.mark.parametrize("ties", [False, True])
-def test_the_exit_positions_are_those_of_a_cache_run_pair_by_pair(sparse_count, ties):
+def test_the_exit_positions_are_those_of_a_cache_run_pair_by_pair(sparse_count, ties, rows, monkeypatch):
+    monkeypatch.setattr(sparse, "ROWS", rows)
     generator = torch.Generator().manual_seed(sparse_count)
     score = torch.randn(2, 3, 30, generator=generator)
     if ties:  # few distinct values: the older pair must win each tie
@@ -70,9 +72,11 @@ def test_the_exit_positions_are_those_of_a_cache_run_pair_by_pair(sparse_count, 
             assert got[b, h].tolist() == want
 
 
-def test_a_cache_continued_from_its_pairs_exits_as_the_whole_run():
+@pytest.mark.parametrize("rows", [256, 3])
+def test_a_cache_continued_from_its_pairs_exits_as_the_whole_run(rows, monkeypatch):
     """The first 17 pairs run, the cache's pairs kept (in shuffled slots, empty ones among them), then the next 13
     given after them: the same exits as one run over the 30, so a decoding cache continues the full forward."""
+    monkeypatch.setattr(sparse, "ROWS", rows)
     sparse_count, split = 4, 17
     generator = torch.Generator().manual_seed(1)
     score = torch.randn(1, 2, 30, generator=generator).mul(2).round()
