@@ -65,7 +65,9 @@ def _prompts(batch=2, length=30, pad=3, seed=0):
     ("gpt2", "x^3/16 + softmax window 3 + sinks 2 + sparse 2"),
     ("llama", "sigmoid(bias=learned) + softmax window 2 + sparse 4"),
 ])
-def test_models_equal_the_reference_attention(model_type, spelling):
+@pytest.mark.parametrize("rows", [256, 6])  # 6: a p = 1 forward in blocks with the state carried (sparse._chunked)
+def test_models_equal_the_reference_attention(model_type, spelling, rows, monkeypatch):
+    monkeypatch.setattr(sparse, "ROWS", rows)
     model = hf_knorm.patch(tiny_model(model_type, dtype=torch.float64), spelling)
     generator = torch.Generator().manual_seed(1)
     mixes = [torch.randn(4, generator=generator, dtype=torch.float64) for _ in window_mixes(model)]
