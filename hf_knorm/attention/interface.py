@@ -33,6 +33,7 @@ from ..normalizations import Normalization, parse_normalization
 from ..normalizations.windowed import MIX
 from .paths import check_linear_policy, choose_path, linear_keys, linear_policy_of, note_path
 from .taps import current_kv_transform, current_recorder, take_state_for, taps_set
+from .sparse import sparse_path, sparse_window_attention
 from .window import check_state_window, window_attention, window_path
 
 ATTENTION_NAME = "hf_knorm"
@@ -83,6 +84,20 @@ def hf_knorm_attention(
     dropout = dropout if module.training else 0.0
     return_weights = _attentions_requested(kwargs)
     check_state_window(handover, normalization)
+    if normalization.sparse:  # a sparse cache beside the window (sparse.py): in blocks with a state, or masked rows
+        path = sparse_path(normalization, query.shape[2], key.shape[2], handover, softcap=softcap,
+                           return_weights=return_weights, recording=recorder is not None)
+        if read_taps:
+            note_path(path, module, query.shape[2], linear_policy_of(module))
+        elif path.fallback:
+            check_linear_policy(path, linear_policy_of(module))
+        output, weights = sparse_window_attention(
+            query, key, value, mask, normalization, bias=bias, scaling=scaling, softcap=softcap, dropout=dropout,
+            causal=causal, return_weights=return_weights, frobenius_sq=frobenius_sq, mix=params.get(MIX),
+            params=params, handover=handover, sliding_window=kwargs.get("sliding_window"))
+        if recorder is not None:
+            recorder.record(module, key, value, mask, frobenius_sq.reshape(query.shape[0], query.shape[1]))
+        return output, weights
     choice = dict(causal=causal, softcap=softcap, dropout=dropout, return_weights=return_weights,
                   has_state=handover is not None, compiling=compiling)
     if normalization.window:  # the polynomial part's path (window.py), chosen once here and handed to it

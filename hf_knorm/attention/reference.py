@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..normalizations import Normalization, Polynomial
+from ..normalizations.sparse_choice import token_scores
 from .window import ROW_EPS
 
 
@@ -81,7 +82,9 @@ def reference_window_attention(
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of a normalization with a softmax window (``x^p/c + softmax window W``, :mod:`.window`), in fp32
-    (fp64 for fp64 inputs): the whole score matrix, the two parts side by side.
+    (fp64 for fp64 inputs): the whole score matrix, the two parts side by side. With a sparse cache
+    (``+ sparse K (score)``, :mod:`.sparse`) each row's ``K`` best older keys per KV head (:func:`sparse_split`)
+    join the softmax part and leave the polynomial one.
 
     Which keys go to which part is decided row by row from positions (:func:`window_split`, a loop in Python,
     written apart from the implementation's tensor expressions); the weights are then the definition's. Sinks and
@@ -117,6 +120,10 @@ def reference_window_attention(
         allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)[None, None]
     in_window, older = window_split(allowed, normalization.window, normalization.sinks)
     in_window, older = in_window.expand_as(scores), older.expand_as(scores)
+    if normalization.sparse:  # the sparse cache: each row's best older keys move to the softmax part
+        ranks = token_scores(normalization.score, key, value).repeat_interleave(groups, dim=1)  # (B, H_q, kv)
+        chosen = sparse_split(older, ranks.expand(scores.shape[0], -1, -1), normalization.sparse)
+        in_window, older = in_window | chosen, older & ~chosen
     soft = torch.nan_to_num(torch.softmax(torch.where(in_window, scores, float("-inf")), dim=-1), nan=0.0)
     base = normalization.without_window
     if isinstance(base, Polynomial):
@@ -173,6 +180,21 @@ def window_split(allowed: torch.Tensor, window: int, sinks: int) -> tuple[torch.
             previous = keys
     return tuple(torch.tensor(flags, dtype=torch.bool, device=allowed.device).view(allowed.shape)
                  for flags in (soft, older))
+
+
+def sparse_split(older: torch.Tensor, score: torch.Tensor, sparse: int) -> torch.Tensor:
+    """The keys of each row's sparse cache: a bool tensor of ``older``'s shape ``(B, H, q, kv)``, decided one row at
+    a time: the row's older keys sorted by ``score`` ``(B, H, kv)`` (highest first, ties to the lower position), the
+    first ``sparse`` of them (a plain loop, written apart from the exit positions of :mod:`.sparse`)."""
+    flags, scores = older.tolist(), score.tolist()
+    chosen = [[[[False] * len(row) for row in rows] for rows in heads] for heads in flags]
+    for b, heads in enumerate(flags):
+        for h, rows in enumerate(heads):
+            for i, row in enumerate(rows):
+                keys = [j for j, flag in enumerate(row) if flag]
+                for j in sorted(keys, key=lambda j: (-scores[b][h][j], j))[:sparse]:
+                    chosen[b][h][i][j] = True
+    return torch.tensor(chosen, dtype=torch.bool, device=older.device)
 
 
 def per_head(params: dict[str, torch.Tensor] | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -124,10 +124,13 @@ class StateHandover(Protocol):
             this very tensor is the one the state is for (:func:`take_state_for`).
         window: ``W``, the softmax window the layer keeps beside the state; ``0`` for a pure state. The attention
             refuses a state kept for another window than its normalization's.
+        sparse: ``K``, the pairs of the sparse cache the layer keeps beside its window (``0``: none); the attention
+            refuses a state kept for another ``K`` than its normalization's.
     """
 
     key: torch.Tensor
     window: int
+    sparse: int
 
     def read(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The state ``(B, H_kv, D, D_v)`` fp32 (``sum k v^T`` of the valid keys the call's keys follow) and the count
@@ -161,6 +164,24 @@ class WindowStateHandover(StateHandover, Protocol):
     def keep_sinks(self, sinks: Any, complete: bool = False) -> None:
         """Keep the call's sinks (a :class:`hf_knorm.attention.window.Sinks`, absolute positions) for the next
         calls; ``complete``: every sequence has its ``S``."""
+        ...
+
+
+@runtime_checkable
+class SparseWindowStateHandover(WindowStateHandover, Protocol):
+    """A windowed recurrent layer that also keeps a sparse cache (:class:`hf_knorm.recurrent.sparse_cache.
+    SparseWindowStateLayer`; ``sparse > 0``): the members :mod:`.sparse` reads besides those of
+    :class:`WindowStateHandover`.
+
+    Attributes:
+        sparse_pairs: the cache's pairs kept from earlier calls (:class:`hf_knorm.attention.sparse.SparsePairs`), or
+            ``None`` before the first call.
+    """
+
+    sparse_pairs: Any
+
+    def keep_sparse(self, pairs: Any) -> None:
+        """Keep the cache's pairs after the call (before :meth:`write`)."""
         ...
 
 

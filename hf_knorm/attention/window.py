@@ -251,13 +251,15 @@ def window_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mas
 def check_state_window(handover, normalization: Normalization) -> None:
     """Raise unless a handed-over recurrent state (or ``None``) was kept for ``normalization``'s window.
 
-    A state layer says its window by a ``window`` attribute (none: a pure state, window 0)."""
+    A state layer says its window by a ``window`` attribute (none: a pure state, window 0), and its sparse cache by
+    ``sparse`` (none: 0)."""
     if handover is None:
         return
-    kept = getattr(handover, "window", 0)
-    if kept != normalization.window:
-        raise ValueError(f"The recurrent cache was built for a softmax window of {kept} keys and the model runs "
-                         f"{normalization.name}: build it from the model's config "
+    kept, sparse = getattr(handover, "window", 0), getattr(handover, "sparse", 0)
+    if kept != normalization.window or sparse != normalization.sparse:
+        cache = f" and a sparse cache of {sparse} pairs" if sparse else ""
+        raise ValueError(f"The recurrent cache was built for a softmax window of {kept} keys{cache} and the model "
+                         f"runs {normalization.name}: build it from the model's config "
                          f"(RecurrentStateCache(config=model.config)).")
 
 

@@ -180,6 +180,9 @@ def _meaning(spelling: str) -> str:
     if norm.window:
         divisor = "sqrt(N_i), N_i the number of those older keys" if base.sqrt_n else divisor
         sinks = f" and the sequence's first {norm.sinks} (attention sinks)" if norm.sinks else ""
+        if norm.sparse:
+            sinks += (f" and, per KV head, the {norm.sparse} older keys of highest {norm.score} (a sparse cache, "
+                      "jointly)")
         return (f"softmax over the keys of each query's last {norm.window} positions{sinks}; w_ij = {power} / "
                 f"{divisor} on the older keys, no row normalization there; masked pairs exactly 0")
     return f"w_ij = {power} / {divisor}, no row normalization, masked pairs exactly 0"

@@ -75,6 +75,8 @@ def patch(model: nn.Module, normalization: str | Normalization, *, linear: str =
                          f"{architecture.model_type} attends both ways. Patch it without softmax_window.")
     if normalization.sinks:
         _refuse_sinks_on_sliding_layers(model, normalization)
+    if normalization.sparse:
+        _refuse_sparse_on_sliding_layers(model, normalization)
     if linear not in LINEAR_POLICIES:
         raise ValueError(f"linear={linear!r} is not a policy; choose one of {', '.join(LINEAR_POLICIES)}.")
     if linear == "require" and not is_linear(normalization):
@@ -155,6 +157,20 @@ def _refuse_sinks_on_sliding_layers(model: nn.Module, normalization: Normalizati
                          f"their own sliding window ({name}: {window} positions), which leaves them behind. Patch it "
                          "without attention_sinks (attention_sinks=0; hf-knorm convert --attention-sinks 0: the softmax "
                          "window alone), or use a model without sliding-window layers.")
+
+
+def _refuse_sparse_on_sliding_layers(model: nn.Module, normalization: Normalization) -> None:
+    """Raise when ``model`` has a layer with its own sliding window: a sparse cache keeps older pairs along each
+    sequence, which such a layer's mask and cache leave behind (the attention refuses such a call too:
+    :mod:`hf_knorm.attention.sparse`)."""
+    sliding = {name: window for name, module in attention_modules(model)
+               if (window := sliding_window_of(module)) is not None}
+    if sliding:
+        name, window = next(iter(sliding.items()))
+        raise ValueError(f"{normalization.name}: a sparse cache keeps pairs older than the softmax window, and "
+                         f"{len(sliding)} attention layers of this {model.config.model_type} model have their own "
+                         f"sliding window ({name}: {window} positions), which leaves them behind. Patch it without "
+                         "the sparse cache, or use a model without sliding-window layers.")
 
 
 def own_config(model: nn.Module) -> None:

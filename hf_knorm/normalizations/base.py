@@ -69,6 +69,7 @@ class Normalization:
     is_softmax: ClassVar[bool] = False
     window: ClassVar[int] = 0
     sinks: ClassVar[int] = 0
+    sparse: ClassVar[int] = 0
 
     @property
     def without_window(self) -> Normalization:

@@ -23,7 +23,8 @@ from .softmax import Softmax
 from .softpick import Softpick
 from .ssmax import SSMax
 from .stick_breaking import StickBreaking
-from .windowed import Windowed, with_window
+from .sparse_choice import DEFAULT_SCORE
+from .windowed import Windowed, with_sparse, with_window
 
 FAMILIES: dict[str, type[Normalization]] = {
     family.family: family
@@ -35,8 +36,9 @@ RECORD_FORMAT = 2
 """The version of the saved record (``config.hf_knorm["normalization_record"]``); format 1 (releases before the
 families) saved the spelling only."""
 
-_WINDOW = re.compile(r"^(?P<base>.*?)\s*\+\s*softmax\s*window\s*(?P<window>\S*)"
-                     r"(?:\s*\+\s*sinks\s*(?P<sinks>\S*))?\s*$", re.IGNORECASE)
+_WINDOW = re.compile(r"^(?P<base>.*?)\s*\+\s*softmax\s*window\s*(?P<window>[^\s+]*)"
+                     r"(?:\s*\+\s*sinks\s*(?P<sinks>[^\s+]*))?"
+                     r"(?:\s*\+\s*sparse\s*(?P<sparse>[^\s(]*)\s*(?:\((?P<score>[^)]*)\))?)?\s*$", re.IGNORECASE)
 
 
 def accepted_forms() -> str:
@@ -75,7 +77,18 @@ def _parse_text(spelling: str) -> Normalization:
         if sinks is not None and not sinks.isdigit():
             raise ValueError(f"Normalization {spelling!r}: the sinks are a number of keys, an integer >= 0, got "
                              f"{sinks!r}. Spell it like 'x^3/16 + softmax window 64 + sinks 4'.")
-        return with_window(_parse_text(windowed["base"]), int(window), sinks=int(sinks or 0))
+        sparse, score = windowed["sparse"], windowed["score"]
+        if sparse is not None and not sparse.isdigit():
+            raise ValueError(f"Normalization {spelling!r}: the sparse cache is a number of key/value pairs, an integer "
+                             f">= 0, got {sparse!r}. Spell it like 'x/1 + softmax window 64 + sparse 64 (key_norm)'.")
+        normalization = with_window(_parse_text(windowed["base"]), int(window), sinks=int(sinks or 0))
+        if sparse is None:
+            return normalization
+        return with_sparse(normalization, int(sparse), (score or DEFAULT_SCORE).strip())
+    if re.search(r"\+\s*sparse", spelling, re.IGNORECASE):
+        raise ValueError(f"Normalization {spelling!r}: a sparse cache is weighted by softmax jointly with a softmax "
+                         "window, and this spelling has none before it. Spell it like "
+                         "'x/1 + softmax window 64 + sinks 4 + sparse 64 (key_norm)'.")
     text = spelling.strip().replace(" ", "")
     for family in FAMILIES.values():
         parsed = family.parse(text)

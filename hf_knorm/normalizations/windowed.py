@@ -6,8 +6,13 @@ weighted by softmax over them; the older keys by ``base``, scaled per query head
 Xiao et al., arXiv 2309.17453). ``W = 0`` is ``base`` itself. The mix is a learnable parameter (``window_mix``, one
 value per query head, starting at 1), in ``state_dict`` with the base family's own.
 
-Spelling: ``x^3/16 + softmax window 64``, ``relu(x)^3/16 + softmax window 64 + sinks 4``; it parses back to the same
-object.
+With ``+ sparse K (score)`` a sparse global cache joins the softmax part: for each query and KV head, the ``K`` best
+keys older than the window (by a per-token ``score``, :mod:`.sparse_choice`) are weighted by softmax jointly with
+the window and the sinks, and only the remaining older keys by ``base`` (LoLA, arXiv 2505.23666;
+:mod:`hf_knorm.attention.sparse` computes it).
+
+Spelling: ``x^3/16 + softmax window 64``, ``relu(x)^3/16 + softmax window 64 + sinks 4``,
+``x/1 + softmax window 64 + sinks 4 + sparse 64 (key_norm)``; it parses back to the same object.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 
 from .base import Normalization
 from .sink_softmax import SinkSoftmax
+from .sparse_choice import DEFAULT_SCORE, check_sparse_score
 
 MIX = "window_mix"
 """The learnable parameter scaling the part beside the window, one value per query head."""
@@ -23,11 +29,21 @@ MIX = "window_mix"
 
 @dataclass(frozen=True)
 class Windowed(Normalization):
-    """Attributes: ``base`` (what weights the older keys), ``window`` ``W >= 1``, ``sinks`` ``S >= 0``."""
+    """Attributes: ``base`` (what weights the older keys), ``window`` ``W >= 1``, ``sinks`` ``S >= 0``, ``sparse``
+    ``K >= 0`` (the sparse global cache: older keys weighted by softmax with the window, 0 = none) and ``score``
+    (how its keys are chosen, a name of :data:`.sparse_choice.SPARSE_SCORES`)."""
 
     base: Normalization
     window: int
     sinks: int = 0
+    sparse: int = 0
+    score: str = DEFAULT_SCORE
+
+    def __post_init__(self):
+        if isinstance(self.sparse, bool) or not isinstance(self.sparse, int) or self.sparse < 0:
+            raise ValueError(f"sparse is a number of key/value pairs, an integer >= 0 (0 = no sparse cache), got "
+                             f"{self.sparse!r}.")
+        check_sparse_score(self.score)
 
     family = "windowed"
     formula = "softmax over the last W keys and the first S; m_h * (the base family, RMS-normalized) over the older keys"
@@ -45,7 +61,8 @@ class Windowed(Normalization):
     @property
     def name(self) -> str:
         sinks = f" + sinks {self.sinks}" if self.sinks else ""
-        return f"{self.base.name} + softmax window {self.window}{sinks}"
+        sparse = f" + sparse {self.sparse} ({self.score})" if self.sparse else ""
+        return f"{self.base.name} + softmax window {self.window}{sinks}{sparse}"
 
     def learnable(self):
         return {**self.base.learnable(), MIX: 1.0}
@@ -55,13 +72,17 @@ class Windowed(Normalization):
                          "hf_knorm.attention.window.window_attention (the kernels take its two parts).")
 
     def to_record(self) -> dict:
-        return {"family": self.family, "base": self.base.to_record(), "window": self.window, "sinks": self.sinks}
+        record = {"family": self.family, "base": self.base.to_record(), "window": self.window, "sinks": self.sinks}
+        if self.sparse:  # absent: no sparse cache (records written before it read the same)
+            record.update(sparse=self.sparse, score=self.score)
+        return record
 
     @classmethod
     def from_record(cls, record):
         from .registry import from_record
 
-        return cls(base=from_record(record["base"]), window=int(record["window"]), sinks=int(record.get("sinks", 0)))
+        return cls(base=from_record(record["base"]), window=int(record["window"]), sinks=int(record.get("sinks", 0)),
+                   sparse=int(record.get("sparse", 0)), score=str(record.get("score", DEFAULT_SCORE)))
 
     @classmethod
     def parse(cls, text):
@@ -70,7 +91,8 @@ class Windowed(Normalization):
 
 def with_window(normalization: Normalization, window: int, sinks: int | None = None) -> Normalization:
     """``normalization`` with a softmax window of ``window`` keys (``0``: without one, the pure normalization) and
-    ``sinks`` attention sinks beside it (``None``: the ones ``normalization`` has, else 0).
+    ``sinks`` attention sinks beside it (``None``: the ones ``normalization`` has, else 0). A sparse cache
+    ``normalization`` has is kept (:func:`with_sparse` sets one).
 
     Raises:
         ValueError: ``window`` or ``sinks`` is not an integer >= 0, ``normalization`` is softmax (a softmax window on
@@ -100,5 +122,31 @@ def with_window(normalization: Normalization, window: int, sinks: int | None = N
     if sinks and not window:
         raise ValueError(f"attention_sinks={sinks} without a softmax window: the sinks are keys that softmax weights "
                          "beside the window. Give softmax_window=W > 0 too, or attention_sinks=0.")
+    sparse, score = normalization.sparse, getattr(normalization, "score", DEFAULT_SCORE)
+    if sparse and not window:
+        raise ValueError(f"{normalization.name} has a sparse cache of {sparse} pairs, which softmax weights beside "
+                         "the window: it needs softmax_window=W > 0.")
     base = normalization.without_window
-    return Windowed(base=base, window=window, sinks=sinks) if window else base
+    return Windowed(base=base, window=window, sinks=sinks, sparse=sparse, score=score) if window else base
+
+
+def with_sparse(normalization: Normalization, sparse: int, score: str = DEFAULT_SCORE) -> Normalization:
+    """``normalization`` (which has a softmax window) with a sparse global cache of ``sparse`` older key/value pairs
+    per layer and KV head, chosen by ``score`` (``0``: without one).
+
+    Raises:
+        ValueError: ``sparse`` is not an integer >= 0, an unknown or context-dependent score
+            (:func:`.sparse_choice.check_sparse_score`), or a sparse cache without a softmax window.
+    """
+    if isinstance(sparse, bool) or not isinstance(sparse, int) or sparse < 0:
+        raise ValueError(f"sparse is a number of key/value pairs, an integer >= 0 (0 = no sparse cache), got "
+                         f"{sparse!r}.")
+    check_sparse_score(score)
+    if sparse and not normalization.window:
+        raise ValueError(f"A sparse cache of {sparse} pairs without a softmax window: its keys are weighted by "
+                         f"softmax jointly with the window's. Give {normalization.name} a window first, e.g. "
+                         f"'{normalization.name} + softmax window 64 + sparse {sparse}'.")
+    if not normalization.window:
+        return normalization
+    return Windowed(base=normalization.without_window, window=normalization.window, sinks=normalization.sinks,
+                    sparse=sparse, score=score)

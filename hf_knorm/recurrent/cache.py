@@ -32,6 +32,7 @@ from ..attention.linear_kernel import is_linear
 from ..normalizations import parse_normalization
 from ..attention.taps import hand_over_state, pending_handover, taps_set
 from ..compat import attn_implementation_of, layer_types_and_kwargs
+from .sparse_cache import SparseWindowStateLayer
 from .state import RecurrentStateLayer
 from .window_cache import WindowStateLayer
 
@@ -152,9 +153,13 @@ def _checked_layers(config) -> int:
 
 
 def state_layer(config, layer_idx: int) -> RecurrentStateLayer:
-    """The state layer a model of this config decodes with: a :class:`~.window_cache.WindowStateLayer` (the ``W``
-    last keys and values beside the state) when its normalization has a softmax window, else a
-    :class:`RecurrentStateLayer`."""
+    """The state layer a model of this config decodes with: a :class:`~.sparse_cache.SparseWindowStateLayer` (the
+    window, the sinks and the sparse cache beside the state) when its normalization has a sparse cache, a
+    :class:`~.window_cache.WindowStateLayer` (the ``W`` last keys and values beside the state) when it has a softmax
+    window, else a :class:`RecurrentStateLayer`."""
     spelling = (getattr(config.get_text_config(decoder=True), ATTENTION_NAME, None) or {}).get("normalization")
-    window = parse_normalization(spelling).window if spelling is not None else 0
+    normalization = parse_normalization(spelling) if spelling is not None else None
+    if normalization is not None and normalization.sparse:
+        return SparseWindowStateLayer(layer_idx, normalization.window, normalization.sparse, normalization.score)
+    window = normalization.window if normalization is not None else 0
     return WindowStateLayer(layer_idx, window) if window else RecurrentStateLayer(layer_idx)

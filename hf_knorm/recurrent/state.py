@@ -34,6 +34,8 @@ class RecurrentStateLayer(DynamicLayer):
     is_croppable = False
     window = 0
     """No softmax window is kept beside the state (:class:`~.window_cache.WindowStateLayer` keeps ``W``)."""
+    sparse = 0
+    """No sparse cache is kept (:class:`~.sparse_cache.SparseWindowStateLayer` keeps ``K`` pairs)."""
 
     def __init__(self, layer_idx: int):
         super().__init__()

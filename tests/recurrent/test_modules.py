@@ -13,7 +13,8 @@ import pytest
 from typing_extensions import get_protocol_members
 
 import hf_knorm
-from hf_knorm.attention.taps import StateHandover, WindowStateHandover
+from hf_knorm.attention.taps import SparseWindowStateHandover, StateHandover, WindowStateHandover
+from hf_knorm.recurrent.sparse_cache import SparseWindowStateLayer
 from hf_knorm.recurrent.state import RecurrentStateLayer
 from hf_knorm.recurrent.window_cache import WindowStateLayer
 
@@ -21,7 +22,8 @@ PACKAGE = Path(hf_knorm.__file__).parent
 RECURRENT = sorted(f"hf_knorm.recurrent.{path.stem}" for path in (PACKAGE / "recurrent").glob("*.py")
                    if path.stem != "__init__")
 HANDOVER_MODULES = ["hf_knorm.attention.taps"] + RECURRENT
-READERS = {"interface.py": StateHandover, "window.py": WindowStateHandover, "taps.py": StateHandover}
+READERS = {"interface.py": StateHandover, "window.py": WindowStateHandover, "taps.py": StateHandover,
+           "sparse.py": SparseWindowStateHandover}
 """The attention modules that read a handed-over layer, and the protocol that must declare what each reads (the window
 reads a windowed layer's members; the interface and the taps only what every layer has)."""
 
@@ -80,3 +82,6 @@ def test_the_layers_provide_what_the_protocol_declares():
     assert isinstance(pure, StateHandover) and pure.window == 0
     assert not isinstance(pure, WindowStateHandover)  # a pure state keeps no sinks: the window refuses it first
     assert isinstance(windowed, WindowStateHandover) and windowed.window == 3
+    assert not isinstance(windowed, SparseWindowStateHandover) and windowed.sparse == 0 == pure.sparse
+    sparse = SparseWindowStateLayer(0, 3, 2)
+    assert isinstance(sparse, SparseWindowStateHandover) and (sparse.window, sparse.sparse) == (3, 2)

@@ -1,0 +1,501 @@
+"""A sparse global cache beside the softmax window: ``base + softmax window W + sinks S + sparse K (score)``.
+
+Why. A hybrid with a softmax window finds nothing older than its window (BENCHMARKS.md: 0 of 16 passkeys at 1k-2k
+tokens on the converted default model); LoLA (McDermott et al., arXiv 2505.23666) keeps a small sparse global cache of
+exact key/value pairs beside the window and the linear state, and lifts RULER passkey retrieval at 4k from 0.6% to
+97.4% with no training.
+
+Definition (ours; the plain reference is :func:`.reference.reference_window_attention`). As
+:mod:`.window` defines the window and the sinks, with one change: for query ``i`` (at position ``a_i``) and KV head
+``h``, the keys older than its window (``j <= a_i - W``, real, not sinks) are ranked by a per-token score ``r_hj``
+(:mod:`hf_knorm.normalizations.sparse_choice`: fixed when the token is produced, higher first, ties to the older
+key); the first ``K`` of them, ``sparse_h(i)``, are weighted by softmax **jointly** with the window and the sinks,
+and only the others by the base family (RMS-normalized per row, scaled by the per-head mix ``m_h``)::
+
+    o_i = sum_{j in window(i) + sinks + sparse_h(i)} softmax(s_i)_j v_j  +  m_h * u_i / RMS(u_i),
+    u_i = sum_{j older, not in sparse_h(i)} w(s_ij) v_j
+
+For ``p = 1`` (``x/c``) ``u_i`` is ``q_i^T S / c`` with ``S`` the sum of ``k_j v_j^T`` over those remaining pairs: the
+linear state.
+
+The online rule. Since ``r_hj`` does not change, the best ``K`` of the older keys of query ``i + 1`` are the best of
+those of query ``i`` and the one key that left the window: a pair leaving the window enters the cache if it beats
+the weakest (which is displaced) and otherwise goes to the distant part; a displaced pair never comes back. So every
+pair ``c`` has an *exit position* ``e_c`` (:func:`exit_positions`): it is in the sparse cache of the rows with
+``pos_c <= a_i - W < e_c`` and in the distant part of the rows with ``a_i - W >= e_c`` (``e_c = pos_c``: it never
+entered). The full forward builds its masks from these positions, and a bounded decoding cache
+(:class:`hf_knorm.recurrent.sparse_cache.SparseWindowStateLayer`) runs the same rule one pair at a time: its
+``W + S + K`` kept pairs and its state give the full forward's outputs, given the same scores (a decoded key is
+rounded differently from the full forward's: pairs whose scores tie up to rounding may be chosen differently,
+:data:`hf_knorm.normalizations.sparse_choice.SPARSE_SCORES` says when that happens).
+
+Paths. ``p = 1`` (a full forward, or a prompt given to the bounded cache): :func:`_chunked` runs the call as the
+bounded cache decodes it, ``ROWS`` queries at a time, each block on the sinks, the sparse cache, the window's keys
+before it and its own (dense masks of ``ROWS x (S + K + W + ROWS)``), the other older pairs carried in the state:
+time ``O(N * (ROWS + W + S + K) * D + N * D * D_v)``, memory linear in ``N`` (one layer of the default model's
+shape, ``W = K = 64``, one CPU thread: 0.26 s at 2k tokens, 0.35 s at 4k). Every other call (another base family, a
+softcap, returned weights or recorded norms, queries after keys of an uncached prefix: a ``DynamicCache``) computes
+every row on dense masks in blocks of ``ROWS`` rows against every key (memory ``O(ROWS * N)`` per head, time
+``O(N^2 * D)``, as the quadratic kernel; 1.2 s at 2k on the same layer), and the exit positions in chunks of
+``ROWS`` pairs with the cache's ``K`` carried (``O(N * (K + ROWS))`` comparisons per KV head, also per token decoded
+with a ``DynamicCache``). Under autograd the blocks' tensors are kept for the backward. A decoded token against the
+bounded cache costs ``O((W + S + K) * D + D * D_v)``.
+
+Masks. Key padding (left-padded batches) and bottom-right causal calls, as a model's forward and its cache give them;
+an explicit 4-D mask that is exactly causal with padded keys is read as such. Anything else (a model's own sliding
+window, packed sequences, an additive bias) is refused: the cache's pairs are chosen along one sequence's positions.
+No attention dropout.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..normalizations import Normalization
+from ..normalizations.sparse_choice import token_scores
+from .linear_kernel import is_linear
+from .masks import KeyPadding, Mask
+from .paths import Path, causal_key_validity
+from .taps import SparseWindowStateHandover
+from .window import ROW_EPS, sink_keys, without_sinks
+
+ROWS = 256
+"""Queries (and pairs, for the exit positions) per block: a block's scores are ``ROWS x N`` per head."""
+
+NEVER = torch.iinfo(torch.long).max
+"""The exit position of a pair that is still in the sparse cache after the call's last query."""
+
+
+class SparsePairs(NamedTuple):
+    """The sparse cache a decoding layer keeps: ``K`` slots per KV head.
+
+    Attributes:
+        keys, values: ``(B, H_kv, K, D)``.
+        score: ``(B, H_kv, K)`` float32 (fp64 for fp64 keys), each pair's score (:func:`hf_knorm.normalizations.sparse_choice.token_scores`).
+        position: ``(B, H_kv, K)`` long, each pair's absolute position.
+        filled: ``(B, H_kv, K)`` bool, the slots in use (fewer than ``K`` while fewer keys left the window).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    score: torch.Tensor
+    position: torch.Tensor
+    filled: torch.Tensor
+
+
+def sparse_path(normalization: Normalization, q_len: int, kv_len: int, handover, *, softcap: float | None = None,
+                return_weights: bool = False, recording: bool = False) -> Path:
+    """What ``attention_paths()`` counts for a call with a sparse cache: ``"sparse"``; linear in the length where
+    :func:`in_blocks` (``p = 1``: a full forward, or a step from a state), else masked attention over every row at
+    once, quadratic, which is a fallback for ``p = 1`` (warned on long inputs, an error under ``linear="require"``)."""
+    if in_blocks(normalization, q_len, kv_len, handover, softcap, return_weights, recording) or q_len <= ROWS:
+        return Path(linear=True, kernel="sparse")
+    return Path(linear=False, kernel="sparse", fallback=is_linear(normalization.without_window),
+                reason="a sparse cache beside the window with a softcap, returned weights, recorded norms, another "
+                       "base family than p = 1, or queries after uncached keys: masked attention, quadratic")
+
+
+def in_blocks(normalization: Normalization, q_len: int, kv_len: int, handover, softcap, return_weights: bool,
+              recording: bool) -> bool:
+    """Whether a call runs in blocks of :data:`ROWS` queries carrying a state (:func:`_chunked`): a ``p = 1`` base,
+    more than ``ROWS`` queries, every key of the sequences in the call or a state handed over, no softcap, no
+    returned weights or recorded norms (their rows are normalized one by one over every key)."""
+    return (q_len > ROWS and (handover is not None or q_len == kv_len) and softcap is None and not return_weights
+            and not recording and is_linear(normalization.without_window))
+
+
+def sparse_window_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: Mask,
+    normalization: Normalization,
+    *,
+    bias: torch.Tensor | None = None,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+    causal: bool = True,
+    return_weights: bool = False,
+    frobenius_sq: torch.Tensor | None = None,
+    mix: torch.Tensor | None = None,
+    params: dict[str, torch.Tensor] | None = None,
+    handover=None,
+    sliding_window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention with a softmax window, sinks and a sparse cache beside ``normalization.without_window``.
+
+    Args:
+        query: ``(B, H_q, q, D)``; key, value ``(B, H_kv, kv, D)``, not repeated for GQA.
+        mask: as :func:`.interface.read_mask` gives it (key padding, an exactly causal bool mask, or ``None``).
+        normalization: a :class:`~hf_knorm.normalizations.Windowed` with ``sparse > 0``.
+        bias, dropout, sliding_window: refused unless ``None`` / 0 (see the module docstring).
+        scaling, softcap: as the kernels take them.
+        causal: the call is causal (required).
+        return_weights: also return the ``(B, H_q, q, kv)`` weights of both parts (not with a state).
+        frobenius_sq: optional ``(B, H_kv, G)`` accumulator of each head's squared Frobenius norm (the call's keys).
+        mix: ``(H_q,)`` factors of the base part, or ``None`` (1).
+        params: the base family's learnable values, ``(H_q,)`` each.
+        handover: a :class:`hf_knorm.recurrent.sparse_cache.SparseWindowStateLayer` handed over by the cache
+            (``p = 1`` only), or ``None``: the call holds every key of its sequences.
+
+    Returns:
+        ``(output (B, q, H_q, D_v) in the query dtype, weights or None)``.
+
+    Raises:
+        ValueError: a call the definition does not cover (see the module docstring), or a state with a base family
+            that is not ``p = 1``.
+    """
+    _check_call(normalization, query, key, mask, bias, dropout, causal, return_weights, mix, handover, softcap,
+                sliding_window)
+    key_valid = _key_valid(mask, query, key, handover)
+    q_len = query.shape[2]
+    if mask is None and handover is None and q_len > 1:  # sdpa's top-left causal mask: as many keys as queries
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    options = dict(scaling=scaling, softcap=softcap, return_weights=return_weights, frobenius_sq=frobenius_sq,
+                   mix=mix, params=params)
+    if in_blocks(normalization, q_len, key.shape[2], handover, softcap, return_weights, frobenius_sq is not None):
+        return _chunked(query, key, value, key_valid, normalization, options, handover), None
+    source = mask.source if isinstance(mask, KeyPadding) else None
+    return _attend(query, key, value, key_valid, source, normalization, handover, **options)
+
+
+def _chunked(query, key, value, key_valid, normalization, options, handover=None) -> torch.Tensor:
+    """A ``p = 1`` call as the bounded cache decodes it in chunks of :data:`ROWS` tokens: each chunk's queries on the
+    sinks, the sparse cache, the window's ``W`` keys before the chunk and the chunk's own, the older pairs carried in
+    the state (:class:`_Carry`; with ``handover``, a decoding layer's, continued and handed back). Time
+    ``O(N * (ROWS + W + S + K) * D + N * D * D_v)``, memory ``O(ROWS * (ROWS + W + S + K))`` per head: linear in
+    ``N``. Returns ``(B, q, H_q, D_v)``."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    offset = kv_len - q_len  # the key index of query 0
+    carry = _Carry(normalization.window, normalization.sparse)
+    before = 0  # the tokens before the call's key 0
+    if handover is not None:
+        before = handover.cumulative_length - kv_len
+        carry.state, carry.count = handover.read()
+        carry.sinks, carry.sinks_complete, carry.sparse_pairs = (handover.sinks, handover.sinks_complete,
+                                                                 handover.sparse_pairs)
+    outputs = []
+    for start in range(0, q_len, ROWS):
+        stop = min(q_len, start + ROWS)
+        begin, end = max(0, offset + start - normalization.window), offset + stop  # the window's keys before it too
+        carry.cumulative_length = before + end
+        valid = None if key_valid is None else key_valid[:, begin:end]
+        output, _ = _attend(query[:, :, start:stop], key[:, :, begin:end], value[:, :, begin:end], valid, None,
+                            normalization, carry, **options)
+        outputs.append(output)
+    if handover is not None:
+        handover.keep_sinks(carry.sinks, carry.sinks_complete)
+        handover.keep_sparse(carry.sparse_pairs)
+        handover.write(carry.state, carry.count)
+    return torch.cat(outputs, dim=1)
+
+
+class _Carry:
+    """What :func:`_chunked` carries from one chunk to the next, as a decoding layer keeps it
+    (:class:`~.taps.SparseWindowStateHandover`; the window's keys are sliced from the call's, not kept)."""
+
+    key = None
+
+    def __init__(self, window: int, sparse: int):
+        self.window, self.sparse, self.cumulative_length = window, sparse, 0
+        self.sinks, self.sinks_complete, self.sparse_pairs, self.state, self.count = None, False, None, None, None
+
+    def read(self):
+        return self.state, self.count
+
+    def write(self, state, count) -> None:
+        self.state, self.count = state, count
+
+    def keep_sinks(self, sinks, complete: bool = False) -> None:
+        self.sinks, self.sinks_complete = sinks, complete
+
+    def keep_sparse(self, pairs) -> None:
+        self.sparse_pairs = pairs
+
+
+def _attend(query, key, value, key_valid, source, normalization, handover, *, scaling, softcap, return_weights,
+            frobenius_sq, mix, params) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The call on the dense masks of its rows (in blocks of :data:`ROWS`), continuing ``handover``'s state and cache
+    if any: ``(output (B, q, H_q, D_v), weights or None)``."""
+    dtype = query.dtype
+    compute = torch.promote_types(dtype, torch.float32)
+    batch, q_heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = q_heads // kv_heads
+    kv_len = key.shape[2]
+    first = 0 if handover is None else handover.cumulative_length - kv_len  # absolute position of the call's key 0
+    device = query.device
+
+    # the sinks (each sequence's first S real keys) and the pairs older than a window that may enter the cache
+    sinks = None
+    if normalization.sinks:
+        sinks = sink_keys(key, value, key_valid, normalization.sinks, q_len, handover, source=source)
+    valid = key.new_ones(batch, kv_len, dtype=torch.bool) if key_valid is None else key_valid.expand(batch, kv_len)
+    eligible = without_sinks(valid, sinks, batch, kv_len)  # (B, kv)
+    position = first + torch.arange(kv_len, device=device)
+    score = token_scores(normalization.score, key, value)  # (B, H_kv, kv)
+    cached = None if handover is None else handover.sparse_pairs
+    pairs = _candidates(key, value, score, position, valid, eligible, cached)
+    exits = exit_positions(pairs.score, pairs.position, pairs.filled, normalization.sparse, len_prior=pairs.prior)
+
+    # every key a row may weight by softmax: the sinks, then the candidates (the cache's pairs, then the call's keys)
+    sink_count = 0 if sinks is None else sinks.position.shape[-1]
+    if sinks is not None:
+        keys = torch.cat([sinks.keys.expand(batch, -1, -1, -1), pairs.keys], dim=2)
+        values = torch.cat([sinks.values.expand(batch, -1, -1, -1), pairs.values], dim=2)
+        sink_position = (sinks.position + first).expand(batch, -1)
+        sink_valid = sinks.valid.expand(batch, -1)
+    else:
+        keys, values = pairs.keys, pairs.values
+    keys = keys.to(compute)
+    values = values.to(compute)
+    base = normalization.without_window
+    state, count = (None, None) if handover is None else handover.read()
+    scale = dim ** -0.5 if scaling is None else scaling
+    group_params = {name: value.to(compute).view(kv_heads, groups, 1, 1) for name, value in (params or {}).items()}
+    factor_mix = None if mix is None else mix.to(compute).view(1, kv_heads, groups, 1, 1)
+    is_call_key = torch.arange(pairs.position.shape[-1], device=device) >= pairs.prior  # (M,)
+    outputs, weight_rows = [], []
+    for start in range(0, q_len, ROWS):
+        stop = min(q_len, start + ROWS)
+        q = query[:, :, start:stop].to(compute).view(batch, kv_heads, groups, stop - start, dim)
+        row_position = first + kv_len - q_len + torch.arange(start, stop, device=device)  # a_i
+        newest_older = (row_position - normalization.window)[None, None, :, None]  # a_i - W, (1, 1, r, 1)
+        p = pairs.position[:, :, None, :]
+        in_sparse = pairs.filled[:, :, None, :] & (p <= newest_older) & (exits[:, :, None, :] > newest_older)
+        in_base = pairs.filled[:, :, None, :] & (exits[:, :, None, :] <= newest_older)  # (B, H_kv, r, M)
+        in_window = (is_call_key & pairs.valid)[:, None, None, :] & (p > newest_older) \
+            & (p <= row_position[None, None, :, None])
+        soft_allowed = in_sparse | in_window
+        if sinks is not None:
+            older_sinks = sink_valid[:, None, None, :] & (sink_position[:, None, None, :] <= newest_older)
+            soft_allowed = torch.cat([older_sinks.expand(-1, kv_heads, -1, -1), soft_allowed], dim=-1)
+        scores = q @ keys[:, :, None].transpose(-1, -2) * scale  # (B, H_kv, G, r, S' + M)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        logits = scores.masked_fill(~soft_allowed[:, :, None], float("-inf"))
+        soft = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)  # a row with no key: 0
+        candidate_scores = scores[..., sink_count:]
+        allowed_base = in_base[:, :, None].expand_as(candidate_scores)
+        if handover is None:
+            base_weights = base.weights(candidate_scores, allowed_base, group_params)
+            part = base_weights @ values[:, :, None, sink_count:]
+        else:  # p = 1: the state's pairs, then the call's, over c (the constant, or sqrt of the count they add up to)
+            base_weights = candidate_scores * allowed_base
+            part = base_weights @ values[:, :, None, sink_count:]
+            if state is not None:
+                part = part + (q @ state[:, :, None].to(compute)) * scale
+            divisor = _divisor(base, allowed_base, count, compute)
+            base_weights, part = base_weights / divisor, part / divisor
+        factor = torch.rsqrt(part.pow(2).mean(dim=-1, keepdim=True) + ROW_EPS)  # 1 / RMS of each row
+        if factor_mix is not None:
+            factor = factor * factor_mix
+        output = soft @ values[:, :, None] + part * factor  # (B, H_kv, G, r, D_v)
+        outputs.append(output)
+        if frobenius_sq is not None or return_weights:
+            weighted = base_weights * factor
+            if frobenius_sq is not None:
+                frobenius_sq += (soft.detach().square().sum(dim=(-2, -1))
+                                 + weighted.detach().square().sum(dim=(-2, -1))).to(frobenius_sq.dtype)
+            if return_weights:
+                weight_rows.append(_call_weights(soft, weighted, sinks, sink_count, kv_len))
+    output = torch.cat(outputs, dim=-2).reshape(batch, q_heads, q_len, -1).transpose(1, 2)
+    if handover is not None:
+        _hand_back(handover, pairs, exits, normalization.sparse, state, count, first + kv_len - 1 - normalization.window)
+    weights = torch.cat(weight_rows, dim=-2).reshape(batch, q_heads, q_len, kv_len) if return_weights else None
+    return output.to(dtype), weights
+
+
+def exit_positions(score: torch.Tensor, position: torch.Tensor, eligible: torch.Tensor, sparse: int,
+                   len_prior: int = 0) -> torch.Tensor:
+    """Each pair's exit position from the sparse cache of ``sparse`` pairs (see the module docstring), computed in
+    chunks of :data:`ROWS` pairs in position order, the cache's ``K`` pairs carried from one chunk to the next (each
+    chunk by :func:`exits_at_once` on ``K + ROWS`` pairs): ``O(M * (K + ROWS))`` comparisons per head, not ``M^2``.
+    Arguments and result as :func:`exits_at_once`.
+    """
+    batch, heads, pairs = score.shape
+    if pairs - len_prior <= ROWS:
+        return exits_at_once(score, position, eligible, sparse, len_prior)
+    device = score.device
+    exits = torch.full_like(position, NEVER)
+    cache = torch.arange(len_prior, device=device).expand(batch, heads, -1)  # the cache's pairs, by index
+    filled = eligible[..., :len_prior]
+    for start in range(len_prior, pairs, ROWS):
+        chunk = torch.arange(start, min(pairs, start + ROWS), device=device).expand(batch, heads, -1)
+        index = torch.cat([cache, chunk], dim=-1)
+        local_eligible = torch.cat([filled, eligible.gather(-1, chunk)], dim=-1)
+        local_position = position.gather(-1, index)
+        local = exits_at_once(score.gather(-1, index), local_position, local_eligible, sparse, cache.shape[-1])
+        # a pair of the cache gets its exit from the last chunk that held it (NEVER while it stays)
+        exits.scatter_(-1, index, torch.where(local_eligible, local, exits.gather(-1, index)))
+        staying = local_eligible & (local == NEVER)  # at most K per head
+        order = torch.where(staying, local_position, NEVER).topk(min(sparse, index.shape[-1]), dim=-1,
+                                                                  largest=False).indices
+        cache, filled = index.gather(-1, order), staying.gather(-1, order)
+    return exits
+
+
+def exits_at_once(score: torch.Tensor, position: torch.Tensor, eligible: torch.Tensor, sparse: int,
+                  len_prior: int = 0) -> torch.Tensor:
+    """Each pair's exit position from the sparse cache of ``sparse`` pairs, every pair against every other (in
+    blocks of :data:`ROWS` rows: ``O(M^2)`` comparisons per head).
+
+    Args:
+        score: ``(B, H, M)`` the pairs' scores, higher kept; ties go to the lower position.
+        position: ``(B, H, M)`` long absolute positions: the first ``len_prior`` pairs are the cache's (all older
+            than the others, in any order), the others in increasing position.
+        eligible: ``(B, H, M)`` bool: the pairs that may enter the cache (real, not sinks; the cache's filled slots).
+        sparse: ``K``.
+        len_prior: how many of the pairs are in the cache already (they entered it before the others).
+
+    Returns:
+        ``(B, H, M)`` long: the position of the pair whose arrival displaces each pair from the cache (the
+        ``(K - b)``-th later pair that beats it, ``b`` the earlier ones that do); its own position when ``b >= K``
+        (it never enters); :data:`NEVER` when it is still there after the last pair, or it is not eligible.
+    """
+    pairs = score.shape[-1]
+    index = torch.arange(pairs, device=score.device)
+    exits = []
+    for start in range(0, pairs, ROWS):
+        stop = min(pairs, start + ROWS)
+        own = index[start:stop, None]  # (blk, 1)
+        # for a pair of the cache, every other pair of the cache came before it; for a call's pair, those before it
+        before = torch.where(own >= len_prior, index[None, :] < own, index[None, :] < len_prior)  # (blk, M)
+        after = (index[None, :] > own) & (index[None, :] >= len_prior)
+        mine, theirs = score[..., start:stop, None], score[..., None, :]
+        my_position = position[..., start:stop, None]
+        beats = eligible[..., None, :] & ((theirs > mine) | ((theirs == mine) & (position[..., None, :] < my_position)))
+        need = sparse - (beats & before).sum(dim=-1)  # (B, H, blk): later beaters that displace the pair
+        reached = (beats & after).cumsum(dim=-1) >= need[..., None].clamp_min(1)
+        found = reached.any(dim=-1)
+        displaced_at = position.gather(-1, reached.to(torch.uint8).argmax(dim=-1))
+        exit_ = torch.where(found, displaced_at, NEVER)
+        exit_ = torch.where(need <= 0, position[..., start:stop], exit_)
+        exits.append(torch.where(eligible[..., start:stop], exit_, NEVER))
+    return torch.cat(exits, dim=-1)
+
+
+class _Candidates(NamedTuple):
+    """The pairs of one call that may be in a sparse cache: the cache's (``prior`` of them), then the call's keys.
+    ``keys``, ``values`` ``(B, H_kv, M, D)``; ``score``, ``position`` ``(B, H_kv, M)``; ``filled`` ``(B, H_kv, M)``
+    (eligible); ``valid`` ``(B, M)`` (a real key: the window's)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    score: torch.Tensor
+    position: torch.Tensor
+    filled: torch.Tensor
+    valid: torch.Tensor
+    prior: int
+
+
+def _candidates(key, value, score, position, valid, eligible, cached: SparsePairs | None) -> _Candidates:
+    """The call's keys (``valid`` ``(B, kv)``: real; ``eligible``: real and not sinks) after the cache's pairs."""
+    batch, kv_heads, kv_len = score.shape
+    shape = (batch, kv_heads, kv_len)
+    call = _Candidates(key.expand(batch, -1, -1, -1), value.expand(batch, -1, -1, -1), score,
+                       position.expand(*shape), eligible[:, None, :].expand(*shape), valid, 0)
+    if cached is None:
+        return call
+    prior = cached.position.shape[-1]
+    cat = lambda old, new: torch.cat([old.to(new.dtype), new], dim=2)  # noqa: E731
+    return _Candidates(cat(cached.keys, call.keys), cat(cached.values, call.values), cat(cached.score, score),
+                       cat(cached.position, call.position), cat(cached.filled, call.filled),
+                       torch.cat([valid.new_zeros(batch, prior), valid], dim=1), prior)
+
+
+def _divisor(base, allowed_base, count, compute) -> torch.Tensor:
+    """``c`` of each row of a ``p = 1`` base part continued from a state: the constant, or ``sqrt`` of the count of
+    the pairs it sums (the state's and the call's), at least 1."""
+    if not base.sqrt_n:
+        return torch.tensor(base.constant, dtype=compute, device=allowed_base.device)
+    rows = allowed_base.sum(dim=-1, keepdim=True, dtype=compute)  # (B, H_kv, G, r, 1)
+    if count is not None:
+        rows = rows + count.to(compute)[:, None, None, None, None]
+    return rows.clamp_min(1.0).sqrt()
+
+
+def _hand_back(handover, pairs: _Candidates, exits, sparse, state, count, newest_older: int) -> None:
+    """After a call with a state: add the pairs that went to the distant part to the state, keep the ``K`` that are
+    in the cache after the call's last query, and let the layer keep the window's ``W`` last pairs."""
+    leaving = pairs.filled & (exits <= newest_older)  # (B, H_kv, M): in the distant part now, not before the call
+    full = torch.promote_types(pairs.keys.dtype, torch.float32)  # the state in fp32 (fp64 for fp64 keys)
+    keys, values = pairs.keys.to(full), pairs.values.to(full)
+    added = (keys * leaving[..., None]).transpose(-1, -2) @ values  # (B, H_kv, D, D_v)
+    state = added if state is None else state + added
+    added_count = leaving[:, 0].sum(dim=-1)  # every head holds the same number of pairs (its K best): head 0's
+    count = added_count.to(torch.float32) if count is None else count + added_count.to(count.dtype)
+    staying = pairs.filled & (pairs.position <= newest_older) & (exits > newest_older)  # at most K per head
+    slots = min(sparse, staying.shape[-1])
+    order = torch.where(staying, pairs.position, NEVER).topk(slots, dim=-1, largest=False).indices  # (B, H_kv, K)
+    gather = lambda tensor: tensor.gather(2, order[..., None].expand(-1, -1, -1, tensor.shape[-1]))  # noqa: E731
+    kept = SparsePairs(gather(pairs.keys), gather(pairs.values), pairs.score.gather(2, order),
+                       pairs.position.gather(2, order), staying.gather(2, order))
+    handover.keep_sparse(kept)
+    handover.write(state, count)
+
+
+def _call_weights(soft, weighted, sinks, sink_count, kv_len) -> torch.Tensor:
+    """The ``(B, H_kv, G, r, kv)`` weights of a call without a state on its own keys: the candidates are the call's
+    keys; the sinks' columns are added at their positions."""
+    weights = soft[..., sink_count:] + weighted
+    if sink_count:
+        index = sinks.position.expand(weights.shape[0], -1)[:, None, None, None, :].expand(*soft.shape[:-1], -1)
+        weights = weights.scatter_add(-1, index, soft[..., :sink_count])
+    return weights
+
+
+def _key_valid(mask, query, key, handover) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    if isinstance(mask, KeyPadding):
+        return mask.key_valid
+    causal, key_valid = causal_key_validity(mask, query.shape[2], key.shape[2])
+    if not causal:
+        raise ValueError("A sparse cache chooses its pairs along each sequence's positions, and this call's mask is "
+                         "not causal with padded keys (a model's own sliding window, packed sequences, a static cache "
+                         "or a custom mask). Patch without the sparse cache for such calls.")
+    return key_valid
+
+
+def _check_call(normalization, query, key, mask, bias, dropout, causal, return_weights, mix, handover, softcap,
+                sliding_window) -> None:
+    name = normalization.name
+    if not normalization.sparse or not normalization.window:
+        raise ValueError(f"sparse_window_attention computes a window with a sparse cache, not {name}.")
+    if not causal or (isinstance(mask, KeyPadding) and not mask.causal):
+        raise ValueError(f"{name}: a softmax window and its sparse cache weight the keys before a query; this call is "
+                         "bidirectional (an encoder).")
+    if sliding_window is not None:
+        raise ValueError(f"{name}: this layer has its own sliding window of {sliding_window} positions, which leaves "
+                         "the sparse cache's older pairs behind. Patch this model without the sparse cache.")
+    if bias is not None:
+        raise ValueError(f"{name}: an additive attention bias with a sparse cache is not supported.")
+    if dropout:
+        raise ValueError(f"{name}: attention dropout with a sparse cache is not implemented; set the model's "
+                         "attention_dropout to 0.")
+    if mix is not None and tuple(mix.shape) != (query.shape[1],):
+        raise ValueError(f"mix scales the base part per query head: shape ({query.shape[1]},), got {tuple(mix.shape)}.")
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"{query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads.")
+    if handover is None:
+        return
+    if not is_linear(normalization.without_window):
+        raise ValueError(f"{name}: a recurrent state continues a p = 1 base part only; decode this model with a "
+                         "normal cache (cache=DynamicCache()).")
+    if getattr(handover, "sparse", 0) != normalization.sparse or not isinstance(handover, SparseWindowStateHandover):
+        raise ValueError(f"The recurrent cache keeps a sparse cache of {getattr(handover, 'sparse', 0)} pairs and the "
+                         f"model runs {name}: build it from the model's config "
+                         "(RecurrentStateCache(config=model.config)).")
+    if return_weights:
+        raise ValueError(f"{name}: the attention weights cannot be returned while decoding from a recurrent state "
+                         "(the distant pairs are summed into it). Generate with a normal cache.")
+    if softcap is not None:
+        raise ValueError(f"{name}: a softcap makes the base part non-linear in the keys, so a recurrent state cannot "
+                         "continue it. Generate with a normal cache.")
+
+
+__all__ = ["NEVER", "ROWS", "SparsePairs", "exit_positions", "exits_at_once", "in_blocks", "sparse_path", "sparse_window_attention"]

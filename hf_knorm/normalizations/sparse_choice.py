@@ -1,0 +1,67 @@
+"""Which older key/value pairs a sparse global cache keeps: a score per token, fixed when the token is produced.
+
+A windowed normalization with ``+ sparse K (score)`` (:class:`.windowed.Windowed`) keeps, for each query and KV head,
+the ``K`` best keys older than its window (LoLA, McDermott et al., arXiv 2505.23666: a sparse global cache beside a
+sliding window and a linear state). "Best" is the highest score, ties going to the older key, so the choice is a
+total order. Because each token's score is a function of its own key and value only, the best ``K`` of a growing
+prefix change by at most one pair per new older key: a pair leaving the window either enters the cache (displacing
+the weakest, which then goes to the distant part for good) or goes to the distant part itself. That online rule,
+what a decoding cache can run in bounded memory, picks exactly the set the full forward picks for every query
+(:func:`hf_knorm.attention.sparse.exit_positions` computes it; the plain reference sorts each row's older keys).
+
+The scores are the per-token ones of :mod:`hf_knorm.eviction.scores` (that module sits above the attention, so they
+are restated here; ``tests/attention/test_sparse_window.py`` checks them equal to the eviction's):
+
+- ``key_norm``: ``-||k||``, KNorm (Devoto et al., arXiv 2406.11430): keep the lowest-norm keys;
+- ``value_over_key``: ``||v|| / ||k||`` (VATP-style, arXiv 2406.12335, with KNorm's proxy for the attention).
+
+Not offered, because they cannot be replayed exactly by a prefix rule: ``key_diff`` and ``kv_diff`` compare each key
+with the mean direction of the keys being scored (it changes as the context grows), and LoLA's self-recall error
+``||v - S^T phi(k)||`` depends on the state at the time the pair is scored; ``random`` draws per call, not per token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_SCORE = "key_norm"
+
+
+def _key_norm(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    return -_full(keys).norm(dim=-1)
+
+
+def _value_over_key(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    return _full(values).norm(dim=-1) / _full(keys).norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))  # fp32 (as the eviction), fp64 kept
+
+
+SPARSE_SCORES = {"key_norm": _key_norm, "value_over_key": _value_over_key}
+"""Each per-token score by name: ``fn(keys, values)`` on ``(B, H_kv, N, D)`` -> ``(B, H_kv, N)`` float32 (fp64 for
+fp64 inputs), higher = kept.
+
+Near-ties. A decoded token's key is computed by another sequence of floating-point operations than the full
+forward's, so two pairs whose scores differ by rounding alone may be ordered differently in the two: "decoding equals
+the full forward" holds given the same choices. Such ties are common in two cases: at the first layer a repeated
+token's keys differ only by their rotation (the same norm, the same value), and under QK-norm (Qwen3, Gemma3) every
+key has nearly the norm its RMSNorm weight sets, which makes ``key_norm`` a choice by rounding there
+(``value_over_key`` is then about ``||v||``)."""
+
+CONTEXT_DEPENDENT = ("key_diff", "kv_diff", "random", "self_recall")
+
+
+def check_sparse_score(score: str) -> None:
+    """Raise ``ValueError`` unless ``score`` names a per-token score of :data:`SPARSE_SCORES`."""
+    if score in SPARSE_SCORES:
+        return
+    why = (f" {score} scores a token against the others being scored (or the state), so the pairs it keeps cannot be "
+           "chosen the same way in the full forward and in bounded decoding." if score in CONTEXT_DEPENDENT else "")
+    raise ValueError(f"Unknown score {score!r} for a sparse cache; accepted: {', '.join(SPARSE_SCORES)}.{why}")
+
+
+def token_scores(score: str, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The score of each pair: ``keys``, ``values`` ``(B, H_kv, N, D)`` -> ``(B, H_kv, N)`` float32 (fp64 for fp64)."""
+    return SPARSE_SCORES[score](keys, values)
