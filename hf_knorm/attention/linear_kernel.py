@@ -97,7 +97,6 @@ def linear_attention(
     if frobenius_sq is not None and initial_state is not None:
         raise ValueError("Attention norms need every key's K^T K, which a recurrent state does not keep: record norms "
                          "on a forward pass without a cache (use_cache=False), or generate with cache=DynamicCache().")
-    groups = q_heads // kv_heads
     scaling = head_dim**-0.5 if scaling is None else scaling
     compute = torch.promote_types(query.dtype, torch.float32)
     q = query.to(compute) * scaling
