@@ -67,6 +67,13 @@ def window_dropped_at(seed: int, step: int, probability: float) -> bool:
     return random.Random(f"hf_knorm window dropout: seed {seed}, step {step}").random() < probability
 
 
+def window_dropout_steps(initial: float, schedule: str, seed: int, steps: int) -> list[int]:
+    """The optimizer steps (0-based) of a ``steps``-step run seeded ``seed`` that drop the window: what
+    :class:`WindowDropoutCallback` draws, resumed or not."""
+    return [step for step in range(steps)
+            if window_dropped_at(seed, step, window_dropout_probability(initial, schedule, step, steps))]
+
+
 class WindowDropoutCallback(TrainerCallback):
     """Drop a windowed model's softmax window on the training steps drawn with probability ``p(step)``.
 

@@ -53,4 +53,8 @@ def test_a_conversion_recovers_without_the_window_on_every_step_at_probability_o
     assert not any("window_dropout/probability" in entry for entry in transfer["log_history"])  # recovery only
     converted = hf_knorm.from_pretrained(out)
     assert not any(hasattr(module, WINDOW_DROPPED) for _, module in attention_modules(converted))
-    assert json.loads((out / "convert.json").read_text())["settings"]["window_dropout"] == 1.0
+    record = json.loads((out / "convert.json").read_text())
+    assert record["settings"]["window_dropout"] == 1.0
+    assert record["stages"]["recovery"]["window_dropout"] == {"probability": 1.0, "schedule": "constant",
+                                                              "dropped_steps": [0, 1, 2, 3]}
+    assert "window_dropout" not in record["stages"]["transfer"]

@@ -17,7 +17,7 @@ from training_helpers import args, lm, lm_data  # noqa: E402
 from hf_knorm.attention.window_off import WINDOW_DROPPED, window_is_dropped  # noqa: E402
 from hf_knorm.models.architectures import attention_modules  # noqa: E402
 from hf_knorm.training.window_dropout import (WindowDropoutCallback, window_dropout_probability,  # noqa: E402
-                                              window_dropped_at)
+                                              window_dropout_steps, window_dropped_at)
 
 WINDOWED = "x^3/16 + softmax window 4 + sinks 2"
 
@@ -106,6 +106,7 @@ def test_the_linear_schedule_draws_the_same_steps_in_every_run_and_logs_its_rate
         trainer, _ = _train(tmp_path / name, [dropout], steps=8, seed=3)
         runs.append(dropout.dropped_steps)
     expected = [t for t in range(8) if window_dropped_at(3, t, 0.9 * (1 - t / 8))]
+    assert window_dropout_steps(0.9, "linear", 3, 8) == expected
     assert runs[0] == runs[1] == expected and 0 < len(expected) < 8  # seed 3: some steps each way
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]  # logging every 2 steps
     assert [entry["window_dropout/probability"] for entry in logged] == pytest.approx(
