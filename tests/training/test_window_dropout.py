@@ -121,3 +121,20 @@ def test_a_model_without_a_window_is_refused(tmp_path):
                          callbacks=[WindowDropoutCallback(0.5)])
     with pytest.raises(ValueError, match="softmax_window"):
         trainer.train()
+
+
+def test_the_norms_are_logged_on_a_step_without_the_window(tmp_path):
+    """NormLoggerCallback records through the dropped layer (its norms from the base family's scaled weights)."""
+    from hf_knorm import NormLoggerCallback
+
+    logged = []
+    for probability in (1.0, 0.0):
+        trainer, _ = _train(tmp_path / str(probability), [NormLoggerCallback(history_file=None),
+                                                          WindowDropoutCallback(probability, "constant")], steps=2)
+        [entry] = [entry for entry in trainer.state.log_history if "loss" in entry]
+        assert entry["window_dropout/dropped"] == probability
+        logged.append({key: value for key, value in entry.items() if key.startswith("norms/")
+                       and key.endswith("attn_fro")})
+    dropped, windowed = logged
+    assert len(dropped) == 2 and all(0 < value < float("inf") for value in dropped.values())
+    assert all(abs(dropped[key] - windowed[key]) > 1e-3 * windowed[key] for key in dropped)  # another layer ran
