@@ -35,6 +35,7 @@ from .paths import check_linear_policy, choose_path, linear_keys, linear_policy_
 from .taps import current_kv_transform, current_recorder, take_state_for, taps_set
 from .sparse import sparse_path, sparse_window_attention
 from .window import check_state_window, window_attention, window_path
+from .window_off import window_is_dropped, window_off_attention
 
 ATTENTION_NAME = "hf_knorm"
 
@@ -84,6 +85,12 @@ def hf_knorm_attention(
     dropout = dropout if module.training else 0.0
     return_weights = _attentions_requested(kwargs)
     check_state_window(handover, normalization)
+    if normalization.window and window_is_dropped(module):  # window dropout, in training only (window_off.py)
+        output, weights = _window_off(module, query, key, value, mask, bias, normalization, params, handover, causal,
+                                      softcap, dropout, return_weights, frobenius_sq, compiling, read_taps, scaling)
+        if recorder is not None:
+            recorder.record(module, key, value, mask, frobenius_sq.reshape(query.shape[0], query.shape[1]))
+        return output, weights
     if normalization.sparse:  # a sparse cache beside the window (sparse.py): in blocks with a state, or masked rows
         path = sparse_path(normalization, query.shape[2], key.shape[2], handover, softcap=softcap,
                            return_weights=return_weights, recording=recorder is not None)
@@ -137,6 +144,30 @@ def hf_knorm_attention(
     if recorder is not None:
         recorder.record(module, key, value, mask, frobenius_sq.reshape(query.shape[0], query.shape[1]))
     return output, weights
+
+
+def _window_off(module, query, key, value, mask, bias, normalization, params, handover, causal, softcap, dropout,
+                return_weights, frobenius_sq, compiling, read_taps, scaling):
+    """A windowed layer's training forward with its window dropped (:mod:`.window_off`): the base family's path
+    chosen and counted as for the pure normalization (quadratic where norms are recorded: the rows' scales apply to
+    the weights)."""
+    if handover is not None:
+        raise ValueError(f"{normalization.name}: its softmax window is dropped (window dropout, a training switch) "
+                         "and a recurrent cache was handed over: train without a cache (use_cache=False), or leave "
+                         "hf_knorm.models.window_mix.window_dropped before decoding.")
+    base = normalization.without_window
+    weighted = return_weights or frobenius_sq is not None
+    path = choose_path(base, query.shape[2], key.shape[2], mask, bias, causal=causal, softcap=softcap, dropout=dropout,
+                       return_weights=weighted, has_state=False, compiling=compiling)
+    path = with_kernel(path, query, base, dropout=dropout, return_weights=weighted, recording=frobenius_sq is not None,
+                       compiling=compiling, softcap=softcap)
+    if read_taps:
+        note_path(path, module, query.shape[2], linear_policy_of(module))
+    elif path.fallback:
+        check_linear_policy(path, linear_policy_of(module))
+    return window_off_attention(query, key, value, mask, normalization, path, bias=bias, scaling=scaling,
+                                softcap=softcap, dropout=dropout, causal=causal, return_weights=return_weights,
+                                frobenius_sq=frobenius_sq, mix=params.get(MIX), params=params, compiling=compiling)
 
 
 def _linear(query, key, value, path, normalization, scaling, handover, frobenius_sq) -> torch.Tensor:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from ..normalizations import Normalization, parse_normalization, with_window
 from ..runs.precision import BF16_HELP, FP16_HELP
+from ..training.window_dropout import WINDOW_DROPOUT_SCHEDULES
 
 RECOVERY_MODES = ("lora", "full", "none")
 DEFAULT_SOFTMAX_WINDOW = 64
@@ -110,6 +111,14 @@ class ConvertSettings:
                 "the default conversion (150 steps; its time in BENCHMARKS.md, 'LoRA recovery'), 2 runs 300 steps: "
                 "on the pure x^3/16 in full recovery, 1.55x the time, the worst held-out domain from 12.9x to 9.7x "
                 "the original (BENCHMARKS.md, 'Budget')"})
+    window_dropout: float = field(default=0.0, metadata={
+        "help": "p0: with a softmax window, the probability that a recovery step runs without it (the window, the "
+                "sinks and a sparse cache off: the normalization alone over every key), so that the part beside the "
+                "window must carry the context; drawn once per step from --seed (Scheduled Sliding-window Dropout, "
+                "arXiv 2510.05901; hf_knorm.training.window_dropout); never in evaluation; 0: off"})
+    window_dropout_schedule: str = field(default="linear", metadata={
+        "help": "how --window-dropout moves over the recovery: linear (p0 at the first step, down to 0 at the last) | "
+                "constant", "choices": WINDOW_DROPOUT_SCHEDULES})
     recovery_learning_rate: float | None = field(default=None, metadata={
         "help": "recovery learning rate; default 1e-3 for LoRA; in full recovery by the normalization's power: 1e-3 "
                 "for the linear ones (x/c, x/sqrtN; x/1 measured stable at the full budget), 5e-4 for the others "

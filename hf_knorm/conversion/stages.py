@@ -21,6 +21,7 @@ from ..runs.arguments import job_arguments
 from ..runs.run_folder import is_main_process
 from ..training.callback import NormLoggerCallback
 from ..training.finite_gradients import StopOnNonFiniteGradient
+from ..training.window_dropout import WindowDropoutCallback, window_dropout_steps
 from ..data.heldout import mean_example_tokens, perplexity_curve
 from .settings import ConvertSettings, default_teacher_top_k
 from .state import write_state
@@ -121,10 +122,13 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
     model.train()
     checkpoint = get_last_checkpoint(str(folder)) if folder.is_dir() else None
     arguments = _arguments(settings, folder, settings.scheduled_recovery_steps(), settings.recovery_learning_rate)
+    callbacks = [NormLoggerCallback(), StopOnNonFiniteGradient(_advice("--recovery-learning-rate"))]
+    if settings.window_dropout:  # steps without the window, drawn from the seed (hf_knorm.training.window_dropout)
+        callbacks.append(WindowDropoutCallback(settings.window_dropout, settings.window_dropout_schedule))
     trainer = DistillationTrainer(
         model=model, args=arguments,
         train_dataset=train, eval_dataset=eval_sets, data_collator=collator,
-        callbacks=[NormLoggerCallback(), StopOnNonFiniteGradient(_advice("--recovery-learning-rate"))],
+        callbacks=callbacks,
         teacher=teacher, teacher_top_k=top_k, distill_weight=settings.distill_weight,
         next_token_weight=settings.next_token_weight, non_attention_lr_scale=settings.non_attention_lr_scale,
     )
@@ -135,6 +139,11 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
         parameter.requires_grad_(True)
     if is_main_process():  # the stage is marked done (write_state) after its model is saved
         save_weights_and_config(model, folder / "model")
+    if settings.window_dropout:  # the steps drawn: a function of the seed and the schedule, resumed or not
+        record["window_dropout"] = {
+            "probability": settings.window_dropout, "schedule": settings.window_dropout_schedule,
+            "dropped_steps": window_dropout_steps(settings.window_dropout, settings.window_dropout_schedule,
+                                                  settings.seed, settings.scheduled_recovery_steps())}
     record.update(measured, trainable_parameters=trainable, mode=settings.recovery, done=True)
     state["recovery"] = record
     write_state(out, state)

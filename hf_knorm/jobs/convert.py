@@ -48,6 +48,7 @@ from ..runs.run_folder import (check_same_inputs, check_same_settings, inputs_fi
                                on_main_process, process_state, settings_record, write_json)
 from ..runs.sharding import check_fsdp
 from ..runs.sources import causal_lm_source, check_extras, check_sources
+from ..training.window_dropout import check_window_dropout
 
 RESULT_FILE = "convert.json"
 
@@ -97,6 +98,13 @@ def check_settings(settings: ConvertSettings) -> Normalization:
         raise ValueError("--teacher-top-k caches the teacher for the KL, and --distill-weight 0 has no KL: drop either.")
     if settings.recovery != "none" and settings.next_token_weight == 0 and settings.distill_weight == 0:
         raise ValueError("Recovery with next_token_weight 0 and distill_weight 0 has no loss: raise either.")
+    check_window_dropout(settings.window_dropout, settings.window_dropout_schedule)
+    if settings.window_dropout and not target.window:
+        raise ValueError(f"--window-dropout {settings.window_dropout} drops the softmax window on some recovery "
+                         f"steps, and {target.name} has none: give --softmax-window W > 0, or --window-dropout 0.")
+    if settings.window_dropout and (settings.recovery == "none" or settings.scheduled_recovery_steps() == 0):
+        raise ValueError(f"--window-dropout {settings.window_dropout} applies in the recovery, and this conversion "
+                         "has none: give --recovery lora or full with recovery steps, or --window-dropout 0.")
     for name in settings.domains():
         domain(name)
     if settings.dataset == "chatterbot" and "conversation" in settings.domains():

@@ -5,7 +5,9 @@ keys)`` (:mod:`hf_knorm.attention.window`). ``m_h`` is a learnable parameter of 
 (``hf_knorm_window_mix``, :mod:`.parameters`), 1 when patched; a conversion solves it per layer and head
 (:meth:`hf_knorm.conversion.transfer.AttentionTransfer.match_mix`), training may move it, and it is saved with the
 weights. ``m_h = 0`` everywhere is the window alone: :func:`distant_part_off` is the ablation that says whether the
-part beside the window does any work. Releases before the normalization families kept the mix in the config
+part beside the window does any work. The converse, the window dropped (the base family alone over every key,
+:mod:`hf_knorm.attention.window_off`), is a training switch: :func:`window_dropped`, which window dropout
+(:mod:`hf_knorm.training.window_dropout`) turns on for the steps it draws. Releases before the normalization families kept the mix in the config
 (``window_mix``); :func:`hf_knorm.from_pretrained` moves such a mix into the parameters.
 """
 
@@ -17,6 +19,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
+from ..attention.window_off import WINDOW_DROPPED
 from ..normalizations import parse_normalization
 from ..normalizations.windowed import MIX
 from .architectures import attention_modules
@@ -61,3 +64,30 @@ def distant_part_off(model: nn.Module) -> Iterator[nn.Module]:
         yield model
     finally:
         set_window_mix(model, kept)
+
+
+def set_window_dropped(model: nn.Module, dropped: bool) -> None:
+    """Drop (``True``) or restore (``False``) the softmax window of every attention layer of ``model`` in its
+    training forwards (:mod:`hf_knorm.attention.window_off`); a module in eval mode always runs its window.
+
+    Raises:
+        ValueError: the model is not patched with a softmax window.
+    """
+    _check_windowed(model)
+    for _, module in attention_modules(model):
+        if dropped:
+            setattr(module, WINDOW_DROPPED, True)
+        else:
+            module.__dict__.pop(WINDOW_DROPPED, None)  # the module as it was: no attribute left behind
+
+
+@contextmanager
+def window_dropped(model: nn.Module) -> Iterator[nn.Module]:
+    """Within: the softmax window (with the sinks and a sparse cache) dropped in ``model``'s training forwards, the
+    base family alone over every key (:mod:`hf_knorm.attention.window_off`); restored after. Evaluation and
+    ``generate`` (``model.training`` false) run the window regardless."""
+    set_window_dropped(model, True)
+    try:
+        yield model
+    finally:
+        set_window_dropped(model, False)

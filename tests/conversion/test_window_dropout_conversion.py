@@ -1,0 +1,60 @@
+"""``hf-knorm convert --window-dropout``: the flags checked before anything runs, and a tiny conversion whose LoRA
+recovery runs every step without the window (p = 1), logs the rate, and leaves no switch behind."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_conversion import _settings, texts, tiny_lm_dir  # noqa: E402,F401
+
+import hf_knorm  # noqa: E402
+from hf_knorm.attention.window_off import WINDOW_DROPPED  # noqa: E402
+from hf_knorm.conversion.settings import ConvertSettings  # noqa: E402
+from hf_knorm.jobs.convert import check_settings, run_convert  # noqa: E402
+from hf_knorm.models.architectures import attention_modules  # noqa: E402
+
+
+def test_window_dropout_is_off_by_default():
+    assert ConvertSettings().window_dropout == 0.0 and ConvertSettings().window_dropout_schedule == "linear"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(window_dropout=1.5), r"in \[0, 1\]"),
+    (dict(window_dropout=-0.5), r"in \[0, 1\]"),
+    (dict(window_dropout=0.5, window_dropout_schedule="cosine"), "linear, constant"),
+    (dict(window_dropout=0.5, softmax_window=0), "--softmax-window W > 0"),
+    (dict(window_dropout=0.5, recovery="none"), "applies in the recovery"),
+])
+def test_bad_window_dropout_settings_are_refused_before_anything_runs(tiny_lm_dir, texts, tmp_path, overrides,
+                                                                      message):
+    settings = _settings(tiny_lm_dir, texts, tmp_path / "run", **dict(dict(softmax_window=4), **overrides))
+    with pytest.raises(ValueError, match=message):
+        check_settings(settings)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_conversion_recovers_without_the_window_on_every_step_at_probability_one(tiny_lm_dir, texts, tmp_path):
+    out = tmp_path / "run"
+    settings = _settings(tiny_lm_dir, texts, out, softmax_window=4, attention_sinks=1, window_dropout=1.0,
+                         window_dropout_schedule="constant", beyond_window=False, recovery="lora")
+    run_convert(settings)
+    [checkpoint] = (out / "recovery").glob("checkpoint-*")
+    history = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
+    logged = [entry for entry in history if "loss" in entry]
+    assert len(logged) == 2  # 4 steps, logging every 2
+    assert all(entry["window_dropout/probability"] == 1.0 and entry["window_dropout/dropped"] == 1.0
+               for entry in logged)
+    transfer = json.loads(next((out / "transfer").glob("checkpoint-*/trainer_state.json")).read_text())
+    assert not any("window_dropout/probability" in entry for entry in transfer["log_history"])  # recovery only
+    converted = hf_knorm.from_pretrained(out)
+    assert not any(hasattr(module, WINDOW_DROPPED) for _, module in attention_modules(converted))
+    record = json.loads((out / "convert.json").read_text())
+    assert record["settings"]["window_dropout"] == 1.0
+    assert record["stages"]["recovery"]["window_dropout"] == {"probability": 1.0, "schedule": "constant",
+                                                              "dropped_steps": [0, 1, 2, 3]}
+    assert "window_dropout" not in record["stages"]["transfer"]
