@@ -9,10 +9,17 @@ compressed alternate), medians reported:
 - decode: seconds per generated token (single-token forwards) on the full cache vs the compressed caches;
 - bytes: keys + values actually held vs the arithmetic limit ``2 x layers x kv_heads x head_dim x kept x bytes``;
 - with ``--scores``: the scoring + eviction time and the decode time of each eviction score at the first ratio, against
-  ``key_norm`` in the same run (interleaved rounds, score order rotated each round).
+  ``key_norm`` in the same run (interleaved rounds, score order rotated each round);
+- with ``--head-budgets``: the uniform ``KNormCache`` against ``head_budget="heads"`` and ``head_budget="heads",
+  layer_budget="dispersion"`` at the first ratio and the first ``--scores`` entry (default ``kv_diff``), through the
+  public entry (prefill: a forward on the empty cache; decode: single-token forwards, both inside
+  ``ragged_attention_for``), interleaved rounds with the order rotated: prefill against a ``DynamicCache``'s, decode
+  ms/token as the per-round ratio to the uniform cache (median and range over rounds), and the bytes held
+  (``cache.nbytes()``) against the kept pairs' arithmetic size.
 
 Usage: ``OMP_NUM_THREADS=1 python scripts/bench_knorm.py --lengths 4000,8000 --ratios 0.5,0.75,0.9``
        ``OMP_NUM_THREADS=1 python scripts/bench_knorm.py --lengths 4000,8000 --ratios 0.5 --scores key_norm,key_diff``
+       ``OMP_NUM_THREADS=1 python scripts/bench_knorm.py --lengths 2000 --ratios 0.5 --head-budgets --rounds 5``
 """
 
 from __future__ import annotations
@@ -111,6 +118,44 @@ def bench_scores(model, ids: torch.Tensor, ratio: float, specs: list[str], round
                 decode={k: min(v) for k, v in decode.items()})
 
 
+HEAD_BUDGETS = {"uniform": {}, "heads": {"head_budget": "heads"},
+                "heads+dispersion": {"head_budget": "heads", "layer_budget": "dispersion"}}
+
+
+def kept_pair_bytes(cache) -> int:
+    """The arithmetic size of the keys and values a KNormCache keeps: 2 x kept pairs x head_dim x itemsize."""
+    total = 0
+    for index, layer in enumerate(cache.layers):
+        dim, itemsize = layer.keys.shape[-1], layer.keys.element_size()
+        total += 2 * int(cache.stored_per_head(index).sum()) * dim * itemsize
+    return total
+
+
+@torch.no_grad()
+def bench_head_budgets(model, ids: torch.Tensor, ratio: float, score: dict, rounds: int, decode_steps: int) -> dict:
+    """Per :data:`HEAD_BUDGETS` entry at ``ratio``: prefill seconds (a forward on the empty cache, beside a
+    ``DynamicCache``'s), per-round median decode seconds per token, and the bytes held after decoding against the kept
+    pairs' arithmetic size. Rounds interleave the entries (order rotated) so drifting load hits all."""
+    from hf_knorm.eviction.ragged import ragged_attention_for
+
+    n = ids.shape[1]
+    names = ["dynamic", *HEAD_BUDGETS]
+    prefill = {name: [] for name in names}
+    decode = {name: [] for name in HEAD_BUDGETS}
+    sizes = {}
+    for round_ in range(rounds):
+        order = names[round_ % len(names):] + names[:round_ % len(names)]
+        for name in order:
+            cache = DynamicCache() if name == "dynamic" else KNormCache(ratio, config=model.config, **score,
+                                                                        **HEAD_BUDGETS[name])
+            with ragged_attention_for(model, cache):
+                prefill[name].append(_timed(lambda: model(input_ids=ids, cache=cache, use_cache=True)))
+                if name != "dynamic":
+                    decode[name].append(decode_time(model, cache, n, decode_steps))
+                    sizes[name] = (cache.nbytes(), kept_pair_bytes(cache))
+    return dict(n=n, prefill={k: statistics.median(v) for k, v in prefill.items()}, decode=decode, sizes=sizes)
+
+
 def _timed(fn) -> float:
     began = time.perf_counter()
     fn()
@@ -127,6 +172,9 @@ def main() -> None:
                         help="compare eviction scores at the first ratio instead (entries as in hf-knorm niah --scores; "
                         "the first is the baseline, e.g. key_norm,key_diff+sinks4+window64)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the --scores comparison")
+    parser.add_argument("--head-budgets", action="store_true",
+                        help="compare the uniform cache against head_budget='heads' (and + layer_budget='dispersion') "
+                        "at the first ratio, scored by the first --scores entry (default kv_diff)")
     args = parser.parse_args()
     ratios = [float(r) for r in args.ratios.split(",")]
     model, tokenizer = hf_knorm.load_default_model()
@@ -135,6 +183,26 @@ def main() -> None:
     with torch.no_grad():  # warm-up: first-call overheads stay out of the timings
         model(input_ids=all_ids[:, :64], cache=DynamicCache(), use_cache=True)
     print(f"torch threads: {torch.get_num_threads()}; model: SmolLM2-135M-Instruct fp32, sdpa\n")
+    if args.head_budgets:
+        from hf_knorm.evaluation.needle import parse_score_spec
+
+        spec = (args.scores or "kv_diff").split(",")[0].strip()
+        print(f"{spec}, r={ratios[0]:g}, {args.rounds} interleaved rounds of {args.decode_steps} decode steps; decode "
+              "ratio = per-round median ms/token over the uniform cache's in the same round (median [min, max])\n")
+        print("| tokens | budget | prefill (s) | vs DynamicCache | decode ms/token | vs uniform | bytes held | kept "
+              "pairs' size | held / size |")
+        print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+        for n in args.lengths.split(","):
+            score = {k: v for k, v in parse_score_spec(spec).items() if k not in ("head_budget", "layer_budget")}
+            r = bench_head_budgets(model, all_ids[:, :int(n)], ratios[0], score, args.rounds, args.decode_steps)
+            base = r["decode"]["uniform"]
+            for name, times in r["decode"].items():
+                paired = [t / b for t, b in zip(times, base)]
+                held, size = r["sizes"][name]
+                print(f"| {r['n']} | {name} | {r['prefill'][name]:.2f} | {r['prefill'][name] / r['prefill']['dynamic']:.3f} "
+                      f"| {1000 * statistics.median(times):.1f} | {statistics.median(paired):.3f} "
+                      f"[{min(paired):.3f}, {max(paired):.3f}] | {held:,} | {size:,} | {held / size:.4f} |", flush=True)
+        return
     if args.scores:
         specs = [s.strip() for s in args.scores.split(",") if s.strip()]
         print(f"| tokens | score (r={ratios[0]:g}) | scoring + eviction (ms) | of prefill | vs {specs[0]} | "
