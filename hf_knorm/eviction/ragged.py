@@ -3,13 +3,13 @@ reads it.
 
 Storage (:class:`RaggedKNormLayer`): one flat store per layer, **head-major**: ``keys`` and ``values`` are (C, D),
 ``positions`` (C,) int64; the kept pairs of each (batch row, KV head) are one contiguous slice of it, in position
-order, starting at ``starts[b, h]`` and ``lengths[b, h]`` long ((B, H_kv) int64 each). After each head's slice the
+order, ending at ``ends[b, h]`` (the head's first free slot) and ``lengths[b, h]`` long ((B, H_kv) int64 each). After each head's slice the
 store leaves a little room, the same for every head: ``floor(CAPACITY_SLACK * mean kept per head)`` slots (2%, zero
 below 50 tokens per head), so that decoding writes the new token of every head in place (one ``index_copy_`` each for
 keys, values and positions) and the store is rebuilt, with fresh room, only when that room is used up (every ~2% of
 the length: amortized). Bytes held by the cache (:meth:`~hf_knorm.eviction.cache.KNormCache.nbytes`): the store,
 ``2 * C * D * itemsize`` with C = kept pairs + room (at most 2% more), plus the index ``16 * B * H_kv`` bytes per layer
-(``starts`` and ``lengths``). ``positions`` (introspection, ``KNormCache.kept_positions``) is counted by
+(``ends`` and ``lengths``). ``positions`` (introspection, ``KNormCache.kept_positions``) is counted by
 ``nbytes(include_positions=True)``.
 
 Attention (the ``"knorm_ragged"`` function, :func:`ragged_attention`, Transformers' SDPA underneath):
@@ -67,13 +67,19 @@ class RaggedViews:
     heads: int
 
 
+def _room_for(total: int, heads: int) -> int:
+    """Free slots left after each of ``heads`` slices holding ``total`` pairs: ``floor(CAPACITY_SLACK * mean)``."""
+    return int(round(CAPACITY_SLACK * total, 6)) // max(1, heads)
+
+
 class RaggedKNormLayer(KNormLayer):
     """One layer of a ``KNormCache(head_budget="heads")``: per-head kept counts, head-major (see the module docstring).
 
     Attributes:
         keys, values (torch.Tensor): (C, D), the store: each head's kept pairs in one slice, then some free room.
         positions (torch.Tensor): (C,) int64 absolute positions (``-1`` in the free room).
-        starts, lengths (torch.Tensor): (B, H_kv) int64, where each head's slice starts and how many pairs it holds.
+        ends, lengths (torch.Tensor): (B, H_kv) int64, where each head's slice ends (its first free slot) and how many
+            pairs it holds; ``starts`` is ``ends - lengths``.
     """
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -83,7 +89,7 @@ class RaggedKNormLayer(KNormLayer):
         self.values = value_states.new_empty(0, value_states.shape[-1])
         self.positions = torch.empty(0, dtype=torch.long, device=self.device)
         self.lengths = torch.zeros(batch, heads, dtype=torch.long, device=self.device)
-        self.starts = torch.zeros(batch, heads, dtype=torch.long, device=self.device)
+        self.ends = torch.zeros(batch, heads, dtype=torch.long, device=self.device)
         self._spans: list[list[int]] = [[0, 0] for _ in range(batch * heads)]  # (start, length), host-side mirror
         self._room = 0  # free slots left after every head's slice (the same for all)
         self._rectangular = True  # every head holds the same count and the same room: a strided (B, H, L, D) view
@@ -96,6 +102,11 @@ class RaggedKNormLayer(KNormLayer):
     def stored_per_head(self) -> torch.Tensor:
         return self.lengths.clone() if self.is_initialized else torch.zeros(0, 0, dtype=torch.long)
 
+    @property
+    def starts(self) -> torch.Tensor:
+        """(B, H_kv) int64: where each head's slice begins in the store."""
+        return self.ends - self.lengths
+
     def capacity(self) -> int:
         """Slots of the store (kept pairs + free room)."""
         return self.keys.shape[0] if self.is_initialized else 0
@@ -104,22 +115,22 @@ class RaggedKNormLayer(KNormLayer):
     def _slices(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Indices into the store of every kept pair, ordered by (batch row, head, position), for the batch rows
         ``rows`` (all by default), and their (B', H_kv) counts."""
-        starts, lengths = (self.starts, self.lengths) if rows is None else (self.starts[rows], self.lengths[rows])
+        starts = self.starts
+        starts, lengths = (starts, self.lengths) if rows is None else (starts[rows], self.lengths[rows])
         counts = lengths.reshape(-1)
         head = torch.repeat_interleave(torch.arange(counts.numel(), device=self.device), counts)  # (N,)
         first = counts.cumsum(0) - counts  # where each head begins in the packed order
         index = starts.reshape(-1)[head] + torch.arange(head.numel(), device=self.device) - first[head]
         return index, lengths
 
-    def _store(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
-               least_room: int = 0) -> None:
+    def _store(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> None:
         """Hold packed (N, D) pairs ordered by (batch row, head, position), ``lengths`` (B, H_kv) of them per head,
-        leaving ``max(least_room, floor(CAPACITY_SLACK * mean count))`` free slots after each head's slice."""
+        leaving ``floor(CAPACITY_SLACK * mean count)`` free slots after each head's slice."""
         batch, heads = lengths.shape
         counts = lengths.reshape(-1)
         listed = counts.tolist()
         total = sum(listed)
-        room = max(least_room, int(CAPACITY_SLACK * total / max(1, len(listed))))
+        room = _room_for(total, len(listed))
         starts = counts.cumsum(0) - counts + room * torch.arange(len(listed), device=self.device)
         if room:
             head = torch.repeat_interleave(torch.arange(len(listed), device=self.device), counts)
@@ -130,20 +141,38 @@ class RaggedKNormLayer(KNormLayer):
             self.positions = positions.new_full((size,), -1).index_copy_(0, where, positions)
         else:
             self.keys, self.values, self.positions = keys, values, positions
-        self.lengths, self.starts = lengths.clone(), starts.reshape(batch, heads)
-        self._spans = [[start, count] for start, count in zip(self.starts.reshape(-1).tolist(), listed)]
+        self.lengths, self.ends = lengths.clone(), (starts + counts).reshape(batch, heads)
+        self._spans = [[start, count] for start, count in zip(starts.tolist(), listed)]
         self._room = room
         self._rectangular = len(set(listed)) <= 1
+
+    def _grow(self) -> None:
+        """The room is used up: copy every head's slice into a new store with fresh room after each (one ``cat`` per
+        tensor; the heads keep their order and counts)."""
+        count = len(self._spans)
+        room = max(1, _room_for(sum(length for _, length in self._spans), count))
+        stores = []
+        for store, fill in ((self.keys, None), (self.values, None), (self.positions, -1)):
+            free = store.new_empty((room, *store.shape[1:])) if fill is None else store.new_full((room,), fill)
+            stores.append(torch.cat([piece for start, length in self._spans
+                                     for piece in (store[start:start + length], free)]))
+        self.keys, self.values, self.positions = stores
+        first = 0
+        for span in self._spans:
+            span[0], first = first, first + span[1] + room
+        starts = torch.tensor([start for start, _ in self._spans], device=self.device).reshape(self.lengths.shape)
+        self.ends = starts + self.lengths
+        self._room = room
 
     def _pack(self, keys, values, positions, keep) -> None:
         """Store the ``keep`` (B, H_kv, S) entries of rectangular (B, H_kv, S, D) states."""
         where = keep.nonzero(as_tuple=True)
         self._store(keys[where], values[where], positions[where], keep.sum(-1))
 
-    def _select_rows(self, rows: torch.Tensor | None = None, least_room: int = 0) -> None:
-        """Rebuild the store from the batch rows ``rows`` (all: a rebuild with fresh room)."""
+    def _select_rows(self, rows: torch.Tensor) -> None:
+        """Rebuild the store from the batch rows ``rows`` (beam search, batch expansion and selection)."""
         index, lengths = self._slices(rows)
-        self._store(self.keys[index], self.values[index], self.positions[index], lengths, least_room)
+        self._store(self.keys[index], self.values[index], self.positions[index], lengths)
 
     def padded(self, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """A padded copy for introspection and the prompt's eviction (never used to attend a decoding step): keys,
@@ -186,11 +215,12 @@ class RaggedKNormLayer(KNormLayer):
             raise ValueError("KNormCache(head_budget='heads') takes one token per forward after the prompt; feed the "
                              "tokens one at a time (hf_knorm.eviction.pipeline.append_tokens does).")
         if self._room == 0:
-            self._select_rows(least_room=1)
-        slots = (self.starts + self.lengths).reshape(-1)  # (B * H_kv,) the first free slot of each head
+            self._grow()
+        slots = self.ends.view(-1)  # (B * H_kv,) the first free slot of each head
         self.keys.index_copy_(0, slots, key_states.reshape(-1, key_states.shape[-1]))
         self.values.index_copy_(0, slots, value_states.reshape(-1, value_states.shape[-1]))
-        self.positions.index_copy_(0, slots, torch.full_like(slots, start))
+        self.positions.index_fill_(0, slots, start)
+        self.ends += 1
         self.lengths += 1
         self._room -= 1
         for span in self._spans:
@@ -214,7 +244,7 @@ class RaggedKNormLayer(KNormLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.lengths = self.starts = None
+        self.lengths = self.ends = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized and self.get_seq_length() > 0:

@@ -205,7 +205,7 @@ def test_bytes_held_are_the_kept_pairs_plus_the_index():
     dim = model.config.head_dim if getattr(model.config, "head_dim", None) else 16
     pairs = sum(int(cache.stored_per_head(layer).sum()) for layer in range(2))
     heads = model.config.num_key_value_heads
-    index = 2 * (2 * heads * 8)  # starts and lengths, (B, H_kv) int64 each
+    index = 2 * (2 * heads * 8)  # ends and lengths, (B, H_kv) int64 each
     assert cache.nbytes() == 2 * pairs * dim * 4 + 2 * index  # ~12 tokens per head: no free room (< 50)
     for layer in cache.layers:  # nothing padded survives the call: every tensor the layer holds is the store
         held = sum(t.nbytes for t in vars(layer).values() if isinstance(t, torch.Tensor))
