@@ -111,6 +111,29 @@ def test_decoding_step_returns_views_not_a_padded_copy():
     assert key.data_ptr() == equal.layers[0].keys.data_ptr()  # a strided view of the store
 
 
+def test_row_operations_move_each_rows_slices(monkeypatch):
+    """reorder_cache, batch_repeat_interleave and batch_select_indices on a store with free room (one token decoded
+    into it) give the rows' per-head contents in the new order, and decoding goes on into the rebuilt store."""
+    monkeypatch.setattr(ragged, "CAPACITY_SLACK", 0.25)
+    keys = torch.randn(2, 3, PROMPT, 16) * torch.tensor([0.5, 1.0, 3.0])[None, :, None, None]
+    cache = KNormCache(0.5, head_budget="heads", config=tiny_config("llama"))
+    cache.update(keys, torch.randn_like(keys), 0)
+    layer = cache.layers[0]
+    layer.update(torch.randn(2, 3, 1, 16), torch.randn(2, 3, 1, 16))
+    assert layer.capacity() > int(layer.lengths.sum())  # free room after the slices
+    before = layer.padded()
+    for operation, rows in [(lambda: layer.reorder_cache(torch.tensor([1, 0])), [1, 0]),
+                            (lambda: layer.batch_repeat_interleave(2), [1, 1, 0, 0]),
+                            (lambda: layer.batch_select_indices(torch.tensor([1, 2])), [1, 0])]:
+        operation()
+        after = layer.padded()
+        for got, want in zip(after, before):
+            assert torch.equal(got, want[rows])
+    key, _ = layer.update(torch.randn(2, 3, 1, 16), torch.randn(2, 3, 1, 16))
+    assert layer.lengths.tolist() == (before[3].sum(-1)[[1, 0]] + 1).tolist()
+    assert all(length == count for (_, length), count in zip(key.knorm_ragged.spans, layer.lengths.flatten().tolist()))
+
+
 # --- the selection against the plain reference -----------------------------------------------------------------------
 @pytest.mark.parametrize("score", SCORES)
 @pytest.mark.parametrize("ratio, floor, sinks, window", [(0.5, 0.2, 0, 0), (0.75, 0.0, 2, 3), (0.25, 0.5, 1, 0)])
