@@ -9,10 +9,18 @@ compressed alternate), medians reported:
 - decode: seconds per generated token (single-token forwards) on the full cache vs the compressed caches;
 - bytes: keys + values actually held vs the arithmetic limit ``2 x layers x kv_heads x head_dim x kept x bytes``;
 - with ``--scores``: the scoring + eviction time and the decode time of each eviction score at the first ratio, against
-  ``key_norm`` in the same run (interleaved rounds, score order rotated each round).
+  ``key_norm`` in the same run (interleaved rounds, score order rotated each round);
+- with ``--head-budgets``: the uniform ``KNormCache`` against ``head_budget="heads"`` and ``head_budget="heads",
+  layer_budget="dispersion"`` at the first ratio and the first ``--scores`` entry (default ``kv_diff``), through the
+  public entry (prefill: a forward on the empty cache; decode: single-token forwards, both inside
+  ``ragged_attention_for``): prefill against a ``DynamicCache``'s (rounds, order rotated), decode ms/token interleaved
+  token by token (the three caches take one token each in turn) as the ratio to the uniform cache, by the wall clock
+  and by the process's CPU time (median and range over rounds), and the bytes held (``cache.nbytes()``) against the
+  kept pairs' arithmetic size.
 
 Usage: ``OMP_NUM_THREADS=1 python scripts/bench_knorm.py --lengths 4000,8000 --ratios 0.5,0.75,0.9``
        ``OMP_NUM_THREADS=1 python scripts/bench_knorm.py --lengths 4000,8000 --ratios 0.5 --scores key_norm,key_diff``
+       ``OMP_NUM_THREADS=1 python scripts/bench_knorm.py --lengths 2000 --ratios 0.5 --head-budgets --rounds 5``
 """
 
 from __future__ import annotations
@@ -111,6 +119,67 @@ def bench_scores(model, ids: torch.Tensor, ratio: float, specs: list[str], round
                 decode={k: min(v) for k, v in decode.items()})
 
 
+HEAD_BUDGETS = {"uniform": {}, "heads": {"head_budget": "heads"},
+                "heads+dispersion": {"head_budget": "heads", "layer_budget": "dispersion"}}
+
+
+def kept_pair_bytes(cache) -> int:
+    """The arithmetic size of the keys and values a KNormCache keeps: 2 x kept pairs x head_dim x itemsize."""
+    total = 0
+    for index, layer in enumerate(cache.layers):
+        dim, itemsize = layer.keys.shape[-1], layer.keys.element_size()
+        total += 2 * int(cache.stored_per_head(index).sum()) * dim * itemsize
+    return total
+
+
+@torch.no_grad()
+def bench_head_budgets(model, ids: torch.Tensor, ratio: float, score: dict, rounds: int, decode_steps: int) -> dict:
+    """Per :data:`HEAD_BUDGETS` entry at ``ratio``: prefill seconds (a forward on the empty cache, beside a
+    ``DynamicCache``'s; entries in rotated order each round), decode seconds per token, and the bytes held after
+    decoding against the kept pairs' arithmetic size.
+
+    Decoding is interleaved token by token: each round the entries' caches (from that round's prefill) take one
+    single-token forward each in turn (order rotated), so the load of a shared machine hits neighbours alike; each
+    forward is timed by the wall clock and by the process's CPU time (which leaves out time spent waiting for a core).
+    Returns per entry the per-round medians, and per round the median of the per-token ratios to the uniform cache."""
+    from hf_knorm.eviction.ragged import ragged_attention_for
+
+    n = ids.shape[1]
+    names = ["dynamic", *HEAD_BUDGETS]
+    prefill = {name: [] for name in names}
+    clocks = {"wall": time.perf_counter, "cpu": time.process_time}
+    decode = {clock: {name: [] for name in HEAD_BUDGETS} for clock in clocks}
+    paired = {clock: {name: [] for name in HEAD_BUDGETS} for clock in clocks}
+    sizes = {}
+    token = torch.tensor([[42]])
+    for round_ in range(rounds):
+        order = names[round_ % len(names):] + names[:round_ % len(names)]
+        caches = {}
+        for name in order:
+            cache = DynamicCache() if name == "dynamic" else KNormCache(ratio, config=model.config, **score,
+                                                                        **HEAD_BUDGETS[name])
+            with ragged_attention_for(model, cache):
+                prefill[name].append(_timed(lambda: model(input_ids=ids, cache=cache, use_cache=True)))
+            caches[name] = cache
+        steps = {clock: {name: [] for name in HEAD_BUDGETS} for clock in clocks}
+        for step in range(decode_steps):
+            entries = list(HEAD_BUDGETS)
+            for name in entries[step % len(entries):] + entries[:step % len(entries)]:
+                with ragged_attention_for(model, caches[name]):
+                    began = {clock: read() for clock, read in clocks.items()}
+                    model(input_ids=token, position_ids=torch.tensor([[n + step]]), cache=caches[name], use_cache=True)
+                    for clock, read in clocks.items():
+                        steps[clock][name].append(read() - began[clock])
+        for clock in clocks:
+            for name in HEAD_BUDGETS:
+                decode[clock][name].append(statistics.median(steps[clock][name]))
+                paired[clock][name].append(statistics.median(
+                    t / u for t, u in zip(steps[clock][name], steps[clock]["uniform"])))
+        sizes = {name: (caches[name].nbytes(), kept_pair_bytes(caches[name])) for name in HEAD_BUDGETS}
+    return dict(n=n, prefill={k: statistics.median(v) for k, v in prefill.items()}, decode=decode, paired=paired,
+                sizes=sizes)
+
+
 def _timed(fn) -> float:
     began = time.perf_counter()
     fn()
@@ -127,6 +196,9 @@ def main() -> None:
                         help="compare eviction scores at the first ratio instead (entries as in hf-knorm niah --scores; "
                         "the first is the baseline, e.g. key_norm,key_diff+sinks4+window64)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the --scores comparison")
+    parser.add_argument("--head-budgets", action="store_true",
+                        help="compare the uniform cache against head_budget='heads' (and + layer_budget='dispersion') "
+                        "at the first ratio, scored by the first --scores entry (default kv_diff)")
     args = parser.parse_args()
     ratios = [float(r) for r in args.ratios.split(",")]
     model, tokenizer = hf_knorm.load_default_model()
@@ -135,6 +207,31 @@ def main() -> None:
     with torch.no_grad():  # warm-up: first-call overheads stay out of the timings
         model(input_ids=all_ids[:, :64], cache=DynamicCache(), use_cache=True)
     print(f"torch threads: {torch.get_num_threads()}; model: SmolLM2-135M-Instruct fp32, sdpa\n")
+    if args.head_budgets:
+        from hf_knorm.evaluation.needle import parse_score_spec
+
+        spec = (args.scores or "kv_diff").split(",")[0].strip()
+        print(f"{spec}, r={ratios[0]:g}, {args.rounds} rounds of {args.decode_steps} decode steps, interleaved token by "
+              "token; decode = median over rounds of the per-round median ms/token; vs uniform = median [min, max] "
+              "over rounds of the per-round median of per-token ratios to the uniform cache; wall clock and process "
+              "CPU time\n")
+        print("| tokens | budget | prefill (s) | vs DynamicCache | decode ms/token wall | vs uniform wall | decode "
+              "ms/token CPU | vs uniform CPU | bytes held | kept pairs' size | held / size |")
+        print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for n in args.lengths.split(","):
+            score = {k: v for k, v in parse_score_spec(spec).items() if k not in ("head_budget", "layer_budget")}
+            r = bench_head_budgets(model, all_ids[:, :int(n)], ratios[0], score, args.rounds, args.decode_steps)
+            for name in HEAD_BUDGETS:
+                cells = []
+                for clock in ("wall", "cpu"):
+                    ratio = r["paired"][clock][name]
+                    cells.append(f"{1000 * statistics.median(r['decode'][clock][name]):.1f} | "
+                                 f"{statistics.median(ratio):.3f} [{min(ratio):.3f}, {max(ratio):.3f}]")
+                held, size = r["sizes"][name]
+                prefill = r["prefill"][name]
+                print(f"| {r['n']} | {name} | {prefill:.2f} | {prefill / r['prefill']['dynamic']:.3f} | {cells[0]} | "
+                      f"{cells[1]} | {held:,} | {size:,} | {held / size:.4f} |", flush=True)
+        return
     if args.scores:
         specs = [s.strip() for s in args.scores.split(",") if s.strip()]
         print(f"| tokens | score (r={ratios[0]:g}) | scoring + eviction (ms) | of prefill | vs {specs[0]} | "

@@ -241,7 +241,8 @@ class KNormCache(Cache):
 
     Note:
         Shapes: each layer stores keys and values (B, H_kv, S_kept, D) and positions (B, H_kv, S_kept); with
-        ``head_budget="heads"`` packed (N, D) keys and values and (B, H_kv) counts (see ``hf_knorm.eviction.ragged``).
+        ``head_budget="heads"`` a head-major (C, D) store, one slice per head, and (B, H_kv) slice ends and counts (see
+        ``hf_knorm.eviction.ragged``).
         Padded batches are refused (eviction breaks the padding-mask bookkeeping): generate one sequence at a time, or
         batch prompts of equal length. Chunked prefill (``prefill_chunk_size``) would compress only the first chunk: do
         not combine them.
@@ -451,14 +452,16 @@ class KNormCache(Cache):
         return layer.stored_per_head()
 
     def nbytes(self, include_positions: bool = False) -> int:
-        """Bytes held by the cached keys and values, plus the index overhead of per-head counts (``lengths``, (B,
-        H_kv) int64 per layer with ``head_budget="heads"``), plus the int64 position table if asked."""
+        """Bytes held by the cached keys and values (with ``head_budget="heads"`` the whole store, its free room
+        included), plus the index overhead of per-head slices (``ends`` and ``lengths``, (B, H_kv) int64 each per
+        layer with ``head_budget="heads"``), plus the int64 position table if asked."""
         total = 0
         for layer in self.layers:
             if layer.is_initialized:
                 total += layer.keys.nbytes + layer.values.nbytes
-                if getattr(layer, "lengths", None) is not None:
-                    total += layer.lengths.nbytes
+                for index in ("ends", "lengths"):  # a RaggedKNormLayer's per-head slices
+                    if getattr(layer, index, None) is not None:
+                        total += getattr(layer, index).nbytes
                 if include_positions and getattr(layer, "positions", None) is not None:
                     total += layer.positions.nbytes
         return total

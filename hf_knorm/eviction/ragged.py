@@ -1,24 +1,40 @@
 """A KNorm layer that keeps a different number of tokens in each KV head, stored compactly, and the attention that
 reads it.
 
-Storage (:class:`RaggedKNormLayer`): a flat packed store. ``keys`` and ``values`` are (N, D) with N = the kept pairs of
-the layer, ordered by (batch row, head, position); ``lengths`` (B, H_kv) int64 says how many belong to each head (the
-offsets are its running sum); ``positions`` (N,) int64 the absolute position of each (introspection only, counted by
-``KNormCache.nbytes(include_positions=True)``). Bytes held by the cache: the kept pairs, ``2 * N * D * itemsize``,
-plus the index overhead ``8 * B * H_kv`` bytes per layer (``lengths``).
+Storage (:class:`RaggedKNormLayer`): one flat store per layer, **head-major**: ``keys`` and ``values`` are (C, D),
+``positions`` (C,) int64; the kept pairs of each (batch row, KV head) are one contiguous slice of it, in position
+order, ending at ``ends[b, h]`` (the head's first free slot) and ``lengths[b, h]`` long ((B, H_kv) int64 each). After each head's slice the
+store leaves a little room, the same for every head: ``floor(CAPACITY_SLACK * mean kept per head)`` slots (2%, zero
+below 50 tokens per head), so that decoding writes the new token of every head in place (one ``index_copy_`` each for
+keys, values and positions) and the store is rebuilt, with fresh room, only when that room is used up (every ~2% of
+the length: amortized). Bytes held by the cache (:meth:`~hf_knorm.eviction.cache.KNormCache.nbytes`): the store,
+``2 * C * D * itemsize`` with C = kept pairs + room (at most 2% more), plus the index ``16 * B * H_kv`` bytes per layer
+(``ends`` and ``lengths``). ``positions`` (introspection, ``KNormCache.kept_positions``) is counted by
+``nbytes(include_positions=True)``.
 
-Attention: Transformers' attention functions take rectangular (B, H_kv, S, D) keys with one mask for every head, so a
-decoding step builds a **transient padded view** inside the layer's call: ``update`` returns (B, H_kv, max_len + q, D)
-states, zero-filled after each head's kept tokens, and attaches a (B, H_kv, max_len + q) bool ``knorm_valid`` to the
-returned keys; the attention registered as ``"knorm_ragged"`` (SDPA underneath) combines it with the model's mask. The
-view is a temporary of the call: the cache keeps only the packed store. A model must therefore run with
-``model.set_attn_implementation("knorm_ragged")`` (``hf_knorm.eviction.pipeline.knorm_generate`` does it for the call); the cache refuses
-a ragged step under any other attention, loudly, rather than attend the padding.
+Attention (the ``"knorm_ragged"`` function, :func:`ragged_attention`, Transformers' SDPA underneath):
+
+- the prompt (the first forward through the cache) is rectangular, every head holds it whole: ``update`` returns the
+  step's states and the attention is exactly SDPA;
+- a decoding step (one token, the cache refuses more after the prompt) attends **per KV head on views of the store**:
+  for each (batch row, KV head) the group's query heads (1, group, 1, D) against that head's slice (1, 1, L_h, D)
+  (SDPA with ``enable_gqa``: no ``repeat_kv`` copy), no mask (a single query token sees every cached token of an
+  unpadded batch). ``update`` returns the step's own (B, H_kv, 1, D) states carrying the views as ``knorm_ragged``;
+  no padded (B, H_kv, max_len, D) tensor is built, in the call or after it;
+- when every head of the layer holds the same count (e.g. ``head_floor=1``, or a layer that keeps its prompt whole),
+  the store is a rectangle with a stride: ``update`` returns the (B, H_kv, L, D) view of it (no copy) and the
+  attention is Transformers' own ``sdpa_attention_forward`` on it, the same call as the uniform cache's, so equal
+  budgets give the uniform cache's logits bit for bit.
+
+A model must therefore run with ``model.set_attn_implementation("knorm_ragged")``
+(``hf_knorm.eviction.pipeline.knorm_generate`` does it for the call); the cache refuses a ragged step under any other
+attention, loudly, rather than attend only the new token.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -28,18 +44,42 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .budgets import head_adaptive_keep
 from .cache import KNormLayer, _check_unpadded_positions
 
-__all__ = ["RAGGED_ATTENTION", "RaggedKNormLayer", "ragged_attention", "ragged_attention_for"]
+__all__ = ["CAPACITY_SLACK", "RAGGED_ATTENTION", "RaggedKNormLayer", "RaggedViews", "ragged_attention",
+           "ragged_attention_for"]
 
 RAGGED_ATTENTION = "knorm_ragged"
+CAPACITY_SLACK = 0.02  # room left after each head's slice, as a fraction of the mean kept count per head (floored)
+
+
+@dataclass(frozen=True)
+class RaggedViews:
+    """What a decoding step hands to :func:`ragged_attention`: the layer's store and each head's slice of it.
+
+    Attributes:
+        keys, values (torch.Tensor): (C, D) and (C, D_v), the layer's store (not a copy).
+        spans (tuple of (int, int)): (start, length) per (batch row, KV head), row-major: B * H_kv entries.
+        heads (int): H_kv.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    spans: tuple
+    heads: int
+
+
+def _room_for(total: int, heads: int) -> int:
+    """Free slots left after each of ``heads`` slices holding ``total`` pairs: ``floor(CAPACITY_SLACK * mean)``."""
+    return int(round(CAPACITY_SLACK * total, 6)) // max(1, heads)
 
 
 class RaggedKNormLayer(KNormLayer):
-    """One layer of a ``KNormCache(head_budget="heads")``: per-head kept counts, packed (see the module docstring).
+    """One layer of a ``KNormCache(head_budget="heads")``: per-head kept counts, head-major (see the module docstring).
 
     Attributes:
-        keys, values (torch.Tensor): (N, D), the kept pairs ordered by (batch row, head, position).
-        lengths (torch.Tensor): (B, H_kv) int64, kept tokens per head.
-        positions (torch.Tensor): (N,) int64 absolute positions.
+        keys, values (torch.Tensor): (C, D), the store: each head's kept pairs in one slice, then some free room.
+        positions (torch.Tensor): (C,) int64 absolute positions (``-1`` in the free room).
+        ends, lengths (torch.Tensor): (B, H_kv) int64, where each head's slice ends (its first free slot) and how many
+            pairs it holds; ``starts`` is ``ends - lengths``.
     """
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -49,66 +89,149 @@ class RaggedKNormLayer(KNormLayer):
         self.values = value_states.new_empty(0, value_states.shape[-1])
         self.positions = torch.empty(0, dtype=torch.long, device=self.device)
         self.lengths = torch.zeros(batch, heads, dtype=torch.long, device=self.device)
+        self.ends = torch.zeros(batch, heads, dtype=torch.long, device=self.device)
+        self._spans: list[list[int]] = [[0, 0] for _ in range(batch * heads)]  # (start, length), host-side mirror
+        self._room = 0  # free slots left after every head's slice (the same for all)
+        self._rectangular = True  # every head holds the same count and the same room: a strided (B, H, L, D) view
         self.is_initialized = True
 
     def stored_length(self) -> int:
-        """The longest head's kept count (the padded view's length)."""
-        return int(self.lengths.max()) if self.is_initialized and self.lengths.numel() else 0
+        """The longest head's kept count."""
+        return max((length for _, length in self._spans), default=0) if self.is_initialized else 0
 
     def stored_per_head(self) -> torch.Tensor:
         return self.lengths.clone() if self.is_initialized else torch.zeros(0, 0, dtype=torch.long)
 
+    @property
+    def starts(self) -> torch.Tensor:
+        """(B, H_kv) int64: where each head's slice begins in the store."""
+        return self.ends - self.lengths
+
+    def capacity(self) -> int:
+        """Slots of the store (kept pairs + free room)."""
+        return self.keys.shape[0] if self.is_initialized else 0
+
+    # --- the store ---------------------------------------------------------------------------------------------------
+    def _slices(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices into the store of every kept pair, ordered by (batch row, head, position), for the batch rows
+        ``rows`` (all by default), and their (B', H_kv) counts."""
+        starts = self.starts
+        starts, lengths = (starts, self.lengths) if rows is None else (starts[rows], self.lengths[rows])
+        counts = lengths.reshape(-1)
+        head = torch.repeat_interleave(torch.arange(counts.numel(), device=self.device), counts)  # (N,)
+        first = counts.cumsum(0) - counts  # where each head begins in the packed order
+        index = starts.reshape(-1)[head] + torch.arange(head.numel(), device=self.device) - first[head]
+        return index, lengths
+
+    def _store(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Hold packed (N, D) pairs ordered by (batch row, head, position), ``lengths`` (B, H_kv) of them per head,
+        leaving ``floor(CAPACITY_SLACK * mean count)`` free slots after each head's slice."""
+        batch, heads = lengths.shape
+        counts = lengths.reshape(-1)
+        listed = counts.tolist()
+        total = sum(listed)
+        room = _room_for(total, len(listed))
+        starts = counts.cumsum(0) - counts + room * torch.arange(len(listed), device=self.device)
+        if room:
+            head = torch.repeat_interleave(torch.arange(len(listed), device=self.device), counts)
+            where = torch.arange(total, device=self.device) + room * head  # (N,) slots in the new store
+            size = total + room * len(listed)
+            self.keys = keys.new_empty(size, keys.shape[-1]).index_copy_(0, where, keys)
+            self.values = values.new_empty(size, values.shape[-1]).index_copy_(0, where, values)
+            self.positions = positions.new_full((size,), -1).index_copy_(0, where, positions)
+        else:
+            self.keys, self.values, self.positions = keys, values, positions
+        self.lengths, self.ends = lengths.clone(), (starts + counts).reshape(batch, heads)
+        self._spans = [[start, count] for start, count in zip(starts.tolist(), listed)]
+        self._room = room
+        self._rectangular = len(set(listed)) <= 1
+
+    def _grow(self) -> None:
+        """The room is used up: copy every head's slice into a new store with fresh room after each (one ``cat`` per
+        tensor; the heads keep their order and counts)."""
+        count = len(self._spans)
+        room = max(1, _room_for(sum(length for _, length in self._spans), count))
+        stores = []
+        for store, fill in ((self.keys, None), (self.values, None), (self.positions, -1)):
+            free = store.new_empty((room, *store.shape[1:])) if fill is None else store.new_full((room,), fill)
+            stores.append(torch.cat([piece for start, length in self._spans
+                                     for piece in (store[start:start + length], free)]))
+        self.keys, self.values, self.positions = stores
+        first = 0
+        for span in self._spans:
+            span[0], first = first, first + span[1] + room
+        starts = torch.tensor([start for start, _ in self._spans], device=self.device).reshape(self.lengths.shape)
+        self.ends = starts + self.lengths
+        self._room = room
+
+    def _pack(self, keys, values, positions, keep) -> None:
+        """Store the ``keep`` (B, H_kv, S) entries of rectangular (B, H_kv, S, D) states."""
+        where = keep.nonzero(as_tuple=True)
+        self._store(keys[where], values[where], positions[where], keep.sum(-1))
+
+    def _select_rows(self, rows: torch.Tensor) -> None:
+        """Rebuild the store from the batch rows ``rows`` (beam search, batch expansion and selection)."""
+        index, lengths = self._slices(rows)
+        self._store(self.keys[index], self.values[index], self.positions[index], lengths)
+
     def padded(self, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The transient view: keys, values (B, H_kv, L, D), positions (B, H_kv, L) (-1 in padding) and the
-        (B, H_kv, L) bool ``valid``, L = the longest head (+ ``extra`` free slots after each head's tokens)."""
+        """A padded copy for introspection and the prompt's eviction (never used to attend a decoding step): keys,
+        values (B, H_kv, L, D), positions (B, H_kv, L) (-1 in padding) and the (B, H_kv, L) bool ``valid``,
+        L = the longest head (+ ``extra``)."""
         batch, heads = self.lengths.shape
         length = self.stored_length() + extra
         valid = torch.arange(length, device=self.device) < self.lengths[..., None]  # (B, H_kv, L)
-        where = valid.nonzero(as_tuple=True)  # computed once for the three tensors
+        where = valid.nonzero(as_tuple=True)
+        index, _ = self._slices()
         keys = self.keys.new_zeros(batch, heads, length, self.keys.shape[-1])
         values = self.values.new_zeros(batch, heads, length, self.values.shape[-1])
         positions = torch.full((batch, heads, length), -1, dtype=torch.long, device=self.device)
-        keys[where], values[where], positions[where] = self.keys, self.values, self.positions
+        keys[where], values[where], positions[where] = self.keys[index], self.values[index], self.positions[index]
         return keys, values, positions, valid
 
-    def _pack(self, keys, values, positions, keep) -> None:
-        """Store the ``keep`` (B, H_kv, S) entries of padded (B, H_kv, S, D) states."""
-        where = keep.nonzero(as_tuple=True)
-        self.keys, self.values, self.positions = keys[where], values[where], positions[where]
-        self.lengths = keep.sum(-1)
-
+    # --- the Cache layer API -----------------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
                position_ids: torch.Tensor | None = None, **kwargs):
-        """Append (B, H_kv, q, D) states per head; return the (B, H_kv, L + q, D) padded view (keys carry the bool
-        ``knorm_valid`` (B, H_kv, L + q) when some slot is padding), then compress the prompt.
-
-        The q new tokens of each head go right after its kept ones (slots ``lengths .. lengths + q - 1``); after the
-        prompt q is 1 (the cache refuses more), so their order against the model's mask does not matter."""
+        """Take (B, H_kv, q, D) states. The prompt (the first call): return them as they are and store the kept ones
+        (compressed now, or whole until the cache's layer schedule runs). A decoding step (q = 1): append the token to
+        every head in place and return what the attention reads (module docstring)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, heads, q_len, _ = key_states.shape
         start = self.cumulative_length
         self.cumulative_length += q_len
-        full_keys, full_values, full_positions, old = self.padded(extra=q_len)
-        slots = torch.arange(full_keys.shape[-2], device=self.device)
-        full_valid = slots < (self.lengths + q_len)[..., None]  # (B, H_kv, L + q)
-        new = (full_valid & ~old).nonzero(as_tuple=True)  # q slots per head, in (batch, head, slot) order
-        full_keys[new] = key_states.reshape(-1, key_states.shape[-1])
-        full_values[new] = value_states.reshape(-1, value_states.shape[-1])
-        full_positions[new] = torch.arange(start, start + q_len, device=self.device).repeat(batch * heads)
-        keep = full_valid
-        if start == 0 and q_len > 0:
+        if start == 0:
             _check_unpadded_positions(position_ids, q_len)
             self.prompt_length = q_len
-            if self.settings.layer_budget == "uniform":
-                order = self.settings.eviction_order(full_keys, full_values, full_positions, self.layer_idx,
-                                                     self.cumulative_length)
+            positions = torch.arange(q_len, device=self.device).expand(batch, heads, q_len)
+            keep = torch.ones(batch, heads, q_len, dtype=torch.bool, device=self.device)
+            if self.settings.layer_budget == "uniform" and q_len > 0:
+                order = self.settings.eviction_order(key_states, value_states, positions, self.layer_idx, q_len)
                 keep = head_adaptive_keep(order, self.settings.prompt_keep(self.layer_idx, q_len),
                                           self.settings.head_floor)
-        self._pack(full_keys, full_values, full_positions, keep)
-        if not bool(full_valid.all()):
-            full_keys.knorm_valid = full_valid
-        return full_keys, full_values
+            self._pack(key_states, value_states, positions, keep)
+            return key_states, value_states
+        if q_len != 1:
+            raise ValueError("KNormCache(head_budget='heads') takes one token per forward after the prompt; feed the "
+                             "tokens one at a time (hf_knorm.eviction.pipeline.append_tokens does).")
+        if self._room == 0:
+            self._grow()
+        slots = self.ends.view(-1)  # (B * H_kv,) the first free slot of each head
+        self.keys.index_copy_(0, slots, key_states.reshape(-1, key_states.shape[-1]))
+        self.values.index_copy_(0, slots, value_states.reshape(-1, value_states.shape[-1]))
+        self.positions.index_fill_(0, slots, start)
+        self.ends += 1
+        self.lengths += 1
+        self._room -= 1
+        for span in self._spans:
+            span[1] += 1
+        if self._rectangular:  # every head alike: the store is a strided (B, H_kv, L, D) rectangle
+            capacity, length = self._spans[0][1] + self._room, self._spans[0][1]
+            size = batch * heads * capacity
+            return (self.keys[:size].view(batch, heads, capacity, -1)[:, :, :length],
+                    self.values[:size].view(batch, heads, capacity, -1)[:, :, :length])
+        key_states.knorm_ragged = RaggedViews(self.keys, self.values, tuple(map(tuple, self._spans)), heads)
+        return key_states, value_states
 
     def compress_prompt(self, keep: int, order: torch.Tensor | None = None) -> None:
         keys, values, positions, _ = self.padded()  # the prompt, whole: no padding yet
@@ -121,41 +244,49 @@ class RaggedKNormLayer(KNormLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.lengths = None
-
-    def _select_rows(self, rows: torch.Tensor) -> None:
-        keys, values, positions, valid = self.padded()
-        rows = rows.to(self.device)
-        self._pack(keys[rows], values[rows], positions[rows], valid[rows])
+        self.lengths = self.ends = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized and self.get_seq_length() > 0:
-            self._select_rows(beam_idx)
+            self._select_rows(beam_idx.to(self.device))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized and self.get_seq_length() > 0:
-            self._select_rows(torch.arange(self.lengths.shape[0]).repeat_interleave(repeats))
+            self._select_rows(torch.arange(self.lengths.shape[0], device=self.device).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized and self.get_seq_length() > 0:
-            self._select_rows(torch.arange(self.lengths.shape[0])[indices])
+            self._select_rows(torch.arange(self.lengths.shape[0], device=self.device)[indices])
+
+
+def _attend_per_head(query: torch.Tensor, views: RaggedViews, attention_mask, scaling, dropout: float):
+    """One query token (B, H_q, 1, D) against each KV head's slice of the store: (B, 1, H_q, D_v)."""
+    batch, query_heads, _, _ = query.shape
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("The knorm_ragged attention attends every cached token of a decoding step; it got a mask "
+                         "that hides some (a padded batch?), which KNormCache(head_budget='heads') does not support.")
+    group = query_heads // views.heads
+    out = []
+    for index, (start, length) in enumerate(views.spans):
+        row, head = divmod(index, views.heads)
+        keys = views.keys[start:start + length].view(1, 1, length, -1)
+        values = views.values[start:start + length].view(1, 1, length, -1)
+        out.append(torch.nn.functional.scaled_dot_product_attention(
+            query[row:row + 1, head * group:(head + 1) * group], keys, values, dropout_p=dropout, scale=scaling,
+            enable_gqa=group > 1))  # (1, group, 1, D_v)
+    return torch.cat(out, dim=1).reshape(batch, query_heads, 1, -1).transpose(1, 2).contiguous(), None
 
 
 def ragged_attention(module, query, key, value, attention_mask, **kwargs):
-    """SDPA attention (Transformers' ``sdpa_attention_forward``) that also hides the padding of a
-    :class:`RaggedKNormLayer`'s view: ``key.knorm_valid`` (B, H_kv, S) bool, expanded to the query heads and AND-ed
-    with the model's (B, 1, q, S) bool mask. Without it this is exactly SDPA."""
+    """SDPA attention (Transformers' ``sdpa_attention_forward``) that also reads a :class:`RaggedKNormLayer`'s
+    decoding step: when ``key`` carries ``knorm_ragged`` (:class:`RaggedViews`), the query token attends each KV head's
+    slice of the store (module docstring). Otherwise this is exactly SDPA."""
     if kwargs.get("softcap") is not None:
         raise ValueError("The knorm_ragged attention (SDPA) has no logit softcapping; head_budget='heads' does not "
                          "support this model (use head_budget='uniform').")
-    valid = getattr(key, "knorm_valid", None)
-    if valid is not None:
-        groups = query.shape[1] // key.shape[1]
-        heads = valid.repeat_interleave(groups, dim=1)[:, :, None, :]  # (B, H_q, 1, S)
-        if attention_mask is None:
-            attention_mask = heads
-        else:
-            attention_mask = attention_mask[..., : key.shape[-2]] & heads
+    views = getattr(key, "knorm_ragged", None)
+    if views is not None:
+        return _attend_per_head(query, views, attention_mask, kwargs.get("scaling"), kwargs.get("dropout", 0.0))
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

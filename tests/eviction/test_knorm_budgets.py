@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from hf_knorm.eviction.budgets import allocate, head_adaptive_keep, layer_keep_counts
 from hf_knorm.eviction.cache import KNormCache, kept_count
-from hf_knorm.eviction.ragged import RAGGED_ATTENTION, RaggedKNormLayer
+from hf_knorm.eviction import ragged
+from hf_knorm.eviction.ragged import RAGGED_ATTENTION, RaggedKNormLayer, RaggedViews
 from hf_knorm.eviction.reference import reference_head_adaptive_kept
 
 SCORES = ("key_norm", "kv_diff", "key_diff", "value_over_key", "recent")
@@ -71,6 +72,68 @@ def test_equal_budgets_under_beam_search():
     assert adaptive.shape == uniform.shape
 
 
+@pytest.mark.parametrize("floor", [1.0, 0.2])
+def test_free_room_changes_nothing_under_beam_search(floor, monkeypatch):
+    """Beam search reorders the store every step; with free room after each slice (rebuilt when used up) the tokens
+    are those of the exact-fit store, and with equal budgets those of the uniform cache."""
+    model = ragged_model()
+    ids = tiny_inputs("llama", batch=2, length=PROMPT)["input_ids"]
+    options = dict(max_new_tokens=NEW, num_beams=3, do_sample=False, pad_token_id=0, eos_token_id=10**6,
+                   output_logits=True, return_dict_in_generate=True)
+    runs = []
+    for slack in (0.02, 0.25):
+        monkeypatch.setattr(ragged, "CAPACITY_SLACK", slack)
+        cache = KNormCache(0.5, head_budget="heads", head_floor=floor, config=model.config)
+        runs.append(model.generate(input_ids=ids, cache=cache, **options))
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert all(torch.equal(a, b) for a, b in zip(runs[0].logits, runs[1].logits))
+    if floor == 1.0:
+        model.set_attn_implementation("sdpa")
+        uniform = model.generate(input_ids=ids, cache=KNormCache(0.5, config=model.config), **options)
+        assert all(torch.equal(a, b) for a, b in zip(uniform.logits, runs[1].logits))
+
+
+def test_decoding_step_returns_views_not_a_padded_copy():
+    keys = torch.randn(2, 3, PROMPT, 16) * torch.tensor([0.5, 1.0, 3.0])[None, :, None, None]
+    cache = KNormCache(0.5, head_budget="heads", config=tiny_config("llama"))
+    cache.update(keys, torch.randn_like(keys), 0)
+    layer = cache.layers[0]
+    assert len(set(layer.lengths.flatten().tolist())) > 1
+    key, value = layer.update(torch.randn(2, 3, 1, 16), torch.randn(2, 3, 1, 16))
+    assert key.shape == (2, 3, 1, 16) and isinstance(key.knorm_ragged, RaggedViews)
+    views = key.knorm_ragged
+    assert views.keys.data_ptr() == layer.keys.data_ptr()  # the store itself, no copy
+    assert [length for _, length in views.spans] == layer.lengths.flatten().tolist()
+    equal = KNormCache(0.5, head_budget="heads", head_floor=1.0, config=tiny_config("llama"))
+    equal.update(keys, torch.randn_like(keys), 0)
+    key, _ = equal.layers[0].update(torch.randn(2, 3, 1, 16), torch.randn(2, 3, 1, 16))
+    assert key.shape == (2, 3, kept_count(PROMPT, 0.5) + 1, 16) and not hasattr(key, "knorm_ragged")
+    assert key.data_ptr() == equal.layers[0].keys.data_ptr()  # a strided view of the store
+
+
+def test_row_operations_move_each_rows_slices(monkeypatch):
+    """reorder_cache, batch_repeat_interleave and batch_select_indices on a store with free room (one token decoded
+    into it) give the rows' per-head contents in the new order, and decoding goes on into the rebuilt store."""
+    monkeypatch.setattr(ragged, "CAPACITY_SLACK", 0.25)
+    keys = torch.randn(2, 3, PROMPT, 16) * torch.tensor([0.5, 1.0, 3.0])[None, :, None, None]
+    cache = KNormCache(0.5, head_budget="heads", config=tiny_config("llama"))
+    cache.update(keys, torch.randn_like(keys), 0)
+    layer = cache.layers[0]
+    layer.update(torch.randn(2, 3, 1, 16), torch.randn(2, 3, 1, 16))
+    assert layer.capacity() > int(layer.lengths.sum())  # free room after the slices
+    before = layer.padded()
+    for operation, rows in [(lambda: layer.reorder_cache(torch.tensor([1, 0])), [1, 0]),
+                            (lambda: layer.batch_repeat_interleave(2), [1, 1, 0, 0]),
+                            (lambda: layer.batch_select_indices(torch.tensor([1, 2])), [1, 0])]:
+        operation()
+        after = layer.padded()
+        for got, want in zip(after, before):
+            assert torch.equal(got, want[rows])
+    key, _ = layer.update(torch.randn(2, 3, 1, 16), torch.randn(2, 3, 1, 16))
+    assert layer.lengths.tolist() == (before[3].sum(-1)[[1, 0]] + 1).tolist()
+    assert all(length == count for (_, length), count in zip(key.knorm_ragged.spans, layer.lengths.flatten().tolist()))
+
+
 # --- the selection against the plain reference -----------------------------------------------------------------------
 @pytest.mark.parametrize("score", SCORES)
 @pytest.mark.parametrize("ratio, floor, sinks, window", [(0.5, 0.2, 0, 0), (0.75, 0.0, 2, 3), (0.25, 0.5, 1, 0)])
@@ -102,7 +165,11 @@ def test_budgets_move_between_heads_and_respect_the_floor():
 # --- attention over per-head counts: a full cache with the evicted keys masked per head -----------------------------
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 @pytest.mark.parametrize("layer_budget", ["uniform", "dispersion"])
-def test_adaptive_generation_equals_masked_full_cache(model_type, layer_budget):
+@pytest.mark.parametrize("slack", [0.02, 0.25], ids=["room0", "room3"])
+def test_adaptive_generation_equals_masked_full_cache(model_type, layer_budget, slack, monkeypatch):
+    """Decoding attends each head's slice of the store; with room 3 per head (~12 kept) the store is also rebuilt
+    once during the 6 steps."""
+    monkeypatch.setattr(ragged, "CAPACITY_SLACK", slack)
     model = ragged_model(model_type)
     ids = tiny_inputs(model_type, batch=2, length=PROMPT)["input_ids"]
     cache = KNormCache(0.5, score="kv_diff", head_budget="heads", head_floor=0.2, layer_budget=layer_budget,
@@ -153,7 +220,7 @@ def test_allocate_and_layer_counts():
 
 
 # --- memory -----------------------------------------------------------------------------------------------------------
-def test_bytes_held_are_the_kept_pairs_plus_the_lengths():
+def test_bytes_held_are_the_kept_pairs_plus_the_index():
     model = ragged_model()
     ids = tiny_inputs("llama", batch=2, length=PROMPT)["input_ids"]
     cache = KNormCache(0.5, head_budget="heads", config=model.config)
@@ -161,15 +228,34 @@ def test_bytes_held_are_the_kept_pairs_plus_the_lengths():
     dim = model.config.head_dim if getattr(model.config, "head_dim", None) else 16
     pairs = sum(int(cache.stored_per_head(layer).sum()) for layer in range(2))
     heads = model.config.num_key_value_heads
-    assert cache.nbytes() == 2 * pairs * dim * 4 + 2 * (2 * heads * 8)
-    for layer in cache.layers:  # nothing padded survives the call: every tensor the layer holds is packed
+    index = 2 * (2 * heads * 8)  # ends and lengths, (B, H_kv) int64 each
+    assert cache.nbytes() == 2 * pairs * dim * 4 + 2 * index  # ~12 tokens per head: no free room (< 50)
+    for layer in cache.layers:  # nothing padded survives the call: every tensor the layer holds is the store
         held = sum(t.nbytes for t in vars(layer).values() if isinstance(t, torch.Tensor))
-        assert held == 2 * int(layer.lengths.sum()) * dim * 4 + layer.lengths.nbytes + layer.positions.nbytes
-        assert layer.keys.dim() == 2
+        assert held == 2 * layer.capacity() * dim * 4 + index + layer.positions.nbytes
+        assert layer.keys.dim() == 2 and layer.capacity() == int(layer.lengths.sum())
     uniform = KNormCache(0.5, config=model.config)
     model.set_attn_implementation("sdpa")
     greedy(model, ids, uniform)
-    assert cache.nbytes() == uniform.nbytes() + 2 * (2 * heads * 8)  # same total kept, plus the index
+    assert cache.nbytes() == uniform.nbytes() + 2 * index  # same total kept, plus the index
+
+
+def test_free_room_stays_within_two_percent_while_decoding():
+    """A long prompt: each head's slice gets ``floor(2% of the mean count)`` free slots, used up by decoding and then
+    rebuilt; the bytes held stay within 2% of the kept pairs (+ the index) at every step."""
+    model = ragged_model()
+    ids = tiny_inputs("llama", batch=1, length=400)["input_ids"]
+    cache = KNormCache(0.5, score="kv_diff", head_budget="heads", config=model.config)
+    out = model(input_ids=ids, cache=cache, use_cache=True)
+    dim = model.config.head_dim if getattr(model.config, "head_dim", None) else 16
+    capacities = set()
+    for step in range(12):
+        pairs = sum(int(cache.stored_per_head(layer).sum()) for layer in range(2))
+        index = 2 * 2 * model.config.num_key_value_heads * 8
+        assert 2 * pairs * dim * 4 + index <= cache.nbytes() <= 1.02 * 2 * pairs * dim * 4 + index
+        capacities.add(cache.layers[0].capacity())
+        out = model(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+    assert len(capacities) > 1  # the room ran out and the store was rebuilt
 
 
 # --- refusals ---------------------------------------------------------------------------------------------------------
