@@ -16,8 +16,8 @@ page that never loads one), small. Four substitutions, stated here and nowhere e
 - A run that a block plots beside its own without training it (``plot_norm_history(["runs/x3-16", "runs/softmax"],
   ...)``: ``runs/softmax``) is a copy of the run the block trained.
 
-Not executed (``NOT_RUN``, each with its reason): the two blocks of docs/results/knorm.md, records of how a measurement
-was made, not examples to paste.
+Not executed (``NOT_RUN``, each with its reason): the two blocks of docs/research/2026-12-knorm.md, records of how a
+measurement was made, not examples to paste.
 """
 
 import ast
@@ -40,8 +40,9 @@ import hf_knorm  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 NOT_RUN = {
-    "docs/results/knorm.md": "records of how the head-budget measurement was made (an excerpt of an uncommitted script "
-                             "running a 10-minute needle grid, and the cache it timed), not examples",
+    "docs/research/2026-12-knorm.md": "records of how the first head-budget measurement was made (an excerpt of an "
+                                      "uncommitted script running a 10-minute needle grid, and the cache it timed), "
+                                      "not examples",
 }
 
 # A text of about 400 tokens with a needle in it (the question of the pipeline examples asks for it).
