@@ -1,9 +1,11 @@
-"""What attention sinks cost where users call them: the default model patched with a 64-token softmax window, with
-and without 4 sinks, timed on its forward (a left-padded batch, the mask Transformers builds from the tokenizer's
-attention_mask) and on ``generate`` (its own cache: a K/V cache for ``x^3/16``, the RecurrentStateCache for ``x/1``),
-each against the same model without sinks in the same run (interleaved repeats, medians, ratios).
+"""What attention sinks (or a sparse cache) cost where users call them: the default model patched with a 64-token
+softmax window, with and without 4 sinks, timed on its forward (a left-padded batch, the mask Transformers builds from
+the tokenizer's attention_mask) and on ``generate`` (its own cache: a K/V cache for ``x^3/16``, the
+RecurrentStateCache for ``x/1``), each against the same model without sinks in the same run (interleaved repeats,
+medians, ratios). ``--sparse K``: window + 4 sinks against window + 4 sinks + ``sparse K (value_over_key)`` instead.
 
     OMP_NUM_THREADS=1 python scripts/bench_window_sinks.py --tokens 1024 --new-tokens 32
+    OMP_NUM_THREADS=1 python scripts/bench_window_sinks.py --tokens 1024 --new-tokens 32 --sparse 256
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024, help="tokens of the longer sequence of the batch")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generate adds to a prompt of --tokens / 2")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sparse", type=int, default=0,
+                        help="K > 0: compare window + 4 sinks with and without a sparse cache of K pairs")
     args = parser.parse_args()
 
     model, tokenizer = load_default_model()
@@ -41,21 +45,25 @@ def main() -> None:
         model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.new_tokens,
                        min_new_tokens=args.new_tokens, do_sample=False)
 
-    print("| normalization | entry | without sinks | with 4 sinks | ratio |\n|---|---|---:|---:|---:|")
+    if args.sparse:
+        pair, header = (" + sinks 4", f" + sinks 4 + sparse {args.sparse} (value_over_key)"), ("4 sinks", "+ sparse")
+    else:
+        pair, header = ("", " + sinks 4"), ("without sinks", "with 4 sinks")
+    print(f"| normalization | entry | {header[0]} | {header[1]} | ratio |\n|---|---|---:|---:|---:|")
     for base in ("x^3/16", "x/1"):
         for name, call in (("forward, 2 x %d tokens, left-padded" % args.tokens, forward),
                            ("generate %d tokens after %d" % (args.new_tokens, args.tokens // 2), generate)):
-            times = {0: [], 4: []}
+            times = {suffix: [] for suffix in pair}
             for _ in range(args.repeats):
-                for sinks in (0, 4):
-                    patch(model, base, softmax_window=64, attention_sinks=sinks)
+                for suffix in pair:
+                    patch(model, f"{base} + softmax window 64{suffix}")
                     with torch.no_grad():
                         started = time.perf_counter()
                         call()
-                        times[sinks].append(time.perf_counter() - started)
+                        times[suffix].append(time.perf_counter() - started)
                     unpatch(model)
-            plain, sunk = statistics.median(times[0]), statistics.median(times[4])
-            print(f"| {base} + window 64 | {name} | {plain:.2f} s | {sunk:.2f} s | {sunk / plain:.3f}x |", flush=True)
+            before, after = (statistics.median(times[suffix]) for suffix in pair)
+            print(f"| {base} + window 64 | {name} | {before:.2f} s | {after:.2f} s | {after / before:.3f}x |", flush=True)
 
 
 if __name__ == "__main__":
