@@ -73,10 +73,7 @@ def patch(model: nn.Module, normalization: str | Normalization, *, linear: str =
     if normalization.window and not architecture.causal:
         raise ValueError(f"{normalization.name}: a softmax window weights the keys before each query, and "
                          f"{architecture.model_type} attends both ways. Patch it without softmax_window.")
-    if normalization.sinks:
-        _refuse_sinks_on_sliding_layers(model, normalization)
-    if normalization.sparse:
-        _refuse_sparse_on_sliding_layers(model, normalization)
+    _refuse_sliding_layers(model, normalization)
     if linear not in LINEAR_POLICIES:
         raise ValueError(f"linear={linear!r} is not a policy; choose one of {', '.join(LINEAR_POLICIES)}.")
     if linear == "require" and not is_linear(normalization):
@@ -144,33 +141,26 @@ def sliding_window_of(attention: nn.Module) -> int | None:
     return getattr(attention.config, "sliding_window", None)
 
 
-def _refuse_sinks_on_sliding_layers(model: nn.Module, normalization: Normalization) -> None:
-    """Raise when ``model`` has a layer with its own sliding window: attention sinks are each sequence's first tokens,
-    which such a layer's mask and cache leave behind (the attention function refuses such a call too, for a model
-    whose config was patched elsewhere: :func:`hf_knorm.attention.window.window_path`)."""
+def _refuse_sliding_layers(model: nn.Module, normalization: Normalization) -> None:
+    """Raise when ``normalization`` has attention sinks or a sparse cache and ``model`` has a layer with its own sliding
+    window: both keep pairs along each sequence (its first tokens; pairs older than the softmax window) that such a
+    layer's mask and cache leave behind (the attention functions refuse such a call too, for a model whose config was
+    patched elsewhere: :func:`hf_knorm.attention.window.window_path`, :mod:`hf_knorm.attention.sparse`)."""
+    if not (normalization.sinks or normalization.sparse):
+        return
     sliding = {name: window for name, module in attention_modules(model)
                if (window := sliding_window_of(module)) is not None}
-    if sliding:
-        name, window = next(iter(sliding.items()))
+    if not sliding:
+        return
+    name, window = next(iter(sliding.items()))
+    layers = (f"{len(sliding)} attention layers of this {model.config.model_type} model have their own sliding window "
+              f"({name}: {window} positions), which leaves them behind.")
+    if normalization.sinks:
         raise ValueError(f"{normalization.name}: attention sinks are each sequence's first {normalization.sinks} "
-                         f"tokens, and {len(sliding)} attention layers of this {model.config.model_type} model have "
-                         f"their own sliding window ({name}: {window} positions), which leaves them behind. Patch it "
-                         "without attention_sinks (attention_sinks=0; hf-knorm convert --attention-sinks 0: the softmax "
-                         "window alone), or use a model without sliding-window layers.")
-
-
-def _refuse_sparse_on_sliding_layers(model: nn.Module, normalization: Normalization) -> None:
-    """Raise when ``model`` has a layer with its own sliding window: a sparse cache keeps older pairs along each
-    sequence, which such a layer's mask and cache leave behind (the attention refuses such a call too:
-    :mod:`hf_knorm.attention.sparse`)."""
-    sliding = {name: window for name, module in attention_modules(model)
-               if (window := sliding_window_of(module)) is not None}
-    if sliding:
-        name, window = next(iter(sliding.items()))
-        raise ValueError(f"{normalization.name}: a sparse cache keeps pairs older than the softmax window, and "
-                         f"{len(sliding)} attention layers of this {model.config.model_type} model have their own "
-                         f"sliding window ({name}: {window} positions), which leaves them behind. Patch it without "
-                         "the sparse cache, or use a model without sliding-window layers.")
+                         f"tokens, and {layers} Patch it without attention_sinks (attention_sinks=0; hf-knorm convert "
+                         "--attention-sinks 0: the softmax window alone), or use a model without sliding-window layers.")
+    raise ValueError(f"{normalization.name}: a sparse cache keeps pairs older than the softmax window, and {layers} "
+                     "Patch it without the sparse cache, or use a model without sliding-window layers.")
 
 
 def own_config(model: nn.Module) -> None:
