@@ -147,7 +147,8 @@ class AttentionTransfer:
             model: the patched student (the model these teachers were copied from).
             input_ids: ``(B, N)`` calibration tokens.
             fold: ``"scores"`` (``|gamma|^(1/p)`` into q/k rows, the sign into ``o_proj``; modules whose scores are
-                not linear in q and k fall back to ``"output"``) or ``"output"`` (``gamma`` into ``o_proj``).
+                not linear in q and k, and families not homogeneous in the scores (sigmoid, softpick, ...), fall
+                back to ``"output"``) or ``"output"`` (``gamma`` into ``o_proj``).
 
         Returns:
             One ``(H_q,)`` tensor of scales per layer.
@@ -156,11 +157,13 @@ class AttentionTransfer:
             raise ValueError(f"fold must be one of {', '.join(SCALE_FOLDS)}, not {fold!r}.")
         normalization = patched_normalization(model)
         if normalization is None or parse_normalization(normalization).is_softmax:
-            raise ValueError("match_scale needs the student patched with a polynomial normalization (x^p/c).")
+            raise ValueError("match_scale needs the student patched with a normalization other than softmax.")
         if parse_normalization(normalization).window:
             raise ValueError(f"{normalization}: a head scale folded into the scores or the output would change the "
                              "softmax window too; solve the polynomial part's mix instead (match_mix).")
-        power = parse_normalization(normalization).power
+        # x^p/c and relu(x)^p/c are homogeneous of degree p in the scores (a positive factor on q scales the weights
+        # by its p-th power); sigmoid, softpick, SSMax, stick-breaking are not: their scale goes into o_proj.
+        power = getattr(parse_normalization(normalization), "power", None)
         heads = self._head_outputs(model, input_ids)
         scales = []
         for index, (module, teacher) in enumerate(zip(self.students, self.teachers)):
@@ -171,7 +174,7 @@ class AttentionTransfer:
             gamma = torch.where(energy > 0, overlap / energy.clamp_min(1e-300), torch.ones_like(energy))
             if not bool(torch.isfinite(gamma).all()):
                 raise ValueError(f"Layer {index}: the attention output is not finite on the calibration batch.")
-            if fold == "scores" and _scores_are_bilinear(module):
+            if fold == "scores" and power is not None and _scores_are_bilinear(module):
                 _fold_into_scores(module, gamma, power, head_dim)
             else:
                 _scale_o_columns(module, gamma, head_dim)

@@ -89,10 +89,12 @@ def test_the_teacher_attends_causally_over_the_real_keys_of_a_padded_batch(batch
     torch.testing.assert_close(taught[:, 5:], expected[:, 5:], atol=1e-5, rtol=1e-5)
 
 
-def test_match_scale_is_the_least_squares_optimum_and_lowers_the_error():
+@pytest.mark.parametrize("normalization", ["x^3/16", "relu(x)^2/n", "sigmoid(bias=-log n)", "softpick",
+                                           "ssmax(scale=0.144)"])
+def test_match_scale_is_the_least_squares_optimum_and_lowers_the_error(normalization):
     model = lm().eval()
     transfer = AttentionTransfer(model)
-    hf_knorm.patch(model, "x^3/16")
+    hf_knorm.patch(model, normalization)
     ids = _ids()
     with torch.no_grad(), transfer.teaching():
         model(input_ids=ids)
@@ -107,7 +109,7 @@ def test_match_scale_is_the_least_squares_optimum_and_lowers_the_error():
         torch.testing.assert_close(scales, torch.ones_like(scales), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("normalization", ["x^3/16", "x/1", "x^2/4", "x^3/sqrtN"])
+@pytest.mark.parametrize("normalization", ["x^3/16", "x/1", "x^2/4", "x^3/sqrtN", "relu(x)^2/n", "relu(x)^3/16"])
 def test_folding_the_scale_into_the_scores_computes_what_folding_it_into_o_proj_computes(normalization):
     original = lm().eval()  # GQA: 4 query heads on 2 key/value heads
     into_output, into_scores = copy.deepcopy(original), copy.deepcopy(original)
@@ -126,16 +128,40 @@ def test_folding_the_scale_into_the_scores_computes_what_folding_it_into_o_proj_
     torch.testing.assert_close(module.o_proj.weight.abs(), untouched.o_proj.weight.abs())
     assert not torch.allclose(module.q_proj.weight, untouched.q_proj.weight)
     assert not torch.allclose(module.k_proj.weight, untouched.k_proj.weight)
-    assert any(bool((layer < 0).any()) for layer in scales) or normalization == "x^2/4"  # signs were exercised
+    if normalization in ("x^3/16", "x/1", "x^3/sqrtN"):  # odd powers: some heads start anti-aligned
+        assert any(bool((layer < 0).any()) for layer in scales)  # signs were exercised
     again = transfers["scores"].match_scale(into_scores, ids)
     for layer in again:
         torch.testing.assert_close(layer, torch.ones_like(layer), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("normalization", ["sigmoid(bias=-log n)", "softpick"])
+def test_a_family_not_homogeneous_in_the_scores_takes_its_scale_in_o_proj(normalization):
+    """Scaling q by a factor does not scale sigmoid's or softpick's weights by a power of it: ``fold="scores"``
+    leaves q and k alone and scales o_proj's columns, as ``fold="output"`` does."""
+    original = lm().eval()
+    into_output, asked_scores = copy.deepcopy(original), copy.deepcopy(original)
+    transfers = {}
+    for name, model in (("output", into_output), ("scores", asked_scores)):
+        transfers[name] = AttentionTransfer(model)
+        hf_knorm.patch(model, normalization)
+    ids = _ids()
+    transfers["output"].match_scale(into_output, ids, fold="output")
+    transfers["scores"].match_scale(asked_scores, ids, fold="scores")
+    for (_, module), (_, same) in zip(hf_knorm.models.architectures.attention_modules(asked_scores),
+                                      hf_knorm.models.architectures.attention_modules(into_output)):
+        for name in ("q_proj", "k_proj", "o_proj"):
+            assert torch.equal(getattr(module, name).weight, getattr(same, name).weight)
+    untouched = hf_knorm.models.architectures.attention_modules(original)[0][1]
+    changed = hf_knorm.models.architectures.attention_modules(asked_scores)[0][1]
+    assert torch.equal(changed.q_proj.weight, untouched.q_proj.weight)
+    assert not torch.equal(changed.o_proj.weight, untouched.o_proj.weight)
+
+
 def test_match_scale_refuses_an_unpatched_student_and_an_unknown_fold():
     model = lm().eval()
     transfer = AttentionTransfer(model)
-    with pytest.raises(ValueError, match="patched with a polynomial"):
+    with pytest.raises(ValueError, match="patched with a normalization other than softmax"):
         transfer.match_scale(model, _ids())
     hf_knorm.patch(model, "x^3/16")
     with pytest.raises(ValueError, match="fold must be one of"):
