@@ -1,4 +1,4 @@
-"""K/V balancing: what it buys for K/V compression, measured (the two tables of BENCHMARKS.md, "K/V balancing").
+"""K/V balancing: what it buys for K/V compression, measured (the two tables of docs/results/balancing.md).
 
 For the default model (SmolLM2-135M-Instruct, fp32) unbalanced, balanced per ``layer`` and per ``channel``, the
 teacher-forced perplexity on held-out Shakespeare (Hamlet, then the Sonnets; never used for calibration) when

@@ -44,7 +44,7 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 21  # scores per chunk on the CPU: 8 MiB in fp32; 
 DEVICE_CHUNK_ELEMENTS = {"cuda": 1 << 25}
 """Scores per chunk on an accelerator: 128 MiB in fp32 (the backward holds ~5 such tensors). A GPU wants few, large
 matmuls: at 32k keys and 9 heads, 2^21 scores are 7 query rows (~4,700 chunks a pass), 2^25 are 113. Not tuned on a
-GPU yet (BENCHMARKS.md, "Attention on a GPU")."""
+GPU yet (docs/results/attention.md, "Attention on a GPU")."""
 
 
 def default_chunk_elements(device: torch.device) -> int:

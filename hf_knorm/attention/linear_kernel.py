@@ -34,7 +34,8 @@ from .full_precision import full_precision
 from ..normalizations import Normalization, Polynomial
 
 DEFAULT_CHUNK_SIZE = 64
-"""Query rows per chunk (BENCHMARKS.md, "Linear-time x/1": 64 was the fastest of 32-256 on the layer benchmark)."""
+"""Query rows per chunk (docs/results/attention.md, "Linear-time x/1": 64 was the fastest of 32-256 on the layer
+benchmark)."""
 SEGMENT_ELEMENTS = 1 << 21
 """Scores per segment (``B * H_q * rows * C``; 8 MiB in fp32): the chunks of a segment are computed at once, the
 segments one after the other carrying the state, so the working set stays the same size whatever N."""

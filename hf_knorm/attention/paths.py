@@ -42,8 +42,8 @@ from .taps import count_tap
 
 LINEAR_MIN_QUERIES = 128
 """Fewest queries for which the linear path is chosen without a recurrent state (read at call time). The crossover
-with the quadratic kernel on the SmolLM2 layer (BENCHMARKS.md, "Linear-time x/1"): 1.44x the quadratic time at 64
-tokens, 1.03x at 128, 0.58x at 256."""
+with the quadratic kernel on the SmolLM2 layer (docs/results/attention.md, "Linear-time x/1"): 1.44x the quadratic
+time at 64 tokens, 1.03x at 128, 0.58x at 256."""
 
 LONG_INPUT = 4096
 """Queries from which a fallback from the linear path warns (once per reason)."""

@@ -50,7 +50,7 @@ from .blocks import block_any, first_last
 from ..normalizations import Normalization
 
 BLOCK_M = 64
-"""Query rows per program (not tuned on a GPU yet: BENCHMARKS.md, "Attention on a GPU")."""
+"""Query rows per program (not tuned on a GPU yet: docs/results/attention.md, "Attention on a GPU")."""
 BLOCK_N = 64
 """Keys per step of a program's loop."""
 

@@ -21,9 +21,10 @@ Definition (ours; the reference is :func:`.reference.reference_window_attention`
   with 4 sinks: ``research/2026-12/window_sinks.py``); softmax is normalized over them alone, so this part is a convex
   combination of the window's values (Liger's window branch; not LoLCATs' joint denominator, which needs
   non-negative polynomial weights: ``x^3`` keeps the sign of the score, and a denominator could vanish). Measured on
-  the original's own attention (``research/2026-12/distant_part_ceiling.py``, BENCHMARKS.md "Why the polynomial part is
-  decoration"), this is what limits the part: weights that ignore the sign of the score (``|s|^p``, ``s^p``) explain
-  a few percent of what softmax puts beyond the window, ``max(s, 0)^p`` under the joint denominator most of it.
+  the original's own attention (``research/2026-12/distant_part_ceiling.py``, docs/research/2026-12-conversion.md,
+  "Why the polynomial part is decoration"), this is what limits the part: weights that ignore the sign of the score
+  (``|s|^p``, ``s^p``) explain a few percent of what softmax puts beyond the window, ``max(s, 0)^p`` under the joint
+  denominator most of it.
 - older keys: ``j <= a_i - W``, allowed and not sinks. They get the paper's unnormalized weight ``s^p / c``
   (Liger's linear branch has no denominator either). ``c`` is the paper's constant; ``c = sqrtN`` counts the keys
   this part reads, ``c_i = sqrt(number of older keys of row i)``: ``u_i`` is the paper's attention over the keys
@@ -31,9 +32,9 @@ Definition (ours; the reference is :func:`.reference.reference_window_attention`
 - ``u_i / RMS(u_i)``: the part's row (per head, RMS over the head dimension) brought to unit size, as TransNormer's
   NormAttention bounds a denominator-free attention (arXiv 2210.10340; SUPRA and DiJiang do the same). Without it the
   part grows with the number of older keys: a short conversion of the default model at 256-token blocks was
-  10^5-10^6 times the original's perplexity at 1,024 tokens (BENCHMARKS.md, 'Conversion with a softmax window').
-  So the paper's normalization gives the part its direction; ``c`` (and ``sqrtN``'s row count) cancel in it, and
-  ``|m_h|`` is its size at every length. A row with no older key stays 0.
+  10^5-10^6 times the original's perplexity at 1,024 tokens (docs/research/2026-12-conversion.md,
+  'Conversion with a softmax window'). So the paper's normalization gives the part its direction; ``c`` (and
+  ``sqrtN``'s row count) cancel in it, and ``|m_h|`` is its size at every length. A row with no older key stays 0.
 - ``m_h``: a per-query-head mix of the polynomial part, ``(H_q,)``, 1 when not given (what ``hf_knorm.patch`` runs
   for a model that has none). It is an argument of :func:`window_attention` and of the reference; a model's mix is
   saved in its config (``window_mix``, one list per layer, read by :func:`mix_of`): ``hf-knorm convert`` solves it

@@ -1,10 +1,10 @@
 """A layer with a softmax window, computed with its window dropped: the base family alone, for window dropout.
 
 Why. Hybrids of a sliding softmax window and another attention learn to bypass the other branch: the window does
-nearly all the work, and common benchmarks do not show it (Benfeghoul et al., arXiv 2510.05901; here, BENCHMARKS.md
-"Why the polynomial part is decoration"). Their Scheduled Sliding-window Dropout switches the window off on some
-training steps, so that the other branch must carry the context. :mod:`hf_knorm.training.window_dropout` decides the
-steps; this module computes a layer on such a step.
+nearly all the work, and common benchmarks do not show it (Benfeghoul et al., arXiv 2510.05901; here,
+docs/research/2026-12-conversion.md, "Why the polynomial part is decoration"). Their Scheduled Sliding-window Dropout
+switches the window off on some training steps, so that the other branch must carry the context.
+:mod:`hf_knorm.training.window_dropout` decides the steps; this module computes a layer on such a step.
 
 Definition (ours). With the window dropped, the whole softmax part is off (the window, the sinks and a sparse cache),
 and the base family weights **every key the mask allows**, the recent ones included, through the row normalization

@@ -2,8 +2,8 @@
 
 The defaults convert the embedded default model (SmolLM2-135M-Instruct) to ``x^3/16`` on the general mixture
 (:mod:`.mixture`: the original model's own samples and Paul Graham essays 0-39), evaluated on four held-out domains
-(:mod:`hf_knorm.evaluation.domains`) and by the ability probe (:mod:`hf_knorm.evaluation.probe`); BENCHMARKS.md,
-"Conversion", has the time and the figures.
+(:mod:`hf_knorm.evaluation.domains`) and by the ability probe (:mod:`hf_knorm.evaluation.probe`);
+docs/results/conversion.md, "The default conversion", has the time and the figures.
 """
 
 from __future__ import annotations
@@ -23,18 +23,19 @@ SCALE_FOLDS = ("scores", "output")
 """Where the transfer's closed-form head scales go (:meth:`~.transfer.AttentionTransfer.match_scale`)."""
 RECOVERY_LEARNING_RATES = {1: 1e-3}
 """The recovery's default rate by the normalization's power where it is not ``DEFAULT_RECOVERY_LEARNING_RATE``: the
-linear ones were measured at the full budget at 1e-3 only, and trained stably there (BENCHMARKS.md, 'Per
-normalization')."""
+linear ones were measured at the full budget at 1e-3 only, and trained stably there
+(docs/research/2026-12-conversion.md, 'Per normalization')."""
 DEFAULT_RECOVERY_LEARNING_RATE = 5e-4
 """The cubic ones' in full recovery: three x^3/16 runs over seeds and thread counts within 0.94-1.13x of their median,
-where 1e-3 moved them by 2.6x (BENCHMARKS.md, 'Spread')."""
+where 1e-3 moved them by 2.6x (docs/research/2026-12-conversion.md, 'The general conversion':
+'Spread after the fix')."""
 LORA_RECOVERY_LEARNING_RATE = 1e-3
 """LoRA recovery's default rate, any normalization: the default conversion's, measured over three seeds
-(BENCHMARKS.md, 'LoRA recovery')."""
+(docs/research/2026-12-conversion.md, 'LoRA recovery')."""
 DEFAULT_TEACHER_TOP_K = 256
 """The recovery's KL against the teacher's 256 most likely tokens (95% of its mass on the default model), cached once
-(:mod:`.teacher_logits`): the default conversion's, measured over three seeds (BENCHMARKS.md, 'LoRA recovery'), where
-the recovery reads most of the training set (:func:`default_teacher_top_k`)."""
+(:mod:`.teacher_logits`): the default conversion's, measured over three seeds (docs/research/2026-12-conversion.md,
+'LoRA recovery'), where the recovery reads most of the training set (:func:`default_teacher_top_k`)."""
 
 
 @dataclass
@@ -61,15 +62,15 @@ class ConvertSettings:
     softmax_window: int = field(default=DEFAULT_SOFTMAX_WINDOW, metadata={
         "help": "W: each query's last W keys keep softmax, the older keys take the normalization, scaled by a "
                 "per-head mix solved in closed form (LoLCATs' hybrid; hf_knorm.attention.window); 0: the pure "
-                "normalization over every key (BENCHMARKS.md, 'Conversion': both measured)"})
+                "normalization over every key (docs/results/conversion.md, 'The default conversion': both measured)"})
     attention_sinks: int | None = field(default=None, metadata={
         "help": "S: each sequence's first S keys keep softmax beside the window and leave the polynomial part "
                 "(StreamingLLM's attention sinks, arXiv 2309.17453); needs a window (default: "
                 f"{DEFAULT_ATTENTION_SINKS} with one, 0 without)"})
     fold_constant: bool = field(default=True, metadata={
         "help": "x^p/c with a constant c: train the same function as x^p/1, then fold c^(1/p) into the queries "
-                "(AdamW's steps suit the smaller q and k: BENCHMARKS.md, 'Per normalization'); --no-fold-constant "
-                "trains x^p/c itself"})
+                "(AdamW's steps suit the smaller q and k: docs/research/2026-12-conversion.md, 'Per normalization'); "
+                "--no-fold-constant trains x^p/c itself"})
     out: str = field(default="outputs/convert", metadata={
         "help": "run folder: each stage's checkpoints and logs, the converted model, convert.json"})
     text_column: str = field(default="text", metadata={"help": "the column holding the text"})
@@ -102,15 +103,15 @@ class ConvertSettings:
     recovery: str = field(default="lora", metadata={
         "help": "recovery: lora (rank --lora-rank adapters on q/k/v/o, the MLPs and embeddings frozen, merged before "
                 "saving: with the softmax window it keeps more of the original's answers than full recovery, for a "
-                "slightly worse worst domain; BENCHMARKS.md, 'LoRA recovery') | full (every weight, "
-                "--recovery-trainable) | none",
+                "slightly worse worst domain; docs/research/2026-12-conversion.md, 'LoRA recovery') | full (every "
+                "weight, --recovery-trainable) | none",
         "choices": RECOVERY_MODES})
     recovery_steps: int = field(default=150, metadata={"help": "recovery steps at --budget 1"})
     budget: float = field(default=1.0, metadata={
         "help": "the recovery's length as a multiple of its steps (recovery_steps), to trade time for quality: 1 is "
-                "the default conversion (150 steps; its time in BENCHMARKS.md, 'LoRA recovery'), 2 runs 300 steps: "
-                "on the pure x^3/16 in full recovery, 1.55x the time, the worst held-out domain from 12.9x to 9.7x "
-                "the original (BENCHMARKS.md, 'Budget')"})
+                "the default conversion (150 steps; its time in docs/research/2026-12-conversion.md, "
+                "'LoRA recovery'), 2 runs 300 steps: on the pure x^3/16 in full recovery, 1.55x the time, the worst "
+                "held-out domain from 12.9x to 9.7x the original (docs/research/2026-12-conversion.md, 'Budget')"})
     window_dropout: float = field(default=0.0, metadata={
         "help": "p0: with a softmax window, the probability that a recovery step runs without it (the window, the "
                 "sinks and a sparse cache off: the normalization alone over every key), so that the part beside the "
@@ -122,7 +123,8 @@ class ConvertSettings:
     recovery_learning_rate: float | None = field(default=None, metadata={
         "help": "recovery learning rate; default 1e-3 for LoRA; in full recovery by the normalization's power: 1e-3 "
                 "for the linear ones (x/c, x/sqrtN; x/1 measured stable at the full budget), 5e-4 for the others "
-                "(1e-3 moved x^3/16 by 2.6x between runs; BENCHMARKS.md, 'Spread')"})
+                "(1e-3 moved x^3/16 by 2.6x between runs; docs/research/2026-12-conversion.md, "
+                "'The general conversion': 'Spread after the fix')"})
     lora_rank: int = field(default=8, metadata={"help": "LoRA rank (q, k, v, o projections)"})
     distill_weight: float = field(default=1.0, metadata={
         "help": "weight of the KL divergence to the original model's next-token distribution in recovery (0: the "

@@ -6,8 +6,9 @@ with ``x^p/1`` computes exactly what the same model computes under ``x^p/c`` onc
 steps of a fixed size whatever the size of the weights, and the closed-form head scales of the attention transfer
 (:mod:`.transfer`) leave the ``x^p/c`` model's q and k larger by ``c^(1/2p)`` each. Measured on the default model,
 ``x^3/1`` recovered better than "Rethinking Softmax"'s ``x^3/16`` at both budgets tried (at 150 recovery steps the
-worst held-out domain 12.1-13.9x the original over three runs, against 15.1-16.2x over three; BENCHMARKS.md, "Per
-normalization"), so ``hf-knorm convert`` trains the twin and folds (``--no-fold-constant``: train ``x^p/c`` itself).
+worst held-out domain 12.1-13.9x the original over three runs, against 15.1-16.2x over three;
+docs/research/2026-12-conversion.md, "Per normalization"), so ``hf-knorm convert`` trains the twin and folds
+(``--no-fold-constant``: train ``x^p/c`` itself).
 
 ``x^p/sqrtN`` has no constant to fold (``c`` depends on the number of keys) and is trained as it is; so is a model
 whose queries have no projection of their own to scale (fused QKV) or are not linear in it (a q/k norm, a logit

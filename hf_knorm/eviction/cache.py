@@ -18,8 +18,8 @@ differ between heads), in their original order. Later tokens are appended uncomp
 
 Which tokens a layer keeps is decided by a score (``score=``, :mod:`hf_knorm.eviction.scores`): ``"key_norm"``, the
 paper's, by default; others need no attention weights either: ``"kv_diff"`` (recommended: it keeps the needle that
-``key_norm`` loses on the default model, BENCHMARKS.md "Eviction scores"), ``"key_diff"``, ``"value_over_key"`` and
-the baselines ``"recent"`` and ``"random"``.
+``key_norm`` loses on the default model, docs/results/knorm.md, "Eviction scores"), ``"key_diff"``,
+``"value_over_key"`` and the baselines ``"recent"`` and ``"random"``.
 
 Options (all off by default): ``budget`` (keep a token count instead of a ratio), ``sink_tokens`` and
 ``recent_window`` (never evict the first k / last w tokens; they count towards the kept number), ``layer_ratios``

@@ -116,7 +116,7 @@ class KVDiff:
     (arXiv 2404.14469) pools its attention scores: retrieval needs the tokens around a distinctive one (the "magic
     number for Paris is" before the digits), which a per-token score scatters away. The recommended score: the best of
     these on the default model's needle and passkey tests, perplexity within 2% of uncompressed at ratio 0.5
-    (BENCHMARKS.md, "Eviction scores").
+    (docs/results/knorm.md, "Eviction scores").
 
     Args:
         pool (int): Odd window of the average (:func:`pooled`), default 5.

@@ -3,8 +3,8 @@
 - ReLU attention, ``relu(s) / n``: Wortsman, Lee, Gilmer, Kornblith, "Replacing softmax with ReLU in Vision
   Transformers", arXiv 2309.08586 (``relu(s) / L``; the ``1/L`` is what makes it work).
 - Squared ReLU, ``relu(s)^2 / n``: Hua, Dai, Liu, Le, "Transformer Quality in Linear Time" (FLASH), arXiv 2202.10447.
-- ``relu(s)^3 / c``: this project's measurement (BENCHMARKS.md, "Why the polynomial part is decoration"): unlike the
-  paper's odd ``s^3``, the rectified power gives negative scores no weight, as softmax does.
+- ``relu(s)^3 / c``: this project's measurement (docs/research/2026-12-conversion.md, "Why the polynomial part is
+  decoration"): unlike the paper's odd ``s^3``, the rectified power gives negative scores no weight, as softmax does.
 
 ``w_ij = max(s_ij, 0)^p / c`` on the keys row ``i`` may attend, 0 elsewhere; no row normalization. ``c`` is a
 constant, ``n`` (the row's key count, :func:`.base.row_counts`: ``i + 1`` for a causal row) or ``sqrtN``.

@@ -3,8 +3,8 @@
 The Trainer itself goes on: its gradient clipping multiplies every gradient by ``max_norm / nan``, the optimizer
 writes NaN into every weight it steps, the logged loss is filtered (``logging_nan_inf_filter``) and the run ends
 "successfully" with a model that computes nothing, and saves it. Measured here: an ``x^3/16`` conversion whose
-gradient went NaN at recovery step ~125 trained on to step 150 and saved NaN weights (BENCHMARKS.md, "Conversion with
-a softmax window").
+gradient went NaN at recovery step ~125 trained on to step 150 and saved NaN weights
+(docs/research/2026-12-conversion.md, "Conversion with a softmax window").
 
 The callback runs in ``on_pre_optimizer_step``: after the backward pass (and the clipping), before
 ``optimizer.step()``, so no weight takes the step, and the checkpoints already written stay as they were. Under

@@ -10,7 +10,7 @@ higher rate, so those points are not what the shorter budget ends at). Runs at t
 their transfer exactly, so the rows differ by the recovery's length alone. A run whose ``convert.json`` exists is not
 run again; ``--report`` only gathers the folders.
 
-Usage (BENCHMARKS.md, "Budget"):
+Usage (docs/research/2026-12-conversion.md, "Budget"):
     python research/2026-12/conversion_budget.py --out runs/budget --budgets 1,2 --seed 1
     python research/2026-12/conversion_budget.py --out runs/budget --budgets 1,2 --report
 """

@@ -9,7 +9,7 @@ probe, the largest gradient norm of the recovery before and after its step 100 (
 late is what derails a run) and the wall time. A run whose ``convert.json`` exists is not run again, so the script
 resumes; ``--report`` only gathers the folders.
 
-Usage (BENCHMARKS.md, "Per normalization"):
+Usage (docs/research/2026-12-conversion.md, "Per normalization"):
     python research/2026-12/conversion_normalizations.py --out runs/normalizations
     python research/2026-12/conversion_normalizations.py --out runs/normalizations --normalizations x/1,x^3/1 --seed 1
     python research/2026-12/conversion_normalizations.py --out runs/normalizations --report

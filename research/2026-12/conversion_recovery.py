@@ -24,7 +24,8 @@ gathers every arm in ``--out`` into ``results.json``, a markdown table and the f
 second of a plain fine-tuning step (which is also a full recovery step: the same computation), a transfer step and a
 LoRA recovery step on the same model and batches: the ratios go into BENCHMARKS.md. Run it alone on the machine.
 
-Usage (BENCHMARKS.md, "Conversion: recovery side by side"; two processes of one thread each share the 2 cores):
+Usage (docs/research/2026-12-conversion.md, "Recovery side by side"; two processes of one thread each
+share the 2 cores):
     OMP_NUM_THREADS=1 python research/2026-12/conversion_recovery.py --normalizations x/1,x^3/1 &
     OMP_NUM_THREADS=1 python research/2026-12/conversion_recovery.py --normalizations x^3/16,x/16,x^3/sqrtN --no-softmax
     OMP_NUM_THREADS=1 python research/2026-12/conversion_recovery.py --normalizations x^3/16 --no-softmax --sweep-only \
@@ -64,7 +65,7 @@ def common(args) -> dict:
 def conversion_fields() -> dict:
     """What convert takes beyond :func:`common`: this script's protocol, one held-out text (the essays), no probe,
     each normalization trained as itself (``convert`` trains ``x^p/c`` as its twin ``x^p/1`` by default, a choice
-    this comparison helped make: BENCHMARKS.md, "Per normalization")."""
+    this comparison helped make: docs/research/2026-12-conversion.md, "Per normalization")."""
     return dict(eval_domains=("essays",), probe=False, fold_constant=False)
 
 

@@ -7,7 +7,7 @@ with the flags after ``--``, and reports for every held-out set and the ability 
 the range and the largest deviation from the median (the target: within 10%). A run whose ``convert.json`` exists is
 not run again, so the script resumes; ``--report`` only gathers the folders.
 
-Usage (BENCHMARKS.md, "Conversion: spread over seeds and machines"):
+Usage (docs/research/2026-12-conversion.md, "The general conversion": "Spread after the fix"):
     python research/2026-12/conversion_spread.py --out runs/spread-defaults --runs 0:2,1:2,0:1
     python research/2026-12/conversion_spread.py --out runs/spread-old --runs 0:2,1:2,0:1 -- --recovery-steps 50 \
         --dataset paul-graham --recovery-learning-rate 1e-3

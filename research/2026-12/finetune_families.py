@@ -14,7 +14,7 @@ the figure (``--figure``: a few layers' ``||A||_F`` during fine-tuning, one line
 
 The fine-tuned weights are removed after they are measured (``--keep-models`` keeps them): 0.5 GB a run.
 
-Usage (BENCHMARKS.md, "Normalization families on the pretrained model: a short fine-tune"):
+Usage (docs/research/2026-12-training.md, "Normalization families on the pretrained model: a short fine-tune"):
     OMP_NUM_THREADS=1 python research/2026-12/finetune_families.py --out outputs/finetune_families
     python research/2026-12/finetune_families.py --out outputs/finetune_families --report \
         --figure docs/figures/training/finetune_families.png

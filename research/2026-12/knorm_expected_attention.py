@@ -14,7 +14,8 @@ off on the default model before anything is built into ``KNormCache`` for it:
   ``key_norm`` and ``kv_diff`` on the same contexts (``hf_knorm.evaluation.needle.run_needle``, kvpress protocol).
 
 Llama-style attention only (a ``q_proj`` and a ``rotary_emb`` on the base model), as kvpress. Result in
-BENCHMARKS.md ("Eviction scores"); it is not part of the package because it did not beat the query-free scores.
+docs/results/knorm.md ("Eviction scores"; in full: docs/research/2026-12-knorm.md, "Expected attention"); it is not
+part of the package because it did not beat the query-free scores.
 
 Usage: ``OMP_NUM_THREADS=1 python research/2026-12/knorm_expected_attention.py --task niah --lengths 1000,2000``
 """

@@ -28,7 +28,7 @@ class DemoSettings:
         "help": "step 3: the KNorm compression ratio compared with the uncompressed cache, in (0, 1)"})
     niah_score: str = field(default="kv_diff", metadata={
         "help": "step 3: the eviction score shown beside the paper's key_norm (kv_diff is the recommended one, "
-                "BENCHMARKS.md 'Eviction scores')"})
+                "docs/results/knorm.md, 'Eviction scores')"})
     train_normalization: str = field(default="x^3/16", metadata={
         "help": "step 4: the normalization the model is converted to (attention transfer, then hf-knorm convert's "
                 "default recovery: LoRA on the attention)"})
