@@ -109,8 +109,8 @@ class ConvertSettings:
     recovery_steps: int = field(default=150, metadata={"help": "recovery steps at --budget 1"})
     budget: float = field(default=1.0, metadata={
         "help": "the recovery's length as a multiple of its steps (recovery_steps), to trade time for quality: 1 is "
-                "the default conversion (150 steps; its time in docs/research/2026-12-conversion.md, "
-                "'LoRA recovery'), 2 runs 300 steps: on the pure x^3/16 in full recovery, 1.55x the time, the worst "
+                "the default conversion (150 steps; its time in docs/results/conversion.md, "
+                "'The default conversion'), 2 runs 300 steps: on the pure x^3/16 in full recovery, 1.55x the time, the worst "
                 "held-out domain from 12.9x to 9.7x the original (docs/research/2026-12-conversion.md, 'Budget')"})
     window_dropout: float = field(default=0.0, metadata={
         "help": "p0: with a softmax window, the probability that a recovery step runs without it (the window, the "
