@@ -14,7 +14,8 @@ the compression a user would choose instead of converting. Prints one markdown t
 
 Usage:
     python scripts/conversion_retrieval.py --runs runs/sparse_s0,runs/sparse_s1,runs/sparse_s2 --out runs/retrieval
-The baseline's records are cached in ``--out`` (``knorm_baseline.json``) and reused by the next call.
+    python scripts/conversion_retrieval.py --runs runs/sparse_s0 --tasks niah --out runs/retrieval  # + the needle
+The baseline's and the extra tasks' records are cached in ``--out`` (``knorm_baseline.json``) and reused by the next call.
 """
 
 from __future__ import annotations
@@ -87,11 +88,35 @@ def knorm_baseline(tasks: list[str], lengths: list[int], pairs: int, sinks: int,
     return table
 
 
+@torch.no_grad()
+def measured_here(run: Path, task: str, lengths: list[int], out: Path) -> dict:
+    """``{"original" | "converted" | "window_only": {task: {length: [hits, cells]}}}`` of a task the run did not
+    measure (e.g. ``niah``), on :func:`hf_knorm.evaluation.retrieval.retrieval_records`' cells; cached in ``out``."""
+    from hf_knorm.evaluation.retrieval import hits_by_length, retrieval_records
+    from hf_knorm.models.window_mix import distant_part_off
+
+    path = out / f"{run.name}_{task}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    original, tokenizer = hf_knorm.load_default_model()
+    converted = hf_knorm.from_pretrained(run).eval()
+    tables = {"original": hits_by_length(retrieval_records(original, tokenizer, (task,), lengths)),
+              "converted": hits_by_length(retrieval_records(converted, tokenizer, (task,), lengths))}
+    if parse_normalization(hf_knorm.patched_normalization(converted)).window:
+        with distant_part_off(converted):
+            tables["window_only"] = hits_by_length(retrieval_records(converted, tokenizer, (task,), lengths))
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(tables, indent=1))
+    return tables
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", required=True, help="comma-separated convert run folders (one configuration)")
     parser.add_argument("--out", default="runs/conversion_retrieval", help="where the baseline's records are cached")
     parser.add_argument("--no-baseline", action="store_true", help="skip the KNormCache baseline")
+    parser.add_argument("--tasks", default="", help="retrieval tasks to measure here beside the runs' own "
+                        "(comma-separated, e.g. niah), at the runs' lengths, for every model of the table")
     args = parser.parse_args()
     records = [json.loads((Path(run) / "convert.json").read_text()) for run in args.runs.split(",")]
     names = {record["normalization"] for record in records}
@@ -101,6 +126,12 @@ def main() -> None:
     beyond = [record["beyond_window"] for record in records]
     settings = records[0]["settings"]
     tasks, lengths = list(settings["retrieval_tasks"]), [int(n) for n in settings["retrieval_lengths"]]
+    extra = [task for task in args.tasks.split(",") if task and task not in tasks]
+    for task in extra:  # measured here, merged into each run's tables
+        for record, run in zip(beyond, args.runs.split(",")):
+            for name, table in measured_here(Path(run), task, lengths, Path(args.out)).items():
+                record["retrieval"].setdefault(name, {}).update(table)
+    tasks += extra
     pairs = normalization.window + normalization.sinks + normalization.sparse
     rows = {"original": [b["retrieval"]["original"] for b in beyond]}
     if not args.no_baseline and pairs:
