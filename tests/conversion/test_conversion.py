@@ -109,17 +109,24 @@ def test_match_scale_is_the_least_squares_optimum_and_lowers_the_error(normaliza
         torch.testing.assert_close(scales, torch.ones_like(scales), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("normalization", ["x^3/16", "x/1", "x^2/4", "x^3/sqrtN", "relu(x)^2/n", "relu(x)^3/16"])
-def test_folding_the_scale_into_the_scores_computes_what_folding_it_into_o_proj_computes(normalization):
-    original = lm().eval()  # GQA: 4 query heads on 2 key/value heads
+def _scaled_both_ways(normalization):
+    """``(original, folded into o_proj, asked to fold into the scores, the latter's transfer, scales of the o_proj
+    fold, ids)``: two copies of a tiny GQA model (4 query heads on 2 key/value heads) patched with ``normalization``,
+    each head scale solved (each transfer built before patching: it keeps the original attention as the teacher)."""
+    original = lm().eval()
     into_output, into_scores = copy.deepcopy(original), copy.deepcopy(original)
-    transfers = {}
-    for name, model in (("output", into_output), ("scores", into_scores)):
-        transfers[name] = AttentionTransfer(model)
-        hf_knorm.patch(model, normalization)
+    transfers = {"output": AttentionTransfer(into_output), "scores": AttentionTransfer(into_scores)}
+    hf_knorm.patch(into_output, normalization)
+    hf_knorm.patch(into_scores, normalization)
     ids = _ids()
     scales = transfers["output"].match_scale(into_output, ids, fold="output")
     transfers["scores"].match_scale(into_scores, ids, fold="scores")
+    return original, into_output, into_scores, transfers["scores"], scales, ids
+
+
+@pytest.mark.parametrize("normalization", ["x^3/16", "x/1", "x^2/4", "x^3/sqrtN", "relu(x)^2/n", "relu(x)^3/16"])
+def test_folding_the_scale_into_the_scores_computes_what_folding_it_into_o_proj_computes(normalization):
+    original, into_output, into_scores, transfer, scales, ids = _scaled_both_ways(normalization)
     with torch.no_grad():
         torch.testing.assert_close(into_scores(input_ids=ids).logits, into_output(input_ids=ids).logits,
                                    atol=1e-4, rtol=1e-4)
@@ -130,7 +137,7 @@ def test_folding_the_scale_into_the_scores_computes_what_folding_it_into_o_proj_
     assert not torch.allclose(module.k_proj.weight, untouched.k_proj.weight)
     if normalization in ("x^3/16", "x/1", "x^3/sqrtN"):  # odd powers: some heads start anti-aligned
         assert any(bool((layer < 0).any()) for layer in scales)  # signs were exercised
-    again = transfers["scores"].match_scale(into_scores, ids)
+    again = transfer.match_scale(into_scores, ids)
     for layer in again:
         torch.testing.assert_close(layer, torch.ones_like(layer), atol=1e-4, rtol=0)
 
@@ -139,15 +146,7 @@ def test_folding_the_scale_into_the_scores_computes_what_folding_it_into_o_proj_
 def test_a_family_not_homogeneous_in_the_scores_takes_its_scale_in_o_proj(normalization):
     """Scaling q by a factor does not scale sigmoid's or softpick's weights by a power of it: ``fold="scores"``
     leaves q and k alone and scales o_proj's columns, as ``fold="output"`` does."""
-    original = lm().eval()
-    into_output, asked_scores = copy.deepcopy(original), copy.deepcopy(original)
-    transfers = {}
-    for name, model in (("output", into_output), ("scores", asked_scores)):
-        transfers[name] = AttentionTransfer(model)
-        hf_knorm.patch(model, normalization)
-    ids = _ids()
-    transfers["output"].match_scale(into_output, ids, fold="output")
-    transfers["scores"].match_scale(asked_scores, ids, fold="scores")
+    original, into_output, asked_scores, _, _, _ = _scaled_both_ways(normalization)
     for (_, module), (_, same) in zip(hf_knorm.models.architectures.attention_modules(asked_scores),
                                       hf_knorm.models.architectures.attention_modules(into_output)):
         for name in ("q_proj", "k_proj", "o_proj"):
