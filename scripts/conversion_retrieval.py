@@ -29,9 +29,9 @@ import torch
 import transformers
 
 import hf_knorm
-from hf_knorm.evaluation.needle import haystack, is_correct, make_sample
-from hf_knorm.evaluation.retrieval import RETRIEVAL_DEPTHS
-from hf_knorm.eviction.pipeline import encode_prompt, knorm_generate
+from hf_knorm.evaluation.retrieval import hits_by_length, retrieval_records
+from hf_knorm.eviction.pipeline import knorm_generate
+from hf_knorm.models.window_mix import distant_part_off
 from hf_knorm.normalizations import Polynomial, parse_normalization
 
 
@@ -54,37 +54,31 @@ def hits_spread(tables: list[dict], task: str, length: str) -> str:
     return f"{statistics.median(hits):g}/{total} [{min(hits)}-{max(hits)}]"
 
 
-@torch.no_grad()
 def knorm_baseline(tasks: list[str], lengths: list[int], pairs: int, sinks: int, window: int, out: Path) -> dict:
     """``{task: {length: [hits, cells]}}`` of the original model under ``KNormCache(kv_diff)`` holding ``pairs`` pairs
-    (``sinks`` first and ``window`` last kept), on the cells of :func:`hf_knorm.evaluation.retrieval.retrieval_records`
-    (4 depths x 2 seeds); cached in ``out``."""
+    (``sinks`` first and ``window`` last kept), on :func:`hf_knorm.evaluation.retrieval.retrieval_records`' cells;
+    cached in ``out``."""
     path = out / "knorm_baseline.json"
     key = f"pairs={pairs} sinks={sinks} window={window}"
     cached = json.loads(path.read_text()) if path.is_file() else {}
     table = cached.get(key, {})
+    todo = [(task, length) for task in tasks for length in lengths if str(length) not in table.get(task, {})]
+    if not todo:
+        return table
     model, tokenizer = hf_knorm.load_default_model()
-    options = dict(max_new_tokens=10, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    for task in tasks:
-        hay = haystack(task, tokenizer)
-        for length in lengths:
-            if str(length) in table.get(task, {}):
-                continue
-            hits = 0
-            for depth in RETRIEVAL_DEPTHS:
-                for seed in range(2):
-                    sample = make_sample(task, tokenizer, hay, length, depth, seed)
-                    context, question = encode_prompt(tokenizer, sample["context"], sample["question"],
-                                                      sample["answer_prefix"])
-                    ids = torch.cat([context, question], dim=1)
-                    new = knorm_generate(model, ids, attention_mask=torch.ones_like(ids), score="kv_diff",
-                                         budget=pairs, decoding_budget=pairs, sink_tokens=sinks,
-                                         recent_window=window, **options)[0, ids.shape[1]:]
-                    hits += is_correct(tokenizer.decode(new, skip_special_tokens=True).strip(), sample["expected"])
-            table.setdefault(task, {})[str(length)] = [hits, 2 * len(RETRIEVAL_DEPTHS)]
-            cached[key] = table
-            out.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(cached, indent=1))
+
+    def generate(ids):
+        return knorm_generate(model, ids, attention_mask=torch.ones_like(ids), score="kv_diff", budget=pairs,
+                              decoding_budget=pairs, sink_tokens=sinks, recent_window=window, max_new_tokens=10,
+                              do_sample=False, pad_token_id=tokenizer.eos_token_id)
+
+    for task, length in todo:
+        records = retrieval_records(model, tokenizer, (task,), (length,), desc=f"KNormCache, {task} {length}",
+                                    generate=generate)
+        table.setdefault(task, {}).update(hits_by_length(records)[task])
+        cached[key] = table
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cached, indent=1))
     return table
 
 
@@ -92,9 +86,6 @@ def knorm_baseline(tasks: list[str], lengths: list[int], pairs: int, sinks: int,
 def measured_here(run: Path, task: str, lengths: list[int], out: Path) -> dict:
     """``{"original" | "converted" | "window_only": {task: {length: [hits, cells]}}}`` of a task the run did not
     measure (e.g. ``niah``), on :func:`hf_knorm.evaluation.retrieval.retrieval_records`' cells; cached in ``out``."""
-    from hf_knorm.evaluation.retrieval import hits_by_length, retrieval_records
-    from hf_knorm.models.window_mix import distant_part_off
-
     path = out / f"{run.name}_{task}.json"
     if path.is_file():
         return json.loads(path.read_text())

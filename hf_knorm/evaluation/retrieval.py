@@ -23,22 +23,28 @@ softmax window of 64)."""
 
 
 @torch.no_grad()
-def answer(model, tokenizer, sample: dict, max_new_tokens: int = 10) -> tuple[str, str]:
-    """``(the greedy answer, the class name of the cache generate decoded with)`` of one sample."""
+def answer(model, tokenizer, sample: dict, max_new_tokens: int = 10, generate=None) -> tuple[str, str]:
+    """``(the greedy answer, the class name of the cache generate decoded with)`` of one sample; ``generate(ids)``,
+    where given, answers instead of the model's own ``generate`` (e.g. under a ``KNormCache``) and returns the
+    ``(1, n + new)`` sequences (the cache reported as ``"custom"``)."""
     context_ids, question_ids = encode_prompt(tokenizer, sample["context"], sample["question"], sample["answer_prefix"])
     device = next(model.parameters()).device
     ids = torch.cat([context_ids, question_ids], dim=1).to(device)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, pad_token_id=tokenizer.eos_token_id, return_dict_in_generate=True)
-    text = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True).strip()
-    return text, type(output_cache(out)).__name__
+    if generate is not None:
+        sequences, cache = generate(ids), "custom"
+    else:
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=tokenizer.eos_token_id, return_dict_in_generate=True)
+        sequences, cache = out.sequences, type(output_cache(out)).__name__
+    return tokenizer.decode(sequences[0, ids.shape[1]:], skip_special_tokens=True).strip(), cache
 
 
 def retrieval_records(model, tokenizer, tasks: Sequence[str] = ("passkey",), lengths: Sequence[int] = (1000, 2000),
-                      depths: Sequence[float] = RETRIEVAL_DEPTHS, seeds: int = 2, desc: str = "retrieval") -> list[dict]:
+                      depths: Sequence[float] = RETRIEVAL_DEPTHS, seeds: int = 2, desc: str = "retrieval",
+                      generate=None) -> list[dict]:
     """Every cell of the grid tasks x lengths x depths x seeds answered by ``model``: ``task, length, depth, seed,
     expected, answer, cache, correct`` each. The samples depend on the tokenizer and the cell only, so two models with
-    one tokenizer answer the same questions.
+    one tokenizer answer the same questions. ``generate``: as :func:`answer` takes it.
 
     Raises:
         ValueError: an unknown task, or a length the haystack cannot fill.
@@ -51,7 +57,7 @@ def retrieval_records(model, tokenizer, tasks: Sequence[str] = ("passkey",), len
     haystacks = {task: haystack(task, tokenizer) for task in tasks}
     for task, length, depth, seed in tqdm(cells, desc=desc):
         sample = make_sample(task, tokenizer, haystacks[task], length, depth, seed)
-        text, cache = answer(model, tokenizer, sample)
+        text, cache = answer(model, tokenizer, sample, generate=generate)
         records.append(dict(task=task, length=length, depth=depth, seed=seed, expected=sample["expected"],
                             answer=text, cache=cache, correct=is_correct(text, sample["expected"])))
     return records

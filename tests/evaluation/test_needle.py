@@ -137,3 +137,24 @@ def test_heatmap_grid_draws_one_panel_per_row_and_column(tmp_path):
     assert width > height  # two columns of panels side by side, two rows
     one_row = plot_needle_heatmap_grid({"key_norm": panels["key_norm"]}, tmp_path / "row.png")
     assert imread(one_row).shape[0] < height
+
+
+def test_retrieval_records_answer_through_a_given_generate_as_through_the_models_own(default_model_and_tokenizer):
+    """``retrieval_records(generate=...)`` (a KNormCache baseline beside a converted model): the same cells, the
+    caller's answers; a ``generate`` that is the model's own gives its answers exactly."""
+    from hf_knorm.evaluation.retrieval import retrieval_records
+
+    model, tokenizer = default_model_and_tokenizer
+    grid = dict(tasks=("passkey",), lengths=(300,), depths=(0.5,), seeds=1)
+    own = retrieval_records(model, tokenizer, **grid)
+    calls = []
+
+    def generate(ids):
+        calls.append(ids.shape)
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                              pad_token_id=tokenizer.eos_token_id)
+
+    given = retrieval_records(model, tokenizer, **grid, generate=generate)
+    assert len(calls) == 1 and given[0]["cache"] == "custom"
+    assert [r["answer"] for r in given] == [r["answer"] for r in own]
+    assert {k: v for k, v in given[0].items() if k != "cache"} == {k: v for k, v in own[0].items() if k != "cache"}
