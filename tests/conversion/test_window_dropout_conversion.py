@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_conversion import _settings, texts, tiny_lm_dir  # noqa: E402,F401
 
@@ -58,3 +59,63 @@ def test_a_conversion_recovers_without_the_window_on_every_step_at_probability_o
     assert record["stages"]["recovery"]["window_dropout"] == {"probability": 1.0, "schedule": "constant",
                                                               "dropped_steps": [0, 1, 2, 3]}
     assert "window_dropout" not in record["stages"]["transfer"]
+
+
+def _interrupted_at_recovery_step(monkeypatch, step: int):
+    """Make the recovery's ``step``-th training step (1-based) raise ``KeyboardInterrupt``."""
+    from hf_knorm.conversion import trainers
+
+    calls, original_step = {"n": 0}, trainers.DistillationTrainer.training_step
+
+    def interrupted(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == step:
+            raise KeyboardInterrupt
+        return original_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(trainers.DistillationTrainer, "training_step", interrupted)
+    return lambda: monkeypatch.setattr(trainers.DistillationTrainer, "training_step", original_step)
+
+
+def test_lora_recovery_with_window_dropout_trains_the_mix_and_a_resumed_run_continues_it(tiny_lm_dir, texts, tmp_path,
+                                                                                      monkeypatch):
+    """A dropped step is the base family times the mix: with the mix frozen (LoRA freezes the base model) it would
+    give no output and no gradient. With window dropout the recovery trains the mix, checkpoints it beside the
+    adapters (PEFT saves the adapters alone) and a resumed run reads it back: the same mix as without the break."""
+    import torch
+
+    from hf_knorm.conversion.learned_values import FILE
+    from hf_knorm.models.window_mix import window_mixes
+
+    def mixes(out):
+        return torch.tensor(window_mixes(hf_knorm.from_pretrained(out)))
+
+    common = dict(softmax_window=4, attention_sinks=1, window_dropout=1.0, window_dropout_schedule="constant",
+                  beyond_window=False, recovery="lora", recovery_steps=6, teacher_top_k=0)
+    whole = tmp_path / "whole"
+    record = run_convert(_settings(tiny_lm_dir, texts, whole, **common))
+    transferred = torch.tensor(record["stages"]["transfer"]["window_mix"])
+    assert (mixes(whole) - transferred).abs().max() > 1e-3  # the recovery moved the mix
+    assert (whole / "recovery" / "checkpoint-6" / FILE).is_file()
+
+    broken = tmp_path / "broken"
+    restore = _interrupted_at_recovery_step(monkeypatch, 5)  # after the checkpoint of step 4
+    with pytest.raises(KeyboardInterrupt):
+        run_convert(_settings(tiny_lm_dir, texts, broken, **common))
+    restore()
+    run_convert(_settings(tiny_lm_dir, texts, broken, resume=True, **common))
+    torch.testing.assert_close(mixes(broken), mixes(whole), rtol=1e-4, atol=1e-6)
+
+    unchanged = tmp_path / "no_dropout"  # without window dropout LoRA trains its adapters alone, as documented
+    record = run_convert(_settings(tiny_lm_dir, texts, unchanged, **dict(common, window_dropout=0.0)))
+    torch.testing.assert_close(mixes(unchanged), torch.tensor(record["stages"]["transfer"]["window_mix"]))
+    assert not list((unchanged / "recovery").glob(f"checkpoint-*/{FILE}"))
+
+
+def test_a_checkpoint_without_the_learned_values_is_refused_with_the_reason(tmp_path):
+    from hf_knorm.conversion.learned_values import restore_learned_values
+    from tiny_models import tiny_model
+
+    model = hf_knorm.patch(tiny_model("llama"), "x/1", softmax_window=4)
+    with pytest.raises(FileNotFoundError, match="saved without the learned values"):
+        restore_learned_values(model, tmp_path)
