@@ -45,7 +45,8 @@ from typing import Any
 
 from transformers import HfArgumentParser
 
-from .conversion.settings import DEFAULT_ATTENTION_SINKS, DEFAULT_SOFTMAX_WINDOW, ConvertSettings
+from .conversion.settings import (DEFAULT_ATTENTION_SINKS, DEFAULT_NORMALIZATION, DEFAULT_SOFTMAX_WINDOW,
+                                  DEFAULT_SPARSE_CACHE, DEFAULT_SPARSE_SCORE, ConvertSettings)
 from .extras import MissingExtraError
 from .jobs.attention_norms import AttentionNormsSettings
 from .jobs.demo.settings import DemoSettings
@@ -247,10 +248,12 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         "convert",
         help="convert a pretrained softmax causal LM to a normalization: attention transfer, then LoRA or full recovery",
-        description="Convert the model (default: SmolLM2-135M-Instruct) to --normalization, by default beside a "
-        f"softmax over each query's last {DEFAULT_SOFTMAX_WINDOW} keys and the sequence's first "
-        f"{DEFAULT_ATTENTION_SINKS} (--softmax-window, --attention-sinks: "
-        "LoLCATs' window and StreamingLLM's sinks; --softmax-window 0: the pure normalization), in two stages, each a "
+        description=f"Convert the model (default: SmolLM2-135M-Instruct) to --normalization (default: "
+        f"{DEFAULT_NORMALIZATION}), beside a softmax over each query's last {DEFAULT_SOFTMAX_WINDOW} keys, the "
+        f"sequence's first {DEFAULT_ATTENTION_SINKS} and up to {DEFAULT_SPARSE_CACHE} older key/value pairs per layer "
+        f"and KV head chosen by {DEFAULT_SPARSE_SCORE} (--softmax-window, --attention-sinks, --sparse-cache, "
+        "--sparse-score: LoLCATs' window, StreamingLLM's sinks, LoLA's sparse cache; --sparse-cache 0: the window and "
+        "sinks alone; --softmax-window 0: the pure normalization), in two stages, each a "
         "Trainer run with NormLoggerCallback and held-out perplexity at its start and every --eval-steps: (1) "
         "attention transfer (LoLCATs, arXiv 2410.10254): each patched attention layer trains its q/k projections to "
         "reproduce the original attention's output on the original layer inputs, after a closed-form per-head scale "

@@ -1,7 +1,8 @@
 """``ConvertSettings``: what ``hf-knorm convert`` and :func:`hf_knorm.convert` run; each field is a flag.
 
-The defaults convert the embedded default model (SmolLM2-135M-Instruct) to ``x^3/16`` on the general mixture
-(:mod:`.mixture`: the original model's own samples and Paul Graham essays 0-39), evaluated on four held-out domains
+The defaults convert the embedded default model (SmolLM2-135M-Instruct) to ``x/1 + softmax window 64 + sinks 4 + sparse
+256 (value_over_key)`` on the general mixture (:mod:`.mixture`: the original model's own samples and Paul Graham essays
+0-39), evaluated on four held-out domains
 (:mod:`hf_knorm.evaluation.domains`) and by the ability probe (:mod:`hf_knorm.evaluation.probe`);
 docs/results/conversion.md, "The default conversion", has the time and the figures.
 """
@@ -10,14 +11,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..normalizations import Normalization, parse_normalization, with_window
+from ..normalizations import Normalization, parse_normalization, with_sparse, with_window
 from ..runs.precision import BF16_HELP, FP16_HELP
 from ..training.window_dropout import WINDOW_DROPOUT_SCHEDULES
 
 RECOVERY_MODES = ("lora", "full", "none")
+DEFAULT_NORMALIZATION = "x/1"
+"""The part beside the window: with ``p = 1`` decoding holds ``W + S + K`` pairs and a ``D x D_v`` state whatever the
+length (:class:`hf_knorm.recurrent.sparse_cache.SparseWindowStateLayer`)."""
 DEFAULT_SOFTMAX_WINDOW = 64
-DEFAULT_ATTENTION_SINKS = 4
 """LoLCATs' window (arXiv 2410.10254: 64 softmax keys beside the linear attention)."""
+DEFAULT_ATTENTION_SINKS = 4
+"""StreamingLLM's attention sinks (arXiv 2309.17453): each sequence's first 4 keys by softmax beside the window."""
+DEFAULT_SPARSE_CACHE = 256
+DEFAULT_SPARSE_SCORE = "value_over_key"
+"""The sparse global cache beside the window (LoLA, arXiv 2505.23666): the 256 older pairs of highest ``||v|| / ||k||``
+per layer and KV head, the configuration that retrieves beyond the window of those measured (docs/results/conversion.md,
+'The default conversion'). At the default 256-token training blocks it holds every older key, so the part beside it
+trains only under window dropout."""
 RECOVERY_TRAINABLE = ("all", "no-embeddings", "attention")
 SCALE_FOLDS = ("scores", "output")
 """Where the transfer's closed-form head scales go (:meth:`~.transfer.AttentionTransfer.match_scale`)."""
@@ -58,7 +69,9 @@ class ConvertSettings:
     pack_teacher_samples: bool = field(default=False, metadata={
         "help": "pack the teacher samples into blocks with the essays (default: each sample is one example from "
                 "position 0, padded, as a prompt starts)"})
-    normalization: str = field(default="x^3/16", metadata={"help": "the normalization to convert to (not softmax)"})
+    normalization: str = field(default=DEFAULT_NORMALIZATION, metadata={
+        "help": "the normalization to convert to (not softmax), beside --softmax-window, --attention-sinks and "
+                "--sparse-cache"})
     softmax_window: int = field(default=DEFAULT_SOFTMAX_WINDOW, metadata={
         "help": "W: each query's last W keys keep softmax, the older keys take the normalization, scaled by a "
                 "per-head mix solved in closed form (LoLCATs' hybrid; hf_knorm.attention.window); 0: the pure "
@@ -67,6 +80,14 @@ class ConvertSettings:
         "help": "S: each sequence's first S keys keep softmax beside the window and leave the polynomial part "
                 "(StreamingLLM's attention sinks, arXiv 2309.17453); needs a window (default: "
                 f"{DEFAULT_ATTENTION_SINKS} with one, 0 without)"})
+    sparse_cache: int | None = field(default=None, metadata={
+        "help": "K: each layer keeps up to K key/value pairs older than the window, chosen by --sparse-score and "
+                "weighted by softmax with it; the others go to the normalization (LoLA's sparse global cache, arXiv "
+                "2505.23666); needs a window (default: "
+                f"{DEFAULT_SPARSE_CACHE} with one, 0 without; 0: none)"})
+    sparse_score: str | None = field(default=None, metadata={
+        "help": "which older pairs the sparse cache keeps, a score fixed when its token is produced: value_over_key "
+                "(||v|| / ||k||) | key_norm (KNorm's -||k||) (default: " f"{DEFAULT_SPARSE_SCORE})"})
     fold_constant: bool = field(default=True, metadata={
         "help": "x^p/c with a constant c: train the same function as x^p/1, then fold c^(1/p) into the queries "
                 "(AdamW's steps suit the smaller q and k: docs/research/2026-12-conversion.md, 'Per normalization'); "
@@ -171,13 +192,29 @@ class ConvertSettings:
         conversion reads it (the job passes the object on).
 
         Raises:
-            ValueError: an unknown spelling, a window or sinks that contradict ``softmax_window`` and
-                ``attention_sinks``, or sinks without a window.
+            ValueError: an unknown spelling, a window, sinks or a sparse cache that contradict ``softmax_window``,
+                ``attention_sinks``, ``sparse_cache`` and ``sparse_score``, or sinks or a sparse cache without a window.
         """
         base, sinks = parse_normalization(self.normalization), self.attention_sinks
         if sinks is None and not base.sinks:  # None with sinks in the spelling: keep them
             sinks = DEFAULT_ATTENTION_SINKS if self.softmax_window else 0
-        return with_window(base, self.softmax_window, sinks)
+        windowed = with_window(base, self.softmax_window, sinks)
+        sparse, score = self.sparse_cache, self.sparse_score
+        if base.sparse:  # the spelling's sparse cache: the flags may repeat it, not change it
+            spelled = getattr(base, "score")
+            if sparse not in (None, base.sparse) or score not in (None, spelled):
+                raise ValueError(f"{base.name} already has a sparse cache of {base.sparse} pairs ({spelled}); "
+                                 f"sparse_cache={sparse}, sparse_score={score} contradict it. Give the cache once.")
+            return windowed
+        if sparse is None:
+            sparse = DEFAULT_SPARSE_CACHE if self.softmax_window else 0
+        if score is not None and not sparse:
+            raise ValueError(f"sparse_score={score} without a sparse cache (sparse_cache=0, or no softmax window): "
+                             "give sparse_cache=K > 0 beside a window, or leave sparse_score out.")
+        if sparse and not self.softmax_window:
+            raise ValueError(f"sparse_cache={sparse} without a softmax window: the sparse cache's pairs are weighted "
+                             "by softmax with the window's. Give softmax_window=W > 0 too, or sparse_cache=0.")
+        return with_sparse(windowed, sparse, score or DEFAULT_SPARSE_SCORE)
 
     def resolved(self, target: Normalization) -> ConvertSettings:
         """These settings with the defaults that depend on others filled in: the recovery rate (on the recovery and

@@ -44,7 +44,8 @@ def _settings(tiny_lm_dir, texts, out, **overrides) -> ConvertSettings:
                   out=str(out), block_size=32, batch_size=2, eval_tokens=128, eval_steps=2, transfer_steps=4,
                   recovery_steps=4, logging_steps=2, save_steps=2, warmup_steps=0, report_to=("none",),
                   transfer_learning_rate=1e-2, recovery_learning_rate=1e-2, eval_domains=("none",), probe=False,
-                  softmax_window=0)  # the pure normalization; test_window_conversion.py converts with a window
+                  softmax_window=0, normalization="x^3/16", sparse_cache=0)
+    # the pure x^3/16 (the defaults' window and sparse cache: test_window_conversion.py)
     values.update(overrides)
     return ConvertSettings(**values)
 

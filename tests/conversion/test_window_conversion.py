@@ -112,7 +112,7 @@ def test_the_window_and_the_spelling_must_agree(tiny_lm_dir, texts, tmp_path):
                          softmax_window=64)
     with pytest.raises(ValueError, match="contradicts"):
         run_convert(settings)
-    assert ConvertSettings().target().name == "x^3/16 + softmax window 64 + sinks 4"  # the default recipe
+    assert ConvertSettings().target().name == "x/1 + softmax window 64 + sinks 4 + sparse 256 (value_over_key)"
 
 
 def test_the_sinks_are_resolved_once_from_the_flag_and_the_spelling():
@@ -120,11 +120,63 @@ def test_the_sinks_are_resolved_once_from_the_flag_and_the_spelling():
 
     default = ConvertSettings().target()
     assert (default.window, default.sinks) == (64, DEFAULT_ATTENTION_SINKS)
-    assert ConvertSettings(attention_sinks=2).target().name == "x^3/16 + softmax window 64 + sinks 2"
-    assert ConvertSettings(softmax_window=0).target().name == "x^3/16"  # no window: no default sinks
+    cubic = dict(normalization="x^3/16", sparse_cache=0)
+    assert ConvertSettings(attention_sinks=2, **cubic).target().name == "x^3/16 + softmax window 64 + sinks 2"
+    assert ConvertSettings(softmax_window=0).target().name == "x/1"  # no window: no default sinks, no sparse cache
     spelled = ConvertSettings(normalization="x/1 + softmax window 64 + sinks 3").target()
     assert spelled.sinks == 3  # the spelling's sinks kept when the flag is not given
     with pytest.raises(ValueError, match="without a softmax window"):
         ConvertSettings(softmax_window=0, attention_sinks=4).target()
     with pytest.raises(ValueError, match="contradicts"):
         ConvertSettings(normalization="x/1 + softmax window 64 + sinks 3", attention_sinks=1).target()
+
+
+def test_the_sparse_cache_is_resolved_once_from_the_flags_and_the_spelling():
+    from hf_knorm.conversion.settings import DEFAULT_SPARSE_CACHE, DEFAULT_SPARSE_SCORE
+
+    default = ConvertSettings().target()
+    assert (default.sparse, default.score) == (DEFAULT_SPARSE_CACHE, DEFAULT_SPARSE_SCORE)
+    assert ConvertSettings(sparse_cache=0).target().name == "x/1 + softmax window 64 + sinks 4"  # one flag away
+    assert ConvertSettings(sparse_cache=32, sparse_score="key_norm").target().name == \
+        "x/1 + softmax window 64 + sinks 4 + sparse 32 (key_norm)"
+    spelled = "relu(x)^2/n + softmax window 64 + sinks 4 + sparse 16 (key_norm)"
+    assert ConvertSettings(normalization=spelled).target().name == spelled  # the spelling's cache kept
+    assert ConvertSettings(normalization=spelled, sparse_cache=16, sparse_score="key_norm").target().name == spelled
+    for overrides, message in [
+        (dict(normalization=spelled, sparse_cache=8), "already has a sparse cache of 16 pairs"),
+        (dict(normalization=spelled, sparse_score="value_over_key"), "contradict it"),
+        (dict(softmax_window=0, sparse_cache=8), "without a softmax window"),
+        (dict(sparse_cache=0, sparse_score="key_norm"), "without a sparse cache"),
+        (dict(sparse_score="kv_diff"), "cannot be chosen the same way"),
+        (dict(sparse_cache=-1), "integer >= 0"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ConvertSettings(**overrides).target()
+
+
+def test_the_default_recipe_converts_with_a_sparse_cache_that_holds_every_older_key_of_a_training_block(
+        tiny_lm_dir, texts, tmp_path):
+    """The defaults' sparse cache (256 pairs) holds every key older than the window of a training block (here 32
+    tokens, window 8, 4 sinks): no key is left to the distant part, its mix solves to exactly 0 and the converted
+    model is its window alone; a cache smaller than the older keys leaves the distant part work."""
+    from hf_knorm.conversion.settings import DEFAULT_NORMALIZATION
+
+    out = tmp_path / "default"
+    run_convert(_settings(tiny_lm_dir, texts, out, normalization=DEFAULT_NORMALIZATION, sparse_cache=None,
+                          softmax_window=8, eval_domains=("essays",), eval_tokens=512, retrieval_lengths=(400,)))
+    record = json.loads((out / RESULT_FILE).read_text())
+    assert record["normalization"] == "x/1 + softmax window 8 + sinks 4 + sparse 256 (value_over_key)"
+    transfer = record["stages"]["transfer"]
+    assert torch.tensor(transfer["initial_window_mix"]).abs().max() == 0
+    assert torch.tensor(transfer["window_mix"]).abs().max() == 0
+    reloaded = hf_knorm.from_pretrained(out)
+    assert hf_knorm.patched_normalization(reloaded) == record["normalization"]
+    essays = record["beyond_window"]["domains"]["essays"]
+    assert essays["perplexity"] == pytest.approx(essays["window_only_perplexity"], rel=1e-6)  # the mix is 0
+
+    smaller = tmp_path / "sparse4"
+    run_convert(_settings(tiny_lm_dir, texts, smaller, normalization=DEFAULT_NORMALIZATION, sparse_cache=4,
+                          softmax_window=8, beyond_window=False))
+    record = json.loads((smaller / RESULT_FILE).read_text())
+    assert record["normalization"] == "x/1 + softmax window 8 + sinks 4 + sparse 4 (value_over_key)"
+    assert torch.tensor(record["stages"]["transfer"]["window_mix"]).abs().max() > 0

@@ -35,8 +35,9 @@ def run_demo(model_name: str, out_dir: str | Path, settings: DemoSettings | None
             model is loaded.
     """
     settings = settings or DemoSettings()
-    for name in (*settings.normalizations, settings.train_normalization):  # bad input fails before any work
+    for name in settings.normalizations:  # bad input fails before any work
         parse_normalization(name)
+    target = settings.conversion(model_name, str(Path(out_dir) / "conversion")).target()  # step 4's, with its window
     if push_to is not None:
         check_repo_id(push_to)
         token = resolve_token(token)
@@ -52,7 +53,7 @@ def run_demo(model_name: str, out_dir: str | Path, settings: DemoSettings | None
          lambda: normalizations_step(model, tokenizer, settings, out_dir / "normalizations")),
         ("balancing", "K/V balancing", lambda: balancing_step(model, tokenizer, settings, out_dir / "balancing")),
         ("knorm", "KNorm needle-in-a-haystack", lambda: knorm_step(model, tokenizer, settings, out_dir / "knorm")),
-        ("conversion", f"Converting to {settings.train_normalization} (transfer, recovery, norm callback)",
+        ("conversion", f"Converting to {target.name} (transfer, recovery, norm callback)",
          lambda: conversion_step(model, tokenizer, model_name, settings, out_dir / "conversion")),
         ("sharing", "Saving the converted model with its card" + (f" and pushing it to {push_to}" if push_to else ""),
          lambda: sharing_step(results["conversion"], out_dir / "model", push_to=push_to, token=token)),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from ...conversion.settings import DEFAULT_NORMALIZATION, DEFAULT_SPARSE_CACHE, DEFAULT_SPARSE_SCORE
+
 
 @dataclass(frozen=True)
 class DemoSettings:
@@ -29,9 +31,9 @@ class DemoSettings:
     niah_score: str = field(default="kv_diff", metadata={
         "help": "step 3: the eviction score shown beside the paper's key_norm (kv_diff is the recommended one, "
                 "docs/results/knorm.md, 'Eviction scores')"})
-    train_normalization: str = field(default="x^3/16", metadata={
-        "help": "step 4: the normalization the model is converted to (attention transfer, then hf-knorm convert's "
-                "default recovery: LoRA on the attention)"})
+    train_normalization: str = field(default=DEFAULT_NORMALIZATION, metadata={
+        "help": "step 4: the normalization the model is converted to, beside the softmax window, the sinks and the "
+                "sparse cache (attention transfer, then hf-knorm convert's default recovery: LoRA on the attention)"})
     transfer_steps: int = field(default=10, metadata={"help": "step 4: attention-transfer steps"})
     recovery_steps: int = field(default=50, metadata={"help": "step 4: recovery steps"})
     train_block_size: int = field(default=128, metadata={"help": "step 4: tokens per example"})
@@ -46,6 +48,10 @@ class DemoSettings:
     logging_steps: int = field(default=5, metadata={"help": "step 4: per-layer norms every N steps"})
     softmax_window: int = field(default=64, metadata={
         "help": "step 4: the softmax window beside the normalization (hf-knorm convert --softmax-window; 0: none)"})
+    sparse_cache: int | None = field(default=None, metadata={
+        "help": "step 4: older key/value pairs kept beside the window per layer and KV head, chosen by "
+                f"{DEFAULT_SPARSE_SCORE} (hf-knorm convert --sparse-cache; default: {DEFAULT_SPARSE_CACHE} with a "
+                "window, 0 without; 0: none)"})
     beyond_window: bool = field(default=True, metadata={
         "help": "step 4: also measure beyond the window (1,024-token blocks from position 256, passkey retrieval at "
                 "1,000 tokens, the window alone), as hf-knorm convert does"})
@@ -78,10 +84,11 @@ class DemoSettings:
 
         if self.full_conversion:
             return ConvertSettings(model=model, out=out, normalization=self.train_normalization, probe=self.probe,
-                                   softmax_window=self.softmax_window, beyond_window=self.beyond_window)
+                                   softmax_window=self.softmax_window, sparse_cache=self.sparse_cache,
+                                   beyond_window=self.beyond_window)
         return ConvertSettings(
             model=model, out=out, normalization=self.train_normalization, softmax_window=self.softmax_window,
-            beyond_window=self.beyond_window, retrieval_lengths=(1000,), transfer_steps=self.transfer_steps,
+            sparse_cache=self.sparse_cache, beyond_window=self.beyond_window, retrieval_lengths=(1000,), transfer_steps=self.transfer_steps,
             recovery_steps=self.recovery_steps, block_size=self.train_block_size, batch_size=self.train_batch_size,
             teacher_tokens=self.teacher_tokens, eval_tokens=self.eval_tokens, eval_steps=self.eval_steps,
             logging_steps=self.logging_steps, probe=self.probe,
