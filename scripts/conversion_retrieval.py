@@ -31,7 +31,7 @@ import transformers
 import hf_knorm
 from hf_knorm.evaluation.retrieval import hits_by_length, retrieval_records
 from hf_knorm.eviction.pipeline import knorm_generate
-from hf_knorm.models.window_mix import distant_part_off
+from hf_knorm.models.window_mix import distant_part_off, window_mixes
 from hf_knorm.normalizations import Polynomial, parse_normalization
 
 
@@ -91,14 +91,28 @@ def measured_here(run: Path, task: str, lengths: list[int], out: Path) -> dict:
         return json.loads(path.read_text())
     original, tokenizer = hf_knorm.load_default_model()
     converted = hf_knorm.from_pretrained(run).eval()
-    tables = {"original": hits_by_length(retrieval_records(original, tokenizer, (task,), lengths)),
+    tables = {"original": original_hits(original, tokenizer, task, lengths, out),
               "converted": hits_by_length(retrieval_records(converted, tokenizer, (task,), lengths))}
     if parse_normalization(hf_knorm.patched_normalization(converted)).window:
-        with distant_part_off(converted):
-            tables["window_only"] = hits_by_length(retrieval_records(converted, tokenizer, (task,), lengths))
+        if all(mix == 0 for layer in window_mixes(converted) for mix in layer):
+            tables["window_only"] = tables["converted"]  # the distant part is off already: the same model
+        else:
+            with distant_part_off(converted):
+                tables["window_only"] = hits_by_length(retrieval_records(converted, tokenizer, (task,), lengths))
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(tables, indent=1))
     return tables
+
+
+def original_hits(original, tokenizer, task: str, lengths: list[int], out: Path) -> dict:
+    """The original model's ``{task: {length: [hits, cells]}}`` (greedy, so the same for every run: cached in ``out``)."""
+    path = out / f"original_{task}_{'-'.join(map(str, lengths))}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    table = hits_by_length(retrieval_records(original, tokenizer, (task,), lengths))
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1))
+    return table
 
 
 def main() -> None:

@@ -199,7 +199,7 @@ def test_the_readme_examples_run_as_written(tmp_path, monkeypatch, hub, small_ca
         _run(sections[heading], f"README.md ({heading})", namespace)
     assert (tmp_path / "norms.png").stat().st_size > 0
     assert hf_knorm.patched_normalization(namespace["model"]) is not None  # the converted model, reloaded
-    assert "me/smollm2-x3-16" in hub.repos
+    assert "me/smollm2-sparse" in hub.repos
 
 
 @pytest.mark.parametrize("page", [page for page in _docs_blocks() if page not in NOT_RUN])
