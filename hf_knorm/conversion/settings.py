@@ -87,7 +87,7 @@ class ConvertSettings:
                 f"{DEFAULT_SPARSE_CACHE} with one, 0 without; 0: none)"})
     sparse_score: str | None = field(default=None, metadata={
         "help": "which older pairs the sparse cache keeps, a score fixed when its token is produced: value_over_key "
-                "(||v|| / ||k||) | key_norm (KNorm's -||k||) (default: " f"{DEFAULT_SPARSE_SCORE})"})
+                f"(||v|| / ||k||) | key_norm (KNorm's -||k||) (default: {DEFAULT_SPARSE_SCORE})"})
     fold_constant: bool = field(default=True, metadata={
         "help": "x^p/c with a constant c: train the same function as x^p/1, then fold c^(1/p) into the queries "
                 "(AdamW's steps suit the smaller q and k: docs/research/2026-12-conversion.md, 'Per normalization'); "
@@ -201,7 +201,7 @@ class ConvertSettings:
         windowed = with_window(base, self.softmax_window, sinks)
         sparse, score = self.sparse_cache, self.sparse_score
         if base.sparse:  # the spelling's sparse cache: the flags may repeat it, not change it
-            spelled = getattr(base, "score")
+            spelled = base.score
             if sparse not in (None, base.sparse) or score not in (None, spelled):
                 raise ValueError(f"{base.name} already has a sparse cache of {base.sparse} pairs ({spelled}); "
                                  f"sparse_cache={sparse}, sparse_score={score} contradict it. Give the cache once.")

@@ -88,8 +88,8 @@ class DemoSettings:
                                    beyond_window=self.beyond_window)
         return ConvertSettings(
             model=model, out=out, normalization=self.train_normalization, softmax_window=self.softmax_window,
-            sparse_cache=self.sparse_cache, beyond_window=self.beyond_window, retrieval_lengths=(1000,), transfer_steps=self.transfer_steps,
-            recovery_steps=self.recovery_steps, block_size=self.train_block_size, batch_size=self.train_batch_size,
+            sparse_cache=self.sparse_cache, beyond_window=self.beyond_window, retrieval_lengths=(1000,),
+            transfer_steps=self.transfer_steps, recovery_steps=self.recovery_steps, block_size=self.train_block_size, batch_size=self.train_batch_size,
             teacher_tokens=self.teacher_tokens, eval_tokens=self.eval_tokens, eval_steps=self.eval_steps,
             logging_steps=self.logging_steps, probe=self.probe,
             warmup_steps=min(10, self.transfer_steps // 2), save_steps=max(self.transfer_steps, self.recovery_steps) + 1)

@@ -82,9 +82,14 @@ def test_the_report_has_every_section_and_embeds_its_images(fast_demo):
     assert 'src="http' not in page and '<link rel="stylesheet"' not in page  # self-contained: nothing to fetch
 
 
-def test_demo_reports_a_bad_normalization_before_loading_the_model(tmp_path, capsys):
-    assert main(["demo", "--fast", "--normalizations", "x^0/1", "--out", str(tmp_path)]) == 2
-    assert "power p must be an integer >= 1" in capsys.readouterr().err
+@pytest.mark.parametrize("flags, message", [
+    (["--normalizations", "x^0/1"], "power p must be an integer >= 1"),
+    (["--train-normalization", "x^0/1"], "power p must be an integer >= 1"),
+    (["--softmax-window", "0", "--sparse-cache", "8"], "sparse_cache=8 without a softmax window"),
+])
+def test_demo_reports_a_bad_normalization_before_loading_the_model(tmp_path, capsys, flags, message):
+    assert main(["demo", "--fast", *flags, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
     assert not (tmp_path / "report.html").exists()
 
 
