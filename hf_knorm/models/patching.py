@@ -156,11 +156,15 @@ def _refuse_sliding_layers(model: nn.Module, normalization: Normalization) -> No
     layers = (f"{len(sliding)} attention layers of this {model.config.model_type} model have their own sliding window "
               f"({name}: {window} positions), which leaves them behind.")
     if normalization.sinks:
+        also = (" and without the sparse cache (hf-knorm convert --attention-sinks 0 --sparse-cache 0: the softmax "
+                "window alone)" if normalization.sparse else " (attention_sinks=0; hf-knorm convert --attention-sinks 0: "
+                "the softmax window alone)")
         raise ValueError(f"{normalization.name}: attention sinks are each sequence's first {normalization.sinks} "
-                         f"tokens, and {layers} Patch it without attention_sinks (attention_sinks=0; hf-knorm convert "
-                         "--attention-sinks 0: the softmax window alone), or use a model without sliding-window layers.")
+                         f"tokens, and {layers} Patch it without attention_sinks{also}, or use a model without "
+                         "sliding-window layers.")
     raise ValueError(f"{normalization.name}: a sparse cache keeps pairs older than the softmax window, and {layers} "
-                     "Patch it without the sparse cache, or use a model without sliding-window layers.")
+                     "Patch it without the sparse cache (hf-knorm convert --sparse-cache 0), or use a model without "
+                     "sliding-window layers.")
 
 
 def own_config(model: nn.Module) -> None:

@@ -110,6 +110,17 @@ def test_sinks_are_refused_on_a_models_own_sliding_window(model_type):
         sunk.generate(**inputs, max_new_tokens=2, do_sample=False)
 
 
+def test_the_default_conversion_on_a_sliding_window_model_names_both_flags_to_drop():
+    """``hf-knorm convert``'s defaults (sinks and a sparse cache) on a model with its own sliding window: the refusal
+    names both flags, so that following it works the first time."""
+    model_type = SLIDING_TYPES[0]
+    with pytest.raises(ValueError, match="Patch it without attention_sinks and without the sparse cache "
+                                         r"\(hf-knorm convert --attention-sinks 0 --sparse-cache 0"):
+        hf_knorm.patch(tiny_model(model_type), "x/1 + softmax window 3 + sinks 2 + sparse 4 (value_over_key)")
+    with pytest.raises(ValueError, match=r"without the sparse cache \(hf-knorm convert --sparse-cache 0\)"):
+        hf_knorm.patch(tiny_model(model_type), "x/1 + softmax window 3 + sparse 4 (value_over_key)")
+
+
 def _kv_cache(model):
     from transformers import DynamicCache
 
