@@ -126,8 +126,18 @@ def check_settings(settings: ConvertSettings) -> Normalization:
     if settings.resume and not started:
         raise ValueError(f"--resume: {out} holds no conversion to continue ({STATE_FILE} is missing).")
     if settings.resume:  # a run records its settings resolved (settings.resolved), so compare them resolved
-        check_same_settings(read_state(out).get("settings"), settings.resolved(target))
+        check_same_settings(_with_sparse_cache_recorded(read_state(out).get("settings")), settings.resolved(target))
     return target
+
+
+def _with_sparse_cache_recorded(stored: dict | None) -> dict | None:
+    """A settings record from before ``--sparse-cache`` had a default (it lacks the field) with the value it ran with:
+    0, unless its spelling named a cache (then ``None``, the spelling's), so that resuming such a run with today's
+    default (256 pairs) is refused as a change of settings."""
+    if not stored or "sparse_cache" in stored:
+        return stored
+    spelled = parse_normalization(stored.get("normalization", "x/1")).sparse
+    return {**stored, "sparse_cache": None if spelled else 0}
 
 
 def convert(settings: ConvertSettings | None = None, **fields) -> dict:

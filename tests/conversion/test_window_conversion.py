@@ -5,6 +5,7 @@ out; the evaluation beyond the window (1,024-token blocks from position 256, ret
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -180,3 +181,25 @@ def test_the_default_recipe_converts_with_a_sparse_cache_that_holds_every_older_
     record = json.loads((smaller / RESULT_FILE).read_text())
     assert record["normalization"] == "x/1 + softmax window 8 + sinks 4 + sparse 4 (value_over_key)"
     assert torch.tensor(record["stages"]["transfer"]["window_mix"]).abs().max() > 0
+
+
+def test_a_run_started_before_the_sparse_default_is_not_resumed_with_it(tiny_lm_dir, texts, tmp_path):
+    """A run whose settings record predates ``--sparse-cache`` had no sparse cache unless it spelled one; resumed
+    with today's default (256 pairs) it would train another model: refused as a change of settings. One that spelled
+    its cache resumes."""
+    from hf_knorm.conversion.state import write_state
+    from hf_knorm.jobs.convert import check_settings
+    from hf_knorm.runs.run_folder import settings_record
+
+    out = tmp_path / "old"
+    old = _settings(tiny_lm_dir, texts, out, softmax_window=8, sparse_cache=None, resume=True)
+    record = {name: value for name, value in settings_record(old.resolved(old.target())).items()
+              if name not in ("sparse_cache", "sparse_score")}
+    out.mkdir()
+    write_state(out, {"settings": record})
+    with pytest.raises(ValueError, match="these differ: sparse_cache: 0 then, None now"):
+        check_settings(old)
+    assert check_settings(replace(old, sparse_cache=0)).name == "x^3/16 + softmax window 8 + sinks 4"
+    spelled = replace(old, normalization="x/1 + softmax window 8 + sparse 4 (key_norm)")
+    write_state(out, {"settings": {**record, "normalization": spelled.normalization}})
+    assert check_settings(spelled).name == "x/1 + softmax window 8 + sinks 4 + sparse 4 (key_norm)"
