@@ -29,12 +29,10 @@ def learned_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
             if name.rsplit(".", 1)[-1].startswith(PARAMETER_PREFIX)}
 
 
-def train_learned_values(model: nn.Module) -> list[str]:
-    """Mark every learned value of ``model`` trainable; the names marked."""
-    parameters = learned_parameters(model)
-    for parameter in parameters.values():
+def train_learned_values(model: nn.Module) -> None:
+    """Mark every learned value of ``model`` trainable."""
+    for parameter in learned_parameters(model).values():
         parameter.requires_grad_(True)
-    return list(parameters)
 
 
 class LearnedValuesCheckpoint(TrainerCallback):

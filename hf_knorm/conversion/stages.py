@@ -110,8 +110,10 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
         lora = LoraConfig(r=settings.lora_rank, lora_alpha=2 * settings.lora_rank, lora_dropout=0.0,
                           target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
-        if settings.window_dropout:  # a dropped step is the base family times the mix: the mix must be able to move
-            train_learned_values(model)
+    # a dropped step is the base family times the mix, which LoRA would freeze: train it, checkpoint it beside LoRA's
+    learned_values = bool(settings.window_dropout) and settings.recovery == "lora"
+    if learned_values:
+        train_learned_values(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     top_k, k = None, settings.teacher_top_k
     if k is None:  # the default: on where the recovery reads most of the training set
@@ -128,10 +130,10 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
     callbacks = [NormLoggerCallback(), StopOnNonFiniteGradient(_advice("--recovery-learning-rate"))]
     if settings.window_dropout:  # steps without the window, drawn from the seed (hf_knorm.training.window_dropout)
         callbacks.append(WindowDropoutCallback(settings.window_dropout, settings.window_dropout_schedule))
-        if settings.recovery == "lora":  # the learned values, trained beside the adapters: saved beside them
-            callbacks.append(LearnedValuesCheckpoint())
-            if checkpoint is not None:
-                restore_learned_values(model, checkpoint)
+    if learned_values:
+        callbacks.append(LearnedValuesCheckpoint())
+        if checkpoint is not None:
+            restore_learned_values(model, checkpoint)
     trainer = DistillationTrainer(
         model=model, args=arguments,
         train_dataset=train, eval_dataset=eval_sets, data_collator=collator,
