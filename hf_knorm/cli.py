@@ -36,6 +36,7 @@ Errors: a ``ValueError``, ``FileNotFoundError``, ``RuntimeError`` or a missing o
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import typing
 from collections.abc import Callable
@@ -339,13 +340,30 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         command, settings, args = _settings(parser, args, argv)
-        return command.run(settings, args)
+        return _leave_processes(command.run(settings, args))
     except (ValueError, FileNotFoundError, RuntimeError, MissingExtraError) as error:
         if args.debug:
             raise
         hint = " (--debug shows where it came from)" if type(error) is RuntimeError else ""
         print(f"hf-knorm {args.command}: error: {error}{hint}", file=sys.stderr)
-        return 2
+        return _leave_processes(2)
+
+
+def _leave_processes(code: int) -> int:
+    """``code``; in a job launched in several processes (``accelerate launch``), exit with it here instead.
+
+    Why: with a gloo process group, its worker threads abort the interpreter's teardown now and then ("terminate called
+    without an active exception", SIGABRT after the job has written everything; pytorch/pytorch#190489 and #179291),
+    which turns a finished job's exit status into a failure. Every file is written by now, so the group is destroyed,
+    the streams flushed, and the process ends without the teardown. One process (no group): returns ``code``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return code
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

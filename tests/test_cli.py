@@ -153,3 +153,25 @@ def test_the_help_lists_every_registered_family_with_a_spelling_that_parses():
     for key, listed in hf_knorm.list_normalizations().items():
         assert key in text and listed["example"] in text
         assert hf_knorm.parse_normalization(listed["example"]).family == key
+
+
+def test_a_multi_process_job_leaves_with_its_exit_status_and_no_interpreter_teardown(tmp_path):
+    """In a process group (``accelerate launch``), the CLI exits with the job's status right after destroying the
+    group, skipping the teardown that gloo's threads abort now and then; in one process it just returns the status."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from hf_knorm.cli import _leave_processes
+
+    assert _leave_processes(3) == 3  # no group: main() stays callable in-process
+    script = textwrap.dedent(f"""
+        import torch.distributed as dist
+        from hf_knorm.cli import _leave_processes
+        dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
+        print("job done", flush=False)
+        _leave_processes(5)
+        print("not reached")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 5 and result.stdout.strip() == "job done"
