@@ -12,13 +12,15 @@ warns of exactly this). So every conversion is also measured
   ``W`` keys), against the original's hits;
 - and, for a hybrid, both again **with the polynomial part switched off** (the window alone,
   :func:`hf_knorm.models.window_mix.distant_part_off`): the hybrid must beat it beyond the window, or its polynomial
-  part is decoration.
+  part is decoration. Where the mix is already 0 in every head (a sparse cache that held every older key of the
+  training blocks leaves the part beside the window nothing to fit), the window alone is the same model: its
+  figures are the converted model's, not measured twice (``window_only_is_converted`` in the record).
 """
 
 from __future__ import annotations
 
 from ..evaluation.retrieval import hits_by_length, retrieval_records
-from ..models.window_mix import distant_part_off
+from ..models.window_mix import distant_part_off, window_mixes
 from ..data.heldout import held_out_domain_blocks, held_out_perplexity
 
 BLOCK = 1024
@@ -47,6 +49,8 @@ def beyond_window_perplexities(model, blocks: dict, label: str) -> dict[str, flo
 def measure_converted(model, tokenizer, blocks: dict, retrieval: dict, windowed: bool) -> dict:
     """The converted model's beyond-window perplexities and retrieval records, and the window-only ablation's when
     ``windowed``: ``{"perplexity": ..., "retrieval": [...], "window_only": {"perplexity": ..., "retrieval": [...]}}``.
+    Where every head's mix is 0 the ablation changes nothing: ``window_only`` is the converted model's own figures,
+    with ``"is_converted": True``.
 
     Args:
         retrieval: keyword arguments of :func:`~hf_knorm.evaluation.retrieval.retrieval_records` (tasks, lengths,
@@ -54,7 +58,9 @@ def measure_converted(model, tokenizer, blocks: dict, retrieval: dict, windowed:
     """
     measured = {"perplexity": beyond_window_perplexities(model, blocks, "converted model"),
                 "retrieval": retrieval_records(model, tokenizer, **retrieval, desc="converted model, retrieval")}
-    if windowed:
+    if windowed and all(mix == 0 for layer in window_mixes(model) for mix in layer):
+        measured["window_only"] = {**measured, "is_converted": True}
+    elif windowed:
         with distant_part_off(model):
             measured["window_only"] = {
                 "perplexity": beyond_window_perplexities(model, blocks, "window only"),
@@ -85,4 +91,5 @@ def beyond_window_record(original: dict, converted: dict) -> dict:
         record["window_only_worst_ratio"] = max(entry["window_only_ratio"] for entry in domains.values())
         record["retrieval"]["window_only"] = hits_by_length(window_only["retrieval"])
         record["answers"]["window_only"] = window_only["retrieval"]
+        record["window_only_is_converted"] = bool(window_only.get("is_converted"))
     return record

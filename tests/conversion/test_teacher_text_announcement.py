@@ -1,5 +1,6 @@
 """The teacher-sampling announcement states a time only from a rate measured at the same batch size on the same
-device (a one-sample draw cached by the tests once announced 11 min for a 32-at-a-time draw that took 2.5 min)."""
+device by the same sampler (a one-sample draw cached by the tests once announced 11 min for a 32-at-a-time draw
+that took 2.5 min)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import torch
 from hf_knorm.conversion import teacher_text
 
 
-def _cached_draw(folder, model_dir, *, batch_size, tokens_per_second, device="cpu", name):
-    cost = {"model_dir": str(model_dir), "tokens_per_second": tokens_per_second, "device": device}
+def _cached_draw(folder, model_dir, *, batch_size, tokens_per_second, device="cpu", sampler=teacher_text.SAMPLER,
+                 name):
+    cost = {"model_dir": str(model_dir), "tokens_per_second": tokens_per_second, "device": device,
+            "sampler": sampler}
     if batch_size is not None:
         cost["batch_size"] = batch_size
     (folder / f"{name}.json").write_text(json.dumps(cost))
@@ -27,6 +30,7 @@ def test_the_time_comes_only_from_draws_at_the_same_batch_size_and_device(tmp_pa
     _cached_draw(folder, model_dir, batch_size=None, tokens_per_second=12.0, name="unrecorded")  # an older cache
     _cached_draw(folder, model_dir, batch_size=32, tokens_per_second=500.0, device="cuda:0", name="gpu")
     _cached_draw(folder, tmp_path / "other_model", batch_size=32, tokens_per_second=80.0, name="other")
+    _cached_draw(folder, model_dir, batch_size=32, tokens_per_second=40.0, sampler=None, name="sorted")  # the warper's
     line = teacher_text.announcement(model, model_dir, tokens, path)
     assert "32 at a time" in line and "min at the" not in line  # no rate of this draw's kind: no time
     _cached_draw(folder, model_dir, batch_size=32, tokens_per_second=50.0, name="same_a")
