@@ -8,7 +8,8 @@ temperature 1 with nucleus ``top_p`` 0.95 (the teacher's distribution without it
 rambles), up to ``NEW_TOKENS_PER_SAMPLE`` new tokens a sample (a sample ends at the end-of-text token, kept), the
 prompts cycled (plain and chat alternating) until ``tokens`` new tokens are drawn. The nucleus is found by
 :class:`.nucleus.NucleusFilter` (Transformers' ``TopPLogitsWarper``'s tokens, without sorting the vocabulary at every
-step: a draw 1.40x faster on a CPU, the same tokens; ``scripts/bench_teacher_samples.py``).
+step: the same tokens, the default model's draw 1.21x faster on 2 CPU threads, 1.40x on one;
+``scripts/bench_teacher_samples.py``).
 
 Generated once per model and settings, then cached under ``cache_dir()/teacher_text`` (``$HF_KNORM_CACHE``) with
 what it cost (``*.json``: seconds, tokens, tokens per second); a conversion reads the cache when it is there.
