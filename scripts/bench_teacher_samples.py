@@ -57,11 +57,7 @@ def main() -> None:
     result["speedup"] = result["seconds"]["sort"] / result["seconds"]["filter"]
     if args.cached:
         cached = [json.loads(line)["text"] for line in args.cached.read_text().splitlines()[:len(prompts)]]
-        drawn = []
-        for prompt, row in zip(prompts, new.tolist()):
-            if tokenizer.eos_token_id in row:
-                row = row[:row.index(tokenizer.eos_token_id) + 1]
-            drawn.append(prompt + tokenizer.decode(row, skip_special_tokens=False))
+        drawn = [teacher_text.sample_text(tokenizer, prompt, row)[0] for prompt, row in zip(prompts, new.tolist())]
         result["same_as_cached"] = sum(a == b for a, b in zip(drawn, cached))
         result["cached_compared"] = len(cached)
     print(json.dumps({k: v for k, v in result.items() if k != "all_seconds"}, indent=2))

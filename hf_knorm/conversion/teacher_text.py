@@ -196,11 +196,10 @@ def _sample(model, tokenizer, tokens: int, seed: int, progress: bool) -> tuple[l
             for prompt, row in zip(prompts, output[:, batch["input_ids"].shape[1]:].tolist()):
                 if drawn >= tokens:
                     break
-                if tokenizer.eos_token_id in row:  # the end-of-text token is kept, what the generator padded is not
-                    row = row[:row.index(tokenizer.eos_token_id) + 1]
-                texts.append(prompt + tokenizer.decode(row, skip_special_tokens=False))
-                drawn += len(row)
-                bar.update(len(row))
+                text, count = sample_text(tokenizer, prompt, row)
+                texts.append(text)
+                drawn += count
+                bar.update(count)
         bar.close()
     finally:
         tokenizer.padding_side = padding_side
@@ -219,6 +218,14 @@ def generate_batch(model, batch, pad: int, sort_vocabulary: bool = False) -> tor
                dict(top_p=1.0, logits_processor=LogitsProcessorList([NucleusFilter(TOP_P, CANDIDATES)])))
     return model.generate(**batch, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=NEW_TOKENS_PER_SAMPLE,
                           pad_token_id=pad, **nucleus)
+
+
+def sample_text(tokenizer, prompt: str, new_ids: list[int]) -> tuple[str, int]:
+    """A sample's text (``prompt`` and its continuation) and its number of new tokens, from the ids ``generate`` gave
+    after the prompt: the end-of-text token kept, what the generator padded after it dropped."""
+    if tokenizer.eos_token_id in new_ids:
+        new_ids = new_ids[:new_ids.index(tokenizer.eos_token_id) + 1]
+    return prompt + tokenizer.decode(new_ids, skip_special_tokens=False), len(new_ids)
 
 
 def prompt_texts(tokenizer, start: int, count: int) -> list[str]:
