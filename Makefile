@@ -87,7 +87,7 @@ device-check: $(STAMP)
 	$(PY) scripts/device_check.py
 
 bench: $(STAMP)
-	$(PY) scripts/bench_attention.py
+	$(PY) scripts/attention/bench_attention.py
 
 clean:
 	rm -rf $(VENV) .venv-tf* outputs site

@@ -9,7 +9,7 @@ rambles), up to ``NEW_TOKENS_PER_SAMPLE`` new tokens a sample (a sample ends at 
 prompts cycled (plain and chat alternating) until ``tokens`` new tokens are drawn. The nucleus is found by
 :class:`.nucleus.NucleusFilter` (Transformers' ``TopPLogitsWarper``'s tokens, without sorting the vocabulary at every
 step: the same tokens, the default model's draw 1.21x faster on 2 CPU threads, 1.40x on one;
-``scripts/bench_teacher_samples.py``).
+``scripts/conversion/bench_teacher_samples.py``).
 
 Generated once per model and settings, then cached under ``cache_dir()/teacher_text`` (``$HF_KNORM_CACHE``) with
 what it cost (``*.json``: seconds, tokens, tokens per second); a conversion reads the cache when it is there.
@@ -211,7 +211,7 @@ def generate_batch(model, batch, pad: int, sort_vocabulary: bool = False) -> tor
     """One batch of samples, ``(B, prompt + new tokens)`` ids: ``generate`` at temperature 1 with nucleus
     :data:`TOP_P` (:class:`.nucleus.NucleusFilter`), up to :data:`NEW_TOKENS_PER_SAMPLE` new tokens, on the
     left-padded ``batch``. ``sort_vocabulary``: Transformers' ``TopPLogitsWarper`` instead, the reference the filter is
-    tested and timed against (``scripts/bench_teacher_samples.py``)."""
+    tested and timed against (``scripts/conversion/bench_teacher_samples.py``)."""
     from transformers import LogitsProcessorList
 
     nucleus = (dict(top_p=TOP_P) if sort_vocabulary else

@@ -9,7 +9,7 @@ in parallel) and writes, per task:
 
 Usage::
 
-    python scripts/knorm_scores_report.py outputs/niah_scores/niah outputs/niah_scores/passkey \\
+    python scripts/knorm/knorm_scores_report.py outputs/niah_scores/niah outputs/niah_scores/passkey \\
         --figures docs/figures/knorm --out outputs/niah_scores/scores.md
 """
 

@@ -9,7 +9,7 @@ times each, and reports the median time of each, their ratio, and whether the tw
 first batch's texts against that file's first 32.
 
 Usage:
-    python scripts/bench_teacher_samples.py --repeats 3 --cached ~/.cache/hf_knorm/teacher_text/KEY.jsonl
+    python scripts/conversion/bench_teacher_samples.py --repeats 3 --cached ~/.cache/hf_knorm/teacher_text/KEY.jsonl
 """
 
 from __future__ import annotations

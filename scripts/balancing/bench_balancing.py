@@ -9,7 +9,7 @@ attention reads compressed K/V (``hf_knorm.balancing.codecs`` through ``KVTransf
 2. per-token int4/int3/int2 quantization in groups of 64 channels, and fp8 (e4m3) with one absmax scale for K and V.
 
 Calibration (balancing and PCA): the first tokens of the other Shakespeare works. Run with one thread to share the
-machine: ``OMP_NUM_THREADS=1 python scripts/bench_balancing.py`` (about 15 minutes on a 2-core CPU).
+machine: ``OMP_NUM_THREADS=1 python scripts/balancing/bench_balancing.py`` (about 15 minutes on a 2-core CPU).
 """
 
 from __future__ import annotations

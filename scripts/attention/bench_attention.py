@@ -10,8 +10,8 @@ of interleaved repeats, reported with their ratio to SDPA, which is what the tar
 - forward time at N = 4096 within 2x of SDPA's.
 
 Usage:
-    python scripts/bench_attention.py                          # CPU, fp32, N in 1024..8192
-    python scripts/bench_attention.py --device cuda --dtype bf16 --lengths 1024,4096,16384,32768
+    python scripts/attention/bench_attention.py                          # CPU, fp32, N in 1024..8192
+    python scripts/attention/bench_attention.py --device cuda --dtype bf16 --lengths 1024,4096,16384,32768
 """
 
 from __future__ import annotations

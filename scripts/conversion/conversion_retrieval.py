@@ -13,8 +13,8 @@ the compression a user would choose instead of converting. Prints one markdown t
   model's ``W + S + K`` and its state counted in pairs (``D x D_v + D`` floats over ``D + D_v`` per pair).
 
 Usage:
-    python scripts/conversion_retrieval.py --runs runs/sparse_s0,runs/sparse_s1,runs/sparse_s2 --out runs/retrieval
-    python scripts/conversion_retrieval.py --runs runs/sparse_s0 --tasks niah --out runs/retrieval  # + the needle
+    python scripts/conversion/conversion_retrieval.py --runs runs/sparse_s0,runs/sparse_s1,runs/sparse_s2 --out runs/retrieval
+    python scripts/conversion/conversion_retrieval.py --runs runs/sparse_s0 --tasks niah --out runs/retrieval  # + the needle
 The baseline's and the extra tasks' records are cached in ``--out`` (``knorm_baseline.json``) and reused by the next call.
 """
 

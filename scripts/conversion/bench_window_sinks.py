@@ -4,8 +4,8 @@ the tokenizer's attention_mask) and on ``generate`` (its own cache: a K/V cache 
 RecurrentStateCache for ``x/1``), each against the same model without sinks in the same run (interleaved repeats,
 medians, ratios). ``--sparse K``: window + 4 sinks against window + 4 sinks + ``sparse K (value_over_key)`` instead.
 
-    OMP_NUM_THREADS=1 python scripts/bench_window_sinks.py --tokens 1024 --new-tokens 32
-    OMP_NUM_THREADS=1 python scripts/bench_window_sinks.py --tokens 1024 --new-tokens 32 --sparse 256
+    OMP_NUM_THREADS=1 python scripts/conversion/bench_window_sinks.py --tokens 1024 --new-tokens 32
+    OMP_NUM_THREADS=1 python scripts/conversion/bench_window_sinks.py --tokens 1024 --new-tokens 32 --sparse 256
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ Reports each step's training loss in both (they should agree: the same blocks, t
 job's wall time (model loading and the held-out evaluations at the start and the end included, the same in both).
 
 Usage:
-    python scripts/bench_processes.py                     # 10 steps of 2 x 2 x 256 tokens, x^3/16
-    python scripts/bench_processes.py --steps 20 --normalization softmax
+    python scripts/training/bench_processes.py                     # 10 steps of 2 x 2 x 256 tokens, x^3/16
+    python scripts/training/bench_processes.py --steps 20 --normalization softmax
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def finetune(out: Path, flags: list[str], processes: int, threads: int) -> dict:

@@ -7,7 +7,7 @@ its time per token at 32k at most 1.1x that at 1k). The same measurement (:func:
 decoding_cost`) draws the demo's decoding figure.
 
 Usage:
-    python scripts/bench_decoding.py --lengths 1024,2048,4096,8192,16384,32768 --figure docs/figures/linear/decoding.png
+    python scripts/attention/bench_decoding.py --lengths 1024,2048,4096,8192,16384,32768 --figure docs/figures/linear/decoding.png
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ entries of ``hf-knorm niah`` (``key_diff+sinks4+window64``, ...) at every ``--ra
 uncompressed model. Prints a markdown table (rows: scores, columns: ratios) and writes it with the raw numbers to
 ``--out``.
 
-Usage: ``OMP_NUM_THREADS=1 python scripts/knorm_perplexity.py --context 2000 --continuation 512 --windows 8``
+Usage: ``OMP_NUM_THREADS=1 python scripts/knorm/knorm_perplexity.py --context 2000 --continuation 512 --windows 8``
 """
 
 from __future__ import annotations

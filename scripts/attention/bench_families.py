@@ -19,8 +19,8 @@ tokens, no gradient) patched with each family, against the same model unpatched 
 interleaving (each family patched before its turn, unpatched after).
 
 Usage:
-    python scripts/bench_families.py                               # ~5 min on 1 thread
-    python scripts/bench_families.py --repeats 5 --model-length 2048
+    python scripts/attention/bench_families.py                               # ~5 min on 1 thread
+    python scripts/attention/bench_families.py --repeats 5 --model-length 2048
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ the first steps excluded); the ratio is taken per repetition, then the median ov
 patched with x^3/16 (the norms are read from the attention the model runs anyway), and not patched (SDPA; on
 logging steps the callback runs it through hf_knorm's softmax).
 
-    python scripts/bench_callback.py                       # ~5 min on a 2-core CPU
-    python scripts/bench_callback.py --hidden 256 --block 256 --repeats 3
+    python scripts/training/bench_callback.py                       # ~5 min on a 2-core CPU
+    python scripts/training/bench_callback.py --hidden 256 --block 256 --repeats 3
 """
 
 from __future__ import annotations

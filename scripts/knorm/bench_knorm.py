@@ -18,9 +18,9 @@ compressed alternate), medians reported:
   and by the process's CPU time (median and range over rounds), and the bytes held (``cache.nbytes()``) against the
   kept pairs' arithmetic size.
 
-Usage: ``OMP_NUM_THREADS=1 python scripts/bench_knorm.py --lengths 4000,8000 --ratios 0.5,0.75,0.9``
-       ``OMP_NUM_THREADS=1 python scripts/bench_knorm.py --lengths 4000,8000 --ratios 0.5 --scores key_norm,key_diff``
-       ``OMP_NUM_THREADS=1 python scripts/bench_knorm.py --lengths 2000 --ratios 0.5 --head-budgets --rounds 5``
+Usage: ``OMP_NUM_THREADS=1 python scripts/knorm/bench_knorm.py --lengths 4000,8000 --ratios 0.5,0.75,0.9``
+       ``OMP_NUM_THREADS=1 python scripts/knorm/bench_knorm.py --lengths 4000,8000 --ratios 0.5 --scores key_norm,key_diff``
+       ``OMP_NUM_THREADS=1 python scripts/knorm/bench_knorm.py --lengths 2000 --ratios 0.5 --head-budgets --rounds 5``
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ rule. The kernels alone: ``F.scaled_dot_product_attention(is_causal=True, enable
 ``linear_attention`` on the same layer's shapes, forward, in the parent process.
 
 Usage:
-    python scripts/bench_model_linear.py --model layer --lengths 1024,4096,16384,32768,65536 --sdpa-max 32768
-    python scripts/bench_model_linear.py --model layer --lengths 16384 --batch 2 --left-pad 100 --normalization x/sqrtN
-    python scripts/bench_model_linear.py --model default --lengths 8192,32768 --passes fwd --sdpa-max 8192
+    python scripts/attention/bench_model_linear.py --model layer --lengths 1024,4096,16384,32768,65536 --sdpa-max 32768
+    python scripts/attention/bench_model_linear.py --model layer --lengths 16384 --batch 2 --left-pad 100 --normalization x/sqrtN
+    python scripts/attention/bench_model_linear.py --model default --lengths 8192,32768 --passes fwd --sdpa-max 8192
 """
 
 from __future__ import annotations

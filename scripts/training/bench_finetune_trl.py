@@ -9,7 +9,7 @@ second of each run, their medians and the ratio SFTTrainer / Trainer (the target
 of both arms (the same examples in the same order: they must agree).
 
 Usage:
-    python scripts/bench_finetune_trl.py --steps 12 --repeats 3
+    python scripts/training/bench_finetune_trl.py --steps 12 --repeats 3
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ their ratio to SDPA: the issue's targets are about ratios and about the growth f
 the quadratic paths on short prompts (where ``LINEAR_MIN_QUERIES`` comes from).
 
 Usage:
-    python scripts/bench_linear_attention.py --lengths 1024,2048,4096,8192,16384,32768 --figure docs/figures/linear/layer.png
-    python scripts/bench_linear_attention.py --crossover 64,128,256,512,1024 --chunk-sizes 32,64,128,256
-    python scripts/bench_linear_attention.py --growth 8192,16384,32768,65536 --repeats 5
+    python scripts/attention/bench_linear_attention.py --lengths 1024,2048,4096,8192,16384,32768 --figure docs/figures/linear/layer.png
+    python scripts/attention/bench_linear_attention.py --crossover 64,128,256,512,1024 --chunk-sizes 32,64,128,256
+    python scripts/attention/bench_linear_attention.py --growth 8192,16384,32768,65536 --repeats 5
 """
 
 from __future__ import annotations

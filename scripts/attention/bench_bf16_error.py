@@ -9,7 +9,7 @@ the linear one. The kernels compute scores and their normalization in fp32 whate
 rounded to the input dtype at the end.
 
 Usage:
-    python scripts/bench_bf16_error.py --tokens 4096
+    python scripts/attention/bench_bf16_error.py --tokens 4096
 """
 
 from __future__ import annotations

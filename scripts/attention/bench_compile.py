@@ -9,8 +9,8 @@ median of interleaved repeats of the forward pass (no grad) and of forward+backw
 compiles. Ratios: compiled against eager (the plugin's), and the plugin compiled against SDPA compiled.
 
 Usage:
-    python scripts/bench_compile.py                                   # N in 1024..8192, fp32, one thread
-    python scripts/bench_compile.py --lengths 1024,2048 --normalization x/1
+    python scripts/attention/bench_compile.py                                   # N in 1024..8192, fp32, one thread
+    python scripts/attention/bench_compile.py --lengths 1024,2048 --normalization x/1
 """
 
 from __future__ import annotations
