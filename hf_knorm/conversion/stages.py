@@ -126,7 +126,9 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
         teacher = None
     model.train()
     checkpoint = get_last_checkpoint(str(folder)) if folder.is_dir() else None
-    arguments = _arguments(settings, folder, settings.scheduled_recovery_steps(), settings.recovery_learning_rate)
+    start = transferred_evaluation(state, eval_sets)  # the model the transfer last evaluated: not evaluated again
+    arguments = _arguments(settings, folder, settings.scheduled_recovery_steps(), settings.recovery_learning_rate,
+                           evaluate_at_start=start is None)
     callbacks = [NormLoggerCallback(), StopOnNonFiniteGradient(_advice("--recovery-learning-rate"))]
     if settings.window_dropout:  # steps without the window, drawn from the seed (hf_knorm.training.window_dropout)
         callbacks.append(WindowDropoutCallback(settings.window_dropout, settings.window_dropout_schedule))
@@ -142,6 +144,9 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
         next_token_weight=settings.next_token_weight, non_attention_lr_scale=settings.non_attention_lr_scale,
     )
     measured = _train(trainer, checkpoint, settings)
+    if start is not None:
+        for name, curve in measured["curves"].items():
+            curve.insert(0, [0, 0, start[name]])
     if settings.recovery == "lora":
         model = model.merge_and_unload()  # an ordinary model again: the adapters folded into q/k/v/o
     for parameter in model.parameters():
@@ -157,6 +162,25 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
     state["recovery"] = record
     write_state(out, state)
     return model
+
+
+def transferred_evaluation(state: dict, eval_sets: dict) -> dict[str, float] | None:
+    """The held-out perplexity per set of the model the recovery starts from, where the transfer's last evaluation
+    already measured it; ``None`` where the recovery must evaluate at its start.
+
+    The recovery starts from the transferred model unchanged (LoRA's adapters start at zero), and the transfer
+    evaluates at its last step: that evaluation is the recovery's step 0 (the same perplexities to the last bit), except
+    where the transfer solved the window's mix again after its last evaluation and it moved, or did not train at all.
+    """
+    transfer = state.get("transfer", {})
+    curves = transfer.get("curves", {})
+    if not transfer.get("done") or set(curves) != set(eval_sets):
+        return None
+    if transfer.get("window_mix") != transfer.get("initial_window_mix"):  # both absent without a window
+        return None
+    if any(not curve or curve[-1][0] != transfer.get("steps") for curve in curves.values()):
+        return None
+    return {name: curve[-1][2] for name, curve in curves.items()}
 
 
 def _teacher_top_k(teacher, train, k: int, model_fingerprint: str):
@@ -218,10 +242,12 @@ def _set_recovery_trainable(model, trainable: str) -> None:
             module.requires_grad_(True)
 
 
-def _arguments(settings: ConvertSettings, folder: Path, steps: int, learning_rate: float):
+def _arguments(settings: ConvertSettings, folder: Path, steps: int, learning_rate: float,
+               evaluate_at_start: bool = True):
     return transformers.TrainingArguments(**job_arguments(
         folder, steps=steps, batch_size=settings.batch_size, learning_rate=learning_rate,
-        warmup_steps=settings.warmup_steps, logging_steps=settings.logging_steps, save_steps=settings.save_steps,
+        eval_on_start=evaluate_at_start, warmup_steps=settings.warmup_steps, logging_steps=settings.logging_steps,
+        save_steps=settings.save_steps,
         eval_steps=settings.eval_steps, report_to=settings.integrations(), seed=settings.seed, bf16=settings.bf16,
         fp16=settings.fp16, save_total_limit=1, lr_scheduler_type="cosine", weight_decay=0.0,
         max_grad_norm=settings.max_grad_norm,

@@ -256,6 +256,39 @@ def test_the_kl_is_scaled_like_the_next_token_loss_under_gradient_accumulation(t
 
 # --- the job -------------------------------------------------------------------------------------------------------
 
+def test_the_recovery_starts_with_the_transfers_last_evaluation_the_same_as_evaluating_again(tiny_lm_dir, texts,
+                                                                                             tmp_path, monkeypatch):
+    """The recovery's step 0 is the model the transfer evaluated last (LoRA's adapters start at zero): copied, it is
+    the perplexity the recovery measures when made to evaluate at its start, to the last bit."""
+    from hf_knorm.conversion import stages
+
+    copied = run_convert(_settings(tiny_lm_dir, texts, tmp_path / "copied", recovery="lora"))
+    monkeypatch.setattr(stages, "transferred_evaluation", lambda state, eval_sets: None)
+    evaluated = run_convert(_settings(tiny_lm_dir, texts, tmp_path / "evaluated", recovery="lora"))
+    for summary in (copied, evaluated):
+        assert summary["stages"]["recovery"]["curve"][0] == [0, 0, summary["stages"]["transfer"]["curve"][-1][2]]
+    assert copied["stages"]["recovery"]["curves"] == evaluated["stages"]["recovery"]["curves"]
+    assert copied["evaluation"]["perplexity"] == evaluated["evaluation"]["perplexity"]
+
+
+def test_the_recovery_evaluates_at_its_start_where_the_transfer_did_not_evaluate_its_model():
+    """Without a finished transfer, with a window mix solved again to another value after the transfer's last
+    evaluation, or with a held-out set the transfer did not evaluate, the recovery evaluates at its start."""
+    from hf_knorm.conversion.stages import transferred_evaluation
+
+    sets = {"essays": None, "plays": None}
+    curves = {"essays": [[0, 0, 30.0], [25, 100, 20.0]], "plays": [[0, 0, 40.0], [25, 100, 25.0]]}
+    done = {"done": True, "steps": 25, "curves": curves}
+    assert transferred_evaluation({"transfer": done}, sets) == {"essays": 20.0, "plays": 25.0}
+    same_mix = dict(done, initial_window_mix=[[0.0, 0.0]], window_mix=[[0.0, 0.0]])
+    assert transferred_evaluation({"transfer": same_mix}, sets) == {"essays": 20.0, "plays": 25.0}
+    assert transferred_evaluation({}, sets) is None  # no transfer (--transfer-steps 0)
+    assert transferred_evaluation({"transfer": dict(done, done=False)}, sets) is None
+    assert transferred_evaluation({"transfer": dict(same_mix, window_mix=[[0.0, 0.1]])}, sets) is None
+    assert transferred_evaluation({"transfer": dict(done, initial_window_mix=[[0.0]])}, sets) is None  # resumed
+    assert transferred_evaluation({"transfer": done}, {**sets, "conversation": None}) is None
+    assert transferred_evaluation({"transfer": dict(done, steps=30)}, sets) is None  # its last step not evaluated
+
 @pytest.mark.parametrize("recovery_mode", ["full", "lora"])
 def test_a_converted_model_reloads_with_its_normalization_and_its_measured_perplexity(tiny_lm_dir, texts, tmp_path,
                                                                                        recovery_mode):
@@ -267,6 +300,11 @@ def test_a_converted_model_reloads_with_its_normalization_and_its_measured_perpl
     assert list(record["evaluation"]["domains"]) == ["held_out"]  # --eval-dataset alone: the headline is its figure
     transfer, recovery = record["stages"]["transfer"], record["stages"]["recovery"]
     assert [point[0] for point in transfer["curve"]] == [0, 2, 4] and recovery["curve"][0][0] == 0
+    assert recovery["curve"][0] == [0, 0, transfer["curve"][-1][2]]  # the transfer's last evaluation, not a second
+    (trainer_state,) = (out / "recovery").glob("checkpoint-*/trainer_state.json")
+    evaluated = [entry["step"] for entry in json.loads(trainer_state.read_text())["log_history"]
+                 if any(key.endswith("_runtime") for key in entry)]
+    assert evaluated == [2, 4]
     assert recovery["mode"] == recovery_mode
     if recovery_mode == "full":  # every weight trains in full recovery
         assert transfer["trainable_parameters"] < recovery["trainable_parameters"]
