@@ -10,8 +10,9 @@ dataset preparation in ``tests/data/test_dataset_formats.py``); what TRL has no 
 ``SFTTrainer`` then collates them (padding each batch, ``-100`` labels on the padding) and truncates at
 ``max_length``. The loss is the model's own next-token loss on the labels, as ``Trainer.compute_loss`` computes it:
 TRL 1.16's fused LM head (log-probabilities in tiles, with entropy and token accuracy for its logs) gives the same
-loss but trained at 0.68x the plain loss's tokens per second on this 2-core CPU (``scripts/training/bench_finetune_trl.py``,
-BENCHMARKS.md), so its ``entropy`` and ``mean_token_accuracy`` are not logged.
+loss but trained at 0.68x the plain loss's tokens per second on this 2-core CPU
+(``scripts/training/bench_finetune_trl.py``, BENCHMARKS.md), so its ``entropy`` and ``mean_token_accuracy`` are not
+logged.
 """
 
 from __future__ import annotations
