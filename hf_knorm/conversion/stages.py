@@ -145,8 +145,7 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
     )
     measured = _train(trainer, checkpoint, settings)
     if start is not None:
-        for name, curve in measured["curves"].items():
-            curve.insert(0, [0, 0, start[name]])
+        measured["curves"] = with_start(measured["curves"], start)
     if settings.recovery == "lora":
         model = model.merge_and_unload()  # an ordinary model again: the adapters folded into q/k/v/o
     for parameter in model.parameters():
@@ -181,6 +180,13 @@ def transferred_evaluation(state: dict, eval_sets: dict) -> dict[str, float] | N
     if any(not curve or curve[-1][0] != transfer.get("steps") for curve in curves.values()):
         return None
     return {name: curve[-1][2] for name, curve in curves.items()}
+
+
+def with_start(curves: dict, start: dict[str, float]) -> dict:
+    """``curves`` (``{set: [[step, tokens, perplexity], ...]}``) with ``start``'s perplexity as step 0 of each set
+    that has none: a recovery resumed from a checkpoint of a release that still evaluated at its start has one."""
+    return {name: curve if curve and curve[0][0] == 0 else [[0, 0, start[name]], *curve]
+            for name, curve in curves.items()}
 
 
 def _teacher_top_k(teacher, train, k: int, model_fingerprint: str):

@@ -291,6 +291,15 @@ def test_the_recovery_evaluates_at_its_start_where_the_transfer_did_not_evaluate
     assert transferred_evaluation({"transfer": dict(done, steps=30)}, sets) is None  # its last step not evaluated
 
 
+def test_the_copied_start_is_added_only_to_a_curve_without_one():
+    """A recovery resumed from a checkpoint that evaluated its start (an earlier release) keeps its own step 0."""
+    from hf_knorm.conversion.stages import with_start
+
+    curves = {"essays": [[2, 64, 21.0], [4, 128, 19.0]], "plays": [[0, 0, 26.0], [2, 64, 24.0]]}
+    assert with_start(curves, {"essays": 20.0, "plays": 25.0}) == {
+        "essays": [[0, 0, 20.0], [2, 64, 21.0], [4, 128, 19.0]], "plays": [[0, 0, 26.0], [2, 64, 24.0]]}
+
+
 @pytest.mark.parametrize("recovery_mode", ["full", "lora"])
 def test_a_converted_model_reloads_with_its_normalization_and_its_measured_perplexity(tiny_lm_dir, texts, tmp_path,
                                                                                        recovery_mode):
