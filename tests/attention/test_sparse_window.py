@@ -170,12 +170,14 @@ def test_a_p1_call_runs_in_blocks_that_do_not_grow_with_the_length(kind, monkeyp
     torch.testing.assert_close(got[rows], every_row[rows], rtol=0, atol=ATOL)
 
 
-def test_the_sparse_cache_changes_the_output_and_holds_what_the_window_leaves():
-    """With ``K`` at least the older keys, every key is weighted by softmax: the model's own attention; with ``K``
-    below, the output is neither that nor the window alone's."""
+@pytest.mark.parametrize("score", sorted(SPARSE_SCORES))
+def test_the_sparse_cache_changes_the_output_and_holds_what_the_window_leaves(score):
+    """With ``K`` at least the older keys, every key is weighted by softmax: the model's own attention, whatever the
+    score and the mix (what a conversion trains on blocks no longer than ``W + S + K`` does not depend on the score);
+    with ``K`` below, the output is neither that nor the window alone's."""
     query, key, value = (t.detach() for t in _inputs())
     everything, _ = sparse_window_attention(query, key, value, None, parse_normalization(
-        "x/1 + softmax window 4 + sparse 40"))
+        f"x/1 + softmax window 4 + sparse 40 ({score})"), mix=torch.linspace(-2.0, 3.0, 6, dtype=torch.float64))
     softmax, _ = reference_attention(query, key, value, None, Softmax(), causal=True)
     torch.testing.assert_close(everything, softmax, rtol=0, atol=ATOL)
     some, _ = sparse_window_attention(query, key, value, None, parse_normalization(
