@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..normalizations import Normalization, Polynomial
-from ..normalizations.sparse_choice import token_scores
+from ..normalizations.sparse_choice import PREFIX_SCORES, token_scores
 from .window import ROW_EPS
 
 
@@ -121,7 +121,8 @@ def reference_window_attention(
     in_window, older = window_split(allowed, normalization.window, normalization.sinks)
     in_window, older = in_window.expand_as(scores), older.expand_as(scores)
     if normalization.sparse:  # the sparse cache: each row's best older keys move to the softmax part
-        ranks = token_scores(normalization.score, key, value).repeat_interleave(groups, dim=1)  # (B, H_q, kv)
+        key_valid = allowed.any(dim=-2).any(dim=1)  # (B or 1, kv): the keys some row attends (not padding)
+        ranks = reference_scores(normalization.score, key, value, key_valid).repeat_interleave(groups, dim=1)
         chosen = sparse_split(older, ranks.expand(scores.shape[0], -1, -1), normalization.sparse)
         in_window, older = in_window | chosen, older & ~chosen
     soft = torch.nan_to_num(torch.softmax(torch.where(in_window, scores, float("-inf")), dim=-1), nan=0.0)
@@ -195,6 +196,42 @@ def sparse_split(older: torch.Tensor, score: torch.Tensor, sparse: int) -> torch
                 for j in sorted(keys, key=lambda j: (-scores[b][h][j], j))[:sparse]:
                     chosen[b][h][i][j] = True
     return torch.tensor(chosen, dtype=torch.bool, device=older.device)
+
+
+def reference_scores(score: str, key: torch.Tensor, value: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+    """A sparse cache's score of each pair ``(B, H_kv, kv)``: a per-token score as the implementation's, the prefix
+    ones by :func:`reference_prefix_kv_diff`."""
+    if score in PREFIX_SCORES:
+        return reference_prefix_kv_diff(key, value, key_valid)
+    return token_scores(score, key, value)
+
+
+def reference_prefix_kv_diff(key: torch.Tensor, value: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+    """``prefix_kv_diff`` (:mod:`hf_knorm.normalizations.prefix_kv_diff`) token by token, a loop over each sequence's
+    real tokens (``key_valid`` ``(B or 1, kv)``), in fp64: for token ``j``, ``-cos`` of its key (value) with the mean of
+    the unit keys (values) up to it, standardized by the mean and population std of those up to it (0 for the
+    first), summed, then averaged over the real tokens among ``j - 2 .. j + 2``. ``(B, H_kv, kv)``, 0 where padded,
+    in float32 (fp64 for fp64 keys)."""
+    batch, heads, kv_len = max(key.shape[0], key_valid.shape[0]), key.shape[1], key.shape[2]
+    out = torch.zeros(batch, heads, kv_len, dtype=torch.float64)
+    for b in range(batch):
+        real = [j for j in range(kv_len) if key_valid[min(b, key_valid.shape[0] - 1), j]]
+        for h in range(heads):
+            raw = {}
+            for kind in (key, value):
+                states = kind[min(b, kind.shape[0] - 1), h].double()
+                directions, series = [], []
+                for j in real:
+                    directions.append(states[j] / states[j].norm())
+                    mean_direction = torch.stack(directions).mean(dim=0)
+                    series.append(-(states[j] @ mean_direction / (states[j].norm() * mean_direction.norm())).item())
+                    history = torch.tensor(series, dtype=torch.float64)
+                    spread = max(history.var(correction=0).item(), 1e-12) ** 0.5
+                    raw[j] = raw.get(j, 0.0) + (series[-1] - history.mean().item()) / spread
+            for j in real:
+                neighbours = [raw[i] for i in range(j - 2, j + 3) if i in raw]
+                out[b, h, j] = sum(neighbours) / len(neighbours)
+    return out.to(torch.promote_types(key.dtype, torch.float32)).to(key.device)
 
 
 def per_head(params: dict[str, torch.Tensor] | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:

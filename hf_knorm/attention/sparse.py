@@ -54,7 +54,7 @@ from typing import NamedTuple
 import torch
 
 from ..normalizations import Normalization
-from ..normalizations.sparse_choice import token_scores
+from ..normalizations.sparse_choice import call_scores
 from .linear_kernel import is_linear
 from .masks import KeyPadding, Mask
 from .paths import Path, causal_key_validity
@@ -177,6 +177,7 @@ def _chunked(query, key, value, key_valid, normalization, options, handover=None
         carry.state, carry.count = handover.read()
         carry.sinks, carry.sinks_complete, carry.sparse_pairs = (handover.sinks, handover.sinks_complete,
                                                                  handover.sparse_pairs)
+        carry.score_statistics = handover.score_statistics
     outputs = []
     for start in range(0, q_len, ROWS):
         stop = min(q_len, start + ROWS)
@@ -189,6 +190,7 @@ def _chunked(query, key, value, key_valid, normalization, options, handover=None
     if handover is not None:
         handover.keep_sinks(carry.sinks, carry.sinks_complete)
         handover.keep_sparse(carry.sparse_pairs)
+        handover.keep_score_statistics(carry.score_statistics)
         handover.write(carry.state, carry.count)
     return torch.cat(outputs, dim=1)
 
@@ -202,6 +204,7 @@ class _Carry:
     def __init__(self, window: int, sparse: int):
         self.window, self.sparse, self.cumulative_length = window, sparse, 0
         self.sinks, self.sinks_complete, self.sparse_pairs, self.state, self.count = None, False, None, None, None
+        self.score_statistics = None
 
     def read(self):
         return self.state, self.count
@@ -214,6 +217,9 @@ class _Carry:
 
     def keep_sparse(self, pairs) -> None:
         self.sparse_pairs = pairs
+
+    def keep_score_statistics(self, statistics) -> None:
+        self.score_statistics = statistics
 
 
 def _attend(query, key, value, key_valid, source, normalization, handover, *, scaling, softcap, return_weights,
@@ -236,7 +242,11 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
     valid = key.new_ones(batch, kv_len, dtype=torch.bool) if key_valid is None else key_valid.expand(batch, kv_len)
     eligible = without_sinks(valid, sinks, batch, kv_len)  # (B, kv)
     position = first + torch.arange(kv_len, device=device)
-    score = token_scores(normalization.score, key, value)  # (B, H_kv, kv)
+    carried = None if handover is None else handover.score_statistics  # a prefix score's running statistics
+    score, carried = call_scores(normalization.score, key.detach(), value.detach(), valid, first=first,
+                                 carried=carried, window=normalization.window)  # (B, H_kv, kv), ranks only
+    if handover is not None:
+        handover.keep_score_statistics(carried)
     cached = None if handover is None else handover.sparse_pairs
     pairs = _candidates(key, value, score, position, valid, eligible, cached)
     exits = exit_positions(pairs.score, pairs.position, pairs.filled, normalization.sparse, len_prior=pairs.prior)

@@ -176,12 +176,20 @@ class SparseWindowStateHandover(WindowStateHandover, Protocol):
     Attributes:
         sparse_pairs: the cache's pairs kept from earlier calls (:class:`hf_knorm.attention.sparse.SparsePairs`), or
             ``None`` before the first call.
+        score_statistics: what the score of the pairs carries from the calls before (a prefix score's running
+            statistics), or ``None``.
     """
 
     sparse_pairs: Any
+    score_statistics: Any
 
     def keep_sparse(self, pairs: Any) -> None:
         """Keep the cache's pairs after the call (before :meth:`write`)."""
+        ...
+
+    def keep_score_statistics(self, statistics: Any) -> None:
+        """Keep what a prefix score carries to the next call
+        (:class:`hf_knorm.normalizations.prefix_kv_diff.PrefixStatistics`; ``None`` for a per-token score)."""
         ...
 
 

@@ -86,8 +86,9 @@ class ConvertSettings:
                 "2505.23666); needs a window (default: "
                 f"{DEFAULT_SPARSE_CACHE} with one, 0 without; 0: none)"})
     sparse_score: str | None = field(default=None, metadata={
-        "help": "which older pairs the sparse cache keeps, a score fixed when its token is produced: value_over_key "
-                f"(||v|| / ||k||) | key_norm (KNorm's -||k||) (default: {DEFAULT_SPARSE_SCORE})"})
+        "help": "which older pairs the sparse cache keeps, a score fixed before its token leaves the window: "
+                "value_over_key (||v|| / ||k||) | key_norm (KNorm's -||k||) | prefix_kv_diff (kv_diff against the "
+                f"tokens before it; a window of 3 or more) (default: {DEFAULT_SPARSE_SCORE})"})
     fold_constant: bool = field(default=True, metadata={
         "help": "x^p/c with a constant c: train the same function as x^p/1, then fold c^(1/p) into the queries "
                 "(AdamW's steps suit the smaller q and k: docs/research/2026-12-conversion.md, 'Per normalization'); "

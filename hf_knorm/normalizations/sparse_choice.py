@@ -1,28 +1,35 @@
-"""Which older key/value pairs a sparse global cache keeps: a score per token, fixed when the token is produced.
+"""Which older key/value pairs a sparse global cache keeps: a score per token, fixed once the token is produced.
 
 A windowed normalization with ``+ sparse K (score)`` (:class:`.windowed.Windowed`) keeps, for each query and KV head,
 the ``K`` best keys older than its window (LoLA, McDermott et al., arXiv 2505.23666: a sparse global cache beside a
 sliding window and a linear state). "Best" is the highest score, ties going to the older key, so the choice is a
-total order. Because each token's score is a function of its own key and value only, the best ``K`` of a growing
+total order. Because each token's score is fixed before the token leaves the window, the best ``K`` of a growing
 prefix change by at most one pair per new older key: a pair leaving the window either enters the cache (displacing
 the weakest, which then goes to the distant part for good) or goes to the distant part itself. That online rule,
 what a decoding cache can run in bounded memory, picks exactly the set the full forward picks for every query
 (:func:`hf_knorm.attention.sparse.exit_positions` computes it; the plain reference sorts each row's older keys).
 
-The scores are the per-token ones of :mod:`hf_knorm.eviction.scores` (that module sits above the attention, so they
-are restated here; ``tests/attention/test_sparse_window.py`` checks them equal to the eviction's):
+Two per-token scores, those of :mod:`hf_knorm.eviction.scores` (that module sits above the attention, so they are
+restated here; ``tests/attention/test_sparse_window.py`` checks them equal to the eviction's), and one relative to the
+context before the token:
 
 - ``key_norm``: ``-||k||``, KNorm (Devoto et al., arXiv 2406.11430): keep the lowest-norm keys;
-- ``value_over_key``: ``||v|| / ||k||`` (VATP-style, arXiv 2406.12335, with KNorm's proxy for the attention).
+- ``value_over_key``: ``||v|| / ||k||`` (VATP-style, arXiv 2406.12335, with KNorm's proxy for the attention);
+- ``prefix_kv_diff``: the eviction's ``kv_diff`` with its mean directions and its standardization taken over each
+  token's prefix, final two tokens after it (:mod:`.prefix_kv_diff`): a call carries its running statistics to the
+  next, so it needs a window of at least 3.
 
 Not offered, because they cannot be replayed exactly by a prefix rule: ``key_diff`` and ``kv_diff`` compare each key
-with the mean direction of the keys being scored (it changes as the context grows), and LoLA's self-recall error
-``||v - S^T phi(k)||`` depends on the state at the time the pair is scored; ``random`` draws per call, not per token.
+with the mean direction of the keys being scored (it changes as the context grows: ``prefix_kv_diff`` is the version
+that does not), and LoLA's self-recall error ``||v - S^T phi(k)||`` depends on the state at the time the pair is
+scored; ``random`` draws per call, not per token.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .prefix_kv_diff import REACH, prefix_kv_diff
 
 DEFAULT_SCORE = "key_norm"
 
@@ -39,7 +46,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch.promote_types(tensor.dtype, torch.float32))  # fp32 (as the eviction), fp64 kept
 
 
-SPARSE_SCORES = {"key_norm": _key_norm, "value_over_key": _value_over_key}
+PER_TOKEN_SCORES = {"key_norm": _key_norm, "value_over_key": _value_over_key}
 """Each per-token score by name: ``fn(keys, values)`` on ``(B, H_kv, N, D)`` -> ``(B, H_kv, N)`` float32 (fp64 for
 fp64 inputs), higher = kept.
 
@@ -50,18 +57,48 @@ token's keys differ only by their rotation (the same norm, the same value), and 
 key has nearly the norm its RMSNorm weight sets, which makes ``key_norm`` a choice by rounding there
 (``value_over_key`` is then about ``||v||``)."""
 
+PREFIX_SCORES = ("prefix_kv_diff",)
+"""The scores relative to each token's prefix (:mod:`.prefix_kv_diff`), carried from one call to the next."""
+
+SPARSE_SCORES = (*PER_TOKEN_SCORES, *PREFIX_SCORES)
+"""Every score a sparse cache accepts."""
+
 CONTEXT_DEPENDENT = ("key_diff", "kv_diff", "random", "self_recall")
 
 
-def check_sparse_score(score: str) -> None:
-    """Raise ``ValueError`` unless ``score`` names a per-token score of :data:`SPARSE_SCORES`."""
+def check_sparse_score(score: str, window: int | None = None) -> None:
+    """Raise ``ValueError`` unless ``score`` names a score of :data:`SPARSE_SCORES` that a window of ``window``
+    tokens (``None``: not known yet) lets be final before its token leaves the window."""
+    if score in PREFIX_SCORES:
+        if window is not None and window <= REACH:
+            raise ValueError(f"{score} is final {REACH} tokens after its token, so it needs a softmax window of at "
+                             f"least {REACH + 1} (the window's pairs are not ranked); got {window}.")
+        return
     if score in SPARSE_SCORES:
         return
     why = (f" {score} scores a token against the others being scored (or the state), so the pairs it keeps cannot be "
-           "chosen the same way in the full forward and in bounded decoding." if score in CONTEXT_DEPENDENT else "")
+           "chosen the same way in the full forward and in bounded decoding; prefix_kv_diff is kv_diff over each "
+           "token's prefix, which can." if score in CONTEXT_DEPENDENT else "")
     raise ValueError(f"Unknown score {score!r} for a sparse cache; accepted: {', '.join(SPARSE_SCORES)}.{why}")
 
 
 def token_scores(score: str, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """The score of each pair: ``keys``, ``values`` ``(B, H_kv, N, D)`` -> ``(B, H_kv, N)`` float32 (fp64 for fp64)."""
-    return SPARSE_SCORES[score](keys, values)
+    """A per-token score of each pair: ``keys``, ``values`` ``(B, H_kv, N, D)`` -> ``(B, H_kv, N)`` float32 (fp64
+    for fp64)."""
+    return PER_TOKEN_SCORES[score](keys, values)
+
+
+def call_scores(score: str, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, *, first: int = 0,
+                carried=None, window: int = 0):
+    """The scores of a call's pairs and what the next call continues: ``(scores (B, H_kv, N), carried)``.
+
+    Args:
+        keys, values: ``(B, H_kv, N, D)`` at absolute positions ``first .. first + N - 1``.
+        valid: ``(B, N)`` bool, the real tokens (``None``: all).
+        carried: what the call before handed over (``None``: the call starts its sequences); always ``None`` for a
+            per-token score.
+        window: ``W``, how far before the carried positions a later call may start (its window's kept pairs).
+    """
+    if score in PREFIX_SCORES:
+        return prefix_kv_diff(keys, values, valid, first, carried, window)
+    return token_scores(score, keys, values), None

@@ -43,7 +43,7 @@ class Windowed(Normalization):
         if isinstance(self.sparse, bool) or not isinstance(self.sparse, int) or self.sparse < 0:
             raise ValueError(f"sparse is a number of key/value pairs, an integer >= 0 (0 = no sparse cache), got "
                              f"{self.sparse!r}.")
-        check_sparse_score(self.score)
+        check_sparse_score(self.score, self.window if self.sparse else None)
 
     family = "windowed"
     formula = "softmax over the last W keys and the first S; m_h * (the base family, RMS-normalized) over the older keys"

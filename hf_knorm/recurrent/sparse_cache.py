@@ -39,10 +39,16 @@ class SparseWindowStateLayer(WindowStateLayer):
         super().__init__(layer_idx, window)
         self.sparse, self.score = sparse, score
         self.sparse_pairs = None  # hf_knorm.attention.sparse.SparsePairs after the first step
+        self.score_statistics = None  # a prefix score's running statistics (prefix_kv_diff), after the first step
 
     def keep_sparse(self, pairs) -> None:
         """Keep the sparse cache after a step (called by the attention, before :meth:`write`)."""
         self.sparse_pairs = pairs
+
+    def keep_score_statistics(self, statistics) -> None:
+        """Keep what the score carries to the next step (called by the attention): ``None`` for a per-token score,
+        :class:`hf_knorm.normalizations.prefix_kv_diff.PrefixStatistics` for ``prefix_kv_diff``."""
+        self.score_statistics = statistics
 
     def stored_pairs(self) -> int:
         """Key/value pairs held per KV head: the window's, the sinks' and the sparse cache's slots (at most
@@ -52,15 +58,19 @@ class SparseWindowStateLayer(WindowStateLayer):
         return self.kept() + sinks + sparse
 
     def nbytes(self) -> int:
-        """Bytes held by the window, the sinks, the sparse cache (with its scores and positions) and the state."""
+        """Bytes held by the window, the sinks, the sparse cache (with its scores and positions), the score's
+        statistics and the state."""
         pairs = () if self.sparse_pairs is None else tuple(self.sparse_pairs)
-        return super().nbytes() + sum(tensor.nbytes for tensor in pairs)
+        statistics = () if self.score_statistics is None else tuple(self.score_statistics)
+        return super().nbytes() + sum(tensor.nbytes for tensor in pairs + statistics)
 
     def reset(self) -> None:
         super().reset()
-        self.sparse_pairs = None
+        self.sparse_pairs, self.score_statistics = None, None
 
     def _select(self, fn) -> None:
         super()._select(fn)
         if self.sparse_pairs is not None:
             self.sparse_pairs = type(self.sparse_pairs)(*(fn(tensor) for tensor in self.sparse_pairs))
+        if self.score_statistics is not None:
+            self.score_statistics = self.score_statistics.select(fn)

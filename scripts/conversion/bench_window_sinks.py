@@ -2,10 +2,13 @@
 softmax window, with and without 4 sinks, timed on its forward (a left-padded batch, the mask Transformers builds from
 the tokenizer's attention_mask) and on ``generate`` (its own cache: a K/V cache for ``x^3/16``, the
 RecurrentStateCache for ``x/1``), each against the same model without sinks in the same run (interleaved repeats,
-medians, ratios). ``--sparse K``: window + 4 sinks against window + 4 sinks + ``sparse K (value_over_key)`` instead.
+medians, ratios). ``--sparse K``: window + 4 sinks against window + 4 sinks + ``sparse K (value_over_key)`` instead;
+``--sparse K --scores A,B``: ``sparse K (A)`` against ``sparse K (B)`` (what a score that carries statistics costs).
 
     OMP_NUM_THREADS=1 python scripts/conversion/bench_window_sinks.py --tokens 1024 --new-tokens 32
     OMP_NUM_THREADS=1 python scripts/conversion/bench_window_sinks.py --tokens 1024 --new-tokens 32 --sparse 256
+    OMP_NUM_THREADS=1 python scripts/conversion/bench_window_sinks.py --tokens 4096 --new-tokens 32 --sparse 256 \
+        --scores value_over_key,prefix_kv_diff
 """
 
 from __future__ import annotations
@@ -28,7 +31,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sparse", type=int, default=0,
                         help="K > 0: compare window + 4 sinks with and without a sparse cache of K pairs")
+    parser.add_argument("--scores", default=None,
+                        help="A,B: with --sparse K, compare sparse K (A) with sparse K (B) (both beside window + 4 sinks)")
     args = parser.parse_args()
+    if args.scores and not args.sparse:
+        parser.error("--scores compares two sparse caches: give --sparse K too")
 
     model, tokenizer = load_default_model()
     model.eval()
@@ -45,7 +52,11 @@ def main() -> None:
         model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.new_tokens,
                        min_new_tokens=args.new_tokens, do_sample=False)
 
-    if args.sparse:
+    if args.scores:
+        first, second = args.scores.split(",")
+        pair = tuple(f" + sinks 4 + sparse {args.sparse} ({score})" for score in (first, second))
+        header = (first, second)
+    elif args.sparse:
         pair, header = (" + sinks 4", f" + sinks 4 + sparse {args.sparse} (value_over_key)"), ("4 sinks", "+ sparse")
     else:
         pair, header = ("", " + sinks 4"), ("without sinks", "with 4 sinks")

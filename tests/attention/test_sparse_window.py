@@ -107,7 +107,7 @@ def test_the_scores_are_the_eviction_scores(name, cls):
     keys, values = torch.randn(2, 3, 11, 8), torch.randn(2, 3, 11, 8)
     positions = torch.arange(11).expand(2, 3, 11)
     assert torch.equal(token_scores(name, keys, values), cls()(keys, values, positions, 0))
-    assert set(SPARSE_SCORES) == {"key_norm", "value_over_key"}
+    assert set(SPARSE_SCORES) == {"key_norm", "value_over_key", "prefix_kv_diff"}
 
 
 CASES = [
@@ -120,6 +120,9 @@ CASES = [
     ("x^3/sqrtN + softmax window 2 + sparse 2", "left", 6, 3.0),
     ("relu(x)^3/16 + softmax window 4 + sinks 1 + sparse 3", "left", 6, None),
     ("sigmoid(bias=learned) + softmax window 4 + sparse 3", "holes", 6, None),
+    ("x/1 + softmax window 3 + sinks 1 + sparse 4 (prefix_kv_diff)", "holes", 6, None),
+    ("x/sqrtN + softmax window 5 + sparse 3 (prefix_kv_diff)", "left", 2, None),
+    ("relu(x)^2/16 + softmax window 4 + sinks 2 + sparse 2 (prefix_kv_diff)", "none", 6, None),
 ]
 
 

@@ -64,6 +64,7 @@ def _prompts(batch=2, length=30, pad=3, seed=0):
     ("qwen3", "x/sqrtN + softmax window 4 + sparse 3 (value_over_key)"),
     ("gpt2", "x^3/16 + softmax window 3 + sinks 2 + sparse 2"),
     ("llama", "sigmoid(bias=learned) + softmax window 2 + sparse 4"),
+    ("qwen3", "x/1 + softmax window 3 + sinks 1 + sparse 2 (prefix_kv_diff)"),
 ])
 @pytest.mark.parametrize("rows", [256, 6])  # 6: a p = 1 forward in blocks with the state carried (sparse._chunked)
 def test_models_equal_the_reference_attention(model_type, spelling, rows, monkeypatch):
@@ -100,16 +101,18 @@ def _decode(model, ids, mask, cache, sizes):
 
 @pytest.mark.parametrize("spelling", ["x/1 + softmax window 3 + sparse 2", "x/1 + softmax window 3 + sinks 2 + sparse 3",
                                       "x/sqrtN + softmax window 4 + sinks 1 + sparse 2 (value_over_key)",
-                                      "x/16 + softmax window 2 + sparse 1"])
+                                      "x/16 + softmax window 2 + sparse 1",
+                                      "x/1 + softmax window 3 + sinks 1 + sparse 3 (prefix_kv_diff)"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 @pytest.mark.parametrize("rows", [256, 2])  # 2: the full forward and the prompt's chunks in blocks (sparse._chunked)
 def test_decoding_from_the_bounded_cache_equals_the_full_forward(model_type, spelling, rows, monkeypatch):
     """A left-padded prompt in two chunks (5 then 4 tokens), then 21 tokens one by one: pairs enter the cache, are
     displaced and join the state; every real row's logits are the full forward's. Qwen3's QK-norm gives every key
-    about one norm (key_norm would choose by rounding: sparse_choice.py), so it runs value_over_key."""
+    about one norm (key_norm would choose by rounding: sparse_choice.py), so it runs value_over_key instead.
+    ``prefix_kv_diff`` carries its running statistics from one call to the next (its tail of scores included)."""
     monkeypatch.setattr(sparse, "ROWS", rows)
-    if model_type == "qwen3":
-        spelling = spelling.split(" (")[0] + " (value_over_key)"
+    if model_type == "qwen3" and "(" not in spelling:
+        spelling += " (value_over_key)"
     model = hf_knorm.patch(tiny_model(model_type), spelling)
     normalization = hf_knorm.parse_normalization(spelling)
     ids, mask = _prompts()
@@ -151,7 +154,8 @@ def test_the_cache_holds_the_pairs_the_reference_chooses():
                 assert kept == torch.nonzero(chosen[b, h]).flatten().tolist()
 
 
-@pytest.mark.parametrize("spelling", ["x/1 + softmax window 3 + sinks 2 + sparse 3", "x/sqrtN + softmax window 5 + sparse 4"])
+@pytest.mark.parametrize("spelling", ["x/1 + softmax window 3 + sinks 2 + sparse 3", "x/sqrtN + softmax window 5 + sparse 4",
+                                      "x/1 + softmax window 4 + sinks 1 + sparse 3 (prefix_kv_diff)"])
 def test_generate_with_the_bounded_cache_gives_the_full_forwards_greedy_tokens(spelling):
     model = hf_knorm.patch(tiny_model("llama"), spelling)
     ids, mask = _prompts(length=12)
@@ -206,6 +210,34 @@ def test_the_bounded_cache_does_not_grow_with_the_context():
     kept = 2 * kv_heads * (4 + 2) * head_dim * 4 + 2 * (8 + 1)  # window and sinks (positions int64, validity bool)
     sparse = 2 * kv_heads * 3 * head_dim * 4 + kv_heads * 3 * (4 + 8 + 1)  # pairs, scores, positions, filled slots
     assert sizes[0] == layers * (state + kept + sparse)
+
+
+def test_a_prefix_scores_statistics_do_not_grow_with_the_context():
+    """``prefix_kv_diff`` adds to each layer its running statistics: ``D + D_v + 4`` fp64 numbers per sequence and KV
+    head, the count, and the score of the last ``W + 2`` positions, whatever the length."""
+    model = hf_knorm.patch(tiny_model("llama"), "x/1 + softmax window 4 + sinks 2 + sparse 3 (prefix_kv_diff)")
+    ids, mask = _prompts(batch=1, length=10)
+    sizes = []
+    for new_tokens in (4, 40):
+        out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True,
+                             min_new_tokens=new_tokens, max_new_tokens=new_tokens, **GREEDY)
+        cache = output_cache(out)
+        sizes.append(cache.nbytes())
+        assert int(cache.layers[0].score_statistics.seen) == 10 + new_tokens - 1  # the last token is not run
+    kv_heads, head_dim, tail = 2, 16, 4 + 2
+    statistics = (kv_heads * (2 * head_dim + 4 + tail) + 1) * 8 + tail + 8  # sums, moments, tail; count; valid; seen
+    without = hf_knorm.patch(tiny_model("llama"), "x/1 + softmax window 4 + sinks 2 + sparse 3")
+    out = without.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, min_new_tokens=4,
+                           max_new_tokens=4, **GREEDY)
+    assert sizes[0] == sizes[1] == output_cache(out).nbytes() + 2 * statistics
+
+
+def test_a_prefix_score_needs_a_window_longer_than_its_reach():
+    """A token's ``prefix_kv_diff`` is final two tokens after it; a window of 2 would rank it before."""
+    with pytest.raises(ValueError, match="needs a softmax window of at least 3"):
+        hf_knorm.parse_normalization("x/1 + softmax window 2 + sparse 3 (prefix_kv_diff)")
+    with pytest.raises(ValueError, match="prefix_kv_diff is kv_diff over each token's prefix"):
+        hf_knorm.parse_normalization("x/1 + softmax window 4 + sparse 3 (kv_diff)")
 
 
 def test_a_sparse_model_travels_and_refuses_another_cache(tmp_path):
