@@ -219,15 +219,17 @@ class ConvertSettings:
 
     def resolved(self, target: Normalization) -> ConvertSettings:
         """These settings with the defaults that depend on others filled in: the recovery rate (on the recovery and
-        the normalization, ``target``) and the teacher's top k where the recovery does not distil (0; where it does,
-        ``None`` stays until the recovery knows its training set: :func:`default_teacher_top_k`)."""
+        the normalization, ``target``), the teacher's top k where the recovery does not distil (0; where it does,
+        ``None`` stays until the recovery knows its training set: :func:`default_teacher_top_k`) and the sparse
+        cache's score (``target``'s: a later change of the default cannot resume a run with another score)."""
         rate = self.recovery_learning_rate
         if rate is None:
             rate = default_recovery_learning_rate(target, self.recovery)
         top_k = self.teacher_top_k
         if top_k is None and (self.distill_weight == 0 or self.recovery == "none"):
             top_k = 0
-        return replace(self, recovery_learning_rate=rate, teacher_top_k=top_k)
+        score = self.sparse_score or (target.score if target.sparse else None)
+        return replace(self, recovery_learning_rate=rate, teacher_top_k=top_k, sparse_score=score)
 
     def scheduled_recovery_steps(self) -> int:
         """The recovery's steps: ``recovery_steps`` times ``budget``, rounded."""

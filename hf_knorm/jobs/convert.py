@@ -126,7 +126,8 @@ def check_settings(settings: ConvertSettings) -> Normalization:
     if settings.resume and not started:
         raise ValueError(f"--resume: {out} holds no conversion to continue ({STATE_FILE} is missing).")
     if settings.resume:  # a run records its settings resolved (settings.resolved), so compare them resolved
-        check_same_settings(_with_sparse_cache_recorded(read_state(out).get("settings")), settings.resolved(target))
+        stored = _with_sparse_score_recorded(_with_sparse_cache_recorded(read_state(out).get("settings")))
+        check_same_settings(stored, settings.resolved(target))
     return target
 
 
@@ -138,6 +139,27 @@ def _with_sparse_cache_recorded(stored: dict | None) -> dict | None:
         return stored
     spelled = parse_normalization(stored.get("normalization", "x/1")).sparse
     return {**stored, "sparse_cache": None if spelled else 0}
+
+
+SPARSE_SCORE_BEFORE_RECORDING = "value_over_key"
+"""The default score of runs whose record left ``sparse_score`` unresolved (before it was recorded resolved)."""
+
+
+def _with_sparse_score_recorded(stored: dict | None) -> dict | None:
+    """A settings record that left ``sparse_score`` at ``None`` with a sparse cache ran with the spelling's score, or
+    with :data:`SPARSE_SCORE_BEFORE_RECORDING`, the default then: filled in, so that resuming it with another default
+    is refused as a change of settings (``--sparse-score value_over_key`` resumes it)."""
+    if not stored or stored.get("sparse_score") is not None:
+        return stored
+    shaping = ("normalization", "softmax_window", "attention_sinks", "sparse_cache")
+    try:
+        recorded = ConvertSettings(**{name: stored[name] for name in shaping if name in stored}).target()
+    except ValueError:  # a record this version cannot read: check_same_settings names what differs
+        return stored
+    if not recorded.sparse:
+        return stored
+    spelled = parse_normalization(stored.get("normalization", "x/1")).sparse
+    return {**stored, "sparse_score": recorded.score if spelled else SPARSE_SCORE_BEFORE_RECORDING}
 
 
 def convert(settings: ConvertSettings | None = None, **fields) -> dict:

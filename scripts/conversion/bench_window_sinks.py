@@ -8,7 +8,7 @@ medians, ratios). ``--sparse K``: window + 4 sinks against window + 4 sinks + ``
     OMP_NUM_THREADS=1 python scripts/conversion/bench_window_sinks.py --tokens 1024 --new-tokens 32
     OMP_NUM_THREADS=1 python scripts/conversion/bench_window_sinks.py --tokens 1024 --new-tokens 32 --sparse 256
     OMP_NUM_THREADS=1 python scripts/conversion/bench_window_sinks.py --tokens 4096 --new-tokens 32 --sparse 256 \
-        --scores value_over_key,prefix_kv_diff
+        --scores value_over_key,prefix_kv_diff --bases x/1
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def main() -> None:
                         help="K > 0: compare window + 4 sinks with and without a sparse cache of K pairs")
     parser.add_argument("--scores", default=None,
                         help="A,B: with --sparse K, compare sparse K (A) with sparse K (B) (both beside window + 4 sinks)")
+    parser.add_argument("--bases", default="x^3/16,x/1", help="the families beside the window, comma-separated")
     args = parser.parse_args()
     if args.scores and not args.sparse:
         parser.error("--scores compares two sparse caches: give --sparse K too")
@@ -61,7 +62,7 @@ def main() -> None:
     else:
         pair, header = ("", " + sinks 4"), ("without sinks", "with 4 sinks")
     print(f"| normalization | entry | {header[0]} | {header[1]} | ratio |\n|---|---|---:|---:|---:|")
-    for base in ("x^3/16", "x/1"):
+    for base in args.bases.split(","):
         for name, call in (("forward, 2 x %d tokens, left-padded" % args.tokens, forward),
                            ("generate %d tokens after %d" % (args.new_tokens, args.tokens // 2), generate)):
             times = {suffix: [] for suffix in pair}

@@ -206,3 +206,27 @@ def test_a_run_started_before_the_sparse_default_is_not_resumed_with_it(tiny_lm_
     spelled = replace(old, normalization="x/1 + softmax window 8 + sparse 4 (key_norm)")
     write_state(out, {"settings": {**record, "normalization": spelled.normalization}})
     assert check_settings(spelled).name == "x/1 + softmax window 8 + sinks 4 + sparse 4 (key_norm)"
+
+
+def test_a_run_resumes_with_the_sparse_score_it_started_with(tiny_lm_dir, texts, tmp_path, monkeypatch):
+    """A run records its sparse cache's score resolved, so a later default cannot resume it with another score. A
+    record from before that (``sparse_score`` left at ``None``) ran with ``value_over_key``, the default then: under
+    another default it is refused, and resumes with ``--sparse-score value_over_key``."""
+    from hf_knorm.conversion import settings as settings_module
+    from hf_knorm.conversion.state import write_state
+    from hf_knorm.jobs.convert import check_settings
+    from hf_knorm.runs.run_folder import settings_record
+
+    out = tmp_path / "scored"
+    run = _settings(tiny_lm_dir, texts, out, normalization="x/1", softmax_window=8, sparse_cache=None, resume=True)
+    record = settings_record(run.resolved(run.target()))
+    assert record["sparse_score"] == settings_module.DEFAULT_SPARSE_SCORE
+    out.mkdir()
+    write_state(out, {"settings": {**record, "sparse_score": None}})
+    monkeypatch.setattr(settings_module, "DEFAULT_SPARSE_SCORE", "key_norm")  # a later default
+    with pytest.raises(ValueError, match="sparse_score: 'value_over_key' then, 'key_norm' now"):
+        check_settings(run)
+    assert check_settings(replace(run, sparse_score="value_over_key")).score == "value_over_key"
+    write_state(out, {"settings": record})  # recorded resolved: the same check, without the migration
+    with pytest.raises(ValueError, match=f"sparse_score: '{record['sparse_score']}' then, 'key_norm' now"):
+        check_settings(run)
