@@ -178,6 +178,19 @@ def test_generate_with_the_bounded_cache_gives_the_full_forwards_greedy_tokens(s
     assert with_kv_cache.tolist() == sequence.tolist()
 
 
+@pytest.mark.parametrize("score", ["value_over_key", "prefix_kv_diff"])
+def test_beam_search_reorders_the_sparse_cache_and_the_scores_statistics(score):
+    """Beams reorder (and first expand) the window, the sparse cache's pairs and, for ``prefix_kv_diff``, the running
+    statistics with the states: the bounded cache gives the K/V cache's beams."""
+    model = hf_knorm.patch(tiny_model("llama"), f"x/1 + softmax window 4 + sinks 1 + sparse 3 ({score})")
+    ids, mask = _prompts(length=12)
+    options = dict(GREEDY, num_beams=3, num_return_sequences=2, min_new_tokens=12, max_new_tokens=12)
+    out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **options)
+    assert all(isinstance(layer, SparseWindowStateLayer) for layer in output_cache(out).layers)
+    expected = model.generate(input_ids=ids, attention_mask=mask, **options, **cache_kwargs(DynamicCache()))
+    assert out.sequences.tolist() == expected.tolist()
+
+
 def test_a_polynomial_base_generates_with_the_kv_cache():
     """``x^3`` has no state: ``generate`` keeps Transformers' K/V cache and the full forward's tokens."""
     model = hf_knorm.patch(tiny_model("llama"), "x^3/16 + softmax window 3 + sparse 2")
