@@ -1,7 +1,7 @@
 """``ConvertSettings``: what ``hf-knorm convert`` and :func:`hf_knorm.convert` run; each field is a flag.
 
 The defaults convert the embedded default model (SmolLM2-135M-Instruct) to ``x/1 + softmax window 64 + sinks 4 + sparse
-256 (value_over_key)`` on the general mixture (:mod:`.mixture`: the original model's own samples and Paul Graham essays
+256 (prefix_kv_diff)`` on the general mixture (:mod:`.mixture`: the original model's own samples and Paul Graham essays
 0-39), evaluated on four held-out domains
 (:mod:`hf_knorm.evaluation.domains`) and by the ability probe (:mod:`hf_knorm.evaluation.probe`);
 docs/results/conversion.md, "The default conversion", has the time and the figures.
@@ -24,10 +24,12 @@ DEFAULT_SOFTMAX_WINDOW = 64
 DEFAULT_ATTENTION_SINKS = 4
 """StreamingLLM's attention sinks (arXiv 2309.17453): each sequence's first 4 keys by softmax beside the window."""
 DEFAULT_SPARSE_CACHE = 256
-DEFAULT_SPARSE_SCORE = "value_over_key"
-"""The sparse global cache beside the window (LoLA, arXiv 2505.23666): the 256 older pairs of highest ``||v|| / ||k||``
-per layer and KV head, the configuration that retrieves beyond the window of those measured (docs/results/conversion.md,
-'The default conversion'). At the default 256-token training blocks it holds every older key, so the part beside it
+DEFAULT_SPARSE_SCORE = "prefix_kv_diff"
+"""The sparse global cache beside the window (LoLA, arXiv 2505.23666): the 256 older pairs per layer and KV head of
+highest ``kv_diff`` over each token's prefix (:mod:`hf_knorm.normalizations.prefix_kv_diff`), the configuration that
+retrieves beyond the window best of those measured (docs/results/conversion.md, 'The default conversion': at 4,000
+tokens it keeps the passkey where ``value_over_key``, the default before, does not). At the default 256-token
+training blocks it holds every older key, so the trained weights do not depend on the score, and the part beside it
 trains only under window dropout."""
 RECOVERY_TRAINABLE = ("all", "no-embeddings", "attention")
 SCALE_FOLDS = ("scores", "output")
@@ -87,8 +89,8 @@ class ConvertSettings:
                 f"{DEFAULT_SPARSE_CACHE} with one, 0 without; 0: none)"})
     sparse_score: str | None = field(default=None, metadata={
         "help": "which older pairs the sparse cache keeps, a score fixed before its token leaves the window: "
-                "value_over_key (||v|| / ||k||) | key_norm (KNorm's -||k||) | prefix_kv_diff (kv_diff against the "
-                f"tokens before it; a window of 3 or more) (default: {DEFAULT_SPARSE_SCORE})"})
+                "prefix_kv_diff (kv_diff against the tokens before it; a window of 3 or more) | value_over_key "
+                f"(||v|| / ||k||) | key_norm (KNorm's -||k||) (default: {DEFAULT_SPARSE_SCORE})"})
     fold_constant: bool = field(default=True, metadata={
         "help": "x^p/c with a constant c: train the same function as x^p/1, then fold c^(1/p) into the queries "
                 "(AdamW's steps suit the smaller q and k: docs/research/2026-12-conversion.md, 'Per normalization'); "

@@ -114,7 +114,7 @@ def test_the_window_and_the_spelling_must_agree(tiny_lm_dir, texts, tmp_path):
                          softmax_window=64)
     with pytest.raises(ValueError, match="contradicts"):
         run_convert(settings)
-    assert ConvertSettings().target().name == "x/1 + softmax window 64 + sinks 4 + sparse 256 (value_over_key)"
+    assert ConvertSettings().target().name == "x/1 + softmax window 64 + sinks 4 + sparse 256 (prefix_kv_diff)"
 
 
 def test_the_sinks_are_resolved_once_from_the_flag_and_the_spelling():
@@ -167,7 +167,7 @@ def test_the_default_recipe_converts_with_a_sparse_cache_that_holds_every_older_
     run_convert(_settings(tiny_lm_dir, texts, out, normalization=DEFAULT_NORMALIZATION, sparse_cache=None,
                           softmax_window=8, eval_domains=("essays",), eval_tokens=512, retrieval_lengths=(400,)))
     record = json.loads((out / RESULT_FILE).read_text())
-    assert record["normalization"] == "x/1 + softmax window 8 + sinks 4 + sparse 256 (value_over_key)"
+    assert record["normalization"] == "x/1 + softmax window 8 + sinks 4 + sparse 256 (prefix_kv_diff)"
     transfer = record["stages"]["transfer"]
     assert torch.tensor(transfer["initial_window_mix"]).abs().max() == 0
     assert torch.tensor(transfer["window_mix"]).abs().max() == 0
@@ -182,7 +182,7 @@ def test_the_default_recipe_converts_with_a_sparse_cache_that_holds_every_older_
     run_convert(_settings(tiny_lm_dir, texts, smaller, normalization=DEFAULT_NORMALIZATION, sparse_cache=4,
                           softmax_window=8, beyond_window=False))
     record = json.loads((smaller / RESULT_FILE).read_text())
-    assert record["normalization"] == "x/1 + softmax window 8 + sinks 4 + sparse 4 (value_over_key)"
+    assert record["normalization"] == "x/1 + softmax window 8 + sinks 4 + sparse 4 (prefix_kv_diff)"
     assert torch.tensor(record["stages"]["transfer"]["window_mix"]).abs().max() > 0
 
 
