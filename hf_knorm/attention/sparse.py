@@ -7,10 +7,11 @@ exact key/value pairs beside the window and the linear state, and lifts RULER pa
 
 Definition (ours; the plain reference is :func:`.reference.reference_window_attention`). As
 :mod:`.window` defines the window and the sinks, with one change: for query ``i`` (at position ``a_i``) and KV head
-``h``, the keys older than its window (``j <= a_i - W``, real, not sinks) are ranked by a per-token score ``r_hj``
-(:mod:`hf_knorm.normalizations.sparse_choice`: fixed when the token is produced, higher first, ties to the older
-key); the first ``K`` of them, ``sparse_h(i)``, are weighted by softmax **jointly** with the window and the sinks,
-and only the others by the base family (RMS-normalized per row, scaled by the per-head mix ``m_h``)::
+``h``, the keys older than its window (``j <= a_i - W``, real, not sinks) are ranked by a score ``r_hj``
+(:mod:`hf_knorm.normalizations.sparse_choice`: fixed before the token leaves the window, higher first, ties to the
+older key; a score relative to the token's prefix carries its running statistics from one call to the next); the
+first ``K`` of them, ``sparse_h(i)``, are weighted by softmax **jointly** with the window and the sinks, and only the
+others by the base family (RMS-normalized per row, scaled by the per-head mix ``m_h``)::
 
     o_i = sum_{j in window(i) + sinks + sparse_h(i)} softmax(s_i)_j v_j  +  m_h * u_i / RMS(u_i),
     u_i = sum_{j older, not in sparse_h(i)} w(s_ij) v_j
