@@ -1,4 +1,4 @@
-"""Which older key/value pairs a sparse global cache keeps: a score per token, fixed once the token is produced.
+"""Which older key/value pairs a sparse global cache keeps: a score per token, fixed before the token leaves the window.
 
 A windowed normalization with ``+ sparse K (score)`` (:class:`.windowed.Windowed`) keeps, for each query and KV head,
 the ``K`` best keys older than its window (LoLA, McDermott et al., arXiv 2505.23666: a sparse global cache beside a
