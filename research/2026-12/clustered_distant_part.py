@@ -7,22 +7,26 @@ that is **weighted by softmax together with the window, the sinks and the sparse
 run's weights unchanged: the older keys that are in neither (the keys ``x/1`` would get) are summarized, per layer
 and KV head, by ``C`` pseudo-pairs, one per cluster of a fixed codebook (spherical k-means on calibration keys),
 each the mean key ``k_c`` and mean value ``v_c`` of the distant keys assigned to it, with the logit
-``q . k_c * scaling + log n_c`` (Jensen's lower bound of ``log sum_j exp(q . k_j * scaling)`` over the cluster) and,
-with ``var``, the Gaussian correction ``+ scaling^2 / 2 * sum_d q_d^2 Var_c[k_d]``; ``+b`` after a mode adds ``b`` to
-every pseudo-pair's logit (Jensen's bound is low by the spread of the cluster's scores). Memory: ``C`` pairs plus ``C``
-counts (and ``C * D`` squares with ``var``) per KV head, whatever the length; the codebook is a fixed ``C x D``.
+``q . k_c * scaling + log n_c`` (Jensen's lower bound of ``log sum_j exp(q . k_j * scaling)`` over the cluster);
+``+b`` after a mode adds ``b`` to every pseudo-pair's logit (Jensen's bound is low by the spread of the cluster's
+scores). Memory: ``C`` pairs plus ``C`` counts per KV head, whatever the length; the codebook is a fixed ``C x D``.
+
+Computed here without building the pseudo-keys: a pseudo-pair's logit is the mean of its pairs' exact scores (the
+same number: the score is linear in the key) and its value a weight ``p_c / n_c`` on each of its pairs. Commit
+b9f9340 of this script built them (``(q, C, D)`` tensors per head: slower, not timed alone) and had ``mean_var`` /
+``kmeans_var:C``, the Gaussian correction ``+ scaling^2 / 2 * sum_d q_d^2 Var_c[k_d]`` (it overshoots: 3.7x the
+original beyond the window on seed 0).
 
 Modes (``--modes``): ``off`` (the window-only ablation: nothing beyond window, sinks and sparse cache; must
 reproduce the library's figures), ``exact`` (every distant key weighted by softmax: the ceiling, the unpatched model),
-``mean`` (one pseudo-pair, no codebook), ``mean_var``, ``kmeans:C``, ``kmeans_var:C``, each optionally ``+b``
-(``kmeans:64+2``).
+``mean`` (one pseudo-pair, no codebook), ``kmeans:C``, each optionally ``+b`` (``kmeans:64+2``).
 
 A plain dense implementation (``O(N^2)`` masks; the sparse cache's pairs from the library's
-``call_scores``/``exit_positions``), one unpadded sequence per row, bottom-right causal; decoding recomputes the
-masks over the whole cache each step (a ``DynamicCache``), which is what the full forward does for the last row.
+``call_scores``/``exit_positions``), one unpadded sequence per row, bottom-right causal: for the full forward of
+the perplexity beyond the window only (retrieval through ``generate`` is not measured with it).
 
 Usage: ``OMP_NUM_THREADS=2 python research/2026-12/clustered_distant_part.py --run runs/first3_default_s0
-           --modes off,exact,mean,kmeans:64 --out runs/kprobe/clustered_s0.json [--passkey 1000,2000,4000]``
+           --modes off,exact,mean,kmeans:64 --out runs/kprobe/clustered_s0.json``
 """
 
 from __future__ import annotations
@@ -40,12 +44,11 @@ import hf_knorm
 from hf_knorm.attention.sparse import exit_positions
 from hf_knorm.conversion.beyond_window import beyond_window_blocks, beyond_window_perplexities
 from hf_knorm.data.text_data import encode_texts, embedded_records
-from hf_knorm.evaluation.retrieval import hits_by_length, retrieval_records
 from hf_knorm.normalizations import parse_normalization
 from hf_knorm.normalizations.sparse_choice import call_scores
 
 NAME = "hf_knorm_clustered_prototype"
-STATE: dict = {"mode": "off", "clusters": 0, "variance": False, "bias": 0.0, "codebooks": {}, "record": None,
+STATE: dict = {"mode": "off", "clusters": 0, "bias": 0.0, "codebooks": {}, "record": None,
                "normalization": None}
 
 
@@ -75,58 +78,38 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         exact = exact | distant
     k = key.float().repeat_interleave(groups, dim=1)
     v = value.float().repeat_interleave(groups, dim=1)
-    qf = query.float()
-    logits = torch.where(exact.repeat_interleave(groups, dim=1), qf @ k.transpose(-1, -2) * scaling, -math.inf)
+    scores = query.float() @ k.transpose(-1, -2) * scaling  # (B, H_q, q, kv)
+    logits = torch.where(exact.repeat_interleave(groups, dim=1), scores, -math.inf)
     if STATE["mode"] in ("off", "exact"):
-        weights = torch.softmax(logits, dim=-1)
-        out = weights @ v
-    else:
-        count, mean_k, mean_sq, mean_v = _cluster_sums(module.layer_idx, key.float(), value.float(), exits, q_pos,
-                                                       window)
-        rep = lambda t: t.repeat_interleave(groups, dim=1)  # noqa: E731
-        count, mean_k, mean_sq, mean_v = rep(count), rep(mean_k), rep(mean_sq), rep(mean_v)
-        pseudo = torch.einsum("bhqd,bhqcd->bhqc", qf, mean_k) * scaling + count.clamp_min(1).log() + STATE["bias"]
-        if STATE["variance"]:
-            variance = (mean_sq - mean_k ** 2).clamp_min(0)
-            pseudo = pseudo + 0.5 * scaling ** 2 * torch.einsum("bhqd,bhqcd->bhqc", qf ** 2, variance)
-        pseudo = torch.where(count > 0, pseudo, -math.inf)
-        weights = torch.softmax(torch.cat([logits, pseudo], dim=-1), dim=-1)
-        out = weights[..., :kv_len] @ v + torch.einsum("bhqc,bhqcd->bhqd", weights[..., kv_len:], mean_v)
+        return (torch.softmax(logits, dim=-1) @ v).to(query.dtype).transpose(1, 2).contiguous(), None
+    # the pseudo-pairs: cluster c's logit q . mean_k_c * scaling + log n_c is the mean of the exact scores of its
+    # distant pairs plus log n_c; its value mean_v_c, i.e. weight p_c / n_c on each of those pairs
+    assign = _assignments(module.layer_idx, key.float())  # (B, H_kv, kv)
+    onehot = torch.nn.functional.one_hot(assign, max(STATE["clusters"], 1)).float()  # (B, H_kv, kv, C)
+    in_distant = distant.float()
+    count = (in_distant @ onehot).repeat_interleave(groups, dim=1)  # (B, H_q, q, C)
+    in_distant = in_distant.repeat_interleave(groups, dim=1)
+    mean_score = (scores * in_distant) @ onehot.repeat_interleave(groups, dim=1) / count.clamp_min(1)
+    pseudo = torch.where(count > 0, mean_score + count.clamp_min(1).log() + STATE["bias"], -math.inf)
+    weights = torch.softmax(torch.cat([logits, pseudo], dim=-1), dim=-1)
+    per_pair = (weights[..., kv_len:] / count.clamp_min(1)).gather(
+        -1, assign.repeat_interleave(groups, dim=1)[:, :, None, :].expand(-1, -1, q_len, -1))  # (B, H_q, q, kv)
+    out = (weights[..., :kv_len] + per_pair * in_distant) @ v
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
-def _cluster_sums(layer: int, key, value, exits, q_pos, window):
-    """Per row, the count, mean key, mean squared key and mean value of each cluster's distant pairs (those with
-    ``exit <= a_i - W``): ``(B, H_kv, q, C)``, then three ``(B, H_kv, q, C, D)``. Pairs sorted by exit, cumulative
-    sums, each row's prefix found by ``searchsorted`` (a pair still cached, or a sink, has exit ``NEVER``: never
-    taken)."""
-    batch, kv_heads, kv_len, dim = key.shape
-    clusters = max(STATE["clusters"], 1)
-    if STATE["clusters"]:
-        codebook = STATE["codebooks"][layer].to(key.device)  # (H_kv, C, D), unit rows
-        assign = torch.einsum("bhnd,hcd->bhnc", torch.nn.functional.normalize(key, dim=-1), codebook).argmax(-1)
-    else:
-        assign = torch.zeros(batch, kv_heads, kv_len, dtype=torch.long, device=key.device)
-    onehot = torch.nn.functional.one_hot(assign, clusters).to(key.dtype)  # (B, H, N, C)
-    features = torch.cat([torch.ones_like(key[..., :1]), key, key ** 2, value], dim=-1)  # (B, H, N, F)
-    order = exits.argsort(dim=-1)
-    sorted_exits = exits.gather(-1, order)
-    per_pair = onehot[..., :, None] * features[..., None, :]  # (B, H, N, C, F)
-    per_pair = per_pair.gather(2, order[..., None, None].expand_as(per_pair))
-    sums = torch.cat([torch.zeros_like(per_pair[:, :, :1]), per_pair.cumsum(dim=2)], dim=2)  # (B, H, N + 1, C, F)
-    edge = (q_pos - window).expand(batch, kv_heads, -1).contiguous()
-    taken = torch.searchsorted(sorted_exits.contiguous(), edge, right=True)  # (B, H, q): exits <= edge
-    rows = sums.gather(2, taken[..., None, None].expand(-1, -1, -1, *sums.shape[-2:]))  # (B, H, q, C, F)
-    count = rows[..., 0]
-    safe = count.clamp_min(1)[..., None]
-    mean_k, mean_sq, mean_v = (rows[..., 1:1 + dim] / safe, rows[..., 1 + dim:1 + 2 * dim] / safe,
-                               rows[..., 1 + 2 * dim:] / safe)
-    return count, mean_k, mean_sq, mean_v
+def _assignments(layer: int, key: torch.Tensor) -> torch.Tensor:
+    """``(B, H_kv, kv)`` each key's cluster: the codebook row of highest cosine (all 0 without a codebook)."""
+    if not STATE["clusters"]:
+        return torch.zeros(key.shape[:3], dtype=torch.long, device=key.device)
+    codebook = STATE["codebooks"][layer].to(key.device)  # (H_kv, C, D), unit rows
+    return torch.einsum("bhnd,hcd->bhnc", torch.nn.functional.normalize(key, dim=-1), codebook).argmax(-1)
 
 
 def fit_codebooks(model, tokenizer, clusters: int, iterations: int = 20, seed: int = 0) -> dict:
     """Spherical k-means per layer and KV head on the keys of Paul Graham essays 0-3 (in the conversion's training
-    mixture, not in the held-out domains), ``max(2048, 8 C)`` tokens in 1,024-token blocks: ``{layer: (H_kv, C, D)}``."""
+    mixture, not in the held-out domains), ``max(2048, 8 C)`` tokens in 1,024-token blocks:
+    ``{layer: (H_kv, C, D)}``."""
     tokens = max(2048, 8 * clusters)
     ids = [token for text in encode_texts(tokenizer, embedded_records("paul-graham")["text"][:4]) for token in text]
     STATE["record"], STATE["mode"] = {}, "off"
@@ -152,8 +135,7 @@ def fit_codebooks(model, tokenizer, clusters: int, iterations: int = 20, seed: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--run", required=True)
-    parser.add_argument("--modes", default="off,exact,mean,mean_var,kmeans:16,kmeans:64,kmeans_var:64")
-    parser.add_argument("--passkey", default="", help="lengths for passkey retrieval (empty: none)")
+    parser.add_argument("--modes", default="off,exact,mean,kmeans:16,kmeans:64")
     parser.add_argument("--score", default=None, help="the sparse cache's score (default: the run's)")
     parser.add_argument("--sparse", type=int, default=None, help="the sparse cache's K (default: the run's)")
     parser.add_argument("--domains", default=None, help="comma-separated held-out domains (default: the run's)")
@@ -177,9 +159,10 @@ def main() -> None:
     for mode in args.modes.split(","):
         spec, _, bias = mode.partition("+")
         name, _, clusters = spec.partition(":")
+        if name not in ("off", "exact", "mean", "kmeans") or (name == "kmeans") != bool(clusters):
+            raise SystemExit(f"Unknown mode {mode!r}: off, exact, mean or kmeans:C, each optionally +b.")
         STATE["bias"] = float(bias or 0)
         STATE["clusters"] = int(clusters or 0)
-        STATE["variance"] = name.endswith("_var")
         if STATE["clusters"] and STATE["codebooks"].get("size") != STATE["clusters"]:
             STATE["codebooks"] = {**fit_codebooks(model, tokenizer, STATE["clusters"]), "size": STATE["clusters"]}
         STATE["mode"] = name
@@ -193,11 +176,6 @@ def main() -> None:
         line = " | ".join(f"{domain} {ratios[domain]:.3f}x" for domain in ratios)
         gains = results[mode].get("gain_over_off", {})
         line += "  gain " + " ".join(f"{gain:+.1%}" for gain in gains.values())
-        if args.passkey:
-            lengths = [int(n) for n in args.passkey.split(",")]
-            hits = hits_by_length(retrieval_records(model, tokenizer, ("passkey",), lengths, desc=mode))["passkey"]
-            results[mode]["passkey"] = hits
-            line += "  passkey " + " ".join(f"{hit}/{total}" for hit, total in hits.values())
         print(f"{mode}: {line}", flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=1))
