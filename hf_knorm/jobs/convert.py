@@ -107,6 +107,10 @@ def check_settings(settings: ConvertSettings) -> Normalization:
                          "has none: give --recovery lora or full with recovery steps, or --window-dropout 0.")
     for name in settings.domains():
         domain(name)
+    if settings.beyond_window:
+        from ..conversion.beyond_window import check_block
+
+        check_block(settings.beyond_window_block)
     if settings.dataset == "chatterbot" and "conversation" in settings.domains():
         raise ValueError("--dataset chatterbot trains on the conversation domain's own text, which would then not be "
                          "held out: leave conversation out of --eval-domains (e.g. essays,plays,technical).")
@@ -215,7 +219,8 @@ def run_convert(settings: ConvertSettings) -> dict:
         eval_sets = held_out_domain_blocks(settings.domains(), tokenizer, settings.block_size, settings.eval_tokens)
         if settings.dataset != GENERAL:
             train, own_held_out, descriptions[OWN_HELD_OUT], data_format = _training_data(settings, tokenizer)
-        long_sets = (beyond_window_blocks(settings.domains(), tokenizer, settings.eval_tokens)
+        long_sets = (beyond_window_blocks(settings.domains(), tokenizer, settings.eval_tokens,
+                                          settings.beyond_window_block)
                      if settings.beyond_window and settings.domains() else None)
     if own_held_out is not None:
         eval_sets = {OWN_HELD_OUT: own_held_out, **eval_sets}
@@ -292,7 +297,8 @@ def run_convert(settings: ConvertSettings) -> dict:
         with precision():
             converted = on_main_process(lambda: measure_converted(model, tokenizer, long_sets, settings.retrieval(),
                                                                   windowed=target.window > 0))
-        summary["beyond_window"] = beyond_window_record(state["original_beyond_window"], converted)
+        summary["beyond_window"] = beyond_window_record(state["original_beyond_window"], converted,
+                                                        settings.beyond_window_block)
     _save(model, tokenizer, out, summary)
     return summary
 

@@ -71,7 +71,7 @@ def test_match_scale_refuses_a_window():
 def test_a_windowed_conversion_saves_its_mix_and_measures_beyond_the_window(tiny_lm_dir, texts, tmp_path):
     out = tmp_path / "run"
     settings = _settings(tiny_lm_dir, texts, out, softmax_window=8, eval_domains=("essays",), eval_tokens=512,
-                         retrieval_lengths=(400,))
+                         retrieval_lengths=(400,), beyond_window_block=768)  # not the default 1,024: it is used
     summary = run_convert(settings)
     record = json.loads((out / RESULT_FILE).read_text())
     assert record["normalization"] == "x^3/16 + softmax window 8 + sinks 4"
@@ -82,7 +82,7 @@ def test_a_windowed_conversion_saves_its_mix_and_measures_beyond_the_window(tiny
     assert window_mixes(reloaded) == transfer["window_mix"]  # the mix solved after the transfer, kept by recovery
 
     beyond = record["beyond_window"]
-    assert beyond["block_size"] == 1024 and beyond["first_scored_position"] == START
+    assert beyond["block_size"] == 768 and beyond["first_scored_position"] == START
     essays = beyond["domains"]["essays"]
     assert essays["ratio_to_original"] == pytest.approx(essays["perplexity"] / essays["original_perplexity"])
     for who in ("original", "converted", "window_only"):  # each count is a recount of the saved answers' texts
@@ -99,14 +99,27 @@ def test_a_windowed_conversion_saves_its_mix_and_measures_beyond_the_window(tiny
     from hf_knorm.conversion.beyond_window import beyond_window_blocks, beyond_window_perplexities
 
     tokenizer = hf_knorm.models.persistence.load_model(str(out))[1]
-    blocks = beyond_window_blocks(["essays"], tokenizer, 1024)
+    blocks = beyond_window_blocks(["essays"], tokenizer, 512, 768)  # one block: max(eval tokens, block) tokens
+    assert len(blocks["essays"]) == 1 and len(blocks["essays"][0]["input_ids"]) == 768
     assert all(label == -100 for label in blocks["essays"][0]["labels"][:START])
+    assert all(label != -100 for label in blocks["essays"][0]["labels"][START:])
     assert beyond_window_perplexities(reloaded.eval(), blocks, "reloaded")["essays"] == pytest.approx(
         essays["perplexity"], rel=1e-5)
     # ... and the window alone's is the reloaded model's with every head's mix set to 0
     set_window_mix(reloaded, [[0.0] * len(layer) for layer in transfer["window_mix"]])
     assert beyond_window_perplexities(reloaded, blocks, "mix 0")["essays"] == pytest.approx(
         essays["window_only_perplexity"], rel=1e-5)
+
+
+@pytest.mark.parametrize("block", [START, 0, 1024.5, True])
+def test_a_beyond_window_block_with_nothing_to_score_is_refused_before_anything_runs(tiny_lm_dir, texts, tmp_path,
+                                                                                     block):
+    settings = _settings(tiny_lm_dir, texts, tmp_path / "run", softmax_window=8, eval_domains=("essays",),
+                         beyond_window_block=block)
+    with pytest.raises(ValueError, match=f"beyond_window_block must be an integer above {START}"):
+        run_convert(settings)
+    assert not (tmp_path / "run").exists()
+    assert ConvertSettings().beyond_window_block == 1024  # convert's default, as its results are quoted
 
 
 def test_the_window_and_the_spelling_must_agree(tiny_lm_dir, texts, tmp_path):
