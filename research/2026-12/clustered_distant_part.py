@@ -139,12 +139,21 @@ def main() -> None:
     parser.add_argument("--score", default=None, help="the sparse cache's score (default: the run's)")
     parser.add_argument("--sparse", type=int, default=None, help="the sparse cache's K (default: the run's)")
     parser.add_argument("--domains", default=None, help="comma-separated held-out domains (default: the run's)")
+    parser.add_argument("--block", type=int, default=None,
+                        help="tokens per block (default: convert's 1,024); with --original, the original's figures")
+    parser.add_argument("--blocks", type=int, default=4, help="blocks per domain with --block")
+    parser.add_argument("--original", default=None, help="with --block: a JSON of distant_room_at_4k.py")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.run)
     record = json.loads((Path(args.run) / "convert.json").read_text())
     domains = args.domains.split(",") if args.domains else record["settings"]["eval_domains"]
-    blocks = beyond_window_blocks(domains, tokenizer, record["settings"]["eval_tokens"])
+    if args.block:
+        blocks = beyond_window_blocks(domains, tokenizer, args.block * args.blocks, args.block)
+        original = json.loads(Path(args.original).read_text())["original"]
+    else:
+        blocks = beyond_window_blocks(domains, tokenizer, record["settings"]["eval_tokens"])
+        original = {name: value["original_perplexity"] for name, value in record["beyond_window"]["domains"].items()}
     model = hf_knorm.from_pretrained(args.run).eval()
     STATE["normalization"] = parse_normalization(hf_knorm.patched_normalization(model))
     if args.score:
@@ -167,7 +176,7 @@ def main() -> None:
             STATE["codebooks"] = {**fit_codebooks(model, tokenizer, STATE["clusters"]), "size": STATE["clusters"]}
         STATE["mode"] = name
         perplexity = beyond_window_perplexities(model, blocks, mode)
-        ratios = {domain: value / record["beyond_window"]["domains"][domain]["original_perplexity"]
+        ratios = {domain: value / original[domain]
                   for domain, value in perplexity.items()}
         results[mode] = {"perplexity": perplexity, "ratio_to_original": ratios}
         if "off" in results:
