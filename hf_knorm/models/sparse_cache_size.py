@@ -1,0 +1,63 @@
+"""A patched model's sparse cache resized in place, its learned values kept.
+
+``x/1 + softmax window 64 + sinks 4 + sparse K (score)`` keeps, per layer and KV head, the ``K`` older key/value pairs
+of highest score beside the window (:mod:`hf_knorm.attention.sparse`). ``K`` is no weight: a converted model can be
+read with another ``K`` without training again, and where its training blocks were short enough for the cache to
+hold every older key (the default conversion's 256-token blocks, ``K >= 192``) its weights do not depend on ``K`` at
+all. How much ``K`` matters depends on the length: the default conversion is 1.24x the original beyond the window in
+1,024-token blocks at ``K = 256``, and 2.2x in 4,096-token blocks, 1.46x with ``K = 956`` (25% of the pairs at 4,096
+tokens; docs/results/conversion.md).
+
+:func:`set_sparse_cache` patches the model again with the new ``K`` (and score), and puts back every learned value
+the normalization has (the window mix, a base family's own): the same model but for the cache.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from ..normalizations import parse_normalization, with_sparse
+from ..normalizations.sparse_choice import DEFAULT_SCORE
+from .parameters import PREFIX, learned_values, set_learned_values
+from .patching import SECTION, patch, patched_normalization, unpatch
+
+
+def set_sparse_cache(model: nn.Module, sparse: int, score: str | None = None) -> nn.Module:
+    """Give ``model``'s softmax window a sparse cache of ``sparse`` pairs per layer and KV head (``0``: none),
+    chosen by ``score`` (``None``: the model's, or :data:`~hf_knorm.normalizations.sparse_choice.DEFAULT_SCORE` if it
+    has no cache); every learned value (``hf_knorm_*`` parameters, frozen or not as they were) and the ``linear`` policy are
+    kept. Returns the
+    same model; save it to keep the new cache in its config.
+
+    Raises:
+        ValueError: the model is not patched, or its normalization has no softmax window; ``sparse`` is not an
+            integer >= 0 or ``score`` is not a sparse cache's (:func:`hf_knorm.normalizations.with_sparse`).
+    """
+    current = patched_normalization(model)
+    if current is None:
+        raise ValueError("The model is not patched by hf_knorm: patch it with a normalization that has a softmax "
+                         "window first, e.g. 'x/1 + softmax window 64 + sinks 4 + sparse 256'.")
+    normalization = parse_normalization(current)
+    if not normalization.window:
+        raise ValueError(f"{current} has no softmax window, which a sparse cache sits beside: patch the model with "
+                         "a window (hf_knorm.unpatch, then hf_knorm.patch(model, ..., softmax_window=W)).")
+    if score is None:
+        score = normalization.score if normalization.sparse else DEFAULT_SCORE
+    resized = with_sparse(normalization, sparse, score)  # checks sparse and score before anything changes
+    if resized == normalization:
+        return model
+    kept = {name: learned_values(model, name) for name in normalization.learnable()}
+    trainable = {name: parameter.requires_grad for name, parameter in model.named_parameters()
+                 if name.rpartition(".")[2].startswith(PREFIX)}  # frozen or not, as they were
+    linear = getattr(model.config, SECTION).get("linear", "auto")
+    unpatch(model)
+    patch(model, resized, linear=linear)
+    for name, values in kept.items():
+        set_learned_values(model, name, values)
+    for name, parameter in model.named_parameters():
+        if name in trainable:
+            parameter.requires_grad_(trainable[name])
+    return model
+
+
+__all__ = ["set_sparse_cache"]
