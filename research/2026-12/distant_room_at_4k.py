@@ -26,7 +26,6 @@ Usage: ``OMP_NUM_THREADS=2 python research/2026-12/distant_room_at_4k.py --run r
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
@@ -35,8 +34,8 @@ import transformers
 import hf_knorm
 from hf_knorm.conversion.beyond_window import START, beyond_window_blocks
 from hf_knorm.data.heldout import held_out_perplexity
+from hf_knorm.models.sparse_cache_size import set_sparse_cache
 from hf_knorm.models.window_mix import distant_part_off
-from hf_knorm.normalizations import parse_normalization
 
 BLOCK = 4096
 
@@ -71,18 +70,11 @@ def main() -> None:
     else:
         keep("original", perplexities(hf_knorm.load_default_model()[0], blocks, "original"))
     model = hf_knorm.from_pretrained(run).eval()
-    normalization = parse_normalization(hf_knorm.patched_normalization(model))
-    results["normalization"] = normalization.name
+    results["normalization"] = hf_knorm.patched_normalization(model)  # as trained; the score below is --score
     for sparse in (int(value) for value in args.sparse.split(",")):
-        variant = dataclasses.replace(normalization, sparse=sparse, score=args.score)
-        if variant != normalization:
-            hf_knorm.unpatch(model)
-            hf_knorm.patch(model, variant)
+        set_sparse_cache(model, sparse, args.score)
         with distant_part_off(model):
-            keep(f"sparse {sparse}", perplexities(model, blocks, variant.name))
-        if variant != normalization:
-            hf_knorm.unpatch(model)
-            hf_knorm.patch(model, normalization)
+            keep(f"sparse {sparse}", perplexities(model, blocks, hf_knorm.patched_normalization(model)))
     hf_knorm.unpatch(model)
     keep("exact", perplexities(model, blocks, "converted weights, softmax over every key"))
 
