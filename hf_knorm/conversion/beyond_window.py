@@ -26,7 +26,7 @@ from ..data.heldout import held_out_domain_blocks, held_out_perplexity
 BLOCK = 1024
 """Tokens per block of the beyond-window perplexity, by default. Longer blocks measure what a bounded cache loses
 where it cannot hold the whole block: the default conversion is 1.24x the original on technical text in 1,024-token
-blocks and 2.2x in 4,096-token blocks (docs/results/conversion.md)."""
+blocks and 2.21x in 4,096-token blocks (docs/results/conversion.md, "At 4,096 tokens")."""
 START = 256
 """The first position scored (LoLCATs' window is 64: every scored token has 192+ keys older than it)."""
 

@@ -4,9 +4,9 @@
 of highest score beside the window (:mod:`hf_knorm.attention.sparse`). ``K`` is no weight: a converted model can be
 read with another ``K`` without training again, and where its training blocks were short enough for the cache to
 hold every older key (the default conversion's 256-token blocks, ``K >= 192``) its weights do not depend on ``K`` at
-all. How much ``K`` matters depends on the length: the default conversion is 1.24x the original beyond the window in
-1,024-token blocks at ``K = 256``, and 2.2x in 4,096-token blocks, 1.46x with ``K = 956`` (25% of the pairs at 4,096
-tokens; docs/results/conversion.md).
+all. How much ``K`` matters depends on the length: the default conversion is 1.24x the original beyond the window on
+technical text in 1,024-token blocks at ``K = 256``, 2.21x in 4,096-token blocks, and 1.47x there with ``K = 956``
+(25% of the pairs at 4,096 tokens; medians of three seeds, docs/results/conversion.md "At 4,096 tokens").
 
 :func:`set_sparse_cache` patches the model again with the new ``K`` (and score), and puts back every learned value
 the normalization has (the window mix, a base family's own): the same model but for the cache.
