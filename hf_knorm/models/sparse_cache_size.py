@@ -25,13 +25,14 @@ from .patching import SECTION, patch, patched_normalization, unpatch
 def set_sparse_cache(model: nn.Module, sparse: int, score: str | None = None) -> nn.Module:
     """Give ``model``'s softmax window a sparse cache of ``sparse`` pairs per layer and KV head (``0``: none),
     chosen by ``score`` (``None``: the model's, or :data:`~hf_knorm.normalizations.sparse_choice.DEFAULT_SCORE` if it
-    has no cache); every learned value (``hf_knorm_*`` parameters, frozen or not as they were) and the ``linear`` policy are
-    kept. Returns the
-    same model; save it to keep the new cache in its config.
+    has no cache); every learned value (``hf_knorm_*`` parameters, frozen or not as they were) and the ``linear``
+    policy are kept. Returns the same model; save it to keep the new cache in its config.
 
     Raises:
         ValueError: the model is not patched, or its normalization has no softmax window; ``sparse`` is not an
-            integer >= 0 or ``score`` is not a sparse cache's (:func:`hf_knorm.normalizations.with_sparse`).
+            integer >= 0 or ``score`` is not a sparse cache's (:func:`hf_knorm.normalizations.with_sparse`); the
+            model cannot take a sparse cache (a layer with its own sliding window: :func:`.patching.patch`). The
+            model is then as it was.
     """
     current = patched_normalization(model)
     if current is None:
@@ -51,12 +52,17 @@ def set_sparse_cache(model: nn.Module, sparse: int, score: str | None = None) ->
                  if name.rpartition(".")[2].startswith(PREFIX)}  # frozen or not, as they were
     linear = getattr(model.config, SECTION).get("linear", "auto")
     unpatch(model)
-    patch(model, resized, linear=linear)
-    for name, values in kept.items():
-        set_learned_values(model, name, values)
-    for name, parameter in model.named_parameters():
-        if name in trainable:
-            parameter.requires_grad_(trainable[name])
+    try:
+        patch(model, resized, linear=linear)
+    except ValueError:
+        patch(model, normalization, linear=linear)  # refused: the model as it was, then the reason
+        raise
+    finally:
+        for name, values in kept.items():
+            set_learned_values(model, name, values)
+        for name, parameter in model.named_parameters():
+            if name in trainable:
+                parameter.requires_grad_(trainable[name])
     return model
 
 

@@ -84,6 +84,20 @@ def test_a_bad_size_or_score_is_refused_and_the_model_left_as_it_was(sparse, sco
     torch.testing.assert_close(_logits(model), before, rtol=0, atol=0)
 
 
+def test_a_model_with_its_own_sliding_window_refuses_a_cache_and_keeps_its_window_and_mix():
+    model = hf_knorm.patch(tiny_model("mistral", dtype=torch.float64), "x/1 + softmax window 4")
+    set_window_mix(model, [torch.full((len(layer),), 0.25, dtype=torch.float64) for layer in window_mixes(model)])
+    mixes, ids = window_mixes(model), tiny_inputs("mistral", batch=1, length=12)["input_ids"]
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    with pytest.raises(ValueError, match="own sliding window"):
+        set_sparse_cache(model, 4)
+    assert hf_knorm.patched_normalization(model) == "x/1 + softmax window 4"
+    assert window_mixes(model) == mixes
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)
+
+
 def test_a_model_without_a_window_or_not_patched_is_refused():
     with pytest.raises(ValueError, match="not patched"):
         set_sparse_cache(tiny_model("llama"), 4)
