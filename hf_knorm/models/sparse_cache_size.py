@@ -6,7 +6,8 @@ read with another ``K`` without training again, and where its training blocks we
 hold every older key (the default conversion's 256-token blocks, ``K >= 192``) its weights do not depend on ``K`` at
 all. How much ``K`` matters depends on the length: the default conversion is 1.24x the original beyond the window on
 technical text in 1,024-token blocks at ``K = 256``, 2.21x in 4,096-token blocks, and 1.47x there with ``K = 956``
-(25% of the pairs at 4,096 tokens; medians of three seeds, docs/results/conversion.md "At 4,096 tokens").
+(25% of the pairs at 4,096 tokens; medians of three seeds, docs/results/conversion.md "At 4,096 tokens"); but with
+``K = 956`` it finds 0 of 8 passkeys at 4,000 tokens where ``K = 256`` finds 6 (seed 0): a size is a trade.
 
 :func:`set_sparse_cache` patches the model again with the new ``K`` (and score), and puts back every learned value
 the normalization has (the window mix, a base family's own): the same model but for the cache.
