@@ -7,9 +7,9 @@ greedy tokens, exact match) with:
 
 - ``all``: every pair kept, i.e. the model unpatched (plain softmax): with mix 0 and ``K >=`` every older key, the
   sparse cache computes exactly this, so it says what the trained weights can do at 4,000 tokens;
-- ``value_over_key K``: the released score with ``K`` pairs (the config's spelling rewritten: ``sparse K``);
+- ``value_over_key K``: the released score with ``K`` pairs (``set_sparse_cache``: ``sparse K``, the mix kept);
 - ``prefix_kv_diff K`` (or any other score of ``hf_knorm.normalizations.sparse_choice.SPARSE_SCORES``): the score
-  as the library computes it, spelled into the config.
+  as the library computes it, set by ``set_sparse_cache``.
 
 The prototype of ``prefix_kv_diff`` (the same score computed once per context outside the library, its pairs' scores
 looked up by position: commit e0c61d0 of this script) found 8, 7, 6 of 8 passkeys at 1k/2k/4k on seed 0; the built
@@ -31,22 +31,7 @@ import transformers
 import hf_knorm
 from hf_knorm.conversion.beyond_window import beyond_window_blocks, beyond_window_perplexities
 from hf_knorm.evaluation.retrieval import hits_by_length, retrieval_records
-from hf_knorm.models.patching import _configs
-from hf_knorm.normalizations import parse_normalization
-
-def respell(model, sparse: int, score: str | None = None) -> str:
-    """Give every config of ``model`` the same normalization with ``sparse`` pairs (and ``score``, if given);
-    returns the new spelling."""
-    old = parse_normalization(hf_knorm.patched_normalization(model))
-    spelling = old.name.replace(f"sparse {old.sparse} ({old.score})", f"sparse {sparse} ({score or old.score})")
-    parse_normalization(spelling)  # a typo here fails before any cell runs
-    for config in _configs(model):
-        section = dict(config.hf_knorm)
-        section["normalization"] = spelling
-        section.pop("normalization_record", None)
-        config.hf_knorm = section
-    return spelling
-
+from hf_knorm.models.sparse_cache_size import set_sparse_cache
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -74,7 +59,8 @@ def main() -> None:
             label = "every pair kept (unpatched)"
         else:
             score, sparse = cell.split(":")
-            label = respell(model, int(sparse), score)  # a typo fails in parse_normalization
+            set_sparse_cache(model, int(sparse), score)  # an unknown score fails here
+            label = hf_knorm.patched_normalization(model)
         records = retrieval_records(model, tokenizer, (args.task,), lengths, desc=cell)
         results[cell] = {"label": label, "hits": hits_by_length(records)[args.task],
                          "answers": [answer["answer"] for answer in records]}
