@@ -45,9 +45,11 @@ from .eviction.pipeline import KNormTextGenerationPipeline, register_pipeline
 from .hub import HubPushError, push_folder, push_to_hub, save_pretrained
 from .jobs.convert import convert
 from .models.architectures import SUPPORTED_ARCHITECTURES
+from .models.cluster_codebook import fit_cluster_codebook, set_clusters
 from .models.parameters import register as register_learned_values
 from .models.patching import patch, patched_normalization, unpatch
 from .models.persistence import from_pretrained
+from .models.sparse_cache_size import set_sparse_cache
 from .recording.record_norms import record_norms
 from .recording.statistics import LayerNorms, NormRecorder
 from .recurrent.cache import RecurrentStateCache
@@ -87,6 +89,7 @@ __all__ = [
     "attention_paths",
     "balance_kv",
     "convert",
+    "fit_cluster_codebook",
     "from_pretrained",
     "load_default_model",
     "list_normalizations",
@@ -98,6 +101,8 @@ __all__ = [
     "push_to_hub",
     "record_norms",
     "save_pretrained",
+    "set_clusters",
+    "set_sparse_cache",
     "set_knorm_defaults",
     "unpatch",
     "kernels",

@@ -90,12 +90,13 @@ def tiny_inputs(model_type: str, batch: int = 2, length: int = 12, seed: int = 0
 
 def logits_and_grads(model, inputs: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One language-modelling step on ``inputs``: the logits and every parameter's gradient, by parameter name
-    (``torch.compile``'s ``_orig_mod.`` prefix removed, so a compiled model's names match its eager twin's)."""
+    (``torch.compile``'s ``_orig_mod.`` prefix removed, so a compiled model's names match its eager twin's); a frozen
+    parameter (a cluster codebook) has none."""
     model.zero_grad()
     output = model(**inputs, labels=inputs["input_ids"])
     output.loss.backward()
     return output.logits.detach(), {name.removeprefix("_orig_mod."): p.grad.clone()
-                                    for name, p in model.named_parameters()}
+                                    for name, p in model.named_parameters() if p.requires_grad}
 
 
 def assert_same_step(got: tuple, want: tuple, *, logits_atol: float, grads_relative: float,

@@ -30,7 +30,8 @@ from .compiled import compiled_attention
 from .full_precision import full_precision
 from .masks import KeyPadding, Mask, kernel_mask
 from ..normalizations import Normalization, parse_normalization
-from ..normalizations.windowed import MIX
+from ..normalizations.base import PARAMETER_PREFIX
+from ..normalizations.windowed import CODEBOOK, MIX
 from .paths import check_linear_policy, choose_path, linear_keys, linear_policy_of, note_path
 from .taps import current_kv_transform, current_recorder, take_state_for, taps_set
 from .sparse import sparse_path, sparse_window_attention
@@ -101,7 +102,8 @@ def hf_knorm_attention(
         output, weights = sparse_window_attention(
             query, key, value, mask, normalization, bias=bias, scaling=scaling, softcap=softcap, dropout=dropout,
             causal=causal, return_weights=return_weights, frobenius_sq=frobenius_sq, mix=params.get(MIX),
-            params=params, handover=handover, sliding_window=kwargs.get("sliding_window"))
+            params=params, handover=handover, sliding_window=kwargs.get("sliding_window"),
+            codebook=module._parameters.get(PARAMETER_PREFIX + CODEBOOK))
         if recorder is not None:
             recorder.record(module, key, value, mask, frobenius_sq.reshape(query.shape[0], query.shape[1]))
         return output, weights

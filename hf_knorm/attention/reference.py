@@ -80,11 +80,15 @@ def reference_window_attention(
     mix: torch.Tensor | None = None,
     params: dict[str, torch.Tensor] | None = None,
     bias: torch.Tensor | None = None,
+    codebook: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of a normalization with a softmax window (``x^p/c + softmax window W``, :mod:`.window`), in fp32
     (fp64 for fp64 inputs): the whole score matrix, the two parts side by side. With a sparse cache
     (``+ sparse K (score)``, :mod:`.sparse`) each row's ``K`` best older keys per KV head (:func:`sparse_split`)
-    join the softmax part and leave the polynomial one.
+    join the softmax part and leave the polynomial one. With clusters (``+ clusters C``, :mod:`.distant_clusters`)
+    each cluster of a row's remaining older keys (their codebook direction of highest cosine, ``codebook``
+    ``(H_kv, C, D)``) joins the softmax as one more logit, the mean of its keys' scores plus the log of their
+    number, whose weight goes to its keys in equal shares.
 
     Which keys go to which part is decided row by row from positions (:func:`window_split`, a loop in Python,
     written apart from the implementation's tensor expressions); the weights are then the definition's. Sinks and
@@ -125,7 +129,11 @@ def reference_window_attention(
         ranks = reference_scores(normalization.score, key, value, key_valid).repeat_interleave(groups, dim=1)
         chosen = sparse_split(older, ranks.expand(scores.shape[0], -1, -1), normalization.sparse)
         in_window, older = in_window | chosen, older & ~chosen
-    soft = torch.nan_to_num(torch.softmax(torch.where(in_window, scores, float("-inf")), dim=-1), nan=0.0)
+    logits = torch.where(in_window, scores, float("-inf"))
+    if normalization.clusters:
+        soft, shares = _with_clusters(logits, scores, older, key, codebook, groups)
+    else:
+        soft, shares = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0), 0.0
     base = normalization.without_window
     if isinstance(base, Polynomial):
         poly = torch.where(older, scores, torch.zeros_like(scores)) ** base.power
@@ -139,9 +147,28 @@ def reference_window_attention(
     factor = torch.rsqrt(part.pow(2).mean(dim=-1, keepdim=True) + ROW_EPS)  # 1 / RMS of each row (window.row_scale)
     if mix is not None:
         factor = factor * mix.to(compute)[None, :, None, None]
-    weights = soft + poly * factor
+    weights = soft + shares + poly * factor
     output = (weights @ v).transpose(1, 2).to(query.dtype)
     return output, weights
+
+
+def _with_clusters(logits, scores, older, key, codebook, groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax over ``logits`` ``(B, H_q, q, kv)`` and one logit per non-empty cluster of each row's ``older``
+    keys: ``(the keys' weights, the clusters' weights shared among their keys)``, a loop over the clusters."""
+    directions = torch.nn.functional.normalize(key.to(scores.dtype), dim=-1)
+    cluster_of = torch.einsum("bhkd,hcd->bhkc", directions, codebook.to(scores.dtype)).argmax(dim=-1)
+    cluster_of = cluster_of.repeat_interleave(groups, dim=1)[:, :, None, :]  # (B, H_q, 1, kv)
+    members, extra = [], []
+    for c in range(codebook.shape[1]):
+        member = older & (cluster_of == c)
+        size = member.sum(dim=-1, keepdim=True).to(scores.dtype)
+        mean_score = torch.where(member, scores, 0.0).sum(dim=-1, keepdim=True) / size.clamp_min(1)
+        extra.append(torch.where(size > 0, mean_score + size.clamp_min(1).log(), float("-inf")))
+        members.append(member.to(scores.dtype) / size.clamp_min(1))
+    weights = torch.nan_to_num(torch.softmax(torch.cat([logits, *extra], dim=-1), dim=-1), nan=0.0)
+    kv_len = logits.shape[-1]
+    shares = sum(weights[..., kv_len + c, None] * member for c, member in enumerate(members))
+    return weights[..., :kv_len], shares
 
 
 def window_split(allowed: torch.Tensor, window: int, sinks: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,6 +42,10 @@ every row on dense masks in blocks of ``ROWS`` rows against every key (memory ``
 with a ``DynamicCache``). Under autograd the blocks' tensors are kept for the backward. A decoded token against the
 bounded cache costs ``O((W + S + K) * D + D * D_v)``.
 
+Clusters (``+ clusters C``, :mod:`.distant_clusters`): the pairs of each row's distant part also form ``C``
+pseudo-pairs weighted by softmax with the rest, from per-cluster sums that the state carries beside ``S``
+(:class:`.distant_clusters.ClusterState`): the same paths, each block's rows with ``C`` more columns.
+
 Masks. Key padding (left-padded batches) and bottom-right causal calls, as a model's forward and its cache give them;
 an explicit 4-D mask that is exactly causal with padded keys is read as such. Anything else (a model's own sliding
 window, packed sequences, an additive bias) is refused: the cache's pairs are chosen along one sequence's positions.
@@ -56,6 +60,7 @@ import torch
 
 from ..normalizations import Normalization
 from ..normalizations.sparse_choice import call_scores
+from .distant_clusters import add_leaving, assignments, check_codebook, cluster_part, pseudo_logits
 from .linear_kernel import is_linear
 from .masks import KeyPadding, Mask
 from .paths import Path, causal_key_validity
@@ -125,8 +130,10 @@ def sparse_window_attention(
     params: dict[str, torch.Tensor] | None = None,
     handover=None,
     sliding_window: int | None = None,
+    codebook: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention with a softmax window, sinks and a sparse cache beside ``normalization.without_window``.
+    """Attention with a softmax window, sinks and a sparse cache beside ``normalization.without_window``, and the
+    clusters of :mod:`.distant_clusters` when the normalization has them.
 
     Args:
         query: ``(B, H_q, q, D)``; key, value ``(B, H_kv, kv, D)``, not repeated for GQA.
@@ -141,6 +148,7 @@ def sparse_window_attention(
         params: the base family's learnable values, ``(H_q,)`` each.
         handover: a :class:`hf_knorm.recurrent.sparse_cache.SparseWindowStateLayer` handed over by the cache
             (``p = 1`` only), or ``None``: the call holds every key of its sequences.
+        codebook: ``(H_kv, C, D)`` the layer's cluster codebook, with ``+ clusters C`` (required then).
 
     Returns:
         ``(output (B, q, H_q, D_v) in the query dtype, weights or None)``.
@@ -151,12 +159,14 @@ def sparse_window_attention(
     """
     _check_call(normalization, query, key, mask, bias, dropout, causal, return_weights, mix, handover, softcap,
                 sliding_window)
+    if normalization.clusters:
+        check_codebook(codebook, normalization.clusters, key.shape[1], key.shape[-1], normalization.name)
     key_valid = _key_valid(mask, query, key, handover)
     q_len = query.shape[2]
     if mask is None and handover is None and q_len > 1:  # sdpa's top-left causal mask: as many keys as queries
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     options = dict(scaling=scaling, softcap=softcap, return_weights=return_weights, frobenius_sq=frobenius_sq,
-                   mix=mix, params=params)
+                   mix=mix, params=params, codebook=codebook if normalization.clusters else None)
     if in_blocks(normalization, q_len, key.shape[2], handover, softcap, return_weights, frobenius_sq is not None):
         return _chunked(query, key, value, key_valid, normalization, options, handover), None
     source = mask.source if isinstance(mask, KeyPadding) else None
@@ -179,6 +189,7 @@ def _chunked(query, key, value, key_valid, normalization, options, handover=None
         carry.sinks, carry.sinks_complete, carry.sparse_pairs = (handover.sinks, handover.sinks_complete,
                                                                  handover.sparse_pairs)
         carry.score_statistics = handover.score_statistics
+        carry.cluster_state = handover.cluster_state
     outputs = []
     for start in range(0, q_len, ROWS):
         stop = min(q_len, start + ROWS)
@@ -192,6 +203,7 @@ def _chunked(query, key, value, key_valid, normalization, options, handover=None
         handover.keep_sinks(carry.sinks, carry.sinks_complete)
         handover.keep_sparse(carry.sparse_pairs)
         handover.keep_score_statistics(carry.score_statistics)
+        handover.keep_clusters(carry.cluster_state)
         handover.write(carry.state, carry.count)
     return torch.cat(outputs, dim=1)
 
@@ -205,7 +217,7 @@ class _Carry:
     def __init__(self, window: int, sparse: int):
         self.window, self.sparse, self.cumulative_length = window, sparse, 0
         self.sinks, self.sinks_complete, self.sparse_pairs, self.state, self.count = None, False, None, None, None
-        self.score_statistics = None
+        self.score_statistics, self.cluster_state = None, None
 
     def read(self):
         return self.state, self.count
@@ -222,9 +234,12 @@ class _Carry:
     def keep_score_statistics(self, statistics) -> None:
         self.score_statistics = statistics
 
+    def keep_clusters(self, state) -> None:
+        self.cluster_state = state
+
 
 def _attend(query, key, value, key_valid, source, normalization, handover, *, scaling, softcap, return_weights,
-            frobenius_sq, mix, params) -> tuple[torch.Tensor, torch.Tensor | None]:
+            frobenius_sq, mix, params, codebook) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The call on the dense masks of its rows (in blocks of :data:`ROWS`), continuing ``handover``'s state and cache
     if any: ``(output (B, q, H_q, D_v), weights or None)``."""
     dtype = query.dtype
@@ -269,6 +284,9 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
     group_params = {name: value.to(compute).view(kv_heads, groups, 1, 1) for name, value in (params or {}).items()}
     factor_mix = None if mix is None else mix.to(compute).view(1, kv_heads, groups, 1, 1)
     is_call_key = torch.arange(pairs.position.shape[-1], device=device) >= pairs.prior  # (M,)
+    onehot = None if codebook is None else assignments(pairs.keys, codebook, compute)  # (B, H_kv, M, C)
+    prior_clusters = None if handover is None else handover.cluster_state
+    clusters = 0 if codebook is None else codebook.shape[1]
     outputs, weight_rows = [], []
     for start in range(0, q_len, ROWS):
         stop = min(q_len, start + ROWS)
@@ -288,8 +306,17 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
         logits = scores.masked_fill(~soft_allowed[:, :, None], float("-inf"))
-        soft = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)  # a row with no key: 0
         candidate_scores = scores[..., sink_count:]
+        if onehot is not None:  # the clusters' pseudo-pairs, weighted by softmax with the pairs; over the candidates
+            columns = in_base.flatten(0, 2).any(dim=0).nonzero().squeeze(-1)  # some row's distant part holds
+            distant, members = in_base[..., columns], onehot[:, :, columns]
+            pseudo, sizes = pseudo_logits(q, candidate_scores[..., columns], distant, members, prior_clusters, scale)
+            logits = torch.cat([logits, pseudo], dim=-1)
+        soft = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)  # a row with no key: 0
+        if onehot is not None:
+            soft, cluster_weights = soft[..., :-clusters], soft[..., -clusters:]
+            clustered, shares = cluster_part(cluster_weights, sizes, distant, members, prior_clusters,
+                                             values[:, :, sink_count:][:, :, columns])
         allowed_base = in_base[:, :, None].expand_as(candidate_scores)
         if handover is None:
             base_weights = base.weights(candidate_scores, allowed_base, group_params)
@@ -305,9 +332,13 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
         if factor_mix is not None:
             factor = factor * factor_mix
         output = soft @ values[:, :, None] + part * factor  # (B, H_kv, G, r, D_v)
+        if onehot is not None:
+            output = output + clustered
         outputs.append(output)
         if frobenius_sq is not None or return_weights:
             weighted = base_weights * factor
+            if onehot is not None:  # each distant pair's share of its cluster's weight
+                weighted = weighted.index_add(-1, columns, shares)
             if frobenius_sq is not None:
                 frobenius_sq += (soft.detach().square().sum(dim=(-2, -1))
                                  + weighted.detach().square().sum(dim=(-2, -1))).to(frobenius_sq.dtype)
@@ -315,7 +346,8 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
                 weight_rows.append(_call_weights(soft, weighted, sinks, sink_count, kv_len))
     output = torch.cat(outputs, dim=-2).reshape(batch, q_heads, q_len, -1).transpose(1, 2)
     if handover is not None:
-        _hand_back(handover, pairs, exits, normalization.sparse, state, count, first + kv_len - 1 - normalization.window)
+        _hand_back(handover, pairs, exits, normalization.sparse, state, count, first + kv_len - 1 - normalization.window,
+                   onehot)
     weights = torch.cat(weight_rows, dim=-2).reshape(batch, q_heads, q_len, kv_len) if return_weights else None
     return output.to(dtype), weights
 
@@ -429,9 +461,10 @@ def _divisor(base, allowed_base, count, compute) -> torch.Tensor:
     return rows.clamp_min(1.0).sqrt()
 
 
-def _hand_back(handover, pairs: _Candidates, exits, sparse, state, count, newest_older: int) -> None:
-    """After a call with a state: add the pairs that went to the distant part to the state, keep the ``K`` that are
-    in the cache after the call's last query, and let the layer keep the window's ``W`` last pairs."""
+def _hand_back(handover, pairs: _Candidates, exits, sparse, state, count, newest_older: int, onehot=None) -> None:
+    """After a call with a state: add the pairs that went to the distant part to the state (and to their clusters'
+    sums, with ``onehot`` :func:`.distant_clusters.assignments`), keep the ``K`` that are in the cache after the
+    call's last query, and let the layer keep the window's ``W`` last pairs."""
     leaving = pairs.filled & (exits <= newest_older)  # (B, H_kv, M): in the distant part now, not before the call
     full = torch.promote_types(pairs.keys.dtype, torch.float32)  # the state in fp32 (fp64 for fp64 keys)
     keys, values = pairs.keys.to(full), pairs.values.to(full)
@@ -439,6 +472,8 @@ def _hand_back(handover, pairs: _Candidates, exits, sparse, state, count, newest
     state = added if state is None else state + added
     added_count = leaving[:, 0].sum(dim=-1)  # every head holds the same number of pairs (its K best): head 0's
     count = added_count.to(torch.float32) if count is None else count + added_count.to(count.dtype)
+    if onehot is not None:
+        handover.keep_clusters(add_leaving(handover.cluster_state, onehot, leaving, keys, values))
     staying = pairs.filled & (pairs.position <= newest_older) & (exits > newest_older)  # at most K per head
     slots = min(sparse, staying.shape[-1])
     order = torch.where(staying, pairs.position, NEVER).topk(slots, dim=-1, largest=False).indices  # (B, H_kv, K)
@@ -485,6 +520,9 @@ def _check_call(normalization, query, key, mask, bias, dropout, causal, return_w
                          "the sparse cache's older pairs behind. Patch this model without the sparse cache.")
     if bias is not None:
         raise ValueError(f"{name}: an additive attention bias with a sparse cache is not supported.")
+    if normalization.clusters and softcap is not None:
+        raise ValueError(f"{name}: a softcap bends each score, so a cluster's mean key no longer gives its pairs' mean "
+                         "score; clusters are not supported with a softcap (Gemma 2). Patch without clusters.")
     if dropout:
         raise ValueError(f"{name}: attention dropout with a sparse cache is not implemented; set the model's "
                          "attention_dropout to 0.")

@@ -178,10 +178,13 @@ class SparseWindowStateHandover(WindowStateHandover, Protocol):
             ``None`` before the first call.
         score_statistics: what the score of the pairs carries from the calls before (a prefix score's running
             statistics), or ``None``.
+        cluster_state: the per-cluster sums of the distant pairs (:class:`hf_knorm.attention.distant_clusters.
+            ClusterState`) with ``+ clusters C``, or ``None``.
     """
 
     sparse_pairs: Any
     score_statistics: Any
+    cluster_state: Any
 
     def keep_sparse(self, pairs: Any) -> None:
         """Keep the cache's pairs after the call (before :meth:`write`)."""
@@ -190,6 +193,10 @@ class SparseWindowStateHandover(WindowStateHandover, Protocol):
     def keep_score_statistics(self, statistics: Any) -> None:
         """Keep what a prefix score carries to the next call
         (:class:`hf_knorm.normalizations.prefix_kv_diff.PrefixStatistics`; ``None`` for a per-token score)."""
+        ...
+
+    def keep_clusters(self, state: Any) -> None:
+        """Keep the per-cluster sums after the call (before :meth:`write`)."""
         ...
 
 

@@ -20,7 +20,9 @@ warns of exactly this). So every conversion is also measured
 from __future__ import annotations
 
 from ..evaluation.retrieval import hits_by_length, retrieval_records
+from ..models.patching import patched_normalization
 from ..models.window_mix import distant_part_off, window_mixes
+from ..normalizations import parse_normalization
 from ..data.heldout import held_out_domain_blocks, held_out_perplexity
 
 BLOCK = 1024
@@ -64,8 +66,8 @@ def beyond_window_perplexities(model, blocks: dict, label: str) -> dict[str, flo
 def measure_converted(model, tokenizer, blocks: dict, retrieval: dict, windowed: bool) -> dict:
     """The converted model's beyond-window perplexities and retrieval records, and the window-only ablation's when
     ``windowed``: ``{"perplexity": ..., "retrieval": [...], "window_only": {"perplexity": ..., "retrieval": [...]}}``.
-    Where every head's mix is 0 the ablation changes nothing: ``window_only`` is the converted model's own figures,
-    with ``"is_converted": True``.
+    Where every head's mix is 0 and there are no clusters the ablation changes nothing: ``window_only`` is the
+    converted model's own figures, with ``"is_converted": True``.
 
     Args:
         retrieval: keyword arguments of :func:`~hf_knorm.evaluation.retrieval.retrieval_records` (tasks, lengths,
@@ -73,7 +75,8 @@ def measure_converted(model, tokenizer, blocks: dict, retrieval: dict, windowed:
     """
     measured = {"perplexity": beyond_window_perplexities(model, blocks, "converted model"),
                 "retrieval": retrieval_records(model, tokenizer, **retrieval, desc="converted model, retrieval")}
-    if windowed and all(mix == 0 for layer in window_mixes(model) for mix in layer):
+    clustered = parse_normalization(patched_normalization(model)).clusters
+    if windowed and not clustered and all(mix == 0 for layer in window_mixes(model) for mix in layer):
         measured["window_only"] = {**measured, "is_converted": True}
     elif windowed:
         with distant_part_off(model):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..normalizations import Normalization, parse_normalization, with_sparse, with_window
+from ..normalizations import Normalization, parse_normalization, with_clusters, with_sparse, with_window
 from ..runs.precision import BF16_HELP, FP16_HELP
 from ..training.window_dropout import WINDOW_DROPOUT_SCHEDULES
 
@@ -91,6 +91,11 @@ class ConvertSettings:
         "help": "which older pairs the sparse cache keeps, a score fixed before its token leaves the window: "
                 "prefix_kv_diff (kv_diff against the tokens before it; a window of 3 or more) | value_over_key "
                 f"(||v|| / ||k||) | key_norm (KNorm's -||k||) (default: {DEFAULT_SPARSE_SCORE})"})
+    clusters: int | None = field(default=None, metadata={
+        "help": "C: the older pairs the sparse cache leaves are also weighted by softmax with it through C pseudo-pairs "
+                "per layer and KV head, the mean key and value of each cluster of a codebook fitted after training on "
+                "the model's keys (Paul Graham essays; hf_knorm.attention.distant_clusters); needs a sparse cache "
+                "(default: the spelling's, else 0: none)"})
     fold_constant: bool = field(default=True, metadata={
         "help": "x^p/c with a constant c: train the same function as x^p/1, then fold c^(1/p) into the queries "
                 "(AdamW's steps suit the smaller q and k: docs/research/2026-12-conversion.md, 'Per normalization'); "
@@ -199,10 +204,20 @@ class ConvertSettings:
         conversion reads it (the job passes the object on).
 
         Raises:
-            ValueError: an unknown spelling, a window, sinks or a sparse cache that contradict ``softmax_window``,
-                ``attention_sinks``, ``sparse_cache`` and ``sparse_score``, or sinks or a sparse cache without a window.
+            ValueError: an unknown spelling, a window, sinks, a sparse cache or clusters that contradict
+                ``softmax_window``, ``attention_sinks``, ``sparse_cache``, ``sparse_score`` and ``clusters``, sinks or a
+                sparse cache without a window, or clusters without a sparse cache.
         """
-        base, sinks = parse_normalization(self.normalization), self.attention_sinks
+        base = parse_normalization(self.normalization)
+        if base.clusters and self.clusters not in (None, base.clusters):
+            raise ValueError(f"{base.name} already has {base.clusters} clusters; clusters={self.clusters} contradicts "
+                             "it. Give the clusters once.")
+        clusters = base.clusters if self.clusters is None else self.clusters
+        return with_clusters(self._target_cache(base), clusters)
+
+    def _target_cache(self, base: Normalization) -> Normalization:
+        """:meth:`target` up to its clusters."""
+        sinks = self.attention_sinks
         if sinks is None and not base.sinks:  # None with sinks in the spelling: keep them
             sinks = DEFAULT_ATTENTION_SINKS if self.softmax_window else 0
         windowed = with_window(base, self.softmax_window, sinks)

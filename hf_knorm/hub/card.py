@@ -183,6 +183,10 @@ def _meaning(spelling: str) -> str:
         if norm.sparse:
             sinks += (f" and, per KV head, the {norm.sparse} older keys of highest {norm.score} (a sparse cache, "
                       "jointly)")
+        if norm.clusters:
+            sinks += (f" and, per KV head, {norm.clusters} pseudo-keys: the mean key and value of the other older keys "
+                      "in each cluster of a fixed codebook, logit raised by the log of its size (saved as "
+                      "hf_knorm_cluster_codebook)")
         return (f"softmax over the keys of each query's last {norm.window} positions{sinks}; w_ij = {power} / "
                 f"{divisor} on the older keys, no row normalization there; masked pairs exactly 0")
     return f"w_ij = {power} / {divisor}, no row normalization, masked pairs exactly 0"

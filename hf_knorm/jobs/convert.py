@@ -20,6 +20,8 @@ the input is checked before the model is loaded):
    the recovery reads at least half the training set: ``teacher_top_k``); LoRA adapters are merged before saving;
    ``x^p/c`` with a constant ``c`` is trained in both stages as its twin ``x^p/1`` and the constant folded into the
    queries at the end (:mod:`.twin`: the same function; ``fold_constant=False`` trains ``x^p/c`` itself);
+   with ``clusters`` (``... + sparse K + clusters C``) both stages train the model without them, and their codebooks
+   are then fitted on the trained model's keys (:mod:`hf_knorm.conversion.clusters`): every figure after has them;
 6. ``out`` ends with the converted model (an ordinary hf_knorm checkpoint: ``hf_knorm.from_pretrained(out)``), its
    tokenizer, its model card with the held-out perplexities, ``norms.png`` and ``convert.json`` (settings,
    each stage's curve, tokens, trainable parameters, throughput). ``convert.json`` is written last: its presence
@@ -36,7 +38,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ..normalizations import Normalization, parse_normalization
+from ..normalizations import Normalization, parse_normalization, with_clusters
 from ..conversion.mixture import GENERAL
 from ..conversion.settings import RECOVERY_MODES, RECOVERY_TRAINABLE, SCALE_FOLDS, ConvertSettings
 from ..conversion.state import STATE_FILE, read_state, write_state
@@ -199,8 +201,9 @@ def run_convert(settings: ConvertSettings) -> dict:
     from ..data.heldout import held_out_domain_blocks, held_out_perplexity
     from ..evaluation.retrieval import retrieval_records
 
-    target = check_settings(settings)
-    settings = settings.resolved(target)
+    clustered = check_settings(settings)
+    settings = settings.resolved(clustered)
+    target = with_clusters(clustered, 0)  # trained without clusters; their codebooks are fitted after the training
     normalization = target.name
     model_dir, config = causal_lm_source(settings.model, settings.block_size, "convert converts")
     already = (getattr(config, "hf_knorm", None) or {}).get("normalization")
@@ -271,6 +274,7 @@ def run_convert(settings: ConvertSettings) -> dict:
         write_state(out, state)
     teacher = copy.deepcopy(model).eval() if settings.distill_weight > 0 and settings.recovery != "none" else None
 
+    from ..conversion.clusters import add_clusters
     from ..conversion.stages import run_recovery, run_transfer
 
     collator = examples_collator(train, tokenizer)
@@ -280,6 +284,9 @@ def run_convert(settings: ConvertSettings) -> dict:
     model = run_recovery(model, settings, train, eval_sets, out, state, teacher, collator)
     if trained != normalization:
         fold_constant(model, target)  # the same function under x^p/c (twin.py)
+    if clustered.clusters:  # fitted on the trained model's keys (conversion/clusters.py); every figure below has them
+        add_clusters(model, tokenizer, clustered.clusters, seed=settings.seed)
+        normalization = clustered.name
 
     model.eval()
     with precision():

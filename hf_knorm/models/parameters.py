@@ -17,7 +17,7 @@ import torch.nn as nn
 from ..compat import add_parameters_when_built
 from ..normalizations import Normalization, parse_normalization
 from ..normalizations.base import PARAMETER_PREFIX
-from ..normalizations.windowed import MIX
+from ..normalizations.windowed import CODEBOOK, MIX
 from .architectures import attention_modules
 
 PREFIX = PARAMETER_PREFIX
@@ -34,19 +34,29 @@ def query_heads(module: nn.Module) -> int:
     return module.config.num_attention_heads
 
 
+def kv_heads(module: nn.Module) -> int:
+    """The KV heads of an attention module (its config's ``num_key_value_heads``, else its query heads)."""
+    return getattr(module.config, "num_key_value_heads", None) or query_heads(module)
+
+
 def add_parameters(model: nn.Module, normalization: Normalization) -> None:
     """Register ``normalization``'s learnable values on each attention module of ``model`` that lacks them, at their
-    initial values (:func:`initial_values`), on the device and in the dtype of the module's weights."""
+    initial values (:func:`initial_values`), on the device and in the dtype of the module's weights; with
+    ``+ clusters C``, the cluster codebook too (zeros until fitted: :mod:`.cluster_codebook`; never trained)."""
     for _, module in attention_modules(model):
         weight = next(module.parameters())
-        for name in normalization.learnable():
+        names = list(normalization.learnable()) + ([CODEBOOK] if normalization.clusters else [])
+        for name in names:
             if PREFIX + name not in module._parameters:
                 value = initial_values(module, normalization, name).to(weight.device, weight.dtype)
-                module.register_parameter(PREFIX + name, nn.Parameter(value))
+                module.register_parameter(PREFIX + name, nn.Parameter(value, requires_grad=name != CODEBOOK))
 
 
 def initial_values(module: nn.Module, normalization: Normalization, name: str) -> torch.Tensor:
-    """``(H_q,)`` fp32: the family's initial value, or for a window mix kept in a format-1 config, that layer's mix."""
+    """``(H_q,)`` fp32: the family's initial value, or for a window mix kept in a format-1 config, that layer's mix;
+    for the cluster codebook, ``(H_kv, C, D)`` zeros (not fitted)."""
+    if name == CODEBOOK:
+        return torch.zeros(kv_heads(module), normalization.clusters, module.head_dim, dtype=torch.float32)
     legacy = (getattr(module.config, SECTION, None) or {}).get(LEGACY_MIX_FIELD)
     if name == MIX and legacy is not None:
         return torch.tensor(legacy[module.layer_idx], dtype=torch.float32)

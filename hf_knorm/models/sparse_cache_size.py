@@ -10,15 +10,18 @@ technical text in 1,024-token blocks at ``K = 256``, 2.21x in 4,096-token blocks
 ``K = 956`` it finds 0 of 8 passkeys at 4,000 tokens where ``K = 256`` finds 6 (seed 0): a size is a trade.
 
 :func:`set_sparse_cache` patches the model again with the new ``K`` (and score), and puts back every learned value
-the normalization has (the window mix, a base family's own): the same model but for the cache.
+the normalization has (the window mix, a base family's own) and its cluster codebooks: the same model but for the
+cache. :func:`repatch` does it for any such change (:func:`hf_knorm.models.cluster_codebook.set_clusters` too).
 """
 
 from __future__ import annotations
 
 import torch.nn as nn
 
-from ..normalizations import parse_normalization, with_sparse
+from ..normalizations import Normalization, parse_normalization, with_sparse
 from ..normalizations.sparse_choice import DEFAULT_SCORE
+from ..normalizations.windowed import CODEBOOK
+from .architectures import attention_modules
 from .parameters import PREFIX, learned_values, set_learned_values
 from .patching import SECTION, patch, patched_normalization, unpatch
 
@@ -45,26 +48,40 @@ def set_sparse_cache(model: nn.Module, sparse: int, score: str | None = None) ->
                          "a window (hf_knorm.unpatch, then hf_knorm.patch(model, ..., softmax_window=W)).")
     if score is None:
         score = normalization.score if normalization.sparse else DEFAULT_SCORE
-    resized = with_sparse(normalization, sparse, score)  # checks sparse and score before anything changes
-    if resized == normalization:
+    return repatch(model, normalization, with_sparse(normalization, sparse, score))  # checked before any change
+
+
+def repatch(model: nn.Module, normalization: Normalization, changed: Normalization) -> nn.Module:
+    """Patch ``model`` (patched with ``normalization``) again with ``changed``, which differs from it in its sparse
+    cache or its clusters only: every learned value (frozen or not, as it was), the ``linear`` policy and, when the
+    number of clusters is the same, the cluster codebooks are kept. A refused patch leaves the model as it was and
+    raises its ValueError."""
+    if changed == normalization:
         return model
     kept = {name: learned_values(model, name) for name in normalization.learnable()}
     trainable = {name: parameter.requires_grad for name, parameter in model.named_parameters()
                  if name.rpartition(".")[2].startswith(PREFIX)}  # frozen or not, as they were
+    codebooks = [module._parameters.get(PREFIX + CODEBOOK) for _, module in attention_modules(model)]
     linear = getattr(model.config, SECTION).get("linear", "auto")
     unpatch(model)
     try:
-        patch(model, resized, linear=linear)
+        patch(model, changed, linear=linear)
+        restored = changed
     except ValueError:
         patch(model, normalization, linear=linear)  # refused: the model as it was, then the reason
+        restored = normalization
         raise
     finally:
         for name, values in kept.items():
             set_learned_values(model, name, values)
+        if restored.clusters == normalization.clusters:
+            for (_, module), codebook in zip(attention_modules(model), codebooks):
+                if codebook is not None:
+                    module._parameters[PREFIX + CODEBOOK].data.copy_(codebook.data)
         for name, parameter in model.named_parameters():
             if name in trainable:
                 parameter.requires_grad_(trainable[name])
     return model
 
 
-__all__ = ["set_sparse_cache"]
+__all__ = ["repatch", "set_sparse_cache"]

@@ -23,6 +23,7 @@ from ..attention.window_off import WINDOW_DROPPED
 from ..normalizations import parse_normalization
 from ..normalizations.windowed import MIX
 from .architectures import attention_modules
+from .cluster_codebook import clusters_off
 from .parameters import learned_values, query_heads, set_learned_values
 from .patching import patched_normalization
 
@@ -56,12 +57,14 @@ def _check_windowed(model: nn.Module) -> None:
 
 @contextmanager
 def distant_part_off(model: nn.Module) -> Iterator[nn.Module]:
-    """Within: the part beside the window switched off (``m_h = 0``), the softmax window alone; the mix restored
-    after."""
+    """Within: the part beside the window switched off (``m_h = 0``, and clusters beside a sparse cache off:
+    :func:`.cluster_codebook.clusters_off`), the softmax window alone (with its sinks and sparse cache); the mix and
+    the clusters restored after."""
     kept = window_mixes(model)
     set_window_mix(model, [[0.0] * len(layer) for layer in kept])
     try:
-        yield model
+        with clusters_off(model):
+            yield model
     finally:
         set_window_mix(model, kept)
 

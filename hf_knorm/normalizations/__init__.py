@@ -12,11 +12,12 @@ from .softmax import Softmax
 from .softpick import Softpick
 from .ssmax import SSMax
 from .stick_breaking import StickBreaking
-from .windowed import Windowed, with_sparse, with_window
+from .windowed import Windowed, with_clusters, with_sparse, with_window
 
 PAPER_NORMALIZATIONS = ("softmax", "x/1", "x/16", "x^3/1", "x^3/16", "x^3/sqrtN")
 """The spellings of "Rethinking Softmax"'s figure legend (arXiv 2410.18613)."""
 
 __all__ = ["FAMILIES", "PAPER_NORMALIZATIONS", "Learnable", "Normalization", "Polynomial", "Rectified", "SSMax",
            "Sigmoid", "SinkSoftmax", "Softmax", "Softpick", "StickBreaking", "Windowed", "from_record",
-           "list_normalizations", "parse_normalization", "representative_spellings", "with_sparse", "with_window"]
+           "list_normalizations", "parse_normalization", "representative_spellings", "with_clusters", "with_sparse",
+           "with_window"]

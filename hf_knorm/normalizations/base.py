@@ -70,6 +70,7 @@ class Normalization:
     window: ClassVar[int] = 0
     sinks: ClassVar[int] = 0
     sparse: ClassVar[int] = 0
+    clusters: ClassVar[int] = 0
 
     @property
     def without_window(self) -> Normalization:

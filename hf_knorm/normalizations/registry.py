@@ -24,7 +24,7 @@ from .softpick import Softpick
 from .ssmax import SSMax
 from .stick_breaking import StickBreaking
 from .sparse_choice import DEFAULT_SCORE
-from .windowed import Windowed, with_sparse, with_window
+from .windowed import Windowed, with_clusters, with_sparse, with_window
 
 FAMILIES: dict[str, type[Normalization]] = {
     family.family: family
@@ -38,7 +38,8 @@ families) saved the spelling only."""
 
 _WINDOW = re.compile(r"^(?P<base>.*?)\s*\+\s*softmax\s*window\s*(?P<window>[^\s+]*)"
                      r"(?:\s*\+\s*sinks\s*(?P<sinks>[^\s+]*))?"
-                     r"(?:\s*\+\s*sparse\s*(?P<sparse>[^\s(]*)\s*(?:\((?P<score>[^)]*)\))?)?\s*$", re.IGNORECASE)
+                     r"(?:\s*\+\s*sparse\s*(?P<sparse>[^\s(]*)\s*(?:\((?P<score>[^)]*)\))?)?"
+                     r"(?:\s*\+\s*clusters\s*(?P<clusters>[^\s+]*))?\s*$", re.IGNORECASE)
 
 
 def accepted_forms() -> str:
@@ -82,9 +83,14 @@ def _parse_text(spelling: str) -> Normalization:
             raise ValueError(f"Normalization {spelling!r}: the sparse cache is a number of key/value pairs, an integer "
                              f">= 0, got {sparse!r}. Spell it like 'x/1 + softmax window 64 + sparse 64 (key_norm)'.")
         normalization = with_window(_parse_text(windowed["base"]), int(window), sinks=int(sinks or 0))
-        if sparse is None:
-            return normalization
-        return with_sparse(normalization, int(sparse), (score or DEFAULT_SCORE).strip())
+        clusters = windowed["clusters"]
+        if clusters is not None and not clusters.isdigit():
+            raise ValueError(f"Normalization {spelling!r}: clusters is a number of pseudo-pairs, an integer >= 0, got "
+                             f"{clusters!r}. Spell it like 'x/1 + softmax window 64 + sparse 64 (key_norm) + "
+                             "clusters 256'.")
+        if sparse is not None:
+            normalization = with_sparse(normalization, int(sparse), (score or DEFAULT_SCORE).strip())
+        return normalization if clusters is None else with_clusters(normalization, int(clusters))
     if re.search(r"\+\s*sparse", spelling, re.IGNORECASE):
         raise ValueError(f"Normalization {spelling!r}: a sparse cache is weighted by softmax jointly with a softmax "
                          "window, and this spelling has none before it. Spell it like "

@@ -11,8 +11,15 @@ keys older than the window (by a per-token ``score``, :mod:`.sparse_choice`) are
 the window and the sinks, and only the remaining older keys by ``base`` (LoLA, arXiv 2505.23666;
 :mod:`hf_knorm.attention.sparse` computes it).
 
+With ``+ clusters C`` (beside a sparse cache) those remaining older keys are also summarized for softmax: per layer
+and KV head, a fixed codebook of ``C`` directions (fitted on the model's keys and saved with its weights) sorts them
+into ``C`` clusters, and each cluster joins the softmax as one pseudo-pair, its mean key and mean value, its logit
+raised by the log of its size (:mod:`hf_knorm.attention.distant_clusters`). Bounded memory: ``C`` sums of keys and
+values per KV head, whatever the length.
+
 Spelling: ``x^3/16 + softmax window 64``, ``relu(x)^3/16 + softmax window 64 + sinks 4``,
-``x/1 + softmax window 64 + sinks 4 + sparse 64 (key_norm)``; it parses back to the same object.
+``x/1 + softmax window 64 + sinks 4 + sparse 64 (key_norm)``,
+``x/1 + softmax window 64 + sinks 4 + sparse 64 (key_norm) + clusters 256``; it parses back to the same object.
 """
 
 from __future__ import annotations
@@ -26,24 +33,30 @@ from .sparse_choice import DEFAULT_SCORE, check_sparse_score
 MIX = "window_mix"
 """The learnable parameter scaling the part beside the window, one value per query head."""
 
+CODEBOOK = "cluster_codebook"
+"""With ``+ clusters C``: each attention module's fixed ``(H_kv, C, D)`` codebook (fitted, not trained)."""
+
 
 @dataclass(frozen=True)
 class Windowed(Normalization):
     """Attributes: ``base`` (what weights the older keys), ``window`` ``W >= 1``, ``sinks`` ``S >= 0``, ``sparse``
-    ``K >= 0`` (the sparse global cache: older keys weighted by softmax with the window, 0 = none) and ``score``
-    (how its keys are chosen, a name of :data:`.sparse_choice.SPARSE_SCORES`)."""
+    ``K >= 0`` (the sparse global cache: older keys weighted by softmax with the window, 0 = none), ``score``
+    (how its keys are chosen, a name of :data:`.sparse_choice.SPARSE_SCORES`) and ``clusters`` ``C >= 0`` (the
+    remaining older keys summarized by ``C`` pseudo-pairs weighted by softmax too; needs the sparse cache; 0 = none)."""
 
     base: Normalization
     window: int
     sinks: int = 0
     sparse: int = 0
     score: str = DEFAULT_SCORE
+    clusters: int = 0
 
     def __post_init__(self):
         if isinstance(self.sparse, bool) or not isinstance(self.sparse, int) or self.sparse < 0:
             raise ValueError(f"sparse is a number of key/value pairs, an integer >= 0 (0 = no sparse cache), got "
                              f"{self.sparse!r}.")
         check_sparse_score(self.score, self.window if self.sparse else None)
+        check_clusters(self.clusters, self.sparse)
 
     family = "windowed"
     formula = "softmax over the last W keys and the first S; m_h * (the base family, RMS-normalized) over the older keys"
@@ -62,7 +75,8 @@ class Windowed(Normalization):
     def name(self) -> str:
         sinks = f" + sinks {self.sinks}" if self.sinks else ""
         sparse = f" + sparse {self.sparse} ({self.score})" if self.sparse else ""
-        return f"{self.base.name} + softmax window {self.window}{sinks}{sparse}"
+        clusters = f" + clusters {self.clusters}" if self.clusters else ""
+        return f"{self.base.name} + softmax window {self.window}{sinks}{sparse}{clusters}"
 
     def learnable(self):
         return {**self.base.learnable(), MIX: 1.0}
@@ -75,6 +89,8 @@ class Windowed(Normalization):
         record = {"family": self.family, "base": self.base.to_record(), "window": self.window, "sinks": self.sinks}
         if self.sparse:  # absent: no sparse cache (records written before it read the same)
             record.update(sparse=self.sparse, score=self.score)
+        if self.clusters:  # absent: none
+            record.update(clusters=self.clusters)
         return record
 
     @classmethod
@@ -82,7 +98,8 @@ class Windowed(Normalization):
         from .registry import from_record
 
         return cls(base=from_record(record["base"]), window=int(record["window"]), sinks=int(record.get("sinks", 0)),
-                   sparse=int(record.get("sparse", 0)), score=str(record.get("score", DEFAULT_SCORE)))
+                   sparse=int(record.get("sparse", 0)), score=str(record.get("score", DEFAULT_SCORE)),
+                   clusters=int(record.get("clusters", 0)))
 
     @classmethod
     def parse(cls, text):
@@ -127,16 +144,18 @@ def with_window(normalization: Normalization, window: int, sinks: int | None = N
         raise ValueError(f"{normalization.name} has a sparse cache of {sparse} pairs, which softmax weights beside "
                          "the window: it needs softmax_window=W > 0.")
     base = normalization.without_window
-    return Windowed(base=base, window=window, sinks=sinks, sparse=sparse, score=score) if window else base
+    return Windowed(base=base, window=window, sinks=sinks, sparse=sparse, score=score,
+                    clusters=normalization.clusters) if window else base
 
 
 def with_sparse(normalization: Normalization, sparse: int, score: str = DEFAULT_SCORE) -> Normalization:
     """``normalization`` (which has a softmax window) with a sparse global cache of ``sparse`` older key/value pairs
-    per layer and KV head, chosen by ``score`` (``0``: without one).
+    per layer and KV head, chosen by ``score`` (``0``: without one). Clusters beside the cache are kept.
 
     Raises:
         ValueError: ``sparse`` is not an integer >= 0, an unknown or context-dependent score
-            (:func:`.sparse_choice.check_sparse_score`), or a sparse cache without a softmax window.
+            (:func:`.sparse_choice.check_sparse_score`), a sparse cache without a softmax window, or ``0`` while
+            the normalization has clusters (they summarize the pairs the cache leaves).
     """
     if isinstance(sparse, bool) or not isinstance(sparse, int) or sparse < 0:
         raise ValueError(f"sparse is a number of key/value pairs, an integer >= 0 (0 = no sparse cache), got "
@@ -149,4 +168,29 @@ def with_sparse(normalization: Normalization, sparse: int, score: str = DEFAULT_
     if not normalization.window:
         return normalization
     return Windowed(base=normalization.without_window, window=normalization.window, sinks=normalization.sinks,
-                    sparse=sparse, score=score)
+                    sparse=sparse, score=score, clusters=normalization.clusters)
+
+
+def with_clusters(normalization: Normalization, clusters: int) -> Normalization:
+    """``normalization`` (which has a softmax window and a sparse cache) with its remaining older keys summarized by
+    ``clusters`` pseudo-pairs per layer and KV head (``0``: none; :mod:`hf_knorm.attention.distant_clusters`).
+
+    Raises:
+        ValueError: ``clusters`` is not an integer >= 0, or clusters without a sparse cache beside a window.
+    """
+    check_clusters(clusters, normalization.sparse if normalization.window else 0)
+    if not normalization.window:
+        return normalization
+    return Windowed(base=normalization.without_window, window=normalization.window, sinks=normalization.sinks,
+                    sparse=normalization.sparse, score=normalization.score, clusters=clusters)
+
+
+def check_clusters(clusters, sparse: int) -> None:
+    """Raise a ValueError unless ``clusters`` is an integer >= 0, and 0 without a sparse cache."""
+    if isinstance(clusters, bool) or not isinstance(clusters, int) or clusters < 0:
+        raise ValueError(f"clusters is a number of pseudo-pairs per KV head, an integer >= 0 (0 = none), got "
+                         f"{clusters!r}.")
+    if clusters and not sparse:
+        raise ValueError(f"clusters {clusters} summarize the older pairs a sparse cache leaves, beside a softmax "
+                         "window: give the window and the cache first, e.g. "
+                         f"'x/1 + softmax window 64 + sinks 4 + sparse 256 (prefix_kv_diff) + clusters {clusters}'.")

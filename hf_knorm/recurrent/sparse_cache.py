@@ -6,7 +6,9 @@ With a sparse cache (:mod:`hf_knorm.attention.sparse`; LoLA, arXiv 2505.23666), 
 score; every other older pair enters the output only through the state ``S = sum_j k_j v_j^T`` (and its count). A
 pair leaving the window either enters the cache (displacing the weakest, which joins the state) or joins the state
 itself: the layer holds ``W + S + K`` pairs (each with its score and position) plus a ``D x D_v`` state per KV head,
-whatever the length of the context, and decodes what the full forward computes (given the same scores).
+whatever the length of the context, and decodes what the full forward computes (given the same scores). With
+``+ clusters C`` (:mod:`hf_knorm.attention.distant_clusters`) it also keeps the per-cluster sums of the pairs that
+joined the state: ``C`` key sums, value sums and counts per KV head.
 
 How it runs. As :class:`~.window_cache.WindowStateLayer` (``update`` returns the window's kept pairs and the step's,
 and hands the layer over to the plugin's attention), and the attention also reads :attr:`sparse_pairs` and calls
@@ -40,6 +42,7 @@ class SparseWindowStateLayer(WindowStateLayer):
         self.sparse, self.score = sparse, score
         self.sparse_pairs = None  # hf_knorm.attention.sparse.SparsePairs after the first step
         self.score_statistics = None  # a prefix score's running statistics (prefix_kv_diff), after the first step
+        self.cluster_state = None  # hf_knorm.attention.distant_clusters.ClusterState, with + clusters C
 
     def keep_sparse(self, pairs) -> None:
         """Keep the sparse cache after a step (called by the attention, before :meth:`write`)."""
@@ -50,6 +53,10 @@ class SparseWindowStateLayer(WindowStateLayer):
         :class:`hf_knorm.normalizations.prefix_kv_diff.PrefixStatistics` for ``prefix_kv_diff``."""
         self.score_statistics = statistics
 
+    def keep_clusters(self, state) -> None:
+        """Keep the per-cluster sums after a step (called by the attention, with ``+ clusters C``)."""
+        self.cluster_state = state
+
     def stored_pairs(self) -> int:
         """Key/value pairs held per KV head: the window's, the sinks' and the sparse cache's slots (at most
         ``W + S + K``)."""
@@ -59,14 +66,15 @@ class SparseWindowStateLayer(WindowStateLayer):
 
     def nbytes(self) -> int:
         """Bytes held by the window, the sinks, the sparse cache (with its scores and positions), the score's
-        statistics and the state."""
+        statistics, the clusters' sums and the state."""
         pairs = () if self.sparse_pairs is None else tuple(self.sparse_pairs)
         statistics = () if self.score_statistics is None else tuple(self.score_statistics)
-        return super().nbytes() + sum(tensor.nbytes for tensor in pairs + statistics)
+        clusters = () if self.cluster_state is None else tuple(self.cluster_state)
+        return super().nbytes() + sum(tensor.nbytes for tensor in pairs + statistics + clusters)
 
     def reset(self) -> None:
         super().reset()
-        self.sparse_pairs, self.score_statistics = None, None
+        self.sparse_pairs, self.score_statistics, self.cluster_state = None, None, None
 
     def _select(self, fn) -> None:
         super()._select(fn)
@@ -74,3 +82,5 @@ class SparseWindowStateLayer(WindowStateLayer):
             self.sparse_pairs = type(self.sparse_pairs)(*(fn(tensor) for tensor in self.sparse_pairs))
         if self.score_statistics is not None:
             self.score_statistics = self.score_statistics.select(fn)
+        if self.cluster_state is not None:
+            self.cluster_state = type(self.cluster_state)(*(fn(tensor) for tensor in self.cluster_state))

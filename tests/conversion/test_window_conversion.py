@@ -243,3 +243,44 @@ def test_a_run_resumes_with_the_sparse_score_it_started_with(tiny_lm_dir, texts,
     write_state(out, {"settings": record})  # recorded resolved: the same check, without the migration
     with pytest.raises(ValueError, match=f"sparse_score: '{record['sparse_score']}' then, 'key_norm' now"):
         check_settings(run)
+
+
+def test_clusters_are_fitted_after_training_saved_and_ablated_with_the_distant_part(tiny_lm_dir, texts, tmp_path):
+    """``--clusters 4``: both stages train without them (``trained_as``), their codebooks are fitted on the trained
+    model's keys (the essays' first tokens) and saved; every figure of the record is the clustered model's, and the
+    window alone is the model with its mix at 0 and its clusters off."""
+    from hf_knorm.conversion.beyond_window import beyond_window_blocks, beyond_window_perplexities
+    from hf_knorm.conversion.clusters import add_clusters
+    from hf_knorm.conversion.settings import DEFAULT_NORMALIZATION
+    from hf_knorm.models.cluster_codebook import clusters_off
+
+    out = tmp_path / "clustered"
+    run_convert(_settings(tiny_lm_dir, texts, out, normalization=DEFAULT_NORMALIZATION, sparse_cache=4, clusters=4,
+                          softmax_window=8, eval_domains=("essays",), eval_tokens=512, retrieval_lengths=(400,),
+                          beyond_window_block=768))
+    record = json.loads((out / RESULT_FILE).read_text())
+    assert record["normalization"] == "x/1 + softmax window 8 + sinks 4 + sparse 4 (prefix_kv_diff) + clusters 4"
+    assert record["trained_as"] == "x/1 + softmax window 8 + sinks 4 + sparse 4 (prefix_kv_diff)"
+    reloaded = hf_knorm.from_pretrained(out).eval()
+    assert hf_knorm.patched_normalization(reloaded) == record["normalization"]
+    codebooks = [value.clone() for name, value in reloaded.named_parameters() if name.endswith("cluster_codebook")]
+    tokenizer = hf_knorm.models.persistence.load_model(str(out))[1]
+    add_clusters(reloaded, tokenizer, 4)  # fitted again on the same keys (the clusters off): the same codebooks
+    assert all(torch.equal(a, b) for a, b in zip(codebooks, (value for name, value in reloaded.named_parameters()
+                                                              if name.endswith("cluster_codebook"))))
+    essays = record["beyond_window"]["domains"]["essays"]
+    assert record["beyond_window"]["window_only_is_converted"] is False
+    blocks = beyond_window_blocks(["essays"], tokenizer, 512, 768)
+    assert beyond_window_perplexities(reloaded, blocks, "reloaded")["essays"] == pytest.approx(
+        essays["perplexity"], rel=1e-5)
+    with distant_part_off(reloaded):
+        assert hf_knorm.patched_normalization(reloaded).endswith("sparse 4 (prefix_kv_diff)")
+        assert beyond_window_perplexities(reloaded, blocks, "window only")["essays"] == pytest.approx(
+            essays["window_only_perplexity"], rel=1e-5)
+    with clusters_off(reloaded):
+        without = beyond_window_perplexities(reloaded, blocks, "no clusters")["essays"]
+    assert without != pytest.approx(essays["perplexity"], rel=1e-4)  # the clusters are in the figures
+    for overrides, message in [(dict(clusters=4, sparse_cache=0), "sparse cache leaves"),
+                               (dict(normalization=record["normalization"], clusters=8), "already has 4 clusters")]:
+        with pytest.raises(ValueError, match=message):
+            ConvertSettings(**overrides).target()

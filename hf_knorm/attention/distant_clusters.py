@@ -1,0 +1,120 @@
+"""Clusters beside the sparse cache: the older pairs neither the window, the sinks nor the sparse cache keep, summarized
+for softmax by ``C`` pseudo-pairs per KV head (``... + sparse K (score) + clusters C``).
+
+Why. A model converted to a softmax window beside a sparse cache weights nothing else by softmax: its ``x/1`` part
+earns ~0% beyond the window (docs/results/conversion.md), and issue 47 asks the part beside the window to earn 10%.
+A bounded summary that softmax can weigh beside the exact pairs measured 11% on the worst domain at 4,096 tokens,
+untrained (``research/2026-12/clustered_distant_part.py``).
+
+Definition (ours; the plain reference is :func:`.reference.reference_window_attention`). Per layer and KV head, a
+fixed codebook of ``C`` unit directions (``(H_kv, C, D)``, fitted on the model's keys by spherical k-means and saved
+with the weights: :mod:`hf_knorm.models.cluster_codebook`) puts each key in the cluster of the direction of highest
+cosine. For query ``i``, the older pairs of its distant part (:mod:`.sparse`: older than the window, not sinks, not in
+the sparse cache) form, per cluster ``c`` that holds ``n_c > 0`` of them, one pseudo-pair: the mean key ``k_c`` and
+the mean value ``v_c`` of those pairs, with the logit ``q_i . k_c * scaling + log n_c`` (the mean of the pairs' exact
+scores plus ``log n_c``: Jensen's lower bound of ``log sum_j exp(s_ij)`` over the cluster). The pseudo-pairs are
+weighted by softmax **jointly** with the window, the sinks and the sparse cache; the base family's part (``x/1``,
+scaled by its mix) still weights the same distant pairs beside it.
+
+Bounded state. The pseudo-pairs are computed from per-cluster sums, which a pair leaving the window (or the cache)
+joins once: :class:`ClusterState`, ``C`` key sums, ``C`` value sums and ``C`` counts per KV head, whatever the length.
+A decoded key is rounded differently from the full forward's: a key whose two best directions tie up to rounding may
+join another cluster (as a sparse cache's score may choose another pair).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class ClusterState(NamedTuple):
+    """The per-cluster sums of the pairs in the distant part, in fp32 (fp64 for fp64 keys).
+
+    Attributes:
+        key_sum: ``(B, H_kv, C, D)``; value_sum: ``(B, H_kv, C, D_v)``; count: ``(B, H_kv, C)``.
+    """
+
+    key_sum: torch.Tensor
+    value_sum: torch.Tensor
+    count: torch.Tensor
+
+
+def check_codebook(codebook: torch.Tensor | None, clusters: int, kv_heads: int, dim: int, name: str) -> None:
+    """Raise a ValueError unless ``codebook`` is a fitted ``(H_kv, C, D)`` codebook (no zero row: a row never fitted)."""
+    if codebook is None:
+        raise ValueError(f"{name}: the attention module has no cluster codebook. Patch the model with hf_knorm.patch "
+                         "and fit one with hf_knorm.fit_cluster_codebook(model, input_ids).")
+    if tuple(codebook.shape) != (kv_heads, clusters, dim):
+        raise ValueError(f"{name}: the cluster codebook is {tuple(codebook.shape)}, and this call needs "
+                         f"({kv_heads}, {clusters}, {dim}) (KV heads, clusters, head dimension).")
+    if not bool((codebook != 0).any(dim=-1).all()):
+        raise ValueError(f"{name}: the cluster codebook has rows that were never fitted (zeros). Fit it with "
+                         "hf_knorm.fit_cluster_codebook(model, input_ids) before running the model.")
+
+
+def assignments(keys: torch.Tensor, codebook: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each key's cluster as a one-hot ``(B, H_kv, M, C)`` in ``dtype``: the codebook direction of highest cosine
+    (``keys`` ``(B, H_kv, M, D)``, ``codebook`` ``(H_kv, C, D)``)."""
+    directions = torch.nn.functional.normalize(keys.detach().to(dtype), dim=-1)
+    cosine = directions @ codebook.detach().to(dtype).transpose(-1, -2)
+    return torch.nn.functional.one_hot(cosine.argmax(dim=-1), codebook.shape[1]).to(dtype)
+
+
+def pseudo_logits(query: torch.Tensor, scores: torch.Tensor, distant: torch.Tensor, onehot: torch.Tensor,
+                  prior: ClusterState | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pseudo-pairs' logits of a block of rows, and their sizes.
+
+    Args:
+        query: ``(B, H_kv, G, r, D)``; scores: ``(B, H_kv, G, r, M)`` the rows' scores of the call's candidates
+            (scaled); distant: ``(B, H_kv, r, M)`` bool, the candidates in each row's distant part; onehot:
+            ``(B, H_kv, M, C)`` (:func:`assignments`); prior: the sums of the pairs that were in the distant part
+            before the call (a decoding state), or ``None``; scale: the score scale.
+
+    Returns:
+        ``(logits (B, H_kv, G, r, C), -inf for an empty cluster; sizes (B, H_kv, 1, r, C))``.
+    """
+    member = distant.to(onehot.dtype)
+    sizes = (member @ onehot)[:, :, None]  # (B, H_kv, 1, r, C)
+    summed = (scores * member[:, :, None]) @ onehot[:, :, None]  # (B, H_kv, G, r, C)
+    if prior is not None:
+        sizes = sizes + prior.count.to(sizes.dtype)[:, :, None, None, :]
+        summed = summed + query @ prior.key_sum.to(query.dtype)[:, :, None].transpose(-1, -2) * scale
+    size = sizes.clamp_min(1.0)
+    logits = torch.where(sizes > 0, summed / size + size.log(), float("-inf"))
+    return logits, sizes
+
+
+def cluster_part(weights: torch.Tensor, sizes: torch.Tensor, distant: torch.Tensor, onehot: torch.Tensor,
+                 prior: ClusterState | None, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the pseudo-pairs add to a block of rows: ``sum_c p_c v_c``.
+
+    Args:
+        weights: ``(B, H_kv, G, r, C)`` the pseudo-pairs' softmax weights; sizes: from :func:`pseudo_logits`;
+            distant, onehot, prior: as :func:`pseudo_logits`; values: ``(B, H_kv, M, D_v)`` the candidates'.
+
+    Returns:
+        ``(output (B, H_kv, G, r, D_v), per_pair (B, H_kv, G, r, M))``: each candidate's share ``p_c / n_c`` of its
+        cluster's weight (0 outside the row's distant part).
+    """
+    share = weights / sizes.clamp_min(1.0)
+    per_pair = (share @ onehot[:, :, None].transpose(-1, -2)) * distant[:, :, None].to(share.dtype)
+    output = per_pair @ values[:, :, None]
+    if prior is not None:
+        output = output + share @ prior.value_sum.to(share.dtype)[:, :, None]
+    return output, per_pair
+
+
+def add_leaving(prior: ClusterState | None, onehot: torch.Tensor, leaving: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor) -> ClusterState:
+    """The sums after the pairs ``leaving`` ``(B, H_kv, M)`` joined the distant part (``keys`` / ``values``
+    ``(B, H_kv, M, D)`` in the state's dtype, ``onehot`` :func:`assignments`)."""
+    member = onehot.to(keys.dtype) * leaving[..., None].to(keys.dtype)  # (B, H_kv, M, C)
+    added = ClusterState(member.transpose(-1, -2) @ keys, member.transpose(-1, -2) @ values, member.sum(dim=-2))
+    if prior is None:
+        return added
+    return ClusterState(*(old + new for old, new in zip(prior, added)))
+
+
+__all__ = ["ClusterState", "add_leaving", "assignments", "check_codebook", "cluster_part", "pseudo_logits"]

@@ -1,0 +1,213 @@
+"""Clusters beside the sparse cache in patched models (``... + sparse K (score) + clusters C``): codebooks fitted on the
+model's keys (``hf_knorm/models/cluster_codebook.py``), saved and loaded with the weights, and decoding from the
+bounded cache (``hf_knorm/recurrent/sparse_cache.py`` keeps the clusters' sums).
+
+- The whole model against its twin whose attention is the plain reference, fp64: logits within 1e-9 of their largest
+  entry, every gradient within 1e-9 of its largest entry; left padding, GQA, in blocks and not.
+- Decoding in chunks and token by token with the bounded cache equals the full forward, fp32 logits within 1e-4 (as
+  tests/recurrent/test_sparse_cache.py); ``generate`` gives the full forward's greedy tokens, beams included.
+- A saved model loads with the same codebooks and the same logits, bit for bit.
+"""
+
+import pytest
+import torch
+from tiny_models import assert_same_step, logits_and_grads, tiny_inputs, tiny_model
+from transformers import AttentionInterface, DynamicCache
+from transformers.masking_utils import AttentionMaskInterface
+
+import hf_knorm
+from hf_knorm import RecurrentStateCache
+from hf_knorm.attention import sparse
+from hf_knorm.attention.interface import normalization_of
+from hf_knorm.attention.masks import explicit_bool_mask
+from hf_knorm.attention.reference import reference_window_attention
+from hf_knorm.compat import cache_kwargs, output_cache
+from hf_knorm.models.cluster_codebook import fit_cluster_codebook, set_clusters
+from hf_knorm.models.parameters import add_parameters
+from hf_knorm.models.sparse_cache_size import set_sparse_cache
+from hf_knorm.models.window_mix import set_window_mix, window_mixes
+from hf_knorm.recurrent.sparse_cache import SparseWindowStateLayer
+
+REFERENCE = "test_reference_clusters"
+CODEBOOK = "hf_knorm_cluster_codebook"
+GREEDY = dict(do_sample=False, pad_token_id=0)
+SPELLING = "x/1 + softmax window 3 + sinks 1 + sparse 2 (key_norm) + clusters 4"
+
+
+def _reference(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    normalization = normalization_of(module)
+    params = normalization.values_on(module)
+    output, _ = reference_window_attention(query, key, value, attention_mask, normalization, scaling=scaling,
+                                           mix=params.get("window_mix"), codebook=getattr(module, CODEBOOK))
+    return output, None
+
+
+AttentionInterface.register(REFERENCE, _reference)
+AttentionMaskInterface.register(REFERENCE, explicit_bool_mask)
+
+
+def _calibration(seed=5):
+    return torch.randint(3, 128, (3, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def _prompts(batch=2, length=30, pad=3, seed=0):
+    """Token ids without repeats in a row (a repeated token's keys tie at the first layer, up to rounding: see
+    tests/recurrent/test_sparse_cache.py)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(125, generator=generator)[:length] + 3 for _ in range(batch)])
+    mask = torch.ones_like(ids)
+    mask[-1, :pad] = 0
+    ids[-1, :pad] = 0
+    return ids, mask
+
+
+def _clustered(model_type="llama", spelling=SPELLING, dtype=torch.float32):
+    model = hf_knorm.patch(tiny_model(model_type, dtype=dtype), spelling)
+    return fit_cluster_codebook(model, _calibration())
+
+
+@pytest.mark.parametrize("model_type, spelling", [
+    ("llama", SPELLING),
+    ("qwen3", "x/1 + softmax window 3 + sinks 1 + sparse 2 (prefix_kv_diff) + clusters 3"),
+    ("gpt2", "x^3/16 + softmax window 3 + sinks 2 + sparse 2 (key_norm) + clusters 4"),
+])
+@pytest.mark.parametrize("rows", [256, 6])  # 6: a p = 1 forward in blocks, the clusters' sums carried
+def test_models_equal_the_reference_attention(model_type, spelling, rows, monkeypatch):
+    monkeypatch.setattr(sparse, "ROWS", rows)
+    model = _clustered(model_type, spelling, torch.float64)
+    generator = torch.Generator().manual_seed(1)
+    mixes = [torch.randn(4, generator=generator, dtype=torch.float64) for _ in window_mixes(model)]
+    set_window_mix(model, mixes)
+    reference = tiny_model(model_type, dtype=torch.float64)
+    reference.config.hf_knorm = dict(model.config.hf_knorm)
+    add_parameters(reference, hf_knorm.parse_normalization(spelling))
+    set_window_mix(reference, mixes)
+    codebooks = {name: value for name, value in model.named_parameters() if name.endswith(CODEBOOK)}
+    assert len(codebooks) == 2 and all(value.ne(0).any(dim=-1).all() for value in codebooks.values())
+    reference.load_state_dict(codebooks, strict=False)
+    reference.set_attn_implementation(REFERENCE)
+    inputs = tiny_inputs(model_type, length=20)
+    inputs["attention_mask"][1, :4] = 0
+    got, want = logits_and_grads(model, inputs), logits_and_grads(reference, inputs)
+    assert not any(name.endswith(CODEBOOK) for name in got[1])  # fitted, never trained
+    assert_same_step(got, want, logits_atol=1e-9 * want[0].abs().max().item(), grads_relative=1e-9, grads_floor=1e-15)
+    set_clusters(model, 0)
+    without, _ = logits_and_grads(model, inputs)
+    assert (without - got[0]).abs().amax() > 1e-3  # the clusters matter
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("rows", [256, 2])
+def test_decoding_from_the_bounded_cache_equals_the_full_forward(model_type, rows, monkeypatch):
+    """A left-padded prompt in two chunks, then 21 tokens one by one: pairs leave the window, the cache, join their
+    clusters' sums; every real row's logits are the full forward's, and the sums count every pair of the state."""
+    monkeypatch.setattr(sparse, "ROWS", rows)
+    spelling = SPELLING if model_type == "llama" else SPELLING.replace("key_norm", "value_over_key")
+    model = _clustered(model_type, spelling)
+    ids, mask = _prompts()
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask).logits
+    cache = RecurrentStateCache(config=model.config)
+    steps, done = [], 0
+    with torch.no_grad():
+        for size in (5, 4) + (1,) * 21:
+            steps.append(model(input_ids=ids[:, done:done + size], attention_mask=mask[:, :done + size],
+                               **cache_kwargs(cache), use_cache=True).logits)
+            done += size
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(steps, dim=1)[real], full[real], rtol=0, atol=1e-4)
+    for layer in cache.layers:
+        assert isinstance(layer, SparseWindowStateLayer) and layer.stored_pairs() == 3 + 1 + 2
+        counts = layer.cluster_state.count  # (B, H_kv, C)
+        assert counts.shape == (2, 2, 4) and (counts.sum(-1) == layer.count[:, None]).all()
+        assert (layer.count == real.sum(dim=1) - 6).all()
+
+
+def test_generate_gives_the_full_forwards_greedy_tokens_with_either_cache_and_beams():
+    model = _clustered()
+    ids, mask = _prompts(length=12)
+    out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, min_new_tokens=16,
+                         max_new_tokens=16, **GREEDY)
+    assert isinstance(output_cache(out), RecurrentStateCache)
+    sequence, attention = ids, mask
+    with torch.no_grad():
+        for _ in range(16):
+            following = model(input_ids=sequence, attention_mask=attention).logits[:, -1:].argmax(-1)
+            sequence = torch.cat([sequence, following], dim=1)
+            attention = torch.cat([attention, torch.ones_like(following)], dim=1)
+    assert out.sequences.tolist() == sequence.tolist()
+    with_kv_cache = model.generate(input_ids=ids, attention_mask=mask, min_new_tokens=16, max_new_tokens=16,
+                                   **GREEDY, **cache_kwargs(DynamicCache()))
+    assert with_kv_cache.tolist() == sequence.tolist()
+    options = dict(GREEDY, num_beams=3, num_return_sequences=2, min_new_tokens=12, max_new_tokens=12)
+    beams = model.generate(input_ids=ids, attention_mask=mask, **options)
+    assert beams.tolist() == model.generate(input_ids=ids, attention_mask=mask, **options,
+                                            **cache_kwargs(DynamicCache())).tolist()
+
+
+def test_a_clustered_model_travels_with_its_codebooks(tmp_path):
+    model = _clustered("qwen3", SPELLING.replace("key_norm", "value_over_key"))
+    hf_knorm.save_pretrained(model, tmp_path / "model")
+    loaded = hf_knorm.from_pretrained(tmp_path / "model").eval()
+    assert hf_knorm.patched_normalization(loaded) == hf_knorm.patched_normalization(model)
+    for (name, want), (_, got) in zip(model.named_parameters(), loaded.named_parameters()):
+        assert torch.equal(got, want), name
+    ids, mask = _prompts(length=12)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids, attention_mask=mask).logits,
+                           model(input_ids=ids, attention_mask=mask).logits)
+
+
+def test_fitting_is_deterministic_and_reads_the_keys_without_the_clusters():
+    """Fitted twice on the same tokens (the second time with a fitted codebook in place): the same codebooks, since
+    the keys are computed with the clusters off; another seed starts elsewhere."""
+    model = _clustered()
+    first = [value.clone() for name, value in model.named_parameters() if name.endswith(CODEBOOK)]
+    fit_cluster_codebook(model, _calibration())
+    again = [value for name, value in model.named_parameters() if name.endswith(CODEBOOK)]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert hf_knorm.patched_normalization(model).endswith("clusters 4")  # the spelling is back
+    fit_cluster_codebook(model, _calibration(), seed=1)
+    assert not all(torch.equal(a, b) for a, b in zip(first, model.parameters()))
+
+
+def test_set_clusters_and_set_sparse_cache_keep_the_learned_values_and_the_codebooks():
+    model = hf_knorm.patch(tiny_model("llama"), "x/1 + softmax window 3 + sinks 1 + sparse 2")
+    mixes = [torch.full((4,), 0.25 + layer) for layer in range(2)]
+    set_window_mix(model, mixes)
+    set_clusters(model, 4, _calibration())
+    assert hf_knorm.patched_normalization(model) == SPELLING
+    assert all(torch.equal(torch.tensor(a), b) for a, b in zip(window_mixes(model), mixes))
+    codebooks = [value.clone() for name, value in model.named_parameters() if name.endswith(CODEBOOK)]
+    set_sparse_cache(model, 3)
+    assert hf_knorm.patched_normalization(model).endswith("sparse 3 (key_norm) + clusters 4")
+    assert all(torch.equal(a, b) for a, b in zip(codebooks, (value for name, value in model.named_parameters()
+                                                                if name.endswith(CODEBOOK))))
+    set_clusters(model, 0)
+    assert not any(name.endswith(CODEBOOK) for name, _ in model.named_parameters())
+    assert all(torch.equal(torch.tensor(a), b) for a, b in zip(window_mixes(model), mixes))
+
+
+def test_bad_requests_are_refused_with_what_to_do():
+    ids, mask = _prompts(length=12)
+    unfitted = hf_knorm.patch(tiny_model("llama"), SPELLING)
+    with torch.no_grad(), pytest.raises(ValueError, match="never fitted.*fit_cluster_codebook"):
+        unfitted(input_ids=ids, attention_mask=mask)
+    with pytest.raises(ValueError, match="at least 4 tokens"):
+        fit_cluster_codebook(unfitted, [[5, 6, 7]])
+    no_cache = hf_knorm.patch(tiny_model("llama"), "x/1 + softmax window 3 + sinks 1")
+    with pytest.raises(ValueError, match="sparse cache leaves"):
+        set_clusters(no_cache, 4, _calibration())
+    with pytest.raises(ValueError, match="no clusters"):
+        fit_cluster_codebook(no_cache, _calibration())
+    with pytest.raises(ValueError, match="not patched"):
+        set_clusters(tiny_model("llama"), 4)
+    with pytest.raises(ValueError, match="integer >= 0"):
+        hf_knorm.parse_normalization("x/1 + softmax window 3 + sparse 2 + clusters -1")
+
+
+def test_the_card_says_what_the_clusters_are(tmp_path):
+    model = _clustered()
+    hf_knorm.save_pretrained(model, tmp_path / "model")
+    card = (tmp_path / "model" / "README.md").read_text()
+    assert "4 pseudo-keys: the mean key and value of the other older keys in each cluster" in card
