@@ -18,9 +18,14 @@ does), on a converted run's weights unchanged:
 
 The ceiling's gain over the ablation, ``1 - exact / ablation``, is the most any distant part could earn at 4k.
 
+- ``clusters C`` (``--clusters``): the run's own model (its ``K`` and score) with ``C`` clusters beside its sparse
+  cache (:mod:`hf_knorm.attention.distant_clusters`), the codebooks fitted as a conversion fits them
+  (:func:`hf_knorm.conversion.clusters.add_clusters`), untrained.
+
 Usage: ``OMP_NUM_THREADS=2 python research/2026-12/distant_room_at_4k.py --run runs/first3_default_s0
            --sparse 0,256,956 --out runs/kprobe/room4k_s0.json``
-(``--original runs/kprobe/room4k_s0.json`` for the other runs: the same blocks)
+(``--original runs/kprobe/room4k_s0.json`` for the other runs: the same blocks; ``--sparse "" --clusters 256
+--no-exact`` for the clusters alone)
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ import transformers
 
 import hf_knorm
 from hf_knorm.conversion.beyond_window import START, beyond_window_blocks
+from hf_knorm.conversion.clusters import add_clusters
 from hf_knorm.data.heldout import held_out_perplexity
+from hf_knorm.models.cluster_codebook import set_clusters
 from hf_knorm.models.sparse_cache_size import set_sparse_cache
 from hf_knorm.models.window_mix import distant_part_off
 
@@ -51,6 +58,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=4, help="4,096-token blocks per domain")
     parser.add_argument("--score", default="prefix_kv_diff", help="the sparse cache's score (the default's)")
     parser.add_argument("--original", default=None, help="a JSON this script wrote: reuse its original model's figures")
+    parser.add_argument("--clusters", default="", help="numbers of clusters beside the run's own cache, e.g. 256")
+    parser.add_argument("--no-exact", action="store_true", help="skip the ceiling (unpatched converted weights)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     run = Path(args.run)
@@ -71,12 +80,19 @@ def main() -> None:
         keep("original", perplexities(hf_knorm.load_default_model()[0], blocks, "original"))
     model = hf_knorm.from_pretrained(run).eval()
     results["normalization"] = hf_knorm.patched_normalization(model)  # as trained; the score below is --score
-    for sparse in (int(value) for value in args.sparse.split(",")):
+    for sparse in (int(value) for value in args.sparse.split(",") if value):
         set_sparse_cache(model, sparse, args.score)
         with distant_part_off(model):
             keep(f"sparse {sparse}", perplexities(model, blocks, hf_knorm.patched_normalization(model)))
-    hf_knorm.unpatch(model)
-    keep("exact", perplexities(model, blocks, "converted weights, softmax over every key"))
+    own = hf_knorm.parse_normalization(results["normalization"])
+    for clusters in (int(value) for value in args.clusters.split(",") if value):
+        set_sparse_cache(model, own.sparse, args.score)
+        add_clusters(model, tokenizer, clusters)
+        keep(f"clusters {clusters}", perplexities(model, blocks, hf_knorm.patched_normalization(model)))
+        set_clusters(model, 0)
+    if not args.no_exact:
+        hf_knorm.unpatch(model)
+        keep("exact", perplexities(model, blocks, "converted weights, softmax over every key"))
 
 
 if __name__ == "__main__":

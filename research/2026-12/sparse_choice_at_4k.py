@@ -9,7 +9,9 @@ greedy tokens, exact match) with:
   sparse cache computes exactly this, so it says what the trained weights can do at 4,000 tokens;
 - ``value_over_key K``: the released score with ``K`` pairs (``set_sparse_cache``: ``sparse K``, the mix kept);
 - ``prefix_kv_diff K`` (or any other score of ``hf_knorm.normalizations.sparse_choice.SPARSE_SCORES``): the score
-  as the library computes it, set by ``set_sparse_cache``.
+  as the library computes it, set by ``set_sparse_cache``;
+- ``prefix_kv_diff:K:C``: the same with ``C`` clusters beside the cache (:mod:`hf_knorm.attention.distant_clusters`),
+  their codebooks fitted as a conversion fits them (:func:`hf_knorm.conversion.clusters.add_clusters`), untrained.
 
 The prototype of ``prefix_kv_diff`` (the same score computed once per context outside the library, its pairs' scores
 looked up by position: commit e0c61d0 of this script) found 8, 7, 6 of 8 passkeys at 1k/2k/4k on seed 0; the built
@@ -24,12 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import transformers
 
 import hf_knorm
 from hf_knorm.conversion.beyond_window import beyond_window_blocks, beyond_window_perplexities
+from hf_knorm.conversion.clusters import add_clusters
 from hf_knorm.evaluation.retrieval import hits_by_length, retrieval_records
 from hf_knorm.models.sparse_cache_size import set_sparse_cache
 
@@ -58,12 +62,16 @@ def main() -> None:
             hf_knorm.unpatch(model)
             label = "every pair kept (unpatched)"
         else:
-            score, sparse = cell.split(":")
+            score, sparse, *clusters = cell.split(":")
             set_sparse_cache(model, int(sparse), score)  # an unknown score fails here
+            if clusters:
+                add_clusters(model, tokenizer, int(clusters[0]))
             label = hf_knorm.patched_normalization(model)
+        started = time.perf_counter()
         records = retrieval_records(model, tokenizer, (args.task,), lengths, desc=cell)
         results[cell] = {"label": label, "hits": hits_by_length(records)[args.task],
-                         "answers": [answer["answer"] for answer in records]}
+                         "answers": [answer["answer"] for answer in records],
+                         "retrieval_seconds": time.perf_counter() - started}
         beyond = ""
         if blocks is not None:
             perplexities = beyond_window_perplexities(model, blocks, cell)

@@ -3,12 +3,16 @@ softmax window, with and without 4 sinks, timed on its forward (a left-padded ba
 the tokenizer's attention_mask) and on ``generate`` (its own cache: a K/V cache for ``x^3/16``, the
 RecurrentStateCache for ``x/1``), each against the same model without sinks in the same run (interleaved repeats,
 medians, ratios). ``--sparse K``: window + 4 sinks against window + 4 sinks + ``sparse K (value_over_key)`` instead;
-``--sparse K --scores A,B``: ``sparse K (A)`` against ``sparse K (B)`` (what a score that carries statistics costs).
+``--sparse K --scores A,B``: ``sparse K (A)`` against ``sparse K (B)`` (what a score that carries statistics costs);
+``--sparse K --clusters C``: ``sparse K (prefix_kv_diff)`` against the same with ``+ clusters C`` beside it (their
+codebooks fitted once, as a conversion fits them, and put back at each patch).
 
     OMP_NUM_THREADS=1 python scripts/conversion/bench_window_sinks.py --tokens 1024 --new-tokens 32
     OMP_NUM_THREADS=1 python scripts/conversion/bench_window_sinks.py --tokens 1024 --new-tokens 32 --sparse 256
     OMP_NUM_THREADS=1 python scripts/conversion/bench_window_sinks.py --tokens 4096 --new-tokens 32 --sparse 256 \
         --scores value_over_key,prefix_kv_diff --bases x/1
+    OMP_NUM_THREADS=2 python scripts/conversion/bench_window_sinks.py --tokens 4096 --new-tokens 32 --sparse 256 \
+        --clusters 256 --bases x/1
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from hf_knorm import patch, unpatch
 from hf_knorm.assets.default_model import load_default_model
 from hf_knorm.assets.texts import paul_graham_essays
+from hf_knorm.conversion.clusters import add_clusters
 
 
 def main() -> None:
@@ -33,10 +38,12 @@ def main() -> None:
                         help="K > 0: compare window + 4 sinks with and without a sparse cache of K pairs")
     parser.add_argument("--scores", default=None,
                         help="A,B: with --sparse K, compare sparse K (A) with sparse K (B) (both beside window + 4 sinks)")
+    parser.add_argument("--clusters", type=int, default=0,
+                        help="C > 0: with --sparse K, compare sparse K (prefix_kv_diff) with and without C clusters")
     parser.add_argument("--bases", default="x^3/16,x/1", help="the families beside the window, comma-separated")
     args = parser.parse_args()
-    if args.scores and not args.sparse:
-        parser.error("--scores compares two sparse caches: give --sparse K too")
+    if (args.scores or args.clusters) and not args.sparse:
+        parser.error("--scores and --clusters change a sparse cache: give --sparse K too")
 
     model, tokenizer = load_default_model()
     model.eval()
@@ -53,7 +60,10 @@ def main() -> None:
         model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.new_tokens,
                        min_new_tokens=args.new_tokens, do_sample=False)
 
-    if args.scores:
+    if args.clusters:
+        cache = f" + sinks 4 + sparse {args.sparse} (prefix_kv_diff)"
+        pair, header = (cache, f"{cache} + clusters {args.clusters}"), ("the cache", "+ clusters")
+    elif args.scores:
         first, second = args.scores.split(",")
         pair = tuple(f" + sinks 4 + sparse {args.sparse} ({score})" for score in (first, second))
         header = (first, second)
@@ -61,6 +71,16 @@ def main() -> None:
         pair, header = (" + sinks 4", f" + sinks 4 + sparse {args.sparse} (value_over_key)"), ("4 sinks", "+ sparse")
     else:
         pair, header = ("", " + sinks 4"), ("without sinks", "with 4 sinks")
+
+    fitted = {}
+
+    def codebooks_for(model, base, suffix):
+        """The codebooks of ``base + window 64 + suffix``, fitted once (add_clusters) and reused."""
+        if (base, suffix) not in fitted:
+            add_clusters(model, tokenizer, args.clusters)
+            fitted[base, suffix] = [parameter.detach().clone() for parameter in _codebooks(model)]
+        return fitted[base, suffix]
+
     print(f"| normalization | entry | {header[0]} | {header[1]} | ratio |\n|---|---|---:|---:|---:|")
     for base in args.bases.split(","):
         for name, call in (("forward, 2 x %d tokens, left-padded" % args.tokens, forward),
@@ -69,6 +89,10 @@ def main() -> None:
             for _ in range(args.repeats):
                 for suffix in pair:
                     patch(model, f"{base} + softmax window 64{suffix}")
+                    if "clusters" in suffix:
+                        codebooks = codebooks_for(model, base, suffix)
+                        for parameter, codebook in zip(_codebooks(model), codebooks):
+                            parameter.data.copy_(codebook)
                     with torch.no_grad():
                         started = time.perf_counter()
                         call()
@@ -76,6 +100,10 @@ def main() -> None:
                     unpatch(model)
             before, after = (statistics.median(times[suffix]) for suffix in pair)
             print(f"| {base} + window 64 | {name} | {before:.2f} s | {after:.2f} s | {after / before:.3f}x |", flush=True)
+
+
+def _codebooks(model):
+    return [parameter for name, parameter in model.named_parameters() if name.endswith("cluster_codebook")]
 
 
 if __name__ == "__main__":
