@@ -42,7 +42,8 @@ class ClusterState(NamedTuple):
 
 
 def check_codebook(codebook: torch.Tensor | None, clusters: int, kv_heads: int, dim: int, name: str) -> None:
-    """Raise a ValueError unless ``codebook`` is a fitted ``(H_kv, C, D)`` codebook (no zero row: a row never fitted)."""
+    """Raise a ValueError unless ``codebook`` is a fitted ``(H_kv, C, D)`` codebook (no zero row: a row never
+    fitted)."""
     if codebook is None:
         raise ValueError(f"{name}: the attention module has no cluster codebook. Patch the model with hf_knorm.patch "
                          "and fit one with hf_knorm.fit_cluster_codebook(model, input_ids).")

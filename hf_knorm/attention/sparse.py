@@ -346,8 +346,8 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
                 weight_rows.append(_call_weights(soft, weighted, sinks, sink_count, kv_len))
     output = torch.cat(outputs, dim=-2).reshape(batch, q_heads, q_len, -1).transpose(1, 2)
     if handover is not None:
-        _hand_back(handover, pairs, exits, normalization.sparse, state, count, first + kv_len - 1 - normalization.window,
-                   onehot)
+        newest_older = first + kv_len - 1 - normalization.window
+        _hand_back(handover, pairs, exits, normalization.sparse, state, count, newest_older, onehot)
     weights = torch.cat(weight_rows, dim=-2).reshape(batch, q_heads, q_len, kv_len) if return_weights else None
     return output.to(dtype), weights
 

@@ -92,10 +92,10 @@ class ConvertSettings:
                 "prefix_kv_diff (kv_diff against the tokens before it; a window of 3 or more) | value_over_key "
                 f"(||v|| / ||k||) | key_norm (KNorm's -||k||) (default: {DEFAULT_SPARSE_SCORE})"})
     clusters: int | None = field(default=None, metadata={
-        "help": "C: the older pairs the sparse cache leaves are also weighted by softmax with it through C pseudo-pairs "
-                "per layer and KV head, the mean key and value of each cluster of a codebook fitted after training on "
-                "the model's keys (Paul Graham essays; hf_knorm.attention.distant_clusters); needs a sparse cache "
-                "(default: the spelling's, else 0: none)"})
+        "help": "C: the older pairs the sparse cache leaves are also weighted by softmax with it through C "
+                "pseudo-pairs per layer and KV head, the mean key and value of each cluster of a codebook fitted "
+                "after training on the model's keys (Paul Graham essays; hf_knorm.attention.distant_clusters); needs "
+                "a sparse cache (default: the spelling's, else 0: none)"})
     fold_constant: bool = field(default=True, metadata={
         "help": "x^p/c with a constant c: train the same function as x^p/1, then fold c^(1/p) into the queries "
                 "(AdamW's steps suit the smaller q and k: docs/research/2026-12-conversion.md, 'Per normalization'); "
