@@ -108,3 +108,15 @@ def assert_same_step(got: tuple, want: tuple, *, logits_atol: float, grads_relat
     for name, grad in grads.items():
         scale = want_grads[name].abs().max().item()
         torch.testing.assert_close(grad, want_grads[name], rtol=0, atol=grads_relative * scale + grads_floor, msg=name)
+
+
+def greedy_by_full_forward(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """``ids`` followed by ``new_tokens`` greedy tokens, each from a full forward over everything before it (no
+    cache): what ``generate`` with any cache must give."""
+    sequence, attention = ids, mask
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            following = model(input_ids=sequence, attention_mask=attention).logits[:, -1:].argmax(-1)
+            sequence = torch.cat([sequence, following], dim=1)
+            attention = torch.cat([attention, torch.ones_like(following)], dim=1)
+    return sequence

@@ -13,7 +13,7 @@ plus the state (``hf_knorm/recurrent/sparse_cache.py``).
 
 import pytest
 import torch
-from tiny_models import assert_same_step, logits_and_grads, tiny_inputs, tiny_model
+from tiny_models import assert_same_step, greedy_by_full_forward, logits_and_grads, tiny_inputs, tiny_model
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -166,12 +166,7 @@ def test_generate_with_the_bounded_cache_gives_the_full_forwards_greedy_tokens(s
     assert isinstance(cache, RecurrentStateCache)
     assert all(isinstance(layer, SparseWindowStateLayer) for layer in cache.layers)
     assert dict(taken) == {"sparse": 16 * model.config.num_hidden_layers}
-    sequence, attention = ids, mask
-    with torch.no_grad():
-        for _ in range(16):
-            following = model(input_ids=sequence, attention_mask=attention).logits[:, -1:].argmax(-1)
-            sequence = torch.cat([sequence, following], dim=1)
-            attention = torch.cat([attention, torch.ones_like(following)], dim=1)
+    sequence = greedy_by_full_forward(model, ids, mask, 16)
     assert out.sequences.tolist() == sequence.tolist()
     with_kv_cache = model.generate(input_ids=ids, attention_mask=mask, min_new_tokens=16, max_new_tokens=16,
                                    **GREEDY, **cache_kwargs(DynamicCache()))
