@@ -23,7 +23,7 @@ from ..normalizations import parse_normalization, with_clusters
 from ..normalizations.windowed import CODEBOOK
 from .architectures import attention_modules
 from .parameters import PREFIX
-from .patching import SECTION, patched_normalization
+from .patching import SECTION, _configs, patched_normalization
 from .sparse_cache_size import repatch
 
 ITERATIONS = 20
@@ -144,17 +144,15 @@ def clusters_off(model: nn.Module):
         yield model
         return
     without = with_clusters(normalization, 0).name
-    configs = {id(model.config): model.config}
-    for _, module in attention_modules(model):
-        configs.setdefault(id(module.config), module.config)
-    sections = {key: dict(getattr(config, SECTION)) for key, config in configs.items()}
+    configs = _configs(model)  # the model's and every distinct one its attention modules read
+    sections = [dict(getattr(config, SECTION)) for config in configs]
     try:
-        for config in configs.values():
+        for config in configs:
             setattr(config, SECTION, {**getattr(config, SECTION), "normalization": without})
         yield model
     finally:
-        for key, config in configs.items():
-            setattr(config, SECTION, sections[key])
+        for config, section in zip(configs, sections):
+            setattr(config, SECTION, section)
 
 
 __all__ = ["clusters_off", "fit_cluster_codebook", "set_clusters", "spherical_kmeans"]

@@ -2,8 +2,8 @@
 model's keys (``hf_knorm/models/cluster_codebook.py``), saved and loaded with the weights, and decoding from the
 bounded cache (``hf_knorm/recurrent/sparse_cache.py`` keeps the clusters' sums).
 
-- The whole model against its twin whose attention is the plain reference, fp64: logits within 1e-9 of their largest
-  entry, every gradient within 1e-9 of its largest entry; left padding, GQA, in blocks and not.
+- The whole model against its twin whose attention is the plain reference: in tests/recurrent/test_sparse_cache.py
+  (``test_models_equal_the_reference_attention``, its clustered cases).
 - Decoding in chunks and token by token with the bounded cache equals the full forward, fp32 logits within 1e-4 (as
   tests/recurrent/test_sparse_cache.py); ``generate`` gives the full forward's greedy tokens, beams included.
 - A saved model loads with the same codebooks and the same logits, bit for bit.
@@ -11,39 +11,21 @@ bounded cache (``hf_knorm/recurrent/sparse_cache.py`` keeps the clusters' sums).
 
 import pytest
 import torch
-from tiny_models import assert_same_step, greedy_by_full_forward, logits_and_grads, tiny_inputs, tiny_model
-from transformers import AttentionInterface, DynamicCache
-from transformers.masking_utils import AttentionMaskInterface
+from tiny_models import greedy_by_full_forward, tiny_model
+from transformers import DynamicCache
 
 import hf_knorm
 from hf_knorm import RecurrentStateCache
 from hf_knorm.attention import sparse
-from hf_knorm.attention.interface import normalization_of
-from hf_knorm.attention.masks import explicit_bool_mask
-from hf_knorm.attention.reference import reference_window_attention
 from hf_knorm.compat import cache_kwargs, output_cache
 from hf_knorm.models.cluster_codebook import fit_cluster_codebook, set_clusters
-from hf_knorm.models.parameters import add_parameters
 from hf_knorm.models.sparse_cache_size import set_sparse_cache
 from hf_knorm.models.window_mix import set_window_mix, window_mixes
 from hf_knorm.recurrent.sparse_cache import SparseWindowStateLayer
 
-REFERENCE = "test_reference_clusters"
 CODEBOOK = "hf_knorm_cluster_codebook"
 GREEDY = dict(do_sample=False, pad_token_id=0)
 SPELLING = "x/1 + softmax window 3 + sinks 1 + sparse 2 (key_norm) + clusters 4"
-
-
-def _reference(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    normalization = normalization_of(module)
-    params = normalization.values_on(module)
-    output, _ = reference_window_attention(query, key, value, attention_mask, normalization, scaling=scaling,
-                                           mix=params.get("window_mix"), codebook=getattr(module, CODEBOOK))
-    return output, None
-
-
-AttentionInterface.register(REFERENCE, _reference)
-AttentionMaskInterface.register(REFERENCE, explicit_bool_mask)
 
 
 def _calibration(seed=5):
@@ -64,36 +46,6 @@ def _prompts(batch=2, length=30, pad=3, seed=0):
 def _clustered(model_type="llama", spelling=SPELLING, dtype=torch.float32):
     model = hf_knorm.patch(tiny_model(model_type, dtype=dtype), spelling)
     return fit_cluster_codebook(model, _calibration())
-
-
-@pytest.mark.parametrize("model_type, spelling", [
-    ("llama", SPELLING),
-    ("qwen3", "x/1 + softmax window 3 + sinks 1 + sparse 2 (prefix_kv_diff) + clusters 3"),
-    ("gpt2", "x^3/16 + softmax window 3 + sinks 2 + sparse 2 (key_norm) + clusters 4"),
-])
-@pytest.mark.parametrize("rows", [256, 6])  # 6: a p = 1 forward in blocks, the clusters' sums carried
-def test_models_equal_the_reference_attention(model_type, spelling, rows, monkeypatch):
-    monkeypatch.setattr(sparse, "ROWS", rows)
-    model = _clustered(model_type, spelling, torch.float64)
-    generator = torch.Generator().manual_seed(1)
-    mixes = [torch.randn(4, generator=generator, dtype=torch.float64) for _ in window_mixes(model)]
-    set_window_mix(model, mixes)
-    reference = tiny_model(model_type, dtype=torch.float64)
-    reference.config.hf_knorm = dict(model.config.hf_knorm)
-    add_parameters(reference, hf_knorm.parse_normalization(spelling))
-    set_window_mix(reference, mixes)
-    codebooks = {name: value for name, value in model.named_parameters() if name.endswith(CODEBOOK)}
-    assert len(codebooks) == 2 and all(value.ne(0).any(dim=-1).all() for value in codebooks.values())
-    reference.load_state_dict(codebooks, strict=False)
-    reference.set_attn_implementation(REFERENCE)
-    inputs = tiny_inputs(model_type, length=20)
-    inputs["attention_mask"][1, :4] = 0
-    got, want = logits_and_grads(model, inputs), logits_and_grads(reference, inputs)
-    assert not any(name.endswith(CODEBOOK) for name in got[1])  # fitted, never trained
-    assert_same_step(got, want, logits_atol=1e-9 * want[0].abs().max().item(), grads_relative=1e-9, grads_floor=1e-15)
-    set_clusters(model, 0)
-    without, _ = logits_and_grads(model, inputs)
-    assert (without - got[0]).abs().amax() > 1e-3  # the clusters matter
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])

@@ -3,7 +3,7 @@ plus the state (``hf_knorm/recurrent/sparse_cache.py``).
 
 - The whole model against its twin whose attention is the plain reference (explicit masks), fp64: logits within 1e-9
   of their largest entry and every parameter's gradient (the window mix included) within 1e-9 of its largest entry;
-  left padding, GQA.
+  left padding, GQA; with clusters beside the cache too (tests/models/test_clusters.py tests the rest of them).
 - Decoding in chunks and token by token with the bounded cache equals the full forward, fp32 logits within 1e-4 (as
   tests/recurrent/test_window_cache.py; logits of size ~10), on sequences long enough that pairs are displaced; the
   cache holds, per head, the pairs the reference chooses for the next query.
@@ -24,6 +24,7 @@ from hf_knorm.attention.interface import normalization_of
 from hf_knorm.attention.masks import explicit_bool_mask
 from hf_knorm.attention.reference import reference_window_attention, sparse_split, window_split
 from hf_knorm.compat import cache_kwargs, output_cache
+from hf_knorm.models.cluster_codebook import set_clusters
 from hf_knorm.models.parameters import add_parameters
 from hf_knorm.models.window_mix import set_window_mix, window_mixes
 from hf_knorm.normalizations.sparse_choice import token_scores
@@ -31,6 +32,7 @@ from hf_knorm.recurrent.sparse_cache import SparseWindowStateLayer
 from hf_knorm.recurrent.window_cache import WindowStateLayer
 
 REFERENCE = "test_reference_sparse_window"
+CODEBOOK = "hf_knorm_cluster_codebook"
 ATOL = 1e-4
 GREEDY = dict(do_sample=False, pad_token_id=0)
 
@@ -39,7 +41,8 @@ def _reference(module, query, key, value, attention_mask, scaling=None, dropout=
     normalization = normalization_of(module)
     params = normalization.values_on(module)
     output, _ = reference_window_attention(query, key, value, attention_mask, normalization, scaling=scaling,
-                                           softcap=kwargs.get("softcap"), mix=params.get("window_mix"), params=params)
+                                           softcap=kwargs.get("softcap"), mix=params.get("window_mix"), params=params,
+                                           codebook=getattr(module, CODEBOOK, None))
     return output, None
 
 
@@ -65,11 +68,17 @@ def _prompts(batch=2, length=30, pad=3, seed=0):
     ("gpt2", "x^3/16 + softmax window 3 + sinks 2 + sparse 2"),
     ("llama", "sigmoid(bias=learned) + softmax window 2 + sparse 4"),
     ("qwen3", "x/1 + softmax window 3 + sinks 1 + sparse 2 (prefix_kv_diff)"),
+    ("llama", "x/1 + softmax window 3 + sinks 1 + sparse 2 (key_norm) + clusters 4"),  # clusters: fitted first
+    ("qwen3", "x/1 + softmax window 3 + sinks 1 + sparse 2 (prefix_kv_diff) + clusters 3"),
+    ("gpt2", "x^3/16 + softmax window 3 + sinks 2 + sparse 2 (key_norm) + clusters 4"),
 ])
 @pytest.mark.parametrize("rows", [256, 6])  # 6: a p = 1 forward in blocks with the state carried (sparse._chunked)
 def test_models_equal_the_reference_attention(model_type, spelling, rows, monkeypatch):
     monkeypatch.setattr(sparse, "ROWS", rows)
     model = hf_knorm.patch(tiny_model(model_type, dtype=torch.float64), spelling)
+    clusters = hf_knorm.parse_normalization(spelling).clusters
+    if clusters:
+        hf_knorm.fit_cluster_codebook(model, torch.randint(3, 128, (3, 16), generator=torch.Generator().manual_seed(5)))
     generator = torch.Generator().manual_seed(1)
     mixes = [torch.randn(4, generator=generator, dtype=torch.float64) for _ in window_mixes(model)]
     set_window_mix(model, mixes)
@@ -77,12 +86,21 @@ def test_models_equal_the_reference_attention(model_type, spelling, rows, monkey
     reference.config.hf_knorm = dict(model.config.hf_knorm)
     add_parameters(reference, hf_knorm.parse_normalization(spelling))
     set_window_mix(reference, mixes)
+    codebooks = {name: value for name, value in model.named_parameters() if name.endswith(CODEBOOK)}
+    assert len(codebooks) == (2 if clusters else 0)
+    assert all(value.ne(0).any(dim=-1).all() for value in codebooks.values())  # fitted
+    reference.load_state_dict(codebooks, strict=False)
     reference.set_attn_implementation(REFERENCE)
     inputs = tiny_inputs(model_type, length=20)
     inputs["attention_mask"][1, :4] = 0
     got, want = logits_and_grads(model, inputs), logits_and_grads(reference, inputs)
     assert any("window_mix" in name for name in want[1])
+    assert not any(name.endswith(CODEBOOK) for name in got[1])  # a codebook is fitted, never trained
     assert_same_step(got, want, logits_atol=1e-9 * want[0].abs().max().item(), grads_relative=1e-9, grads_floor=1e-15)
+    if clusters:
+        set_clusters(model, 0)
+        without, _ = logits_and_grads(model, inputs)
+        assert (without - got[0]).abs().amax() > 1e-3  # the clusters matter
 
 
 def _decode(model, ids, mask, cache, sizes):
