@@ -20,6 +20,10 @@ Bounded state. The pseudo-pairs are computed from per-cluster sums, which a pair
 joins once: :class:`ClusterState`, ``C`` key sums, ``C`` value sums and ``C`` counts per KV head, whatever the length.
 A decoded key is rounded differently from the full forward's: a key whose two best directions tie up to rounding may
 join another cluster (as a sparse cache's score may choose another pair).
+
+Cost (:class:`ClusterRows`). A pair stays in a row's distant part for every later row, so a call folds the pairs every
+row of a block of :data:`SUB_ROWS` rows holds into the sums once, and only the pairs that join during the block are
+counted row by row: ``O(C * (D + SUB_ROWS))`` per query and KV head instead of ``O(C * N)``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+SUB_ROWS = 32
+"""Rows per block whose pseudo-pairs share one folded sum (:class:`ClusterRows`): the pairs that join a row's distant
+part inside a block, at most about ``2 * SUB_ROWS`` (the window's and the sparse cache's leavers), are counted row by
+row."""
 
 
 class ClusterState(NamedTuple):
@@ -118,4 +127,88 @@ def add_leaving(prior: ClusterState | None, onehot: torch.Tensor, leaving: torch
     return ClusterState(*(old + new for old, new in zip(prior, added)))
 
 
-__all__ = ["ClusterState", "add_leaving", "assignments", "check_codebook", "cluster_part", "pseudo_logits"]
+class _Block(NamedTuple):
+    """One block of rows as :meth:`ClusterRows.logits` left it for :meth:`ClusterRows.output`."""
+
+    start: int
+    stop: int
+    columns: torch.Tensor  # (m,) the call's candidates some row of the block counts row by row
+    distant: torch.Tensor  # (B, H_kv, s, m) bool
+    sizes: torch.Tensor  # (B, H_kv, 1, s, C)
+    folded: ClusterState | None  # the sums of the pairs in every row's distant part (and the state's)
+
+
+class ClusterRows:
+    """The pseudo-pairs of one call's rows, block by block, as :func:`pseudo_logits` and :func:`cluster_part` define
+    them: the pairs already in the distant part of a block's first row are folded into sums once (a pair stays
+    there for every later row), the others counted row by row.
+
+    Args:
+        onehot: ``(B, H_kv, R, C)`` the assignments (:func:`assignments`) of ``candidates``; keys, values:
+            ``(B, H_kv, R, D)`` / ``(B, H_kv, R, D_v)`` theirs, in the compute dtype; candidates: ``(R,)`` their
+            indices among the call's ``M`` candidates, the ones that reach some row's distant part; prior: the
+            state's sums (a decoding state) or ``None``; fold: fold into sums (``False``: every row on every
+            candidate, as :meth:`output` must to return each pair's share).
+    """
+
+    def __init__(self, onehot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, candidates: torch.Tensor,
+                 prior: ClusterState | None, fold: bool):
+        self.onehot, self.keys, self.values, self.candidates, self.fold = onehot, keys, values, candidates, fold
+        self.folded = None if prior is None else ClusterState(*(t.to(keys.dtype) for t in prior))
+        self.in_folded = onehot.new_zeros(onehot.shape[:-1], dtype=torch.bool)  # (B, H_kv, R)
+        self.blocks: list[_Block] = []
+
+    def logits(self, query: torch.Tensor, scores: torch.Tensor, distant: torch.Tensor, scale: float) -> torch.Tensor:
+        """The pseudo-pairs' ``(B, H_kv, G, r, C)`` logits of the next ``r`` rows (in order, each call's rows once).
+
+        Args:
+            query: ``(B, H_kv, G, r, D)``; scores: ``(B, H_kv, G, r, M)`` the rows' scaled scores of every
+                candidate; distant: ``(B, H_kv, r, M)`` bool, the candidates in each row's distant part.
+        """
+        rows = query.shape[-2]
+        distant = distant[..., self.candidates]  # (B, H_kv, r, R)
+        step = SUB_ROWS if self.fold else rows
+        self.blocks, logits = [], []
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            block = distant[:, :, start:stop]
+            if self.fold:
+                self._fold(block[:, :, 0])
+                block = block & ~self.in_folded[:, :, None]
+            columns = block.flatten(0, 2).any(dim=0).nonzero().squeeze(-1)
+            block_logits, sizes = pseudo_logits(query[..., start:stop, :],
+                                                scores[..., start:stop, :][..., self.candidates[columns]],
+                                                block[..., columns], self.onehot[:, :, columns], self.folded, scale)
+            self.blocks.append(_Block(start, stop, columns, block[..., columns], sizes, self.folded))
+            logits.append(block_logits)
+        return torch.cat(logits, dim=-2)
+
+    def output(self, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the pseudo-pairs add to the rows of the last :meth:`logits`, given their ``(B, H_kv, G, r, C)``
+        softmax weights: ``(output (B, H_kv, G, r, D_v), columns (m,), shares (B, H_kv, G, r, m))``; without
+        ``fold``, ``shares`` are each pair's share of its cluster's weight (:func:`cluster_part`) for the call's
+        candidates ``columns`` (of ``M``), else both ``None``."""
+        outputs, shares = [], []
+        for block in self.blocks:
+            output, share = cluster_part(weights[..., block.start:block.stop, :], block.sizes, block.distant,
+                                         self.onehot[:, :, block.columns], block.folded,
+                                         self.values[:, :, block.columns])
+            outputs.append(output)
+            shares.append(share)
+        output = torch.cat(outputs, dim=-2)
+        if self.fold:
+            return output, None, None
+        return output, self.candidates[self.blocks[0].columns], shares[0]
+
+    def _fold(self, held: torch.Tensor) -> None:
+        """Add the pairs of ``held`` ``(B, H_kv, R)`` (a block's first row's distant part) not folded yet."""
+        new = held & ~self.in_folded
+        columns = new.flatten(0, 1).any(dim=0).nonzero().squeeze(-1)
+        if columns.numel():
+            self.folded = add_leaving(self.folded, self.onehot[:, :, columns], new[..., columns],
+                                      self.keys[:, :, columns], self.values[:, :, columns])
+            self.in_folded = self.in_folded | held
+
+
+__all__ = ["SUB_ROWS", "ClusterRows", "ClusterState", "add_leaving", "assignments", "check_codebook", "cluster_part",
+           "pseudo_logits"]

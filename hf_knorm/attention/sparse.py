@@ -60,7 +60,7 @@ import torch
 
 from ..normalizations import Normalization
 from ..normalizations.sparse_choice import call_scores
-from .distant_clusters import add_leaving, assignments, check_codebook, cluster_part, pseudo_logits
+from .distant_clusters import ClusterRows, add_leaving, assignments, check_codebook
 from .linear_kernel import is_linear
 from .masks import KeyPadding, Mask
 from .paths import Path, causal_key_validity
@@ -284,9 +284,14 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
     group_params = {name: value.to(compute).view(kv_heads, groups, 1, 1) for name, value in (params or {}).items()}
     factor_mix = None if mix is None else mix.to(compute).view(1, kv_heads, groups, 1, 1)
     is_call_key = torch.arange(pairs.position.shape[-1], device=device) >= pairs.prior  # (M,)
-    onehot = None if codebook is None else assignments(pairs.keys, codebook, compute)  # (B, H_kv, M, C)
-    prior_clusters = None if handover is None else handover.cluster_state
-    clusters = 0 if codebook is None else codebook.shape[1]
+    last_newest_older = first + kv_len - 1 - normalization.window  # the last row's a_i - W
+    clusters = None
+    if codebook is not None:  # the candidates some row's distant part holds (with a state: those handed to it)
+        reaching = (pairs.filled & (exits <= last_newest_older)).flatten(0, 1).any(dim=0).nonzero().squeeze(-1)
+        clusters = ClusterRows(assignments(pairs.keys[:, :, reaching], codebook, compute),  # (B, H_kv, R, C)
+                               keys[:, :, sink_count:][:, :, reaching], values[:, :, sink_count:][:, :, reaching],
+                               reaching, None if handover is None else handover.cluster_state,
+                               fold=frobenius_sq is None and not return_weights)
     outputs, weight_rows = [], []
     for start in range(0, q_len, ROWS):
         stop = min(q_len, start + ROWS)
@@ -307,16 +312,12 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
             scores = softcap * torch.tanh(scores / softcap)
         logits = scores.masked_fill(~soft_allowed[:, :, None], float("-inf"))
         candidate_scores = scores[..., sink_count:]
-        if onehot is not None:  # the clusters' pseudo-pairs, weighted by softmax with the pairs; over the candidates
-            columns = in_base.flatten(0, 2).any(dim=0).nonzero().squeeze(-1)  # some row's distant part holds
-            distant, members = in_base[..., columns], onehot[:, :, columns]
-            pseudo, sizes = pseudo_logits(q, candidate_scores[..., columns], distant, members, prior_clusters, scale)
-            logits = torch.cat([logits, pseudo], dim=-1)
+        if clusters is not None:  # the clusters' pseudo-pairs, weighted by softmax with the pairs
+            logits = torch.cat([logits, clusters.logits(q, candidate_scores, in_base, scale)], dim=-1)
         soft = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)  # a row with no key: 0
-        if onehot is not None:
-            soft, cluster_weights = soft[..., :-clusters], soft[..., -clusters:]
-            clustered, shares = cluster_part(cluster_weights, sizes, distant, members, prior_clusters,
-                                             values[:, :, sink_count:][:, :, columns])
+        if clusters is not None:
+            soft, cluster_weights = soft[..., :-codebook.shape[1]], soft[..., -codebook.shape[1]:]
+            clustered, shared, shares = clusters.output(cluster_weights)
         allowed_base = in_base[:, :, None].expand_as(candidate_scores)
         if handover is None:
             base_weights = base.weights(candidate_scores, allowed_base, group_params)
@@ -332,13 +333,13 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
         if factor_mix is not None:
             factor = factor * factor_mix
         output = soft @ values[:, :, None] + part * factor  # (B, H_kv, G, r, D_v)
-        if onehot is not None:
+        if clusters is not None:
             output = output + clustered
         outputs.append(output)
         if frobenius_sq is not None or return_weights:
             weighted = base_weights * factor
-            if onehot is not None:  # each distant pair's share of its cluster's weight
-                weighted = weighted.index_add(-1, columns, shares)
+            if clusters is not None:  # each distant pair's share of its cluster's weight
+                weighted = weighted.index_add(-1, shared, shares)
             if frobenius_sq is not None:
                 frobenius_sq += (soft.detach().square().sum(dim=(-2, -1))
                                  + weighted.detach().square().sum(dim=(-2, -1))).to(frobenius_sq.dtype)
@@ -346,8 +347,7 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
                 weight_rows.append(_call_weights(soft, weighted, sinks, sink_count, kv_len))
     output = torch.cat(outputs, dim=-2).reshape(batch, q_heads, q_len, -1).transpose(1, 2)
     if handover is not None:
-        newest_older = first + kv_len - 1 - normalization.window
-        _hand_back(handover, pairs, exits, normalization.sparse, state, count, newest_older, onehot)
+        _hand_back(handover, pairs, exits, normalization.sparse, state, count, last_newest_older, clusters)
     weights = torch.cat(weight_rows, dim=-2).reshape(batch, q_heads, q_len, kv_len) if return_weights else None
     return output.to(dtype), weights
 
@@ -461,10 +461,11 @@ def _divisor(base, allowed_base, count, compute) -> torch.Tensor:
     return rows.clamp_min(1.0).sqrt()
 
 
-def _hand_back(handover, pairs: _Candidates, exits, sparse, state, count, newest_older: int, onehot=None) -> None:
+def _hand_back(handover, pairs: _Candidates, exits, sparse, state, count, newest_older: int,
+               clusters: ClusterRows | None = None) -> None:
     """After a call with a state: add the pairs that went to the distant part to the state (and to their clusters'
-    sums, with ``onehot`` :func:`.distant_clusters.assignments`), keep the ``K`` that are in the cache after the
-    call's last query, and let the layer keep the window's ``W`` last pairs."""
+    sums, with ``clusters`` the call's :class:`.distant_clusters.ClusterRows`), keep the ``K`` that are in the cache
+    after the call's last query, and let the layer keep the window's ``W`` last pairs."""
     leaving = pairs.filled & (exits <= newest_older)  # (B, H_kv, M): in the distant part now, not before the call
     full = torch.promote_types(pairs.keys.dtype, torch.float32)  # the state in fp32 (fp64 for fp64 keys)
     keys, values = pairs.keys.to(full), pairs.values.to(full)
@@ -472,8 +473,10 @@ def _hand_back(handover, pairs: _Candidates, exits, sparse, state, count, newest
     state = added if state is None else state + added
     added_count = leaving[:, 0].sum(dim=-1)  # every head holds the same number of pairs (its K best): head 0's
     count = added_count.to(torch.float32) if count is None else count + added_count.to(count.dtype)
-    if onehot is not None:
-        handover.keep_clusters(add_leaving(handover.cluster_state, onehot, leaving, keys, values))
+    if clusters is not None:  # the pairs that reach the distant part are the ones leaving: clusters' candidates
+        reaching = clusters.candidates
+        handover.keep_clusters(add_leaving(handover.cluster_state, clusters.onehot, leaving[..., reaching],
+                                           keys[:, :, reaching], values[:, :, reaching]))
     staying = pairs.filled & (pairs.position <= newest_older) & (exits > newest_older)  # at most K per head
     slots = min(sparse, staying.shape[-1])
     order = torch.where(staying, pairs.position, NEVER).topk(slots, dim=-1, largest=False).indices  # (B, H_kv, K)

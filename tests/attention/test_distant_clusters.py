@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from hf_knorm.attention import sparse
+from hf_knorm.attention import distant_clusters, sparse
 from hf_knorm.attention.distant_clusters import assignments
 from hf_knorm.attention.masks import KeyPadding
 from hf_knorm.attention.reference import reference_window_attention
@@ -52,10 +52,12 @@ CASES = [  # spelling, padding, query heads
 ]
 
 
+@pytest.mark.parametrize("sub_rows", [32, 3])  # 3: the pairs every row of 3 holds folded into sums, block by block
 @pytest.mark.parametrize("rows", [256, 5])  # 5: in blocks, the clusters' sums carried from one to the next
 @pytest.mark.parametrize("spelling, kind, q_heads", CASES)
-def test_the_attention_equals_the_plain_reference(spelling, kind, q_heads, rows, monkeypatch):
+def test_the_attention_equals_the_plain_reference(spelling, kind, q_heads, rows, sub_rows, monkeypatch):
     monkeypatch.setattr(sparse, "ROWS", rows)
+    monkeypatch.setattr(distant_clusters, "SUB_ROWS", sub_rows)
     normalization = parse_normalization(spelling)
     query, key, value = _inputs(q_heads=q_heads)
     codebook = _codebook()
