@@ -285,13 +285,14 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
     factor_mix = None if mix is None else mix.to(compute).view(1, kv_heads, groups, 1, 1)
     is_call_key = torch.arange(pairs.position.shape[-1], device=device) >= pairs.prior  # (M,)
     last_newest_older = first + kv_len - 1 - normalization.window  # the last row's a_i - W
-    clusters = None
+    clusters = None  # the clusters' pseudo-pairs, where some cluster holds a pair for some row (else all weights 0)
+    prior_clusters = None if handover is None else handover.cluster_state
     if codebook is not None:  # the candidates some row's distant part holds (with a state: those handed to it)
         reaching = (pairs.filled & (exits <= last_newest_older)).flatten(0, 1).any(dim=0).nonzero().squeeze(-1)
-        clusters = ClusterRows(assignments(pairs.keys[:, :, reaching], codebook, compute),  # (B, H_kv, R, C)
-                               keys[:, :, sink_count:][:, :, reaching], values[:, :, sink_count:][:, :, reaching],
-                               reaching, None if handover is None else handover.cluster_state,
-                               fold=frobenius_sq is None and not return_weights)
+        if reaching.numel() or prior_clusters is not None:
+            clusters = ClusterRows(assignments(pairs.keys[:, :, reaching], codebook, compute),  # (B, H_kv, R, C)
+                                   keys[:, :, sink_count:][:, :, reaching], values[:, :, sink_count:][:, :, reaching],
+                                   reaching, prior_clusters, fold=frobenius_sq is None and not return_weights)
     outputs, weight_rows = [], []
     for start in range(0, q_len, ROWS):
         stop = min(q_len, start + ROWS)
