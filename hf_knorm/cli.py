@@ -46,7 +46,7 @@ from typing import Any
 
 from transformers import HfArgumentParser
 
-from .conversion.settings import (DEFAULT_ATTENTION_SINKS, DEFAULT_NORMALIZATION, DEFAULT_SOFTMAX_WINDOW,
+from .conversion.settings import (DEFAULT_ATTENTION_SINKS, DEFAULT_CLUSTERS, DEFAULT_NORMALIZATION, DEFAULT_SOFTMAX_WINDOW,
                                   DEFAULT_SPARSE_CACHE, DEFAULT_SPARSE_SCORE, ConvertSettings)
 from .extras import MissingExtraError
 from .jobs.attention_norms import AttentionNormsSettings
@@ -252,9 +252,11 @@ COMMANDS: tuple[Command, ...] = (
         description=f"Convert the model (default: SmolLM2-135M-Instruct) to --normalization (default: "
         f"{DEFAULT_NORMALIZATION}), beside a softmax over each query's last {DEFAULT_SOFTMAX_WINDOW} keys, the "
         f"sequence's first {DEFAULT_ATTENTION_SINKS} and up to {DEFAULT_SPARSE_CACHE} older key/value pairs per layer "
-        f"and KV head chosen by {DEFAULT_SPARSE_SCORE} (--softmax-window, --attention-sinks, --sparse-cache, "
-        "--sparse-score: LoLCATs' window, StreamingLLM's sinks, LoLA's sparse cache; --sparse-cache 0: the window and "
-        "sinks alone; --softmax-window 0: the pure normalization), in two stages, each a "
+        f"and KV head chosen by {DEFAULT_SPARSE_SCORE}, the older pairs it leaves through {DEFAULT_CLUSTERS} "
+        "per-cluster mean pairs fitted after the training (--softmax-window, --attention-sinks, --sparse-cache, "
+        "--sparse-score, --clusters: LoLCATs' window, StreamingLLM's sinks, LoLA's sparse cache, our clusters; "
+        "--clusters 0: the sparse cache alone; --sparse-cache 0: the window and sinks alone; --softmax-window 0: the "
+        "pure normalization), in two stages, each a "
         "Trainer run with NormLoggerCallback and held-out perplexity at its start and every --eval-steps: (1) "
         "attention transfer (LoLCATs, arXiv 2410.10254): each patched attention layer trains its q/k projections to "
         "reproduce the original attention's output on the original layer inputs, after a closed-form per-head scale "

@@ -132,7 +132,8 @@ def check_settings(settings: ConvertSettings) -> Normalization:
     if settings.resume and not started:
         raise ValueError(f"--resume: {out} holds no conversion to continue ({STATE_FILE} is missing).")
     if settings.resume:  # a run records its settings resolved (settings.resolved), so compare them resolved
-        stored = _with_sparse_score_recorded(_with_sparse_cache_recorded(read_state(out).get("settings")))
+        stored = _with_clusters_recorded(_with_sparse_score_recorded(_with_sparse_cache_recorded(
+            read_state(out).get("settings"))))
         check_same_settings(stored, settings.resolved(target))
     return target
 
@@ -166,6 +167,19 @@ def _with_sparse_score_recorded(stored: dict | None) -> dict | None:
         return stored
     spelled = parse_normalization(stored.get("normalization", "x/1")).sparse
     return {**stored, "sparse_score": recorded.score if spelled else SPARSE_SCORE_BEFORE_RECORDING}
+
+
+def _with_clusters_recorded(stored: dict | None) -> dict | None:
+    """A settings record that left ``clusters`` at ``None`` (or lacks it: before they were recorded resolved, and
+    before they had a default) ran with the spelling's clusters, else none: filled in, so that resuming it with
+    today's default is refused as a change of settings (``--clusters 0`` resumes it)."""
+    if not stored or stored.get("clusters") is not None:
+        return stored
+    try:
+        spelled = parse_normalization(stored.get("normalization", "x/1")).clusters
+    except ValueError:  # a record this version cannot read: check_same_settings names what differs
+        return stored
+    return {**stored, "clusters": spelled}
 
 
 def convert(settings: ConvertSettings | None = None, **fields) -> dict:
@@ -210,6 +224,10 @@ def run_convert(settings: ConvertSettings) -> dict:
     if already is not None:
         raise ValueError(f"{model_dir} is already patched with {already}. Conversion starts from the original softmax "
                          "model: pass the model it was made from.")
+    if clustered.clusters and getattr(config.get_text_config(), "attn_logit_softcapping", None) is not None:
+        raise ValueError(f"{model_dir}'s attention has a softcap (Gemma 2), which bends each score: a cluster's mean "
+                         f"key no longer gives its pairs' mean score, so {clustered.name} is not defined there. "
+                         "Pass --clusters 0 (the sparse cache alone).")
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     if not getattr(tokenizer, "chat_template", None) and (settings.probe or settings.dataset == GENERAL):

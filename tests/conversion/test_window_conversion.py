@@ -127,7 +127,8 @@ def test_the_window_and_the_spelling_must_agree(tiny_lm_dir, texts, tmp_path):
                          softmax_window=64)
     with pytest.raises(ValueError, match="contradicts"):
         run_convert(settings)
-    assert ConvertSettings().target().name == "x/1 + softmax window 64 + sinks 4 + sparse 256 (prefix_kv_diff)"
+    assert ConvertSettings().target().name == "x/1 + softmax window 64 + sinks 4 + sparse 256 (prefix_kv_diff) + " \
+        "clusters 600"
 
 
 def test_the_sinks_are_resolved_once_from_the_flag_and_the_spelling():
@@ -152,7 +153,7 @@ def test_the_sparse_cache_is_resolved_once_from_the_flags_and_the_spelling():
     default = ConvertSettings().target()
     assert (default.sparse, default.score) == (DEFAULT_SPARSE_CACHE, DEFAULT_SPARSE_SCORE)
     assert ConvertSettings(sparse_cache=0).target().name == "x/1 + softmax window 64 + sinks 4"  # one flag away
-    assert ConvertSettings(sparse_cache=32, sparse_score="key_norm").target().name == \
+    assert ConvertSettings(sparse_cache=32, sparse_score="key_norm", clusters=0).target().name == \
         "x/1 + softmax window 64 + sinks 4 + sparse 32 (key_norm)"
     spelled = "relu(x)^2/n + softmax window 64 + sinks 4 + sparse 16 (key_norm)"
     assert ConvertSettings(normalization=spelled).target().name == spelled  # the spelling's cache kept
@@ -169,16 +170,48 @@ def test_the_sparse_cache_is_resolved_once_from_the_flags_and_the_spelling():
             ConvertSettings(**overrides).target()
 
 
+def test_the_clusters_are_resolved_once_beside_a_sparse_cache_the_spelling_does_not_give():
+    from hf_knorm.conversion.settings import DEFAULT_CLUSTERS
+
+    default = ConvertSettings()
+    assert default.target().name == f"x/1 + softmax window 64 + sinks 4 + sparse 256 (prefix_kv_diff) + clusters " \
+        f"{DEFAULT_CLUSTERS}"
+    assert default.resolved(default.target()).clusters == DEFAULT_CLUSTERS  # recorded: a resumed run keeps them
+    assert ConvertSettings(clusters=0).target().name == "x/1 + softmax window 64 + sinks 4 + sparse 256 " \
+        "(prefix_kv_diff)"  # the sparse cache alone: one flag away
+    assert ConvertSettings(sparse_cache=32).target().clusters == DEFAULT_CLUSTERS  # a cache from the flags
+    assert ConvertSettings(sparse_cache=0).target().clusters == 0  # no cache for them to sit beside
+    assert ConvertSettings(softmax_window=0).target().name == "x/1"
+    spelled = "x/1 + softmax window 64 + sinks 4 + sparse 16 (key_norm)"
+    assert ConvertSettings(normalization=spelled).target().name == spelled  # the spelling says what it holds
+    assert ConvertSettings(normalization=spelled, clusters=8).target().clusters == 8
+
+
+def test_clusters_on_a_model_with_a_softcap_are_refused_before_it_loads(texts, tmp_path):
+    """Gemma 2 bends each score by a softcap, where a cluster's mean key does not give its pairs' mean score: the
+    default's clusters are refused with what to pass instead, before the model or the data are read."""
+    from training_helpers import char_tokenizer, tiny_model
+
+    folder = tmp_path / "gemma2"
+    tiny_model("gemma2").save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    with pytest.raises(ValueError, match=r"softcap .*Pass --clusters 0"):
+        run_convert(_settings(folder, texts, tmp_path / "out", normalization="x/1", softmax_window=8, sparse_cache=4))
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_default_recipe_converts_with_a_sparse_cache_that_holds_every_older_key_of_a_training_block(
         tiny_lm_dir, texts, tmp_path):
     """The defaults' sparse cache (256 pairs) holds every key older than the window of a training block (here 32
     tokens, window 8, 4 sinks): no key is left to the distant part, its mix solves to exactly 0 and the converted
-    model is its window alone; a cache smaller than the older keys leaves the distant part work."""
+    model is its window alone (the clusters off: the cache alone); a cache smaller than the older keys leaves the
+    distant part work."""
     from hf_knorm.conversion.settings import DEFAULT_NORMALIZATION
 
     out = tmp_path / "default"
     run_convert(_settings(tiny_lm_dir, texts, out, normalization=DEFAULT_NORMALIZATION, sparse_cache=None,
-                          softmax_window=8, eval_domains=("essays",), eval_tokens=512, retrieval_lengths=(400,)))
+                          softmax_window=8, clusters=0, eval_domains=("essays",), eval_tokens=512,
+                          retrieval_lengths=(400,)))
     record = json.loads((out / RESULT_FILE).read_text())
     assert record["normalization"] == "x/1 + softmax window 8 + sinks 4 + sparse 256 (prefix_kv_diff)"
     transfer = record["stages"]["transfer"]
@@ -193,7 +226,7 @@ def test_the_default_recipe_converts_with_a_sparse_cache_that_holds_every_older_
 
     smaller = tmp_path / "sparse4"
     run_convert(_settings(tiny_lm_dir, texts, smaller, normalization=DEFAULT_NORMALIZATION, sparse_cache=4,
-                          softmax_window=8, beyond_window=False))
+                          clusters=0, softmax_window=8, beyond_window=False))
     record = json.loads((smaller / RESULT_FILE).read_text())
     assert record["normalization"] == "x/1 + softmax window 8 + sinks 4 + sparse 4 (prefix_kv_diff)"
     assert torch.tensor(record["stages"]["transfer"]["window_mix"]).abs().max() > 0
@@ -210,12 +243,17 @@ def test_a_run_started_before_the_sparse_default_is_not_resumed_with_it(tiny_lm_
     out = tmp_path / "old"
     old = _settings(tiny_lm_dir, texts, out, softmax_window=8, sparse_cache=None, resume=True)
     record = {name: value for name, value in settings_record(old.resolved(old.target())).items()
-              if name not in ("sparse_cache", "sparse_score")}
+              if name not in ("sparse_cache", "sparse_score", "clusters")}
     out.mkdir()
     write_state(out, {"settings": record})
     with pytest.raises(ValueError, match="these differ: sparse_cache: 0 then, None now"):
         check_settings(old)
     assert check_settings(replace(old, sparse_cache=0)).name == "x^3/16 + softmax window 8 + sinks 4"
+    cached = {**record, "sparse_cache": 256, "sparse_score": "prefix_kv_diff"}  # before the clusters' default
+    write_state(out, {"settings": cached})
+    with pytest.raises(ValueError, match="these differ: clusters: 0 then, 600 now"):
+        check_settings(replace(old, sparse_cache=256))
+    assert check_settings(replace(old, sparse_cache=256, clusters=0)).name.endswith("sparse 256 (prefix_kv_diff)")
     spelled = replace(old, normalization="x/1 + softmax window 8 + sparse 4 (key_norm)")
     write_state(out, {"settings": {**record, "normalization": spelled.normalization}})
     assert check_settings(spelled).name == "x/1 + softmax window 8 + sinks 4 + sparse 4 (key_norm)"

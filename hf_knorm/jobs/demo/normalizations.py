@@ -15,14 +15,21 @@ import torch
 
 from ...assets.texts import SAMPLE_TEXT
 from ...models.patching import patch, unpatch
+from ...normalizations import parse_normalization
 
 PROMPTS = ("The capital of France is", "Water freezes at a temperature of", "The opposite of hot is")
 
 
 def evaluate_normalization(model, tokenizer, normalization: str | None, new_tokens: int = 4) -> dict:
-    """Greedy continuations of :data:`PROMPTS` and perplexity on the sample text; ``None`` = the model's own attention."""
+    """Greedy continuations of :data:`PROMPTS` and perplexity on the sample text; ``None`` = the model's own attention.
+    A normalization with clusters gets its codebooks fitted on the patched model's keys, as a conversion fits them."""
     if normalization is not None:
         patch(model, normalization)
+        clusters = parse_normalization(normalization).clusters
+        if clusters:
+            from ...conversion.clusters import add_clusters
+
+            add_clusters(model, tokenizer, clusters)
     try:
         started = time.perf_counter()
         with torch.no_grad():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from ...conversion.settings import DEFAULT_NORMALIZATION, DEFAULT_SPARSE_CACHE, DEFAULT_SPARSE_SCORE
+from ...conversion.settings import DEFAULT_CLUSTERS, DEFAULT_NORMALIZATION, DEFAULT_SPARSE_CACHE, DEFAULT_SPARSE_SCORE
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,10 @@ class DemoSettings:
         "help": "step 4: older key/value pairs kept beside the window per layer and KV head, chosen by "
                 f"{DEFAULT_SPARSE_SCORE} (hf-knorm convert --sparse-cache; default: {DEFAULT_SPARSE_CACHE} with a "
                 "window, 0 without; 0: none)"})
+    clusters: int | None = field(default=None, metadata={
+        "help": "step 4: the older pairs the sparse cache leaves, weighted by softmax with it through C per-cluster "
+                f"mean pairs (hf-knorm convert --clusters; default: {DEFAULT_CLUSTERS} beside the default sparse "
+                "cache; 0: none)"})
     beyond_window: bool = field(default=True, metadata={
         "help": "step 4: also measure beyond the window (1,024-token blocks from position 256, passkey retrieval at "
                 "1,000 tokens, the window alone), as hf-knorm convert does"})
@@ -76,7 +80,7 @@ class DemoSettings:
         return cls(normalizations=("softmax", "x^3/16"), decoding_lengths=(32, 128), calibration_tokens=256, niah_lengths=(300,),
                    niah_depths=(0.5,), transfer_steps=4, recovery_steps=4, train_block_size=64, train_batch_size=2,
                    teacher_tokens=256, eval_tokens=128, eval_steps=2, logging_steps=2, probe=False,
-                   softmax_window=16, beyond_window=False)
+                   softmax_window=16, clusters=8, beyond_window=False)
 
     def conversion(self, model: str, out: str):
         """The :class:`~hf_knorm.conversion.settings.ConvertSettings` of step 4."""
@@ -85,10 +89,11 @@ class DemoSettings:
         if self.full_conversion:
             return ConvertSettings(model=model, out=out, normalization=self.train_normalization, probe=self.probe,
                                    softmax_window=self.softmax_window, sparse_cache=self.sparse_cache,
-                                   beyond_window=self.beyond_window)
+                                   clusters=self.clusters, beyond_window=self.beyond_window)
         return ConvertSettings(
             model=model, out=out, normalization=self.train_normalization, softmax_window=self.softmax_window,
-            sparse_cache=self.sparse_cache, beyond_window=self.beyond_window, retrieval_lengths=(1000,),
+            sparse_cache=self.sparse_cache, clusters=self.clusters, beyond_window=self.beyond_window,
+            retrieval_lengths=(1000,),
             transfer_steps=self.transfer_steps, recovery_steps=self.recovery_steps, block_size=self.train_block_size, batch_size=self.train_batch_size,
             teacher_tokens=self.teacher_tokens, eval_tokens=self.eval_tokens, eval_steps=self.eval_steps,
             logging_steps=self.logging_steps, probe=self.probe,

@@ -37,7 +37,8 @@ def test_every_step_ran_and_recorded_its_results(fast_demo):
 
     conversion = record["steps"]["conversion"]
     # convert's window, shrunk with the blocks, and its default sinks and sparse cache
-    assert conversion["normalization"] == "x/1 + softmax window 16 + sinks 4 + sparse 256 (prefix_kv_diff)"
+    assert conversion["normalization"] == \
+        "x/1 + softmax window 16 + sinks 4 + sparse 256 (prefix_kv_diff) + clusters 8"  # the fast demo's clusters
     assert len(conversion["stages"]["transfer"]["window_mix"]) == 30  # solved for every layer, saved
     transfer, recovery = conversion["stages"]["transfer"], conversion["stages"]["recovery"]
     assert transfer["steps"] == 4 and recovery["steps"] == 4 and recovery["mode"] == "lora"
@@ -50,8 +51,8 @@ def test_every_step_ran_and_recorded_its_results(fast_demo):
     assert patched_only > 1e3  # what patching alone with the pure normalization does to the model
     answers = conversion["answers"]
     assert [a["normalization"] for a in answers] == [
-        "native (sdpa)", "x/1 + softmax window 16 + sinks 4 + sparse 256 (prefix_kv_diff), patched only",
-        "x/1 + softmax window 16 + sinks 4 + sparse 256 (prefix_kv_diff), converted"]
+        "native (sdpa)", "x/1 + softmax window 16 + sinks 4 + sparse 256 (prefix_kv_diff) + clusters 8, patched only",
+        "x/1 + softmax window 16 + sinks 4 + sparse 256 (prefix_kv_diff) + clusters 8, converted"]
     for stage in ("transfer", "recovery"):
         history = (fast_demo / "conversion" / stage / "norms.jsonl").read_text().splitlines()
         assert len(history) == 2  # logging every 2 of 4 steps
@@ -65,7 +66,7 @@ def test_every_step_ran_and_recorded_its_results(fast_demo):
 def test_the_saved_model_loads_back_with_its_normalization_and_card(fast_demo):
     folder = fast_demo / "model"
     model = hf_knorm.from_pretrained(folder)
-    spelling = "x/1 + softmax window 16 + sinks 4 + sparse 256 (prefix_kv_diff)"
+    spelling = "x/1 + softmax window 16 + sinks 4 + sparse 256 (prefix_kv_diff) + clusters 8"
     assert hf_knorm.patched_normalization(model) == spelling
     card = (folder / "README.md").read_text()
     assert "pip install hf_knorm" in card.split("---", 2)[2][:2000]
