@@ -46,8 +46,8 @@ from typing import Any
 
 from transformers import HfArgumentParser
 
-from .conversion.settings import (DEFAULT_ATTENTION_SINKS, DEFAULT_CLUSTERS, DEFAULT_NORMALIZATION, DEFAULT_SOFTMAX_WINDOW,
-                                  DEFAULT_SPARSE_CACHE, DEFAULT_SPARSE_SCORE, ConvertSettings)
+from .conversion.settings import (DEFAULT_ATTENTION_SINKS, DEFAULT_CLUSTERS, DEFAULT_NORMALIZATION,
+                                  DEFAULT_SOFTMAX_WINDOW, DEFAULT_SPARSE_CACHE, DEFAULT_SPARSE_SCORE, ConvertSettings)
 from .extras import MissingExtraError
 from .jobs.attention_norms import AttentionNormsSettings
 from .jobs.demo.settings import DemoSettings
