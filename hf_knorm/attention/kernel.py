@@ -20,7 +20,8 @@ with no running statistics. A family's learnable values (``params``: one per que
 ``nn.Parameter``s) get their gradients from the same backward.
 
 Gradients, with ``s`` the (softcapped) score, ``w = phi(s)`` and ``dW = dO V^T``:
-    polynomial ``phi(s) = s^p / c``:  ``dS = dW * p * s^(p-1) / c`` on allowed pairs, 0 elsewhere;
+    element-wise ``phi(s) = g(s) r(n)``: ``dS = dW * g'(s) r(n)`` on allowed pairs, 0 elsewhere (the family's
+                                      :attr:`~hf_knorm.normalizations.Normalization.pointwise` derivative);
     softmax:                          ``dS = w * (dW - rowsum(dO * O))``;
     any other family:                 ``dS`` (and the parameters' gradients): the vector-Jacobian product of
                                       the chunk's recomputed weights (:func:`_family_backward`);
@@ -29,7 +30,7 @@ Gradients, with ``s`` the (softcapped) score, ``w = phi(s)`` and ``dW = dO V^T``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .blocks import chunk_key_ranges
 from .full_precision import autocast_off, full_precision
-from ..normalizations import Normalization, Polynomial
+from ..normalizations import Normalization
 from ..normalizations.base import Parameters
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 21  # scores per chunk on the CPU: 8 MiB in fp32; smaller chunks make small, slow matmuls
@@ -356,9 +357,9 @@ def _backward(q, k, v, output, grad_output, plan: _Plan):
             out = output[:, start:stop].permute(0, 2, 3, 1, 4)
             row_dot = (grad_out * out).sum(dim=-1, keepdim=True)  # rowsum(dW * w) = dO . O
             grad_scores = weights * (grad_weights - row_dot)
-        elif isinstance(normalization, Polynomial):
+        elif normalization.pointwise is not None:  # an element-wise weight: its derivative in closed form
             weights = normalization.weights(scores, allowed)
-            grad_scores = grad_weights * _power_derivative(scores, allowed, normalization)
+            grad_scores = grad_weights * normalization.pointwise.derivative(scores, allowed)
         else:
             weights, grad_scores, grad_params = _family_backward(scores, allowed, normalization, plan.params,
                                                                  grad_weights)
@@ -390,14 +391,6 @@ def _family_backward(scores, allowed, normalization: Normalization, params: dict
     grads = vjp(grad_weights)
     grad_params = {name: grad.sum_to_size(params[name].shape) for name, grad in zip(names, grads[1:])}
     return weights, grads[0], grad_params
-
-
-def _power_derivative(scores, allowed, normalization: Normalization) -> torch.Tensor:
-    """``p * s^(p-1) / c`` on allowed pairs and 0 elsewhere (c per row for sqrtN), of the shape of ``scores``."""
-    if normalization.power == 1:
-        return normalization.weights(torch.ones_like(scores), allowed, inplace=True)
-    lower = replace(normalization, power=normalization.power - 1)
-    return lower.weights(scores, allowed).mul_(normalization.power)
 
 
 def _scores(q, k, bias, softcap):

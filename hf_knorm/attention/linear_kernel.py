@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .full_precision import full_precision
-from ..normalizations import Normalization, Polynomial
+from ..normalizations import Normalization
 
 DEFAULT_CHUNK_SIZE = 64
 """Query rows per chunk (docs/results/attention.md, "Linear-time x/1": 64 was the fastest of 32-256 on the layer
@@ -42,10 +42,11 @@ segments one after the other carrying the state, so the working set stays the sa
 
 
 def is_linear(normalization: Normalization) -> bool:
-    """Whether ``normalization`` is linear attention (the polynomial family with ``p = 1``: ``x/c`` or ``x/sqrtN``), or
-    has it beside a softmax window."""
-    base = normalization.without_window
-    return isinstance(base, Polynomial) and base.power == 1
+    """Whether ``normalization`` is linear attention (an element-wise weight ``s / c`` or ``s / sqrt(n)``, its
+    :attr:`~hf_knorm.normalizations.routes.Pointwise.is_linear`: ``x/c``, ``x/sqrtN``), or has it beside a softmax
+    window."""
+    pointwise = normalization.without_window.pointwise
+    return pointwise is not None and pointwise.is_linear
 
 
 @full_precision
@@ -164,8 +165,9 @@ def _segment(q, k, v, state, row_scale, chunk, frobenius_sq, key_state):
 
 def _row_scale(normalization, key_valid, initial_count, prefix, q_len, batch, dtype, device):
     """``(B, q)`` factor ``1 / c_i`` per query row."""
-    if not normalization.sqrt_n:
-        return torch.full((batch, q_len), 1.0 / normalization.constant, dtype=dtype, device=device)
+    pointwise = normalization.without_window.pointwise
+    if pointwise.row_rule == "constant":
+        return torch.full((batch, q_len), pointwise.inv_constant, dtype=dtype, device=device)
     valid = (torch.ones(batch, prefix + q_len, dtype=dtype, device=device) if key_valid is None
              else key_valid.to(dtype).expand(batch, -1))
     counts = valid.cumsum(dim=-1)[:, prefix:]

@@ -1,9 +1,10 @@
 """A plain reference of the plugin's attention, for tests: the whole score matrix at once, K/V repeated for GQA;
 and of a normalization with a softmax window (:func:`reference_window_attention`).
 
-Written independently of ``kernel.py``; softmax and ``x^p/c`` also independently of their ``weights`` (it reads only
-``power``, ``constant`` and ``sqrt_n``), so that the memory-efficient path is checked against a second formulation
-of the same definition. Every other family's ``weights`` is its plain definition (:mod:`hf_knorm.normalizations`),
+Written independently of ``kernel.py``; softmax and the element-wise families (``x^p/c``, ``relu(x)^p/c``) also
+independently of their ``weights`` (softmax as ``torch.softmax``; the others through their declared
+:class:`~hf_knorm.normalizations.routes.Pointwise` form's plain :meth:`~hf_knorm.normalizations.routes.Pointwise.reference`),
+so that the memory-efficient paths are checked against a second formulation of the same definition. Every other family's ``weights`` is its plain definition (:mod:`hf_knorm.normalizations`),
 applied here to the whole score matrix at once, with the learnable values broadcast per query head.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..normalizations import Normalization, Polynomial
+from ..normalizations import Normalization
 from ..normalizations.sparse_choice import PREFIX_SCORES, token_scores
 from .window import ROW_EPS
 
@@ -57,14 +58,10 @@ def reference_attention(
     if normalization.is_softmax:
         weights = torch.softmax(torch.where(allowed, scores, float("-inf")), dim=-1)
         weights = torch.nan_to_num(weights, nan=0.0)  # rows with nothing to attend
-    elif not isinstance(normalization, Polynomial):
-        weights = normalization.weights(scores, allowed, per_head(params, compute))
+    elif normalization.pointwise is not None:  # the element-wise form, in its plainest terms
+        weights = normalization.pointwise.reference(scores, allowed)
     else:
-        weights = torch.where(allowed, scores, torch.zeros_like(scores)) ** normalization.power
-        if normalization.sqrt_n:
-            weights = weights / allowed.sum(-1, keepdim=True).clamp_min(1).to(compute).sqrt()
-        else:
-            weights = weights / normalization.constant
+        weights = normalization.weights(scores, allowed, per_head(params, compute))
     output = (weights @ v).transpose(1, 2).to(query.dtype)
     return output, weights
 
@@ -135,12 +132,8 @@ def reference_window_attention(
     else:
         soft, shares = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0), 0.0
     base = normalization.without_window
-    if isinstance(base, Polynomial):
-        poly = torch.where(older, scores, torch.zeros_like(scores)) ** base.power
-        if base.sqrt_n:
-            poly = poly / older.sum(-1, keepdim=True).clamp_min(1).to(compute).sqrt()
-        else:
-            poly = poly / base.constant
+    if base.pointwise is not None:
+        poly = base.pointwise.reference(scores, older)
     else:
         poly = base.weights(scores, older, per_head(params, compute))
     part = poly @ v  # (B, H_q, q, D): the polynomial part before its row normalization

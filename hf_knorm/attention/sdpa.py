@@ -1,12 +1,13 @@
-"""PyTorch's SDPA (``torch.nn.functional.scaled_dot_product_attention``) for the families that are a softmax over
-modified logits: softmax itself, SSMax and softmax with a sink. Exact: the same weights as the chunked kernel
-(:mod:`.kernel`), outputs and gradients (the learnable values' included, through autograd).
+"""PyTorch's SDPA (``torch.nn.functional.scaled_dot_product_attention``) for every family that is a softmax over
+modified logits (its :attr:`~hf_knorm.normalizations.Normalization.softmax_logits`, :class:`SoftmaxLogits`: softmax
+itself, SSMax, softmax with a sink). Exact: the same weights as the chunked kernel (:mod:`.kernel`), outputs and
+gradients (the learnable values' included, through autograd).
 
-- **Softmax**: SDPA as it is.
-- **SSMax** ``softmax_j(s_h log(n_i) s_ij)``: each query row is multiplied by its own ``s_h log n_i`` (``n_i`` the keys
+- **No modification** (softmax): SDPA as it is.
+- **A row factor** ``softmax_j(s_h log(n_i) s_ij)`` (SSMax): each query row is multiplied by its own ``s_h log n_i`` (``n_i`` the keys
   row ``i`` may attend: ``i + 1`` under the implicit causal mask, the allowed keys of a padded or cached row), and an
   additive bias by the same factor.
-- **Softmax with a sink** ``e^s / (e^sigma_h + sum e^s)``: the sink is one more key, first, of value 0, that every
+- **A sink** ``e^s / (e^sigma_h + sum e^s)``: the sink is one more key, first, of value 0, that every
   row may attend. Its logit rides on one more head dimension: the queries (already multiplied by the scaling; SDPA
   then runs with ``scale=1``) get ``sigma_h`` there, the keys 0, and the sink's key 1 (its other dimensions 0), so its
   score is exactly ``sigma_h``. Values get a zero dimension too: SDPA's CPU flash kernel takes equal head dimensions
@@ -41,11 +42,9 @@ import torch.nn.functional as F
 
 from .full_precision import full_precision
 from .kernel import _raw_params
-from ..normalizations import Normalization, SinkSoftmax, Softmax, SSMax
+from ..normalizations import Normalization
 from ..normalizations.base import Parameters
-
-SDPA_FAMILIES = (Softmax, SSMax, SinkSoftmax)
-"""The families SDPA computes (each lists ``"sdpa"`` in its ``fast_paths``)."""
+from ..normalizations.routes import SoftmaxLogits
 
 MASK_BLOCK_ELEMENTS = 1 << 22
 """Mask entries per SDPA call (read at call time). SDPA's CPU kernel turns a bool mask into an additive float one, 4
@@ -57,8 +56,9 @@ _ENABLE_GQA = tuple(int(part) for part in torch.__version__.split("+")[0].split(
 
 
 def computes(normalization: Normalization) -> bool:
-    """Whether SDPA computes ``normalization`` (without a softmax window: :mod:`.window` composes its parts)."""
-    return isinstance(normalization, SDPA_FAMILIES) and not normalization.window
+    """Whether SDPA computes ``normalization``: a softmax over modified logits (without a softmax window:
+    :mod:`.window` composes its parts)."""
+    return normalization.softmax_logits is not None and not normalization.window
 
 
 def sdpa_blocker(normalization: Normalization, *, softcap: float | None, dropout: float, return_weights: bool,
@@ -92,14 +92,14 @@ def sdpa_attention(
     causal: bool = False,
     params: Parameters | None = None,
 ) -> torch.Tensor:
-    """Attention with softmax, SSMax or a sink softmax through SDPA.
+    """Attention with a softmax over modified logits (softmax, SSMax, a sink softmax) through SDPA.
 
     Args:
         query ``(B, H_q, q, D)``; key ``(B, H_kv, kv, D)``; value ``(B, H_kv, kv, D_v)``; ``H_q % H_kv == 0``.
         allowed: bool ``(B or 1, 1 or H_q, q, kv)`` (True = may attend), or ``None``: no mask, or with ``causal``
             (and ``q > 1``) a top-left causal mask with the keys cut to ``q``, as :func:`.kernel.chunked_attention`
             has it.
-        normalization: one of :data:`SDPA_FAMILIES`, without a window.
+        normalization: a family with :attr:`~hf_knorm.normalizations.Normalization.softmax_logits`, without a window.
         bias: an additive float mask of ``allowed``'s shape, or ``None``.
         scaling: the score scale (default ``D ** -0.5``).
         params: the family's learnable values, ``(H_q,)`` each (SSMax's ``scale``, the sink's ``sink``).
@@ -111,7 +111,8 @@ def sdpa_attention(
         ValueError: a family SDPA does not compute, head counts that do not group, a learnable value missing.
     """
     if not computes(normalization):
-        raise ValueError(f"SDPA computes softmax, SSMax and a sink softmax without a window, not {normalization.name}.")
+        raise ValueError(f"SDPA computes a softmax over modified logits without a window, not {normalization.name}.")
+    form = normalization.softmax_logits
     batch, q_heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     if q_heads % kv_heads:
@@ -132,8 +133,8 @@ def sdpa_attention(
         if not bool(has_key.all()):
             empty = ~has_key
     scale = scaling
-    if isinstance(normalization, SSMax):
-        factor = _ssmax_factor(normalization, raw, allowed, is_causal, q_len, kv_len, compute, q.device)
+    if form.log_n_scale is not None:
+        factor = _row_factor(form, raw, allowed, is_causal, q_len, kv_len, compute, q.device)
         q = q * (factor * scaling)
         bias = None if bias is None else bias * factor
         scale = 1.0
@@ -143,11 +144,11 @@ def sdpa_attention(
     if bias is not None:
         mask = bias.to(compute) if allowed is None else bias.to(compute).masked_fill(~allowed, float("-inf"))
     head_dim = v.shape[-1]
-    if isinstance(normalization, SinkSoftmax):
-        q, k, v, mask = _with_sink(normalization, raw, q, scaling, k, v, mask, is_causal)
+    if form.sink is not None:
+        q, k, v, mask = _with_sink(form, raw, q, scaling, k, v, mask, is_causal)
         scale = 1.0
     output = _sdpa(q, k, v, mask, is_causal, scale, q_heads // kv_heads)
-    if isinstance(normalization, SinkSoftmax):
+    if form.sink is not None:
         output = output[:, :, 1:] if is_causal else output
         output = output[..., :head_dim]
     if empty is not None:
@@ -155,7 +156,7 @@ def sdpa_attention(
     return output.transpose(1, 2).to(query.dtype)
 
 
-def _ssmax_factor(normalization: SSMax, raw, allowed, is_causal: bool, q_len: int, kv_len: int, dtype,
+def _row_factor(form: SoftmaxLogits, raw, allowed, is_causal: bool, q_len: int, kv_len: int, dtype,
                   device) -> torch.Tensor:
     """``s_h log n_i``, ``(B or 1, H_q or 1, q, 1)``: ``n_i`` the keys row ``i`` may attend (at least 1)."""
     if allowed is not None:
@@ -164,15 +165,15 @@ def _ssmax_factor(normalization: SSMax, raw, allowed, is_causal: bool, q_len: in
         counts = torch.arange(1, q_len + 1, device=device, dtype=dtype).clamp_max(kv_len)[None, None, :, None]
     else:
         counts = torch.full((1, 1, q_len, 1), float(kv_len), device=device, dtype=dtype)
-    scale = raw["scale"][:, None, None] if "scale" in raw else normalization.scale
-    return counts.log() * scale
+    scale = form.head_scale(raw)
+    return counts.log() * (scale[:, None, None] if isinstance(scale, torch.Tensor) else scale)
 
 
-def _with_sink(normalization: SinkSoftmax, raw, q, scaling: float, k, v, mask, is_causal: bool):
+def _with_sink(form: SoftmaxLogits, raw, q, scaling: float, k, v, mask, is_causal: bool):
     """Queries (multiplied by ``scaling``), keys, values and mask with the sink: one more key first, its logit
     ``sigma_h`` on one more head dimension (see the module docstring). One copy of each tensor."""
     batch, q_heads, q_len, dim = q.shape
-    sink = raw["sink"] if "sink" in raw else q.new_full((q_heads,), float(normalization.sink))
+    sink = form.sink_logits(raw, q_heads, q)
     # under is_causal a dummy query row first: top-left causal then gives row i the sink and keys 0 .. i
     q = F.pad(q, (0, 1, int(is_causal), 0))  # a new tensor: the products below may write into it
     q.mul_(F.pad(q.new_full((dim,), scaling), (0, 1)))

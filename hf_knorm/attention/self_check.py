@@ -9,7 +9,7 @@ a second thread wait for the first one's check rather than run its own.
 
 The key is what changes the code a kernel runs: the device (``cuda:0``, ``cuda:1`` may be different GPUs), the
 input dtype (bf16 multiplies bf16 operands, fp16 TF32 ones, fp32 IEEE ones in the Triton kernel), the kernel, the
-normalization's family (:func:`family_of`: the power ``p`` and whether the rows are scaled by ``sqrtN``, both
+normalization's family (:func:`family_of`: its element-wise form, the power ``p``, a rectification and the row rule,
 compiled into the Triton kernel; the constant ``c`` is a runtime scalar) and the head dimension (the tile width).
 
 What runs, at the production block sizes (``triton_kernel.BLOCK_M x BLOCK_N`` = 64 x 64) and the caller's head
@@ -41,7 +41,7 @@ import torch
 
 from .kernel import chunked_attention
 from .linear_kernel import linear_attention
-from ..normalizations import Normalization, Polynomial
+from ..normalizations import Normalization
 
 KERNELS = ("triton", "fla")
 _LOCK = threading.Lock()
@@ -49,14 +49,10 @@ _VERDICTS: dict[tuple, str] = {}  # key (see key_of) -> "" (passed) or why the k
 
 
 def family_of(normalization: Normalization) -> str:
-    """What of ``normalization`` a kernel's code depends on: ``"softmax"``, ``"x^p/c"`` or ``"x^p/sqrtN"`` (``p``
-    written out; ``"x/c"``, ``"x/sqrtN"`` for ``p = 1``), whatever its constant and its softmax window (the GPU kernels
-    compute a windowed model's family part; the window's softmax runs on the PyTorch kernel)."""
-    normalization = normalization.without_window
-    if not isinstance(normalization, Polynomial):
-        return normalization.family
-    base = "x" if normalization.power == 1 else f"x^{normalization.power}"
-    return f"{base}/{'sqrtN' if normalization.sqrt_n else 'c'}"
+    """What of ``normalization`` a kernel's code depends on (its :attr:`~hf_knorm.normalizations.Normalization.kernel_key`:
+    ``"x^3/c"``, ``"x/sqrtN"``, ``"relu(x)^2/n"``, or the family), whatever its constant and its softmax window (the
+    GPU kernels compute a windowed model's family part; the window's softmax runs on the PyTorch kernel)."""
+    return normalization.without_window.kernel_key
 
 
 def key_of(kernel: str, device: torch.device, dtype: torch.dtype, normalization: Normalization,

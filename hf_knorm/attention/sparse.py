@@ -328,8 +328,8 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
             part = base_weights @ values[:, :, None, sink_count:]
             if state is not None:
                 part = part + (q @ state[:, :, None].to(compute)) * scale
-            divisor = _divisor(base, allowed_base, count, compute)
-            base_weights, part = base_weights / divisor, part / divisor
+            row_scale = _row_scale(base, allowed_base, count, compute)
+            base_weights, part = base_weights * row_scale, part * row_scale
         factor = torch.rsqrt(part.pow(2).mean(dim=-1, keepdim=True) + ROW_EPS)  # 1 / RMS of each row
         if factor_mix is not None:
             factor = factor * factor_mix
@@ -451,15 +451,13 @@ def _candidates(key, value, score, position, valid, eligible, cached: SparsePair
                        torch.cat([valid.new_zeros(batch, prior), valid], dim=1), prior)
 
 
-def _divisor(base, allowed_base, count, compute) -> torch.Tensor:
-    """``c`` of each row of a ``p = 1`` base part continued from a state: the constant, or ``sqrt`` of the count of
-    the pairs it sums (the state's and the call's), at least 1."""
-    if not base.sqrt_n:
-        return torch.tensor(base.constant, dtype=compute, device=allowed_base.device)
+def _row_scale(base, allowed_base, count, compute) -> torch.Tensor:
+    """``1 / c`` of each row of a ``p = 1`` base part continued from a state: of the constant, or of ``sqrt`` of the
+    count of the pairs it sums (the state's and the call's, at least 1): the base's element-wise row factor."""
     rows = allowed_base.sum(dim=-1, keepdim=True, dtype=compute)  # (B, H_kv, G, r, 1)
     if count is not None:
         rows = rows + count.to(compute)[:, None, None, None, None]
-    return rows.clamp_min(1.0).sqrt()
+    return base.pointwise.row_factor(rows.clamp_min(1.0))
 
 
 def _hand_back(handover, pairs: _Candidates, exits, sparse, state, count, newest_older: int,

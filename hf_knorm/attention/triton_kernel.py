@@ -1,16 +1,23 @@
-"""The quadratic attention ``x^p/c`` as fused Triton kernels: forward and backward, no N x N tensor, no host round trip.
+"""The quadratic attention of the element-wise families as fused Triton kernels: forward and backward, no N x N
+tensor, no host round trip.
 
-FlashAttention's structure (Dao et al., arXiv 2205.14135 and 2307.08691) without its running maximum: ``x^p/c`` has
-no row normalization, so each key block adds ``(s^p / c) V`` to a query block's fp32 accumulator and nothing is
+Every family whose weight is an element-wise function of its score times a factor of its row's key count
+(:class:`~hf_knorm.normalizations.routes.Pointwise`, ``w = g(s) r(n)``: ``x^p/c`` of "Rethinking Softmax",
+``relu(x)^p/c`` of ReLU attention and squared ReLU, with ``r`` a constant ``1/c``, ``1/n`` or ``1/sqrt(n)``) runs here;
+the kernels read the family's declared form, never its type. FlashAttention's structure (Dao et al., arXiv 2205.14135
+and 2307.08691) without its running maximum: these weights have no row normalization, so each key block adds
+``g(s) V`` to a query block's fp32 accumulator, the row factor is applied once at the end, and nothing is
 rescaled. One program computes one block of ``BLOCK_M`` query rows of one query head; K and V are read from the query
 head's KV head ``h // G`` (GQA without repeating them). The backward recomputes each block's scores, as the PyTorch
 kernel (``kernel.py``) does, in two kernels: dK and dV per key block (looping over the query heads of its group and
 the query blocks that attend it), dQ per query block; no atomics.
 
-With ``s`` the (softcapped, biased) score, ``r_i = 1 / c_i`` the row scale and ``t = tanh(raw / cap)``:
+With ``s`` the (softcapped, biased) score, ``u = s`` (``max(s, 0)`` rectified), ``r_i`` the row scale and
+``t = tanh(raw / cap)``:
 
-    forward:   ``o_i = r_i * sum_j s_ij^p v_j`` over allowed pairs;
-    backward:  ``dS_ij = (dO_i . v_j) * p * s_ij^(p-1) * r_i`` (0 on masked pairs), ``dR = dS * (1 - t^2)``,
+    forward:   ``o_i = r_i * sum_j u_ij^p v_j`` over allowed pairs;
+    backward:  ``dS_ij = (dO_i . v_j) * p * u_ij^(p-1) * r_i`` (0 on masked pairs, and where ``s <= 0`` rectified),
+               ``dR = dS * (1 - t^2)``,
                ``dq_i = scaling * sum_j dR_ij k_j``, ``dk_j = scaling * sum_i dR_ij q_i``,
                ``dv_j = sum_i r_i s_ij^p dO_i``.
 
@@ -19,7 +26,8 @@ sequences: whatever Transformers built), and the key blocks each query block may
 key block is attended by) are found on the device from it, before the launch, with no host synchronization
 (:func:`block_ranges`, ``blocks.py``); without a mask and with ``causal``, the top-left causal mask (keys cut to
 ``q``, as in Transformers' sdpa path) is computed from indices. An additive float bias of the mask's shape is added to the scores.
-``c = sqrtN`` counts each row's allowed keys in the forward and keeps the row scales for the backward.
+The row rules ``1/n`` and ``1/sqrt(n)`` count each row's allowed keys in the forward and keep the row scales for the
+backward.
 
 Precision: scores and weights in fp32; the products ``w V`` and ``dS K`` take bf16 operands for bf16 inputs (as
 FlashAttention does for ``P V``), fp32 ones for fp16 inputs (``s^p`` of a score of ~60 overflows fp16)
@@ -31,8 +39,8 @@ of ``self_check.py`` run these kernels on a CPU) the code is the same, bf16 oper
 Triton 3.9.0 cannot multiply bf16 tiles by itself, and ``triton_interpreter.py`` teaches it (imported here when the
 kernels are interpreted).
 
-Not covered here (``backends.py`` sends these calls to the PyTorch kernel): softmax (Transformers' own sdpa path and
-the PyTorch kernel serve it), attention dropout, returned weights, and recording the attention norms.
+Not covered here (``backends.py`` sends these calls to another kernel): the families without an element-wise form
+(softmax and the other softmax-over-logits families run on SDPA, the rest on the PyTorch kernel), attention dropout, returned weights, and recording the attention norms.
 ``reference.py`` is what this is tested against; ``backends.py`` hands it calls on a device only after it has passed
 its self-check there (``self_check.py``: against the PyTorch kernel, at these block sizes).
 """
@@ -76,7 +84,8 @@ def triton_attention(
             CUDA device (or the CPU under ``TRITON_INTERPRET=1``).
         allowed: bool ``(B or 1, 1 or H_q, q, kv)``, True = may attend; ``None`` = no mask, or with ``causal`` (and
             q > 1) a top-left causal mask with keys cut to q (as :func:`.kernel.chunked_attention` has it).
-        normalization: a polynomial ``x^p/c`` or ``x^p/sqrtN`` (not softmax).
+        normalization: a family with an element-wise form (:attr:`~hf_knorm.normalizations.Normalization.pointwise`:
+            ``x^p/c``, ``x^p/sqrtN``, ``relu(x)^p/c``, ``relu(x)^p/n``, ...).
         bias: optional additive float scores of the mask's shape; scaling: score scale (default ``D ** -0.5``);
         softcap: ``tanh`` capping of the scores (Gemma2), applied before the bias.
         block_m, block_n: query rows and keys per block (powers of two; 16 at least on a GPU).
@@ -84,8 +93,10 @@ def triton_attention(
     Returns:
         output ``(B, q, H_q, D_v)`` in the query dtype, as :func:`.kernel.chunked_attention` returns it.
     """
-    if normalization.is_softmax:
-        raise ValueError("The Triton kernel computes x^p/c normalizations; softmax runs on the PyTorch kernel.")
+    pointwise = normalization.pointwise
+    if pointwise is None:
+        raise ValueError(f"The Triton kernel computes the element-wise families (x^p/c, relu(x)^p/c), not "
+                         f"{normalization.name}: its weights are not a function of each score alone.")
     if not query.is_cuda and not INTERPRETED:
         raise ValueError(f"The Triton kernel runs on CUDA tensors, not {query.device.type} ones (on a CPU, only under "
                          "Triton's interpreter: TRITON_INTERPRET=1 set before triton is first imported).")
@@ -98,9 +109,10 @@ def triton_attention(
     if allowed is None and causal and q_len > 1:  # top-left causal: keys beyond the queries are never attended
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     options = _Options(
-        power=normalization.power,
-        inv_constant=0.0 if normalization.sqrt_n else 1.0 / normalization.constant,
-        sqrt_n=normalization.sqrt_n,
+        power=pointwise.power,
+        rectified=pointwise.activation == "relu_power",
+        row_rule=_ROW_RULES[pointwise.row_rule],
+        inv_constant=pointwise.inv_constant,
         scaling=head_dim**-0.5 if scaling is None else float(scaling),
         softcap=None if softcap is None else float(softcap),
         causal=allowed is None and causal and q_len > 1,
@@ -115,17 +127,23 @@ def triton_attention(
 
 @dataclass(frozen=True)
 class _Options:
-    """What the kernels of one call share besides the tensors. ``inv_constant``: ``1 / c`` (unused with ``sqrt_n``);
-    ``causal``: the implicit top-left causal mask (no mask tensor)."""
+    """What the kernels of one call share besides the tensors. ``rectified``: ``max(s, 0)`` before the power;
+    ``row_rule``: :data:`_ROW_RULES`' code; ``inv_constant``: ``1 / c`` (the constant rule's); ``causal``: the implicit
+    top-left causal mask (no mask tensor)."""
 
     power: int
+    rectified: bool
+    row_rule: int
     inv_constant: float
-    sqrt_n: bool
     scaling: float
     softcap: float | None
     causal: bool
     block_m: int
     block_n: int
+
+
+_ROW_RULES = {"constant": 0, "sqrtN": 1, "n": 2}
+"""The row rule of :class:`~hf_knorm.normalizations.routes.Pointwise` as the kernels' ``ROW_RULE`` constant."""
 
 
 def block_ranges(allowed: torch.Tensor, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,7 +203,8 @@ class _TritonAttention(torch.autograd.Function):
             *_mask_strides(mask, q_heads), *_mask_strides(bias, q_heads), *_range_strides(key_blocks),
             q_heads, q_heads // kv_heads, q_len, kv_len, head_dim, value_dim,
             options.scaling, options.inv_constant, options.softcap or 1.0,
-            POWER=options.power, SQRT_N=options.sqrt_n, SOFTCAP=options.softcap is not None,
+            POWER=options.power, RECTIFIED=options.rectified, ROW_RULE=options.row_rule,
+            SOFTCAP=options.softcap is not None,
             CAUSAL=options.causal, HAS_MASK=mask is not None, HAS_BIAS=bias is not None,
             BLOCK_M=options.block_m, BLOCK_N=options.block_n, BLOCK_D=_pow2(head_dim), BLOCK_DV=_pow2(value_dim),
             UPCAST=upcast, PRECISION=precision,
@@ -205,8 +224,8 @@ class _TritonAttention(torch.autograd.Function):
         dk, dv = torch.empty_like(key), torch.empty_like(value)
         upcast, precision = _dot_options(query.dtype)
         shared = dict(
-            POWER=options.power, SOFTCAP=options.softcap is not None, CAUSAL=options.causal,
-            HAS_MASK=mask is not None, HAS_BIAS=bias is not None, BLOCK_M=options.block_m, BLOCK_N=options.block_n,
+            POWER=options.power, RECTIFIED=options.rectified, SOFTCAP=options.softcap is not None,
+            CAUSAL=options.causal, HAS_MASK=mask is not None, HAS_BIAS=bias is not None, BLOCK_M=options.block_m, BLOCK_N=options.block_n,
             BLOCK_D=_pow2(head_dim), BLOCK_DV=_pow2(value_dim), UPCAST=upcast, PRECISION=precision,
         )
         common = (*query.stride(), *key.stride(), *value.stride(), *grad_output.stride(),
@@ -280,6 +299,16 @@ def _scores(q, k_ptrs, rows, keys, dims, b, h, q_len, kv_len, head_dim, mask_ptr
 
 
 @triton.jit
+def _rectify(s, allowed, RECTIFIED: tl.constexpr):
+    """``(u, active)``: the scores ``s`` (0 where not allowed) as ``g`` reads them, ``max(s, 0)`` when ``RECTIFIED``,
+    and the pairs where ``g`` has a nonzero slope (allowed, and ``s > 0`` when ``RECTIFIED``)."""
+    if RECTIFIED:
+        active = allowed & (s > 0.0)
+        return tl.where(active, s, 0.0), active
+    return s, allowed
+
+
+@triton.jit
 def _power(s, P: tl.constexpr):
     """``s^P`` for a constant integer ``P >= 0`` (repeated products: odd powers keep the sign)."""
     result = tl.full(s.shape, 1.0, tl.float32)
@@ -309,9 +338,10 @@ def _forward_kernel(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, som, soh, sod,
     smb, smh, smq, smk, sbb, sbh, sbq, sbk, srb, srh, srk,
     q_heads, groups, q_len, kv_len, head_dim, value_dim, scaling, inv_constant, softcap,
-    POWER: tl.constexpr, SQRT_N: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    POWER: tl.constexpr, RECTIFIED: tl.constexpr, ROW_RULE: tl.constexpr, SOFTCAP: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Output rows ``[m * BLOCK_M, (m + 1) * BLOCK_M)`` of query head ``h`` of batch item ``b``; grid
     ``(cdiv(q, BLOCK_M), B * H_q)``."""
@@ -334,13 +364,16 @@ def _forward_kernel(
         s, t, allowed = _scores(q, k_ptrs, rows, keys, dims, b, h, q_len, kv_len, head_dim, MASK, BIAS,
                                 smb, smh, smq, smk, sbb, sbh, sbq, sbk, scaling, softcap,
                                 SOFTCAP, CAUSAL, HAS_MASK, HAS_BIAS, UPCAST, PRECISION)
-        w = _power(s, POWER)
-        count += tl.sum(allowed.to(tl.float32), axis=1)
+        count += tl.sum(allowed.to(tl.float32), axis=1)  # n: the keys the row may attend
+        u, _ = _rectify(s, allowed, RECTIFIED)
+        w = _power(u, POWER)
         v = tl.load(V + b * svb + kv_head * svh + keys[:, None] * svn + value_dims[None, :] * svd,
                     mask=(keys[:, None] < kv_len) & (value_dims[None, :] < value_dim), other=0.0)
         acc += _dot(_operand(w, v, UPCAST), v, UPCAST, PRECISION)
-    if SQRT_N:
+    if ROW_RULE == 1:
         scale = 1.0 / tl.sqrt(tl.maximum(count, 1.0))
+    elif ROW_RULE == 2:
+        scale = 1.0 / tl.maximum(count, 1.0)
     else:
         scale = tl.zeros_like(count) + inv_constant
     acc = acc * scale[:, None]
@@ -355,8 +388,8 @@ def _dkdv_kernel(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdm, sdh, sdd,
     smb, smh, smq, smk, sbb, sbh, sbq, sbk, srb, srh, srk, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
     q_heads, groups, q_len, kv_len, head_dim, value_dim, scaling, softcap,
-    POWER: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    POWER: tl.constexpr, RECTIFIED: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dK, dV of keys ``[n * BLOCK_N, (n + 1) * BLOCK_N)`` of KV head ``kv_head``; grid ``(cdiv(kv, BLOCK_N),
@@ -394,11 +427,12 @@ def _dkdv_kernel(
             s, t, allowed = _scores(q, k_ptrs, rows, keys, dims, b, h, q_len, kv_len, head_dim, MASK, BIAS,
                                     smb, smh, smq, smk, sbb, sbh, sbq, sbk, scaling, softcap,
                                     SOFTCAP, CAUSAL, HAS_MASK, HAS_BIAS, UPCAST, PRECISION)
-            lower = _power(s, POWER - 1)  # s^(p-1); masked pairs are 0 through s (or allowed, for p = 1)
-            w = lower * s * scale[:, None]
+            u, active = _rectify(s, allowed, RECTIFIED)
+            lower = _power(u, POWER - 1)  # u^(p-1); masked pairs are 0 through u (or active, for p = 1)
+            w = lower * u * scale[:, None]
             dv += _dot(tl.trans(_operand(w, do, UPCAST)), do, UPCAST, PRECISION)
             dw = _dot(do, tl.trans(v), UPCAST, PRECISION)
-            ds = tl.where(allowed, dw * (POWER * lower) * scale[:, None], 0.0)
+            ds = tl.where(active, dw * (POWER * lower) * scale[:, None], 0.0)
             if SOFTCAP:
                 ds = ds * (1.0 - t * t)
             dk += _dot(tl.trans(_operand(ds, q, UPCAST)), q, UPCAST, PRECISION)
@@ -415,8 +449,8 @@ def _dq_kernel(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdm, sdh, sdd,
     smb, smh, smq, smk, sbb, sbh, sbq, sbk, srb, srh, srk, sdqb, sdqh, sdqm, sdqd,
     q_heads, groups, q_len, kv_len, head_dim, value_dim, scaling, softcap,
-    POWER: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    POWER: tl.constexpr, RECTIFIED: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dQ of query rows ``[m * BLOCK_M, (m + 1) * BLOCK_M)`` of query head ``h``; grid ``(cdiv(q, BLOCK_M),
@@ -446,7 +480,8 @@ def _dq_kernel(
         v = tl.load(V + b * svb + kv_head * svh + keys[:, None] * svn + value_dims[None, :] * svd,
                     mask=(keys[:, None] < kv_len) & (value_dims[None, :] < value_dim), other=0.0)
         dw = _dot(do, tl.trans(v), UPCAST, PRECISION)
-        ds = tl.where(allowed, dw * (POWER * _power(s, POWER - 1)) * scale[:, None], 0.0)
+        u, active = _rectify(s, allowed, RECTIFIED)
+        ds = tl.where(active, dw * (POWER * _power(u, POWER - 1)) * scale[:, None], 0.0)
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
         k = tl.load(k_ptrs, mask=(keys[:, None] < kv_len) & (dims[None, :] < head_dim), other=0.0)

@@ -100,14 +100,15 @@ from .backends import run_linear, run_quadratic, with_kernel
 from .compiled import compiled_attention
 from .linear_kernel import is_linear
 from .masks import KeyPadding, Mask, read_once
-from ..normalizations import Normalization, Softmax
+from ..normalizations import Normalization
+from ..normalizations.windowed import WINDOW_PART
 from .paths import Path, choose_path, linear_keys
 
 BAND_ROWS = 32
 """Queries per block of the softmax part (at least ``W``, at most ``q``; read at call time): a block's scores are
 ``rows x (rows + W - 1)``, of which ``rows x W`` are in the window (all blocks in one kernel call)."""
 
-SOFTMAX = Softmax()
+SOFTMAX = WINDOW_PART
 SOFTMAX_PATH = Path(linear=False, reason="the softmax part of a window: the PyTorch chunked kernel")
 """The softmax part's kernel: the PyTorch chunked kernel (the plugin's GPU kernels compute polynomial weights)."""
 

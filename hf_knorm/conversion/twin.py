@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..normalizations import Normalization, Polynomial, parse_normalization
+from ..normalizations import Normalization, parse_normalization
 from ..models.architectures import attention_modules
 from ..models.patching import patch, patched_normalization, unpatch
 
@@ -33,11 +33,12 @@ def training_normalization(model: nn.Module, normalization: str | Normalization)
         normalization: the normalization the converted model will have.
     """
     target = parse_normalization(normalization)
-    if not isinstance(target, Polynomial) or target.constant in (None, 1):  # softmax, sqrtN, its own twin; a window: see fold_constant
+    twin = target.unit_constant_twin()  # None: softmax, sqrtN, another family; a window: see fold_constant
+    if twin is None or twin == target:
         return target
     if not all(_query_scale_site(module) is not None for _, module in attention_modules(model)):
         return target
-    return Polynomial(power=target.power, constant=1.0)
+    return twin
 
 
 def fold_constant(model: nn.Module, normalization: str | Normalization) -> nn.Module:
@@ -54,10 +55,10 @@ def fold_constant(model: nn.Module, normalization: str | Normalization) -> nn.Mo
     if target.window:
         raise ValueError(f"{target.name}: the queries also score the softmax window, which a constant folded into "
                          "them would change; train it as it is (training_normalization returns it unchanged).")
-    if not isinstance(target, Polynomial):
+    twin = target.unit_constant_twin()
+    if twin is None:
         raise ValueError(f"{target.name}: only the constant c of x^p/c folds into the queries.")
-    twin = Polynomial(power=target.power, constant=1.0)
-    if target.constant is None or patched_normalization(model) != twin.name:
+    if patched_normalization(model) != twin.name:
         raise ValueError(f"Folding the constant of {target.name} needs a model patched with {twin.name}, not "
                          f"{patched_normalization(model)}.")
     sites = {name: _query_scale_site(module) for name, module in attention_modules(model)}
@@ -66,7 +67,8 @@ def fold_constant(model: nn.Module, normalization: str | Normalization) -> nn.Mo
         raise ValueError(f"{unfoldable[0]}: its queries have no projection of their own that scales them linearly "
                          f"(fused QKV, a q/k norm or a softcap); the constant of {target.name} cannot be folded "
                          "into them.")
-    factor = target.constant ** (1.0 / target.power)
+    pointwise = target.pointwise
+    factor = (1.0 / pointwise.inv_constant) ** (1.0 / pointwise.power)
     with torch.no_grad():
         for site in sites.values():
             site.weight.mul_(factor)

@@ -31,7 +31,7 @@ import transformers
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from huggingface_hub.repocard_data import model_index_to_eval_results
 
-from ..normalizations import Polynomial, parse_normalization
+from ..normalizations import parse_normalization
 from ..version import __version__
 from .base_model import is_hub_id
 from .card_inputs import CardInputs
@@ -172,13 +172,15 @@ def _meaning(spelling: str) -> str:
     norm = parse_normalization(spelling)
     if norm.is_softmax:
         return "softmax computed by the plugin's attention, equal to the model's own to fp32 precision"
-    if not isinstance(norm.without_window, Polynomial):
+    pointwise = norm.without_window.pointwise
+    if pointwise is None:
         return f"w_ij = {norm.formula} ({norm.source}); masked pairs exactly 0"
-    base = norm.without_window
-    divisor = "sqrt(N_i), N_i the number of keys query i may attend" if base.sqrt_n else f"{base.constant:g}"
-    power = "s_ij" if base.power == 1 else f"s_ij^{base.power}"
+    keys = "those older keys" if norm.window else "keys query i may attend"
+    divisor = {"sqrtN": f"sqrt(N_i), N_i the number of {keys}", "n": f"N_i, the number of {keys}"}.get(
+        pointwise.row_rule, f"{1.0 / pointwise.inv_constant:g}")
+    score = "s_ij" if pointwise.activation == "power" else "max(s_ij, 0)"
+    power = score if pointwise.power == 1 else f"{score}^{pointwise.power}"
     if norm.window:
-        divisor = "sqrt(N_i), N_i the number of those older keys" if base.sqrt_n else divisor
         sinks = f" and the sequence's first {norm.sinks} (attention sinks)" if norm.sinks else ""
         if norm.sparse:
             sinks += (f" and, per KV head, the {norm.sparse} older keys of highest {norm.score} (a sparse cache, "

@@ -14,7 +14,11 @@ additive bias) into weights ``w_ij``. Each family lives in its own file of this 
   are in ``state_dict``, trained by the Trainer and saved with the weights;
 - its spelling (:attr:`Normalization.name`), which :func:`hf_knorm.normalizations.parse_normalization` reads back
   to an equal object, and its saved record (:meth:`Normalization.to_record`);
-- the fast paths that compute it exactly (:attr:`Normalization.fast_paths`).
+- its routes (:mod:`.routes`): whether it is a softmax over modified logits (:attr:`Normalization.softmax_logits`,
+  which SDPA and other softmax kernels compute), or an element-wise weight of the score
+  (:attr:`Normalization.pointwise`, which the Triton kernel and, for ``s / c``, the linear-time kernels compute); the
+  fast paths that compute it exactly (:attr:`Normalization.fast_paths`) follow from them. The attention paths read
+  these capabilities and never test a family's type.
 
 The registry (:mod:`.registry`) lists the families; adding one is a new file and one registry line.
 """
@@ -24,9 +28,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
+
+if TYPE_CHECKING:
+    from .routes import Pointwise, SoftmaxLogits
 
 PARAMETER_PREFIX = "hf_knorm_"
 """A learnable value ``name`` is the attention module's ``nn.Parameter`` ``hf_knorm_<name>``."""
@@ -62,9 +69,11 @@ class Normalization:
     """``"none"`` (weights of a key depend on its score alone, or on its row's count ``n``), ``"max+sum"`` (a
     softmax: a streaming kernel carries a running maximum and a denominator), ``"sum"`` (a denominator over the
     row), or ``"row"`` (a weight depends on other keys of its row in order: stick-breaking)."""
-    fast_paths: ClassVar[tuple[str, ...]] = ("chunked",)
-    """The paths computing the family exactly: ``"chunked"`` (the PyTorch quadratic kernel, whole rows per chunk:
-    any family), ``"sdpa"`` (softmax over modified logits), ``"linear"`` / ``"fla"`` (``p = 1``), ``"triton"``."""
+    softmax_logits: SoftmaxLogits | None = None
+    """How the family is a softmax over modified logits (:class:`.routes.SoftmaxLogits`), or ``None``."""
+    pointwise: Pointwise | None = None
+    """How each weight is an element-wise function of its score and its row's key count
+    (:class:`.routes.Pointwise`), or ``None``."""
 
     is_softmax: ClassVar[bool] = False
     window: ClassVar[int] = 0
@@ -73,9 +82,35 @@ class Normalization:
     clusters: ClassVar[int] = 0
 
     @property
+    def fast_paths(self) -> tuple[str, ...]:
+        """The paths computing the family exactly, from its routes: ``"chunked"`` (the PyTorch quadratic kernel, whole
+        rows per chunk: any family), ``"sdpa"`` (a softmax over modified logits), ``"triton"`` (element-wise
+        weights), ``"linear"`` / ``"fla"`` (``s / c``: linear attention)."""
+        paths = ["chunked"]
+        if self.softmax_logits is not None:
+            paths.append("sdpa")
+        if self.pointwise is not None:
+            paths.append("triton")
+            if self.pointwise.is_linear:
+                paths += ["linear", "fla"]
+        return tuple(paths)
+
+    @property
+    def kernel_key(self) -> str:
+        """What a compiled kernel's code depends on (the self-check proves one key once per device): the element-wise
+        form's (:attr:`.routes.Pointwise.kernel_key`: the constant is a run-time scalar), else the family."""
+        return self.pointwise.kernel_key if self.pointwise is not None else self.family
+
+    @property
     def without_window(self) -> Normalization:
         """What weights the keys older than a softmax window: the normalization itself when it has no window."""
         return self
+
+    def unit_constant_twin(self) -> Normalization | None:
+        """The same normalization with its constant ``c`` replaced by 1, where ``c`` folds into the queries (an
+        element-wise power: ``(alpha s)^p / 1 = s^p / c`` for ``alpha = c^(1/p)``), else ``None``. Conversion trains
+        the twin and folds ``c`` afterwards (:mod:`hf_knorm.conversion.twin`)."""
+        return None
 
     @property
     def name(self) -> str:

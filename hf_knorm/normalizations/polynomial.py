@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 
 from .base import Normalization, masked, row_counts
+from .routes import Pointwise
 
 _SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹", "0123456789")
 _SPELLING = re.compile(r"^x(?:\^(?P<power>[+-]?\d+)|(?P<sup>[⁰¹²³⁴⁵⁶⁷⁸⁹]+))?/(?P<constant>sqrt\(?N\)?|[^/]+)$")
@@ -44,8 +45,14 @@ class Polynomial(Normalization):
     examples = ("x^3/16", "x/1", "x/16", "x^3/1", "x^3/sqrtN")
 
     @property
-    def fast_paths(self) -> tuple[str, ...]:
-        return ("chunked", "triton", "linear", "fla") if self.power == 1 else ("chunked", "triton")
+    def pointwise(self) -> Pointwise:
+        """``s^p / c``: the Triton kernel computes every power, the linear-time kernels ``p = 1``."""
+        if self.sqrt_n:
+            return Pointwise("power", self.power, row_rule="sqrtN")
+        return Pointwise("power", self.power, inv_constant=1.0 / self.constant)
+
+    def unit_constant_twin(self) -> Polynomial | None:
+        return None if self.sqrt_n else Polynomial(power=self.power, constant=1.0)
 
     @property
     def name(self) -> str:

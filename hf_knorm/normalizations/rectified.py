@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 
 from .base import Normalization, masked, row_counts
+from .routes import Pointwise
 
 _SPELLING = re.compile(r"^relu\(x\)(?:\^(?P<power>[+-]?\d+))?/(?P<divisor>.+)$", re.IGNORECASE)
 ROW_RULES = ("n", "sqrtN")
@@ -42,6 +43,13 @@ class Rectified(Normalization):
         if not isinstance(divisor, str) and float(divisor).is_integer():
             divisor = int(divisor)
         return f"{base}/{divisor}"
+
+    @property
+    def pointwise(self) -> Pointwise:
+        """``max(s, 0)^p / c``: the Triton kernel computes it (and the PyTorch kernel's backward its derivative)."""
+        if isinstance(self.divisor, str):
+            return Pointwise("relu_power", self.power, row_rule=self.divisor)
+        return Pointwise("relu_power", self.power, inv_constant=1.0 / self.divisor)
 
     def weights(self, scores, allowed, params=None, inplace=False):
         weights = scores.clamp_min_(0.0) if inplace else scores.clamp_min(0.0)

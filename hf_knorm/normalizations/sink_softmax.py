@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Learnable, Normalization, _number, arguments, check_keys, masked, read_value
+from .routes import SoftmaxLogits
 
 LEARNED_INIT = 0.0
 
@@ -32,7 +33,11 @@ class SinkSoftmax(Normalization):
     source = "gpt-oss's learned attention sinks (arXiv 2508.10925); softmax-1 (Miller, 2023)"
     examples = ("softmax(sink=learned)", "softmax(sink=0)")
     row_normalizer = "max+sum"
-    fast_paths = ("chunked", "sdpa")
+
+    @property
+    def softmax_logits(self) -> SoftmaxLogits:
+        """Softmax with one more key of logit ``sigma_h`` and value 0: SDPA computes it with that key prepended."""
+        return SoftmaxLogits(sink=self.sink)
 
     @property
     def name(self) -> str:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Normalization, arguments, minus_inf_masked
+from .routes import SoftmaxLogits
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class Softmax(Normalization):
     source = "Vaswani et al., arXiv 1706.03762"
     examples = ("softmax",)
     row_normalizer = "max+sum"
-    fast_paths = ("chunked", "sdpa")
+    softmax_logits = SoftmaxLogits()
     is_softmax = True
 
     @property

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Learnable, Normalization, _number, arguments, check_keys, read_value, row_counts
+from .routes import SoftmaxLogits
 from .softmax import Softmax
 
 LEARNED_INIT = 1 / math.log(1024)
@@ -35,7 +36,11 @@ class SSMax(Normalization):
     source = "Nakanishi, Scalable-Softmax, arXiv 2501.19399"
     examples = ("ssmax(scale=learned)", "ssmax(scale=0.144)")
     row_normalizer = "max+sum"
-    fast_paths = ("chunked", "sdpa")
+
+    @property
+    def softmax_logits(self) -> SoftmaxLogits:
+        """Softmax of the scores times ``s_h log n_i``: SDPA computes it on queries scaled row by row."""
+        return SoftmaxLogits(log_n_scale=self.scale)
 
     @property
     def name(self) -> str:

@@ -28,7 +28,11 @@ from dataclasses import dataclass
 
 from .base import Normalization
 from .sink_softmax import SinkSoftmax
+from .softmax import Softmax
 from .sparse_choice import DEFAULT_SCORE, check_sparse_score
+
+WINDOW_PART = Softmax()
+"""What weights the keys inside the window (and the sinks, the sparse cache's pairs, the clusters): softmax."""
 
 MIX = "window_mix"
 """The learnable parameter scaling the part beside the window, one value per query head."""

@@ -78,23 +78,19 @@ def _reference_with_bias(q, k, v, allowed, normalization, bias, scaling=None, so
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     scores = scores + bias.double()
-    allowed = allowed.expand_as(scores)
-    weights = torch.where(allowed, scores, 0.0) ** normalization.power
-    if normalization.sqrt_n:
-        weights = weights / allowed.sum(-1, keepdim=True).clamp_min(1).double().sqrt()
-    else:
-        weights = weights / normalization.constant
+    weights = normalization.pointwise.reference(scores, allowed.expand_as(scores))
     return (weights @ v).transpose(1, 2)
 
 
-@pytest.mark.parametrize("spelling", ["x/1", "x/16", "x^2/4", "x^3/1", "x^3/16", "x^3/sqrtN"])
+@pytest.mark.parametrize("spelling", ["x/1", "x/16", "x^2/4", "x^3/1", "x^3/16", "x^3/sqrtN", "relu(x)/n",
+                                      "relu(x)^2/n", "relu(x)^3/16", "relu(x)^2/sqrtN"])
 def test_every_power_and_constant_with_a_padded_causal_mask_and_gqa(spelling):
     """4 query heads over 2 KV heads (K and V are never repeated: query head h reads KV head h // 2)."""
     q, k, v = _tensors()
     _check(spelling, q, k, v, _padded_causal_mask(2, 37, 37, pad=5), scaling=0.4)
 
 
-@pytest.mark.parametrize("spelling", ["x^3/16", "x/sqrtN"])
+@pytest.mark.parametrize("spelling", ["x^3/16", "x/sqrtN", "relu(x)/n", "relu(x)^2/n"])
 def test_softcap_and_the_implicit_causal_mask(spelling):
     """No mask and ``causal``: top-left causal, computed from indices (sqrtN: row i counts i + 1 keys); a softcap of
     2 bends most scores."""
@@ -219,30 +215,33 @@ def test_block_ranges_from_a_window_mask():
 
 def test_what_it_does_not_compute_is_refused():
     q, k, v = _tensors(q_len=4, kv_len=4)
-    with pytest.raises(ValueError, match="softmax runs on the PyTorch kernel"):
-        triton_kernel.triton_attention(q, k, v, None, parse_normalization("softmax"))
+    for spelling in ("softmax", "sigmoid", "stick-breaking"):  # no element-wise form (Normalization.pointwise)
+        with pytest.raises(ValueError, match="computes the element-wise families"):
+            triton_kernel.triton_attention(q, k, v, None, parse_normalization(spelling))
     with pytest.raises(ValueError, match="fp32, bf16 or fp16"):
         triton_kernel.triton_attention(q.double(), k.double(), v.double(), None, parse_normalization("x/1"))
     with pytest.raises(ValueError, match="cannot be grouped"):
         triton_kernel.triton_attention(q[:, :3], k, v, None, parse_normalization("x/1"))
 
 
-def test_a_patched_model_runs_the_triton_kernel_through_the_attention_interface(monkeypatch):
+@pytest.mark.parametrize("spelling", ["x^3/16", "relu(x)^2/n"])
+def test_a_patched_model_runs_the_triton_kernel_through_the_attention_interface(monkeypatch, spelling):
     """The hook in ``interface.py``: every layer counted as "triton", logits and gradients those of the PyTorch
-    kernel (fp32, 1e-4 of the largest value)."""
+    kernel (fp32, 1e-4 of the largest value); for each element-wise form the dispatcher reads (the power, and the
+    rectified power with its row rule ``1/n``)."""
     import hf_knorm
     from hf_knorm.attention import backends
     from tests.tiny_models import tiny_model
 
     if DEVICE == "cpu":
         monkeypatch.setattr(backends, "_device_type", lambda tensor: "cuda")  # the interpreter stands in for CUDA
-    model = hf_knorm.patch(tiny_model("llama"), "x^3/16").to(DEVICE)
+    model = hf_knorm.patch(tiny_model("llama"), spelling).to(DEVICE)
     ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     runs = {}
     for kernel in ("triton", "pytorch"):
-        monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": kernel, "linear": "auto"})
+        backends._CHOSEN.set({"quadratic": kernel, "linear": "auto"})
         model.zero_grad()
         with hf_knorm.attention_paths() as taken:
             logits = model(input_ids=ids, attention_mask=mask).logits
@@ -267,7 +266,7 @@ def test_a_patched_model_whose_triton_kernel_fails_its_check_runs_the_pytorch_ke
         monkeypatch.setattr(backends, "_device_type", lambda tensor: "cuda")
     monkeypatch.setattr(self_check, "_VERDICTS", {})
     monkeypatch.setattr(backends, "_REPORTED", set())
-    monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": "auto", "linear": "auto"})
+    backends._CHOSEN.set({"quadratic": "auto", "linear": "auto"})
     real = triton_kernel.triton_attention
     monkeypatch.setattr(triton_kernel, "triton_attention", lambda *args, **options: real(*args, **options) * 1.05)
     model = hf_knorm.patch(tiny_model("llama"), "x^3/16").to(DEVICE)
@@ -276,6 +275,6 @@ def test_a_patched_model_whose_triton_kernel_fails_its_check_runs_the_pytorch_ke
         with hf_knorm.attention_paths() as taken, torch.no_grad():
             logits = model(input_ids=ids).logits
     assert dict(taken) == {"quadratic": model.config.num_hidden_layers}
-    monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": "pytorch", "linear": "auto"})
+    backends._CHOSEN.set({"quadratic": "pytorch", "linear": "auto"})
     with torch.no_grad():
         torch.testing.assert_close(logits, model(input_ids=ids).logits, rtol=0, atol=0)

@@ -1,0 +1,132 @@
+"""How a family can be computed: the capabilities the attention paths read, declared by each family in its own file.
+
+The attention dispatcher (:mod:`hf_knorm.attention.backends`) and the kernels never test a family's type; they ask the
+normalization what it is:
+
+- :class:`SoftmaxLogits` (:attr:`~.base.Normalization.softmax_logits`): the family is a softmax over modified logits,
+  ``w_ij = e^{a_i s_ij} / (e^{sigma_h} + sum_k e^{a_i s_ik})``, with a row factor ``a_i`` (SSMax's
+  ``s_h log n_i``, else 1) and an optional sink key of logit ``sigma_h`` and value 0. Any softmax kernel computes it
+  exactly on modified inputs: SDPA (:mod:`hf_knorm.attention.sdpa`), FlashAttention, FlexAttention.
+- :class:`Pointwise` (:attr:`~.base.Normalization.pointwise`): the weight of a key is an element-wise function of its
+  score times a factor of its row's key count, ``w_ij = g(s_ij) r(n_i)``; no row normalization, so a streaming kernel
+  carries nothing but its accumulator (the Triton kernel, :mod:`hf_knorm.attention.triton_kernel`), and with
+  ``g(s) = s`` the causal sum runs in linear time (:mod:`hf_knorm.attention.linear_kernel`, flash-linear-attention).
+  It also gives the hand-written derivative the PyTorch kernel's backward uses, and a plain reference.
+- :attr:`~.base.Normalization.row_normalizer`: what a family with neither carries along a row (a running maximum and a
+  denominator, or the whole row: stick-breaking); the chunked kernel computes every family from whole rows.
+
+A family's routes (:attr:`~.base.Normalization.fast_paths`) follow from these: a new family with a GPU route is its
+file (declaring the capability) and its registry line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .base import Learnable
+
+ACTIVATIONS = ("power", "relu_power")
+"""``g`` of :class:`Pointwise`: ``"power"`` ``s^p`` (odd powers keep the sign, "Rethinking Softmax"), ``"relu_power"``
+``max(s, 0)^p`` (ReLU attention, squared ReLU)."""
+ROW_RULES = ("constant", "n", "sqrtN")
+"""``r(n_i)`` of :class:`Pointwise`: ``1 / c`` (a constant), ``1 / n_i`` or ``1 / sqrt(n_i)``."""
+
+
+@dataclass(frozen=True)
+class Pointwise:
+    """``w_ij = g(s_ij) * r(n_i)`` on allowed pairs, 0 elsewhere (masked scores are zeroed before ``g``).
+
+    Attributes:
+        activation: ``g``, one of :data:`ACTIVATIONS`.
+        power: ``p >= 1``.
+        row_rule: ``r``, one of :data:`ROW_RULES`.
+        inv_constant: ``1 / c`` for the ``"constant"`` rule (1.0 otherwise).
+    """
+
+    activation: str
+    power: int
+    row_rule: str = "constant"
+    inv_constant: float = 1.0
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATIONS or self.row_rule not in ROW_RULES or self.power < 1:
+            raise ValueError(f"Pointwise weights take an activation of {ACTIVATIONS}, a power >= 1 and a row rule of "
+                             f"{ROW_RULES}; got {self.activation!r}, {self.power}, {self.row_rule!r}.")
+
+    @property
+    def is_linear(self) -> bool:
+        """``w = s / c`` or ``s / sqrt(n)``: linear attention (a running ``D x D_v`` state replaces the keys)."""
+        return self.activation == "power" and self.power == 1 and self.row_rule != "n"
+
+    @property
+    def kernel_key(self) -> str:
+        """What a compiled kernel's code depends on (the constant is a run-time scalar): e.g. ``"x^3/c"``,
+        ``"relu(x)^2/n"``."""
+        base = "x" if self.activation == "power" else "relu(x)"
+        power = "" if self.power == 1 else f"^{self.power}"
+        return f"{base}{power}/{'c' if self.row_rule == 'constant' else self.row_rule}"
+
+    def row_factor(self, counts: torch.Tensor) -> torch.Tensor:
+        """``r(n_i)`` for key counts ``counts`` ``(..., q, 1)`` (at least 1), in their dtype."""
+        if self.row_rule == "n":
+            return counts.reciprocal()
+        if self.row_rule == "sqrtN":
+            return counts.rsqrt()
+        return torch.full_like(counts, self.inv_constant)
+
+    def reference(self, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """The weights in their plainest form (what every fast path is tested against): ``scores`` ``(..., q, kv)``,
+        ``allowed`` bool of the same shape."""
+        kept = torch.where(allowed, scores, torch.zeros_like(scores))
+        if self.activation == "relu_power":
+            kept = kept.clamp_min(0.0)
+        counts = allowed.sum(-1, keepdim=True).clamp_min(1).to(scores.dtype)
+        return kept ** self.power * self.row_factor(counts)
+
+    def derivative(self, scores: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        """``dw/ds``: ``p g(s)^(p-1) g'(s) r(n_i)`` on allowed pairs, 0 elsewhere; of the shape of ``scores``."""
+        kept = scores if allowed is None else scores * allowed
+        if self.activation == "relu_power":
+            kept = kept.clamp_min(0.0)
+        if self.power == 1:
+            slope = (kept > 0).to(scores.dtype) if self.activation == "relu_power" else torch.ones_like(scores)
+            if allowed is not None:
+                slope = slope * allowed
+        else:
+            slope = kept.pow(self.power - 1).mul_(self.power)
+        counts = (scores.new_full((*scores.shape[:-1], 1), float(scores.shape[-1])) if allowed is None else
+                  allowed.sum(dim=-1, keepdim=True, dtype=scores.dtype).expand(*scores.shape[:-1], 1).clamp_min(1.0))
+        return slope.mul_(self.row_factor(counts))
+
+
+@dataclass(frozen=True)
+class SoftmaxLogits:
+    """A softmax over modified logits: ``e^{a_i s_ij} / (e^{sigma_h} + sum_k e^{a_i s_ik})``.
+
+    Attributes:
+        log_n_scale: ``a_i = s_h log n_i`` with ``s_h`` this number, or learned per head (:class:`~.base.Learnable`:
+            the family's learnable value ``scale``, SSMax); ``None``: ``a_i = 1``.
+        sink: the sink key's logit ``sigma_h`` (its value 0), a number or learned per head (the family's learnable
+            value ``sink``, gpt-oss's sinks); ``None``: no sink.
+    """
+
+    log_n_scale: float | Learnable | None = None
+    sink: float | Learnable | None = None
+
+    @property
+    def is_plain(self) -> bool:
+        """Softmax itself: no row factor, no sink."""
+        return self.log_n_scale is None and self.sink is None
+
+    def head_scale(self, params: Mapping[str, torch.Tensor] | None) -> torch.Tensor | float:
+        """``s_h``: the learned ``(H_q,)`` values (``params["scale"]``) or the number."""
+        return params["scale"] if isinstance(self.log_n_scale, Learnable) else self.log_n_scale
+
+    def sink_logits(self, params: Mapping[str, torch.Tensor] | None, heads: int, like: torch.Tensor) -> torch.Tensor:
+        """``sigma_h`` ``(H_q,)`` in ``like``'s dtype and on its device."""
+        if isinstance(self.sink, Learnable):
+            return params["sink"].to(like.dtype)
+        return like.new_full((heads,), float(self.sink))
