@@ -32,6 +32,17 @@ def _deterministic():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _automatic_kernels():
+    """Each test starts with the automatic kernel choice, and what it sets (``backends._CHOSEN.set``, a context
+    variable) ends with it."""
+    from hf_knorm.attention import backends
+
+    token = backends._CHOSEN.set(backends._AUTO)
+    yield
+    backends._CHOSEN.reset(token)
+
+
 @pytest.fixture(scope="session")
 def default_model_and_tokenizer():
     """SmolLM2-135M-Instruct (fp32, eval) and its tokenizer. Tests must leave it unpatched and unmodified."""

@@ -28,26 +28,32 @@ logger says at DEBUG level which kernel computes a call and, for a PyTorch one, 
 
 from __future__ import annotations
 
+import contextvars
 import importlib.util
 import logging
 import threading
 import warnings
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import lru_cache
+from types import MappingProxyType
 
 import torch
 
 from ..extras import require
 from .kernel import chunked_attention
 from .linear_kernel import linear_attention
-from ..normalizations import Normalization, Polynomial
+from ..normalizations import Normalization
 from .paths import Path
 from .sdpa import sdpa_attention, sdpa_blocker
 from .self_check import family_of, key_of, verdict
+from .taps import count_tap, taps_set
 
 KERNEL_CHOICES = {"quadratic": ("auto", "pytorch", "sdpa", "triton"), "linear": ("auto", "pytorch", "fla")}
-_CHOSEN = {"quadratic": "auto", "linear": "auto"}
+_AUTO = MappingProxyType({"quadratic": "auto", "linear": "auto"})
+_CHOSEN: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar("hf_knorm_kernels", default=_AUTO)
+"""The kernel choices in force in this context (a thread, an asyncio task): :func:`kernels` sets them for its block."""
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NAMES = {"triton": "the Triton kernel", "fla": "flash-linear-attention", "sdpa": "SDPA"}
 _MODULES = {"triton": "triton", "fla": "fla"}
@@ -59,7 +65,8 @@ _REPORTED_LOCK = threading.Lock()
 @contextmanager
 def kernels(quadratic: str | None = None, linear: str | None = None):
     """``with kernels(quadratic="pytorch"):``: which kernels run inside the block (``None`` leaves a setting as it
-    is); yields the settings in force, and restores the previous ones on leaving. A forced kernel (``"triton"``,
+    is); yields the settings in force, and restores the previous ones on leaving. The choice is a context variable:
+    it holds in this thread (or asyncio task) only, so two threads may run with different kernels. A forced kernel (``"triton"``,
     ``"fla"``) raises on a call it cannot compute and when it fails its self-check (:func:`with_kernel`).
 
     Args:
@@ -71,24 +78,35 @@ def kernels(quadratic: str | None = None, linear: str | None = None):
         ValueError: an unknown choice (the message lists them).
         MissingExtraError: ``"triton"`` or ``"fla"`` without its package (``pip install 'hf_knorm[gpu]'``).
     """
-    previous = dict(_CHOSEN)
+    token = _CHOSEN.set(_checked(quadratic, linear))
+    count_tap(+1)  # compiled code reads the choice only while a tap is set (taps.taps_set: no graph break otherwise)
     try:
-        yield _choose(quadratic, linear)
+        yield dict(_CHOSEN.get())
     finally:
-        _CHOSEN.update(previous)
+        _CHOSEN.reset(token)
+        count_tap(-1)
 
 
 def use_kernels(quadratic: str | None = None, linear: str | None = None) -> dict[str, str]:
-    """Deprecated (0.2.0; removed in 0.3.0): ``with hf_knorm.kernels(...)``. Sets the kernels process-wide, until the
-    next call; returns the settings now in force."""
+    """Deprecated (0.2.0; removed in 0.3.0): ``with hf_knorm.kernels(...)``. Sets the kernels in the current context
+    (this thread), until the next call; returns the settings now in force. Code traced by ``torch.compile`` does not
+    read this choice (it computes with the PyTorch kernels whatever is chosen; a ``kernels`` block makes it read
+    the choice, and refuse a call a forced kernel cannot compute)."""
     warnings.warn("hf_knorm.use_kernels is deprecated and will be removed in 0.3.0: use the context manager "
                   "`with hf_knorm.kernels(quadratic=..., linear=...):`, which restores the previous kernels on leaving.",
                   DeprecationWarning, stacklevel=2)
-    return _choose(quadratic, linear)
+    _CHOSEN.set(_checked(quadratic, linear))
+    return dict(_CHOSEN.get())
 
 
-def _choose(quadratic: str | None, linear: str | None) -> dict[str, str]:
-    """Check and set the kernel choices (``None`` leaves one as it is); returns those in force."""
+def chosen_kernels() -> dict[str, str]:
+    """The kernel choices in force in this context: ``{"quadratic": ..., "linear": ...}``."""
+    return dict(_CHOSEN.get())
+
+
+def _checked(quadratic: str | None, linear: str | None) -> Mapping[str, str]:
+    """The choices in force with ``quadratic`` and ``linear`` applied (``None`` leaves one as it is), checked."""
+    chosen = dict(_CHOSEN.get())
     for path, choice in (("quadratic", quadratic), ("linear", linear)):
         if choice is None:
             continue
@@ -98,8 +116,8 @@ def _choose(quadratic: str | None, linear: str | None) -> dict[str, str]:
             require("triton", "The Triton kernel for x^p/c")
         if choice == "fla":
             require("fla", "The flash-linear-attention path for x/1")
-        _CHOSEN[path] = choice
-    return dict(_CHOSEN)
+        chosen[path] = choice
+    return MappingProxyType(chosen)
 
 
 @lru_cache(maxsize=None)
@@ -118,7 +136,7 @@ def with_kernel(path: Path, query: torch.Tensor, normalization: Normalization, *
         RuntimeError: a forced kernel failed its self-check on this device (the message says how).
     """
     kind = "linear" if path.linear else "quadratic"
-    chosen = _CHOSEN[kind]
+    chosen = _CHOSEN.get()[kind] if not compiling or taps_set() else "auto"  # see kernels()
     if chosen == "pytorch":
         return path if compiling else _log(path, f"kernels({kind}='pytorch')")
     if not path.linear and chosen in ("auto", "sdpa"):
@@ -173,8 +191,9 @@ def _blocker(kernel: str, query: torch.Tensor, normalization: Normalization, *, 
     if recording:
         return "the attention norms are recorded (record_norms, NormLoggerCallback), which only the PyTorch kernels do"
     if kernel == "triton":
-        if not isinstance(normalization, Polynomial):
-            return f"{normalization.family} (it computes the polynomial family x^p/c only)"
+        if "triton" not in normalization.fast_paths:
+            return (f"{normalization.name} (it computes the element-wise families only: x^p/c, relu(x)^p/c; "
+                    "Normalization.pointwise)")
         if dropout:
             return "attention dropout"
         if return_weights:

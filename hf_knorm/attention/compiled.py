@@ -49,13 +49,21 @@ def compiled_attention(query, key, value, allowed, bias, normalization: Normaliz
     softcap = None if softcap is None else float(softcap)
     values = [params[name] for name in normalization.learnable()] if params else []
     differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *values))
+    _BY_NAME.setdefault(normalization.name, normalization)  # what the op reads back from the spelling it carries
     output = attention_op(query, key, value, allowed, bias, values, normalization.name, scaling, softcap, causal,
                           not differentiable)
     return output.to(query.dtype)
 
 
+_BY_NAME: dict[str, Normalization] = {}
+"""The normalizations :func:`compiled_attention` has handed the op, by spelling: the op carries the spelling (a graph
+constant; a custom op takes no Python object) and reads the typed object back here, never parsing it."""
+
+
 def _params(spelling: str, values: list[torch.Tensor]) -> tuple[Normalization, dict[str, torch.Tensor]]:
-    normalization = parse_normalization(spelling)
+    normalization = _BY_NAME.get(spelling)
+    if normalization is None:  # a graph traced in another process (an exported program): parsed once, then held
+        normalization = _BY_NAME.setdefault(spelling, parse_normalization(spelling))
     return normalization, dict(zip(normalization.learnable(), values))
 
 

@@ -1,7 +1,9 @@
 """The plugin's attention function, as Transformers' ``AttentionInterface`` calls it.
 
-Registered under the name ``"hf_knorm"`` (``registration.py``). Each model reads its normalization from its own config
-(``config.hf_knorm["normalization"]``), so two models in one process can use different normalizations. The math is in
+Registered under the name ``"hf_knorm"`` (``registration.py``). Each attention module holds its typed normalization
+(``held.py``: parsed once, when the model is patched or built from a patched config; never parsed per call), so two
+models in one process can use different normalizations, and a mode set for a while (``held.running_as``) is a
+context variable, not a write to a shared config. The math is in
 ``kernel.py`` (any normalization, quadratic time) and ``linear_kernel.py`` (``p = 1``, linear time; ``paths.py``
 chooses; ``backends.py`` runs softmax, SSMax and a sink softmax on PyTorch's SDPA, ``sdpa.py``, and on CUDA the
 polynomials as Triton and flash-linear-attention kernels), composed by ``window.py``
@@ -29,7 +31,8 @@ from .backends import run_linear, run_quadratic, with_kernel
 from .compiled import compiled_attention
 from .full_precision import full_precision
 from .masks import KeyPadding, Mask, kernel_mask
-from ..normalizations import Normalization, parse_normalization
+from ..normalizations import Normalization
+from .held import running_normalization
 from ..normalizations.base import PARAMETER_PREFIX
 from ..normalizations.windowed import CODEBOOK, MIX
 from .paths import check_linear_policy, choose_path, linear_keys, linear_policy_of, note_path
@@ -68,10 +71,10 @@ def hf_knorm_attention(
     Returns:
         ``(output (B, q, H_q, D), weights (B, H_q, q, kv) or None)``; weights only when attentions are recorded.
     """
-    normalization = normalization_of(module)
-    params = normalization.values_on(module)  # the family's learnable values, (H_q,) each
     compiling = torch.compiler.is_compiling()
     read_taps = not compiling or taps_set()  # compiled code cannot read a ContextVar without a graph break
+    normalization = normalization_of(module, read_taps)
+    params = normalization.values_on(module)  # the family's learnable values, (H_q,) each
     handover = take_state_for(key) if read_taps else None
     transform = current_kv_transform() if read_taps else None
     if transform is not None:
@@ -196,22 +199,21 @@ def _attentions_requested(kwargs: dict) -> bool:
     return attentions_being_collected()
 
 
-def normalization_of(module: torch.nn.Module) -> Normalization:
-    """The normalization a patched model's config selects for ``module``."""
-    section = getattr(module.config, "hf_knorm", None) or {}
-    spelling = section.get("normalization")
-    if spelling is None:
+def normalization_of(module: torch.nn.Module, read_context: bool = True) -> Normalization:
+    """The normalization ``module`` computes now: what it holds (``held.py``), or a :func:`.held.running_as` mode of
+    this context (read with ``read_context``)."""
+    normalization = running_normalization(module, read_context)
+    if normalization is None:
+        section = getattr(module.config, "hf_knorm", None) or {}
+        named = f"its config names {section['normalization']!r}" if section.get("normalization") else \
+            "its config names no normalization"
         raise RuntimeError(
-            f"{type(module).__name__} runs attn_implementation='{ATTENTION_NAME}' but its config has no hf_knorm "
-            "normalization. Call hf_knorm.patch(model, normalization=...) or load the model with hf_knorm.from_pretrained."
-        )
-    normalization = _PARSED.get(spelling)
-    if normalization is None:  # a plain dict, not parse_normalization's lru_cache: Dynamo traces a dict lookup
-        normalization = _PARSED[spelling] = parse_normalization(spelling)
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) runs attn_implementation="
+            f"'{ATTENTION_NAME}' and holds no hf_knorm normalization ({named}). Patch the model with "
+            "hf_knorm.patch(model, normalization=...), or load a saved one with hf_knorm imported "
+            "(hf_knorm.from_pretrained, or Transformers' from_pretrained after `import hf_knorm`); a config's hf_knorm "
+            "section is not edited by hand.")
     return normalization
-
-
-_PARSED: dict[str, Normalization] = {}
 
 
 def read_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, causal: bool,

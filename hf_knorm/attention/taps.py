@@ -24,6 +24,7 @@ while no tap is set, the compiled attention reads none and has no graph break.
 from __future__ import annotations
 
 import contextvars
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -45,19 +46,26 @@ class Recorder(Protocol):
 
 
 _taps = 0
+_TAPS_LOCK = threading.Lock()
 TAPS_SET = False  # read by compiled code; always ``_taps > 0``
+"""Process-wide on purpose: compiled code cannot read a context variable without a graph break, so it reads this flag
+(a guarded global) and reads the context variables themselves only while some context has a tap set. A tap set in
+one thread thus makes compiled code of every thread read its own context (correct results, a graph break); the
+taps themselves are context variables, each thread sees only its own."""
 
 
 def taps_set() -> bool:
-    """Whether a tap (recorder, K/V transform, pending handover, path log) is set in any context."""
+    """Whether a tap (recorder, K/V transform, pending handover, path log, kernel choice, mode) is set in any
+    context."""
     return TAPS_SET
 
 
 def count_tap(delta: int) -> None:
-    """Count a tap set (``+1``) or cleared (``-1``), in any context: what :func:`taps_set` reads."""
+    """Count a tap set (``+1``) or cleared (``-1``), in any context and thread: what :func:`taps_set` reads."""
     global _taps, TAPS_SET
-    _taps += delta
-    TAPS_SET = _taps > 0
+    with _TAPS_LOCK:
+        _taps += delta
+        TAPS_SET = _taps > 0
 
 
 _TRANSFORM: contextvars.ContextVar[TransformFn | None] = contextvars.ContextVar("hf_knorm_kv_transform", default=None)

@@ -18,12 +18,13 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
+from ..attention.held import running_as
 from ..attention.taps import KVTransform
-from ..normalizations import parse_normalization, with_clusters
+from ..normalizations import with_clusters
 from ..normalizations.windowed import CODEBOOK
 from .architectures import attention_modules
 from .parameters import PREFIX
-from .patching import SECTION, _configs, patched_normalization
+from .patching import held_normalization, patched_normalization
 from .sparse_cache_size import repatch
 
 ITERATIONS = 20
@@ -40,11 +41,10 @@ def set_clusters(model: nn.Module, clusters: int, input_ids=None, *, iterations:
         ValueError: the model is not patched, or its normalization has no sparse cache beside a window; ``clusters``
             is not an integer >= 0; see :func:`fit_cluster_codebook`.
     """
-    current = patched_normalization(model)
-    if current is None:
+    normalization = held_normalization(model)
+    if normalization is None:
         raise ValueError("The model is not patched by hf_knorm: patch it with a softmax window and a sparse cache "
                          "first, e.g. 'x/1 + softmax window 64 + sinks 4 + sparse 256 (prefix_kv_diff)'.")
-    normalization = parse_normalization(current)
     repatch(model, normalization, with_clusters(normalization, clusters))  # checked before any change
     if clusters and input_ids is not None:
         fit_cluster_codebook(model, input_ids, iterations=iterations, seed=seed)
@@ -68,10 +68,9 @@ def fit_cluster_codebook(model: nn.Module, input_ids, *, iterations: int = ITERA
     Raises:
         ValueError: the model has no clusters, fewer tokens than clusters, or a key that is not finite.
     """
-    spelling = patched_normalization(model)
-    normalization = None if spelling is None else parse_normalization(spelling)
+    normalization = held_normalization(model)
     if normalization is None or not normalization.clusters:
-        raise ValueError(f"The model is patched with {spelling!r}, which has no clusters: give it some with "
+        raise ValueError(f"The model is patched with {patched_normalization(model)!r}, which has no clusters: give it some with "
                          "hf_knorm.set_clusters(model, C, input_ids).")
     sequences = _sequences(input_ids)
     clusters = normalization.clusters
@@ -136,23 +135,15 @@ def _model_keys(model: nn.Module, sequences: list[list[int]]) -> list[torch.Tens
 
 @contextmanager
 def clusters_off(model: nn.Module):
-    """Within: ``model`` runs without its clusters (its configs name the normalization without them; the codebooks
-    stay, unused); as it was after. Nothing changes for a model without clusters."""
-    spelling = patched_normalization(model)
-    normalization = None if spelling is None else parse_normalization(spelling)
+    """Within: ``model`` runs without its clusters in this context (:func:`hf_knorm.attention.held.running_as`; its
+    config and what it holds are unchanged, so another thread running it meanwhile keeps them; the codebooks stay,
+    unused). Nothing changes for a model without clusters."""
+    normalization = held_normalization(model)
     if normalization is None or not normalization.clusters:
         yield model
         return
-    without = with_clusters(normalization, 0).name
-    configs = _configs(model)  # the model's and every distinct one its attention modules read
-    sections = [dict(getattr(config, SECTION)) for config in configs]
-    try:
-        for config in configs:
-            setattr(config, SECTION, {**getattr(config, SECTION), "normalization": without})
+    with running_as([module for _, module in attention_modules(model)], with_clusters(normalization, 0)):
         yield model
-    finally:
-        for config, section in zip(configs, sections):
-            setattr(config, SECTION, section)
 
 
 __all__ = ["clusters_off", "fit_cluster_codebook", "set_clusters", "spherical_kmeans"]

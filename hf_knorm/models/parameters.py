@@ -18,6 +18,7 @@ from ..compat import add_parameters_when_built
 from ..normalizations import Normalization, parse_normalization
 from ..normalizations.base import PARAMETER_PREFIX
 from ..normalizations.windowed import CODEBOOK, MIX
+from ..attention.held import hold
 from .architectures import attention_modules
 
 PREFIX = PARAMETER_PREFIX
@@ -69,13 +70,23 @@ def _configured_normalization(config) -> Normalization | None:
     return None if spelling is None else parse_normalization(spelling)
 
 
+def hold_normalization(model: nn.Module, normalization: Normalization | None) -> None:
+    """Make every attention module of ``model`` hold ``normalization`` (``None``: nothing), what the attention reads
+    at run time (:mod:`hf_knorm.attention.held`)."""
+    for _, module in attention_modules(model):
+        hold(module, normalization)
+
+
 def _add_when_built(model: nn.Module) -> None:
-    """The build hook: a model whose config is patched with a family that learns values gets them."""
+    """The build hook: a model whose config is patched holds its normalization (parsed here, once) and gets the
+    values its family learns."""
     normalization = _configured_normalization(getattr(model, "config", None))
-    if normalization is None or not normalization.learnable():
+    if normalization is None:
         return
     try:
-        add_parameters(model, normalization)
+        hold_normalization(model, normalization)
+        if normalization.learnable():
+            add_parameters(model, normalization)
     except ValueError:  # a sub-model holding no attention of a known architecture: its parent adds them
         return
 

@@ -17,6 +17,7 @@ import warnings
 import torch.nn as nn
 from transformers import PretrainedConfig
 
+from ..attention.held import held_by
 from ..attention.interface import ATTENTION_NAME
 from ..attention.linear_kernel import is_linear
 from ..normalizations import Normalization, parse_normalization, with_window
@@ -26,7 +27,7 @@ from ..compat import attn_implementation_of
 from ..recurrent.cache import unwatch_steps, watch_steps
 from ..version import __version__
 from .architectures import architecture_of, attention_modules
-from .parameters import LEGACY_MIX_FIELD, add_parameters, remove_parameters
+from .parameters import LEGACY_MIX_FIELD, add_parameters, hold_normalization, remove_parameters
 
 SECTION = "hf_knorm"
 SECTION_KEYS = ("normalization", "normalization_record", "format", "original_attn_implementation", "linear",
@@ -98,6 +99,7 @@ def patch(model: nn.Module, normalization: str | Normalization, *, linear: str =
             section["linear"] = linear
         setattr(config, SECTION, section)
     model.set_attn_implementation(ATTENTION_NAME)
+    hold_normalization(model, normalization)  # what the attention reads at run time (attention/held.py)
     add_parameters(model, normalization)
     if is_linear(normalization):  # generate decodes it with a constant-size state (hf_knorm.recurrent.generation)
         watch_steps(model)  # a layer that misses its state is an error at the step's end
@@ -120,6 +122,7 @@ def unpatch(model: nn.Module) -> nn.Module:
     original = model.config.hf_knorm.get("original_attn_implementation") or "sdpa"
     model.set_attn_implementation(original)
     unwatch_steps(model)
+    hold_normalization(model, None)
     remove_parameters(model)
     for config in _configs(model):
         section = dict(getattr(config, SECTION, None) or {})
@@ -192,6 +195,12 @@ def patched_normalization(model: nn.Module) -> str | None:
     """The normalization ``model`` is patched with (canonical spelling), or ``None``."""
     section = getattr(model.config, SECTION, None) or {}
     return section.get("normalization")
+
+
+def held_normalization(model: nn.Module) -> Normalization | None:
+    """The typed normalization ``model``'s attention computes (what its attention modules hold:
+    :mod:`hf_knorm.attention.held`), or ``None`` for a model that is not patched."""
+    return next((held_by(module) for _, module in attention_modules(model)), None)
 
 
 def _configs(model: nn.Module) -> list:

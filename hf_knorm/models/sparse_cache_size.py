@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from ..normalizations import Normalization, parse_normalization, with_sparse
+from ..normalizations import Normalization, with_sparse
 from ..normalizations.sparse_choice import DEFAULT_SCORE
 from ..normalizations.windowed import CODEBOOK
 from .architectures import attention_modules
 from .parameters import PREFIX, learned_values, set_learned_values
-from .patching import SECTION, patch, patched_normalization, unpatch
+from .patching import SECTION, held_normalization, patch, unpatch
 
 
 def set_sparse_cache(model: nn.Module, sparse: int, score: str | None = None) -> nn.Module:
@@ -38,13 +38,12 @@ def set_sparse_cache(model: nn.Module, sparse: int, score: str | None = None) ->
             model cannot take a sparse cache (a layer with its own sliding window: :func:`.patching.patch`). The
             model is then as it was.
     """
-    current = patched_normalization(model)
-    if current is None:
+    normalization = held_normalization(model)
+    if normalization is None:
         raise ValueError("The model is not patched by hf_knorm: patch it with a normalization that has a softmax "
                          "window first, e.g. 'x/1 + softmax window 64 + sinks 4 + sparse 256'.")
-    normalization = parse_normalization(current)
     if not normalization.window:
-        raise ValueError(f"{current} has no softmax window, which a sparse cache sits beside: patch the model with "
+        raise ValueError(f"{normalization.name} has no softmax window, which a sparse cache sits beside: patch the model with "
                          "a window (hf_knorm.unpatch, then hf_knorm.patch(model, ..., softmax_window=W)).")
     if score is None:
         score = normalization.score if normalization.sparse else DEFAULT_SCORE

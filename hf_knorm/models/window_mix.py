@@ -20,12 +20,11 @@ import torch
 import torch.nn as nn
 
 from ..attention.window_off import WINDOW_DROPPED
-from ..normalizations import parse_normalization
 from ..normalizations.windowed import MIX
 from .architectures import attention_modules
 from .cluster_codebook import clusters_off
 from .parameters import learned_values, query_heads, set_learned_values
-from .patching import patched_normalization
+from .patching import held_normalization, patched_normalization
 
 
 def window_mixes(model: nn.Module) -> list[list[float]]:
@@ -49,9 +48,10 @@ def set_window_mix(model: nn.Module, mixes: Sequence[Sequence[float] | torch.Ten
 
 
 def _check_windowed(model: nn.Module) -> None:
-    name = patched_normalization(model)
-    if name is None or not parse_normalization(name).window:
-        raise ValueError(f"A window mix scales the part beside a softmax window; the model is patched with {name}. "
+    held = held_normalization(model)
+    if held is None or not held.window:
+        raise ValueError(f"A window mix scales the part beside a softmax window; the model is patched with "
+                         f"{patched_normalization(model)}. "
                          "Patch it with softmax_window=W first.")
 
 

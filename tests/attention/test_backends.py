@@ -31,7 +31,7 @@ def fresh(monkeypatch):
     """No verdict and no warning from an earlier test (the caches are per process)."""
     monkeypatch.setattr(self_check, "_VERDICTS", {})
     monkeypatch.setattr(backends, "_REPORTED", set())
-    monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": "auto", "linear": "auto"})
+    backends._CHOSEN.set({"quadratic": "auto", "linear": "auto"})
 
 
 @pytest.fixture
@@ -120,8 +120,8 @@ def test_kernels_override_inside_their_block_and_refuse(proven, monkeypatch):
         assert _name(QUADRATIC) == "quadratic" and _name(LINEAR, "x/1") == "linear"
         with backends.kernels(linear="auto") as inner:
             assert inner == {"quadratic": "pytorch", "linear": "auto"}
-        assert backends._CHOSEN == {"quadratic": "pytorch", "linear": "pytorch"}  # the outer block's, restored
-    assert backends._CHOSEN == {"quadratic": "auto", "linear": "auto"}
+        assert backends.chosen_kernels() == {"quadratic": "pytorch", "linear": "pytorch"}  # the outer block's, restored
+    assert backends.chosen_kernels() == {"quadratic": "auto", "linear": "auto"}
     with pytest.raises(ValueError, match="one of auto, pytorch, sdpa, triton"):
         with backends.kernels(quadratic="flash"):
             pass
@@ -134,17 +134,17 @@ def test_kernels_override_inside_their_block_and_refuse(proven, monkeypatch):
                        match=r"needs fla-core, which is not installed: pip install 'hf_knorm\[gpu\]'"):
         with backends.kernels(linear="fla"):
             pass
-    assert backends._CHOSEN == {"quadratic": "auto", "linear": "auto"}  # a refused choice changes nothing
+    assert backends.chosen_kernels() == {"quadratic": "auto", "linear": "auto"}  # a refused choice changes nothing
 
 
 def test_use_kernels_still_works_for_one_release_and_says_what_replaces_it(fresh):
     with pytest.warns(DeprecationWarning, match="with hf_knorm.kernels"):
         assert hf_knorm.use_kernels(quadratic="pytorch")["quadratic"] == "pytorch"
-    assert backends._CHOSEN["quadratic"] == "pytorch"
+    assert backends.chosen_kernels()["quadratic"] == "pytorch"
 
 
 def test_a_forced_gpu_kernel_refuses_cpu_tensors(fresh, monkeypatch):
-    monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": "triton", "linear": "fla"})
+    backends._CHOSEN.set({"quadratic": "triton", "linear": "fla"})
     with pytest.raises(ValueError, match="it runs on CUDA tensors, and this call's are on cpu"):
         _name(QUADRATIC)
     with pytest.raises(ValueError, match="runs on CUDA tensors"):
@@ -164,7 +164,7 @@ def test_a_forced_gpu_kernel_refuses_cpu_tensors(fresh, monkeypatch):
 def test_a_forced_kernel_says_why_it_cannot_compute_a_call(proven, monkeypatch, path, case, reason):
     """Forcing a kernel is a promise that it computes the calls: one it cannot compute raises with the reason,
     rather than going to the PyTorch kernel unnoticed."""
-    monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": "triton", "linear": "fla"})
+    backends._CHOSEN.set({"quadratic": "triton", "linear": "fla"})
     kernel = "flash-linear-attention" if path.linear else "the Triton kernel"
     with pytest.raises(ValueError, match=rf"forces {kernel}, which cannot compute this call: {reason}"):
         _name(path, **case)
@@ -207,7 +207,7 @@ def test_a_broken_triton_kernel_falls_back_with_one_warning_and_raises_when_forc
         warnings.simplefilter("error")  # said once
         assert _name(QUADRATIC, dtype=torch.float32, head_dim=16) == "quadratic"
     assert "quadratic kernel (PyTorch): the Triton kernel failed its self-check: case (a), output" in caplog.text
-    monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": "triton", "linear": "auto"})
+    backends._CHOSEN.set({"quadratic": "triton", "linear": "auto"})
     with pytest.raises(RuntimeError, match=r"forces the Triton kernel, and the Triton kernel failed its self-check.*"
                                            r"case \(a\), output: largest error 0.05"):
         _name(QUADRATIC, dtype=torch.float32, head_dim=16)

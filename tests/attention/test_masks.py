@@ -20,6 +20,8 @@ from hf_knorm.attention.interface import hf_knorm_attention
 from hf_knorm.attention.masks import KeyPadding, explicit_bool_mask, hf_knorm_mask
 from hf_knorm.attention.paths import attention_paths
 from hf_knorm.compat import cache_kwargs
+from hf_knorm.models.parameters import hold_normalization
+from hf_knorm.models.patching import held_normalization
 
 from tiny_models import assert_same_step, logits_and_grads, tiny_inputs, tiny_model
 
@@ -55,6 +57,7 @@ def _explicit_twin(model):
     twin = tiny_model(model.config.model_type)
     twin.load_state_dict(model.state_dict())
     twin.config.hf_knorm = dict(model.config.hf_knorm)
+    hold_normalization(twin, held_normalization(model))  # what the attention reads (hf_knorm.attention.held)
     twin.set_attn_implementation(EXPLICIT)
     return twin.train(model.training)
 

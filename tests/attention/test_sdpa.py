@@ -23,7 +23,7 @@ FAMILIES = ("softmax", "ssmax(scale=0.3)", "ssmax(scale=learned)", "softmax(sink
 
 @pytest.fixture(autouse=True)
 def automatic_kernels(monkeypatch):
-    monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": "auto", "linear": "auto"})
+    backends._CHOSEN.set({"quadratic": "auto", "linear": "auto"})
 
 
 def _tensors(batch, q_heads, kv_heads, q_len, kv_len, dim=8, seed=0):
@@ -166,7 +166,7 @@ def test_a_patched_model_takes_sdpa_and_equals_the_chunked_kernel(spelling, monk
         got = logits_and_grads(model, inputs)
     assert dict(paths) == {"sdpa": 2}
     assert "sdpa kernel (PyTorch): a softmax over modified logits" in caplog.text
-    monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": "pytorch", "linear": "auto"})
+    backends._CHOSEN.set({"quadratic": "pytorch", "linear": "auto"})
     with attention_paths() as paths:
         want = logits_and_grads(model, inputs)
     assert dict(paths) == {"quadratic": 2}

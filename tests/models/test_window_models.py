@@ -19,7 +19,8 @@ from hf_knorm.attention.interface import normalization_of
 from hf_knorm.attention.masks import explicit_bool_mask
 from hf_knorm.attention.paths import attention_paths
 from hf_knorm.attention.reference import reference_window_attention
-from hf_knorm.models.parameters import add_parameters
+from hf_knorm.models.parameters import add_parameters, hold_normalization
+from hf_knorm.models.patching import held_normalization
 from hf_knorm.models.window_mix import distant_part_off, set_window_mix, window_mixes
 from hf_knorm.recurrent.window_cache import WindowStateLayer
 from hf_knorm.compat import cache_kwargs, output_cache
@@ -47,7 +48,8 @@ def _twins(model_type, spelling, window, dtype=torch.float64):
     model = hf_knorm.patch(tiny_model(model_type, dtype=dtype), spelling, softmax_window=window)
     reference = tiny_model(model_type, dtype=dtype)
     reference.config.hf_knorm = dict(model.config.hf_knorm)
-    add_parameters(reference, hf_knorm.parse_normalization(hf_knorm.patched_normalization(model)))  # the mix at 1
+    hold_normalization(reference, held_normalization(model))  # what the attention reads (hf_knorm.attention.held)
+    add_parameters(reference, held_normalization(model))  # the mix at 1
     reference.set_attn_implementation(REFERENCE)
     return model, reference
 
@@ -103,6 +105,7 @@ def test_sinks_are_refused_on_a_models_own_sliding_window(model_type):
         assert torch.isfinite(alone(**inputs).logits).all()
     sunk = alone  # its config as a saved one with sinks would load (every module holds the model's one config)
     sunk.config.hf_knorm = {**sunk.config.hf_knorm, "normalization": "x^3/16 + softmax window 3 + sinks 2"}
+    hold_normalization(sunk, hf_knorm.parse_normalization("x^3/16 + softmax window 3 + sinks 2"))  # as built
     refusal = "own sliding window of 5 positions.*Patch this model without attention_sinks"
     with torch.no_grad(), pytest.raises(ValueError, match=refusal):
         sunk(**inputs)
@@ -454,7 +457,7 @@ def gpu_kernels(monkeypatch):
 
     monkeypatch.setattr(backends, "_device_type", lambda tensor: "cuda")
     monkeypatch.setattr(backends, "_importable", lambda module: True)
-    monkeypatch.setattr(backends, "_CHOSEN", {"quadratic": "auto", "linear": "auto"})
+    backends._CHOSEN.set({"quadratic": "auto", "linear": "auto"})
     monkeypatch.setattr(backends, "verdict", lambda *args: "")  # proven (the self-check is test_backends.py's)
     calls = []
 
@@ -492,7 +495,7 @@ def test_the_polynomial_part_runs_on_the_gpu_kernel_the_pure_normalization_would
     assert [call[:2] for call in gpu_kernels] == [(kernel, polynomial)] * layers
     from hf_knorm.attention import backends
 
-    backends._CHOSEN.update(quadratic="pytorch", linear="pytorch")
+    backends._CHOSEN.set({**backends.chosen_kernels(), "quadratic": "pytorch", "linear": "pytorch"})
     with torch.no_grad():
         torch.testing.assert_close(logits, model(**inputs).logits, rtol=0, atol=0)
 
@@ -514,7 +517,7 @@ def test_a_forced_gpu_kernel_serves_the_polynomial_part_and_leaves_the_softmax_p
     part on the PyTorch kernel (Triton computes no softmax, so the forced kernel is not asked to and does not refuse)."""
     from hf_knorm.attention import backends
 
-    backends._CHOSEN.update(quadratic="triton")
+    backends._CHOSEN.set({**backends.chosen_kernels(), "quadratic": "triton"})
     model = hf_knorm.patch(tiny_model("llama"), "x^3/16 + softmax window 4 + sinks 2")
     with torch.no_grad(), attention_paths() as taken:
         model(**tiny_inputs("llama", length=12))

@@ -25,7 +25,7 @@ from hf_knorm.attention.masks import explicit_bool_mask
 from hf_knorm.attention.reference import reference_window_attention, sparse_split, window_split
 from hf_knorm.compat import cache_kwargs, output_cache
 from hf_knorm.models.cluster_codebook import set_clusters
-from hf_knorm.models.parameters import add_parameters
+from hf_knorm.models.parameters import add_parameters, hold_normalization
 from hf_knorm.models.window_mix import set_window_mix, window_mixes
 from hf_knorm.normalizations.sparse_choice import token_scores
 from hf_knorm.recurrent.sparse_cache import SparseWindowStateLayer
@@ -84,6 +84,7 @@ def test_models_equal_the_reference_attention(model_type, spelling, rows, monkey
     set_window_mix(model, mixes)
     reference = tiny_model(model_type, dtype=torch.float64)
     reference.config.hf_knorm = dict(model.config.hf_knorm)
+    hold_normalization(reference, hf_knorm.parse_normalization(spelling))
     add_parameters(reference, hf_knorm.parse_normalization(spelling))
     set_window_mix(reference, mixes)
     codebooks = {name: value for name, value in model.named_parameters() if name.endswith(CODEBOOK)}
@@ -315,6 +316,7 @@ def test_a_models_own_sliding_window_is_refused():
     with pytest.raises(ValueError, match="own sliding window .*5 positions.*without the sparse cache"):
         hf_knorm.patch(tiny_model("mistral"), spelling)
     model = hf_knorm.patch(tiny_model("mistral"), "x^3/16 + softmax window 3")
-    model.config.hf_knorm = {**model.config.hf_knorm, "normalization": spelling}
+    model.config.hf_knorm = {**model.config.hf_knorm, "normalization": spelling}  # as a plain load builds it
+    hold_normalization(model, hf_knorm.parse_normalization(spelling))
     with torch.no_grad(), pytest.raises(ValueError, match="own sliding window of 5 positions"):
         model(**tiny_inputs("mistral", length=12))
