@@ -163,11 +163,12 @@ def test_a_forced_gpu_kernel_refuses_cpu_tensors(fresh, monkeypatch):
 ], ids=["softmax", "fp64", "dropout", "weights", "recording", "compiling", "fla-recording", "fla-fp64"])
 def test_a_forced_kernel_says_why_it_cannot_compute_a_call(proven, monkeypatch, path, case, reason):
     """Forcing a kernel is a promise that it computes the calls: one it cannot compute raises with the reason,
-    rather than going to the PyTorch kernel unnoticed."""
-    backends._CHOSEN.set({"quadratic": "triton", "linear": "fla"})
+    rather than going to the PyTorch kernel unnoticed (compiled code included: a ``kernels`` block sets a tap, so the
+    traced call reads the forced choice)."""
     kernel = "flash-linear-attention" if path.linear else "the Triton kernel"
-    with pytest.raises(ValueError, match=rf"forces {kernel}, which cannot compute this call: {reason}"):
-        _name(path, **case)
+    with backends.kernels(quadratic="triton", linear="fla"):
+        with pytest.raises(ValueError, match=rf"forces {kernel}, which cannot compute this call: {reason}"):
+            _name(path, **case)
 
 
 def _broken(function, factor=1.05):
