@@ -3,9 +3,9 @@ family defines; :mod:`.registry` parses spellings and saved records). Imports no
 only): the attention, the models and every job import it."""
 
 from .base import Learnable, Normalization
+from .grammar import SpellingError
 from .polynomial import Polynomial
 from .rectified import Rectified
-from .grammar import SpellingError
 from .registry import (FAMILIES, from_record, list_normalizations, normalization_grammar, parse_normalization,
                        representative_spellings)
 from .sigmoid import Sigmoid
