@@ -287,11 +287,11 @@ COMMANDS: tuple[Command, ...] = (
 
 
 def normalizations_help() -> str:
-    """The registered families with example spellings and sources (``hf_knorm.list_normalizations()``'s list)."""
-    from .normalizations.registry import accepted_forms
+    """How --normalization and --normalizations are spelled: the grammar, with every registered family's spellings
+    (``hf_knorm.normalizations.normalization_grammar()``)."""
+    from .normalizations import normalization_grammar
 
-    return ("normalizations (--normalization, --normalizations): a family's spelling; with a softmax window beside "
-            "it:\n'relu(x)^3/16 + softmax window 64 + sinks 4'\n" + accepted_forms())
+    return "normalizations (--normalization, --normalizations):\n" + normalization_grammar()
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -68,7 +68,7 @@ BAD_INPUTS = {
     "block size above the model's maximum": (["--dataset", "{tmp}/ok.txt", "--block-size", "512"],
                                              "--block-size 512 is above the model's maximum of 256"),
     "unknown normalization": (["--dataset", "{tmp}/ok.txt", "--normalization", "x^2.5/3"],
-                              "Unknown normalization .x\\^2.5/3.. The families and their spellings"),
+                              "Unknown normalization .x\\^2.5/3., at the base family's part"),
     "too few tokens": (["--dataset", "{tmp}/short.txt", "--eval-dataset", "{tmp}/ok.txt"],
                        "fewer than one block of 32"),
     "one text, nothing held out": (["--dataset", "{tmp}/ok.txt"], "holds a single text, which cannot be split"),
