@@ -81,7 +81,8 @@ def from_pretrained(path: str | os.PathLike, model_class=None, **kwargs) -> nn.M
         if not isinstance(source, str):  # a folder: its own error (no config.json, ...)
             raise
         cache = cache_description(hub.get("revision"), hub.get("cache_dir"))
-        raise not_found(source, f"not in the local Hub cache ({cache}), and fetching it from the Hub failed ({error})",
+        reason = " ".join(str(error).split())  # Transformers' message, on one line
+        raise not_found(source, f"not in the local Hub cache ({cache}), and fetching it from the Hub failed ({reason})",
                         "check the id (a private repo needs a token), or pass a checkpoint folder") from error
     section = getattr(config, SECTION, None) or {}
     normalization = section.get("normalization")
