@@ -17,6 +17,9 @@ its spelling (``normalization``), and a versioned typed record (``normalization_
 agree. A checkpoint of format 1 (the spelling alone, a window mix as JSON floats in ``window_mix``) loads to the same
 logits: the mix moves into the parameters.
 
+:func:`from_pretrained` takes a model by any name of the one loader's rule (:mod:`.sources`: ``"default"``, a folder,
+or a Hub id in the local Hub cache); :func:`load_model` is what the jobs call (the same rule, never downloading).
+
 :func:`save_weights_and_config` writes the weights and the config; the one public save, ``hf_knorm.save_pretrained``
 (:mod:`hf_knorm.hub.saving`) calls it and adds the tokenizer and the model card.
 """
