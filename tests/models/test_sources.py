@@ -11,6 +11,7 @@ of ``tmp_path`` laid out as ``hf download`` writes it, with huggingface_hub offl
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -33,8 +34,7 @@ from hub_helpers import hub  # noqa: E402,F401 (fixture)
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO = "someone/tiny-llama"
 LAYERS = tiny_config("llama").num_hidden_layers
-ONE_ERROR = r"is not 'default', not a folder .*A model is named by one of three forms: " + FORMS.replace("(", r"\(") \
-    .replace(")", r"\)")
+ONE_ERROR = r"is not 'default', not a folder .*A model is named by one of three forms: " + re.escape(FORMS)
 
 
 @pytest.fixture
@@ -182,3 +182,12 @@ def test_the_library_fetches_a_hub_id_into_the_local_hub_cache_and_names_the_thr
     with pytest.raises(ModelNotFoundError, match=rf"^'user/never-pushed' {ONE_ERROR}") as missing:
         hf_knorm.from_pretrained("user/never-pushed")
     assert "and fetching it from the Hub failed" in str(missing.value)
+
+
+@pytest.mark.slow
+def test_default_is_the_embedded_model(default_model_and_tokenizer):
+    embedded, _ = default_model_and_tokenizer
+    assert model_folder("default") == default_model.default_model_dir()
+    for model in (hf_knorm.from_pretrained("default"), load_model("default")[0]):
+        assert type(model) is type(embedded) and hf_knorm.patched_normalization(model) is None
+        assert all(torch.equal(value, embedded.state_dict()[key]) for key, value in model.state_dict().items())
