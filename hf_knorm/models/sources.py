@@ -40,14 +40,14 @@ def model_source(model: str | os.PathLike, *, download: bool = False, revision: 
 
     Args:
         model: ``"default"``, a checkpoint folder, or a Hub id.
-        download: let a Hub id that is not in the local Hub cache be fetched into it (by Transformers, when the
-            model loads); ignored while ``HF_HUB_OFFLINE`` is set. The jobs never set it.
+        download: let Transformers fetch into the local Hub cache what a Hub id's files lack there (when the model
+            loads), as its ``from_pretrained`` does; ignored while ``HF_HUB_OFFLINE`` is set. The jobs never set it.
         revision: the Hub revision (branch, tag or commit) of a Hub id; default ``main``.
         cache_dir: the Hub cache to look in; default ``HF_HUB_CACHE``.
 
     Returns:
-        The model's folder; with ``download``, a Hub id not in the cache is returned as it is (a ``str``), for
-        Transformers to fetch through the local Hub cache.
+        The model's folder; with ``download`` (and the Hub not offline), a valid Hub id is returned as it is (a
+        ``str``), for Transformers to read through the local Hub cache and fetch what is missing there.
 
     Raises:
         ModelNotFoundError: ``model`` is not ``"default"``, not a folder, and not a Hub id in the local Hub cache
@@ -69,11 +69,11 @@ def model_source(model: str | os.PathLike, *, download: bool = False, revision: 
     except HFValidationError:
         raise not_found(name, "not a Hub id (org/name) either", "pass a checkpoint folder that exists, or a Hub id") \
             from None
+    if download and not constants.HF_HUB_OFFLINE:
+        return name  # Transformers reads it from the local Hub cache, fetching what is missing there
     try:
         return Path(snapshot_download(repo_id=name, revision=revision, cache_dir=cache_dir, local_files_only=True))
     except LocalEntryNotFoundError:
-        if download and not constants.HF_HUB_OFFLINE:
-            return name
         offline = "; HF_HUB_OFFLINE is set, so nothing is downloaded" if download else ""
         raise not_found(name, f"not in the local Hub cache ({cache_description(revision, cache_dir)}{offline})",
                         f"download it once with `hf download {name}` on a machine with network, or pass a "

@@ -78,7 +78,7 @@ def named(tmp_path, monkeypatch, hub_cache):
 def test_each_form_reaches_its_folder(named, form):
     name, folder = named(form)
     assert model_folder(name) == folder
-    assert model_source(name, download=True) == folder  # found before anything would be fetched
+    assert model_source(name, download=True) == folder  # offline, the library finds the same folder
     found, config = causal_lm_source(name, block_size=32)  # the training jobs' argument path
     assert found == folder and config.model_type == "llama"
 
@@ -173,6 +173,7 @@ def test_the_library_fetches_a_hub_id_into_the_local_hub_cache_and_names_the_thr
     hf_knorm.push_to_hub(original, "user/tiny-sigmoid", tokenizer=char_tokenizer())
     with pytest.raises(ModelNotFoundError):
         model_folder("user/tiny-sigmoid")  # pushed, not downloaded: the jobs would not fetch it
+    assert model_source("user/tiny-sigmoid", download=True) == "user/tiny-sigmoid"  # for Transformers to fetch
     loaded = hf_knorm.from_pretrained("user/tiny-sigmoid").eval()
     assert hf_knorm.patched_normalization(loaded) == hf_knorm.patched_normalization(original)
     inputs = tiny_inputs("llama")
