@@ -55,6 +55,7 @@ from .jobs.finetune import FinetuneSettings
 from .jobs.kv_norms import KVNormsSettings
 from .jobs.niah import NiahSettings
 from .jobs.push import PushSettings
+from .models.sources import MODEL_HELP
 
 
 class _SettingsParser(HfArgumentParser):
@@ -110,7 +111,7 @@ class Command:
 # --- demo ---
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a checkpoint folder")
+    parser.add_argument("--model", default="default", help=MODEL_HELP)
     parser.add_argument("--out", type=Path, default=Path("outputs/demo"), help="output folder")
     parser.add_argument("--fast", action="store_true",
                         help="start from DemoSettings.fast(): every step shrunk to seconds (for tests and a first "

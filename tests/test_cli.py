@@ -91,8 +91,9 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys, mon
     missing = str(tmp_path / "no_model")
     assert main(["finetune", "--model", missing, "--out", str(tmp_path / "run")]) == 2
     error = capsys.readouterr().err
-    assert error.startswith("hf-knorm finetune: error: No model folder at") and error.count("\n") == 1
-    with pytest.raises(FileNotFoundError, match="No model folder"):
+    assert error.startswith(f"hf-knorm finetune: error: {missing!r} is not 'default', not a folder") \
+        and error.count("\n") == 1
+    with pytest.raises(FileNotFoundError, match="is not 'default', not a folder"):
         main(["finetune", "--model", missing, "--out", str(tmp_path / "run"), "--debug"])
 
     def crash(settings):

@@ -6,6 +6,7 @@ import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..models.sources import MODEL_HELP
 from ..balancing.balance import balance_kv
 
 
@@ -18,7 +19,7 @@ def _default_of(parameter: str):
 class KVNormsSettings:
     """What ``hf-knorm kv-norms`` runs; each field is a flag of the command (``--calibration-tokens 2048``)."""
 
-    model: str = field(default="default", metadata={"help": "'default' (SmolLM2-135M-Instruct) or a checkpoint folder"})
+    model: str = field(default="default", metadata={"help": MODEL_HELP})
     mode: str = field(default=_default_of("mode"), metadata={"help": "one scale per layer or per channel",
                                                              "choices": ("layer", "channel")})
     alpha: float = field(default=_default_of("alpha"), metadata={"help": "migration strength of --mode channel, in (0, 1]"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..models.sources import MODEL_HELP
 from ..balancing.balance import key_scales
 from ..evaluation.needle import option_variants, run_needle, score_variants, write_report
 
@@ -13,7 +14,7 @@ from ..evaluation.needle import option_variants, run_needle, score_variants, wri
 class NiahSettings:
     """What ``hf-knorm niah`` runs; each field is a flag of the command (``--passkey-seeds 0``)."""
 
-    model: str = field(default="default", metadata={"help": "'default' (SmolLM2-135M-Instruct) or a checkpoint folder"})
+    model: str = field(default="default", metadata={"help": MODEL_HELP})
     ratios: tuple[float, ...] = field(default=(0.0, 0.5, 0.75, 0.9),
                                       metadata={"help": "comma-separated compression ratios (0 = uncompressed)"})
     scores: tuple[str, ...] = field(default=("key_norm",), metadata={

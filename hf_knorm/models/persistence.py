@@ -17,6 +17,9 @@ its spelling (``normalization``), and a versioned typed record (``normalization_
 agree. A checkpoint of format 1 (the spelling alone, a window mix as JSON floats in ``window_mix``) loads to the same
 logits: the mix moves into the parameters.
 
+:func:`from_pretrained` takes a model by any name of the one loader's rule (:mod:`.sources`: ``"default"``, a folder,
+or a Hub id in the local Hub cache); :func:`load_model` is what the jobs call (the same rule, never downloading).
+
 :func:`save_weights_and_config` writes the weights and the config; the one public save, ``hf_knorm.save_pretrained``
 (:mod:`hf_knorm.hub.saving`) calls it and adds the tokenizer and the model card.
 """
@@ -38,6 +41,10 @@ from ..normalizations.windowed import MIX
 from ..version import __version__
 from .parameters import LEGACY_MIX_FIELD, PREFIX
 from .patching import SECTION, _configs
+from .sources import cache_description, model_folder, model_source, not_found
+
+HUB_ARGUMENTS = ("revision", "cache_dir", "token", "local_files_only")
+"""The arguments of a load that say where a Hub id's files are (Transformers' names)."""
 
 
 def save_weights_and_config(model: nn.Module, save_directory: str | os.PathLike, **kwargs) -> Path:
@@ -52,20 +59,34 @@ def save_weights_and_config(model: nn.Module, save_directory: str | os.PathLike,
 
 
 def from_pretrained(path: str | os.PathLike, model_class=None, **kwargs) -> nn.Module:
-    """Load a model saved with hf_knorm settings and check they are in force.
+    """Load a model (one saved with hf_knorm settings comes back with them, checked to be in force).
 
     Args:
-        path: a local folder (or a Hub repo id, when the Hub is reachable).
+        path: ``"default"`` (the embedded SmolLM2-135M-Instruct), a checkpoint folder, or a Hub id (``org/name``)
+            in the local Hub cache, or fetched into it where the Hub is reachable, as Transformers does (not with
+            ``HF_HUB_OFFLINE`` set or ``local_files_only=True``): the one rule of :mod:`.sources`.
         model_class: the class to load with (default: the class named in ``config.architectures``).
-        **kwargs: passed to ``from_pretrained`` (``dtype``, ...). ``attn_implementation`` may not contradict the
-            saved normalization.
+        **kwargs: passed to ``from_pretrained`` (``dtype``, ``revision``, ...). ``attn_implementation`` may not
+            contradict the saved normalization.
 
     Raises:
+        ModelNotFoundError: ``path`` is none of the three forms (or a Hub id that could not be fetched).
         ValueError: the saved normalization is not valid, or ``attn_implementation`` contradicts it.
     """
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(path)
+    hub = {key: kwargs[key] for key in HUB_ARGUMENTS if key in kwargs}
+    source = model_source(path, download=not hub.get("local_files_only", False), revision=hub.get("revision"),
+                          cache_dir=hub.get("cache_dir"))  # a folder, or a Hub id for Transformers to fetch
+    try:
+        config = transformers.AutoConfig.from_pretrained(source, **hub)
+    except OSError as error:
+        if not isinstance(source, str):  # a folder: its own error (no config.json, ...)
+            raise
+        cache = cache_description(hub.get("revision"), hub.get("cache_dir"))
+        reason = " ".join(str(error).split())  # Transformers' message, on one line
+        raise not_found(source, f"not in the local Hub cache ({cache}), and fetching it from the Hub failed ({reason})",
+                        "check the id (a private repo needs a token), or pass a checkpoint folder") from error
     section = getattr(config, SECTION, None) or {}
     normalization = section.get("normalization")
     if normalization is not None:
@@ -87,9 +108,9 @@ def from_pretrained(path: str | os.PathLike, model_class=None, **kwargs) -> nn.M
         architectures = getattr(config, "architectures", None) or []
         model_class = getattr(transformers, architectures[0], None) if architectures else None
         model_class = model_class or transformers.AutoModel
-    model = model_class.from_pretrained(path, **kwargs)  # a p = 1 model decodes with its state (recurrent.generation)
+    model = model_class.from_pretrained(source, **kwargs)  # a p = 1 model decodes with its state (recurrent.generation)
     if normalization is not None and normalization.learnable():
-        _check_learned(model, normalization, path, section)
+        _check_learned(model, normalization, source, section, hub)
     if normalization is not None:
         _upgrade_section(model, normalization)
     return model
@@ -124,14 +145,14 @@ def saved_normalization(section: dict, path) -> Normalization:
     return spelled
 
 
-def _check_learned(model: nn.Module, normalization: Normalization, path, section: dict) -> None:
+def _check_learned(model: nn.Module, normalization: Normalization, path, section: dict, hub: dict) -> None:
     """Check that the checkpoint held every learned value the model now has (Transformers' loader read them:
     :func:`hf_knorm.models.parameters.register`); a format-1 window mix comes from the config (or is 1).
 
     Raises:
         ValueError: the checkpoint lacks a learned value the normalization needs.
     """
-    saved = _saved_names(path)
+    saved = _saved_names(path, hub)
     names = {name for name, _ in model.named_parameters() if name.rsplit(".", 1)[-1].startswith(PREFIX)}
     missing = sorted(names - saved)
     if section.get("format", 1) == 1:  # the mix: from the config's window_mix, or 1 (initial_values)
@@ -142,15 +163,15 @@ def _check_learned(model: nn.Module, normalization: Normalization, path, section
                          "hf_knorm.save_pretrained or model.save_pretrained.")
 
 
-def _saved_names(path) -> set[str]:
+def _saved_names(path, hub: dict) -> set[str]:
     """The names of the ``hf_knorm_*`` tensors in a checkpoint's safetensors files (a local folder or a Hub
-    repository)."""
+    repository, found with the ``hub`` arguments of the load)."""
     from safetensors import safe_open
     from transformers.utils import cached_file
 
     folder = Path(path)
     if not folder.is_dir():
-        folder = Path(cached_file(str(path), "config.json")).parent
+        folder = Path(cached_file(str(path), "config.json", **hub)).parent
     names = set()
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
@@ -158,25 +179,18 @@ def _saved_names(path) -> set[str]:
     return names
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, **kwargs):
-    """Load ``"default"`` (SmolLM2-135M-Instruct, embedded) or a local checkpoint folder, with its tokenizer.
+def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32, **kwargs):
+    """Load the model a job names, with its tokenizer: ``"default"`` (SmolLM2-135M-Instruct, embedded), a checkpoint
+    folder, or a Hub id in the local Hub cache; nothing is downloaded (:func:`.sources.model_folder`).
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
 
     Raises:
-        FileNotFoundError: ``name_or_path`` is neither ``"default"`` nor an existing folder.
+        ModelNotFoundError: ``name_or_path`` is none of the three forms.
     """
     from transformers import AutoTokenizer
 
-    from ..assets.default_model import load_default_model
-
-    if name_or_path == "default":
-        return load_default_model(dtype=dtype, **kwargs)
-    if not Path(name_or_path).is_dir():
-        raise FileNotFoundError(
-            f"No model folder at {name_or_path!r}. Pass 'default' for the embedded SmolLM2-135M-Instruct, "
-            "or the folder of a checkpoint saved with save_pretrained."
-        )
-    model = from_pretrained(name_or_path, dtype=dtype, **kwargs).eval()
-    return model, AutoTokenizer.from_pretrained(name_or_path)
+    folder = model_folder(name_or_path)
+    model = from_pretrained(folder, dtype=dtype, **kwargs).eval()
+    return model, AutoTokenizer.from_pretrained(folder)

@@ -87,7 +87,7 @@ def test_corrupt_saved_normalization_is_reported(tmp_path):
 
 
 def test_missing_folder_is_reported():
-    with pytest.raises(FileNotFoundError, match="No model folder"):
+    with pytest.raises(FileNotFoundError, match="'/nonexistent/model' is not 'default', not a folder"):
         hf_knorm.models.persistence.load_model("/nonexistent/model")
 
 

@@ -21,10 +21,11 @@ from .steps import balancing_step, conversion_step, knorm_step, normalizations_s
 
 def run_demo(model_name: str, out_dir: str | Path, settings: DemoSettings | None = None,
              push_to: str | None = None, token: str | None = None) -> Path:
-    """Run the demo's steps on ``model_name`` (``"default"`` or a checkpoint folder); returns ``report.html``'s path.
+    """Run the demo's steps on ``model_name``; returns ``report.html``'s path.
 
     Args:
-        model_name: ``"default"`` (SmolLM2-135M-Instruct, embedded) or a local checkpoint folder.
+        model_name: ``"default"`` (SmolLM2-135M-Instruct, embedded), a checkpoint folder, or a Hub id in the local
+            Hub cache (:func:`hf_knorm.models.sources.model_folder`).
         out_dir: where every step writes its folder, ``demo.json`` and ``report.html``.
         settings: the sizes of the steps (default: :class:`DemoSettings`; ``DemoSettings.fast()`` for tests).
         push_to: a Hub repo id: step 5 also pushes the converted model there (needs a token).
@@ -33,6 +34,7 @@ def run_demo(model_name: str, out_dir: str | Path, settings: DemoSettings | None
     Raises:
         ValueError: a bad normalization or setting, an invalid ``push_to`` or no token for it, all found before the
             model is loaded.
+        ModelNotFoundError: ``model_name`` is none of the three forms.
     """
     settings = settings or DemoSettings()
     for name in settings.normalizations:  # bad input fails before any work
