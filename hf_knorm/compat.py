@@ -156,7 +156,12 @@ def run_callback_first(callback: TrainerCallback, console_filter: TrainerCallbac
     then the user's ``callbacks=``, then the console printer (``Trainer.__init__``). ``Trainer.log`` passes one
     ``logs`` dict to ``on_log`` of each in turn, so a value a user callback adds to ``logs`` reaches no integration.
     No public way places a callback before the integrations: ``callbacks=`` and ``Trainer.add_callback`` append, and
-    no event receives the Trainer or its ``CallbackHandler``.
+    no event receives the Trainer or its ``CallbackHandler``: ``CallbackHandler.call_event`` passes ``model``,
+    ``processing_class``, ``optimizer``, ``lr_scheduler``, the two dataloaders and what the Trainer passes the
+    handler's ``on_*`` method (``logs``, ``metrics``, ...), never the Trainer itself (read in the sources of 5.17,
+    5.18 and 5.24; those of 5.10 and 5.25 were not at hand, the compatibility test runs on 5.10). The public
+    ``Trainer.callback_handler`` is reachable only by whoever holds the Trainer, which a callback passed as
+    ``callbacks=[...]`` (or to TRL's trainers, or to a job's own Trainer subclass) never does.
 
     How: the handler is found as what it is, the ``CallbackHandler`` whose ``callbacks`` list holds ``callback``,
     through the garbage collector's referrer lists (:func:`gc.get_referrers`: the lists that hold the callback, then
@@ -176,11 +181,15 @@ def run_callback_first(callback: TrainerCallback, console_filter: TrainerCallbac
     Returns:
         Whether at least one Trainer's list holds ``callback`` (and now starts with it).
 
+    When: called by the callback itself at ``on_train_begin`` (``NormLoggerCallback``, ``WindowDropoutCallback``): it
+    installs nothing process-wide and touches only the Trainers that hold the callback; a second call leaves an
+    ordered list as it is.
+
     Checked on: Transformers 5.24 (``CallbackHandler.callbacks``; ``call_event`` iterates over it).
     Test: ``tests/training/test_training_callback_order.py`` (``compat``): a 3-step ``Trainer`` with
     ``report_to=["tensorboard"]`` whose event file must hold the norm scalars, with the callback's "could not reach"
-    warning turned into an error; the reordering during an event in progress; the handler found with and without a
-    materialized ``__dict__``.
+    warning turned into an error; a second ``train()`` keeps one companion and the order; the reordering during an
+    event in progress; the handler found with and without a materialized ``__dict__``.
     """
     handlers = _handlers_holding(callback)
     for handler in handlers:
