@@ -222,3 +222,18 @@ def test_the_pipeline_task_is_registered_once_and_refuses_another_class(monkeypa
     monkeypatch.setitem(PIPELINE_REGISTRY.supported_tasks, "knorm-text-generation", dict(held, impl=object))
     with pytest.raises(ValueError, match="already registered with <class 'object'>"):
         register_pipeline()
+
+
+def test_the_hf_knorm_attention_is_registered_at_import_once():
+    """Registering again (what a second ``import`` of the registration would do) keeps the same functions."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from hf_knorm.attention import registration
+    from hf_knorm.attention.interface import hf_knorm_attention
+    from hf_knorm.attention.masks import hf_knorm_mask
+
+    serialize = tf.PretrainedConfig._remove_keys_not_serialized
+    registration.register()
+    assert AttentionInterface._global_mapping["hf_knorm"] is hf_knorm_attention
+    assert AttentionMaskInterface._global_mapping["hf_knorm"] is hf_knorm_mask
+    assert tf.PretrainedConfig._remove_keys_not_serialized is serialize
