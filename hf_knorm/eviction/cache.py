@@ -283,6 +283,8 @@ class KNormCache(Cache):
                 f"head_budget='heads' attends through the knorm_ragged attention (softmax, SDPA); this model is "
                 f"patched with {normalization}, which it would lose. Use head_budget='uniform' with patched models."
             )
+        if head_budget == "heads":
+            register_ragged_attention()  # the first cache that needs "knorm_ragged" registers it (idempotent)
         super().__init__(layers=[] if config is None else self._layers_for(config))
 
     # --- structure -------------------------------------------------------------------------------------------------
@@ -467,4 +469,4 @@ class KNormCache(Cache):
         return total
 
 
-from .ragged import RAGGED_ATTENTION, RaggedKNormLayer  # noqa: E402  (ragged.py builds on KNormLayer above)
+from .ragged import RAGGED_ATTENTION, RaggedKNormLayer, register as register_ragged_attention  # noqa: E402  (ragged.py builds on KNormLayer above)

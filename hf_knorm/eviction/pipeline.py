@@ -200,12 +200,29 @@ class KNormTextGenerationPipeline(Pipeline):
         return {"answer": answer.strip()}
 
 
+TASK = "knorm-text-generation"
+"""The pipeline task :func:`register_pipeline` registers."""
+
+
 def register_pipeline() -> None:
-    """Register the ``knorm-text-generation`` task with Transformers (done on ``import hf_knorm``)."""
+    """Register the ``knorm-text-generation`` task with Transformers' pipeline registry (a public extension point).
+
+    Done on ``import hf_knorm``: ``pipeline("knorm-text-generation", ...)`` is the user's first call and runs no
+    plugin code before it looks the task up. It adds one task name and changes no other task. Idempotent; a task of
+    that name already registered with another pipeline class is refused rather than replaced or silently kept.
+
+    Raises:
+        ValueError: ``knorm-text-generation`` is registered with another pipeline class.
+    """
     from transformers import AutoModelForCausalLM
     from transformers.pipelines import PIPELINE_REGISTRY
 
-    if "knorm-text-generation" not in PIPELINE_REGISTRY.supported_tasks:
+    held = PIPELINE_REGISTRY.supported_tasks.get(TASK)
+    if held is None:
         PIPELINE_REGISTRY.register_pipeline(
-            "knorm-text-generation", pipeline_class=KNormTextGenerationPipeline, pt_model=AutoModelForCausalLM
+            TASK, pipeline_class=KNormTextGenerationPipeline, pt_model=AutoModelForCausalLM
         )
+    elif held.get("impl") is not KNormTextGenerationPipeline:
+        raise ValueError(f"The pipeline task {TASK!r} is already registered with {held.get('impl')!r}; hf_knorm's "
+                         f"{KNormTextGenerationPipeline.__name__} needs the name.")
+

@@ -28,7 +28,8 @@ Attention (the ``"knorm_ragged"`` function, :func:`ragged_attention`, Transforme
 
 A model must therefore run with ``model.set_attn_implementation("knorm_ragged")``
 (``hf_knorm.eviction.pipeline.knorm_generate`` does it for the call); the cache refuses a ragged step under any other
-attention, loudly, rather than attend only the new token.
+attention, loudly, rather than attend only the new token. The name is registered with Transformers by the first
+``KNormCache(head_budget="heads")`` (:func:`register`), not at import.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from .budgets import head_adaptive_keep
 from .cache import KNormLayer, _check_unpadded_positions
 
 __all__ = ["CAPACITY_SLACK", "RAGGED_ATTENTION", "RaggedKNormLayer", "RaggedViews", "ragged_attention",
-           "ragged_attention_for"]
+           "ragged_attention_for", "register"]
 
 RAGGED_ATTENTION = "knorm_ragged"
 CAPACITY_SLACK = 0.02  # room left after each head's slice, as a fraction of the mean kept count per head (floored)
@@ -297,6 +298,7 @@ def ragged_attention_for(model, cache):
     if not any(isinstance(layer, RaggedKNormLayer) for layer in cache.layers):
         yield
         return
+    register()
     original = model.config._attn_implementation
     model.set_attn_implementation(RAGGED_ATTENTION)
     try:
@@ -305,5 +307,22 @@ def ragged_attention_for(model, cache):
         model.set_attn_implementation(original)
 
 
-AttentionInterface.register(RAGGED_ATTENTION, ragged_attention)
-AttentionMaskInterface.register(RAGGED_ATTENTION, sdpa_mask)
+def register() -> None:
+    """Register :func:`ragged_attention` (and Transformers' SDPA mask) under ``"knorm_ragged"`` with Transformers'
+    ``AttentionInterface`` and ``AttentionMaskInterface`` (public extension points, process-wide registries).
+
+    Lazily: by the first ``KNormCache(head_budget="heads")`` (a cache that needs the attention) and by
+    :func:`ragged_attention_for`; ``import hf_knorm`` registers nothing under this name. Idempotent; a name that
+    already holds another function (someone else's ``"knorm_ragged"``) is refused rather than replaced.
+
+    Raises:
+        ValueError: ``"knorm_ragged"`` is registered with another attention or mask function.
+    """
+    for interface, function in ((AttentionInterface(), ragged_attention), (AttentionMaskInterface(), sdpa_mask)):
+        held = interface.get(RAGGED_ATTENTION)
+        if held is not None and held is not function:
+            raise ValueError(f"{type(interface).__name__} already holds another {RAGGED_ATTENTION!r} function "
+                             f"({getattr(held, '__module__', '?')}.{getattr(held, '__qualname__', held)!s}); "
+                             "hf_knorm's head budgets need the name for their own attention.")
+        if held is None:
+            type(interface).register(RAGGED_ATTENTION, function)

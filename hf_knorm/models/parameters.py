@@ -6,7 +6,9 @@ value, of one entry per query head, named ``hf_knorm_<name>`` (``model.layers.0.
 are in ``state_dict``, the Trainer trains them (LoRA freezes them with the rest of the base model), and
 ``save_pretrained`` writes them with the weights. :func:`hf_knorm.patch` adds them (each at the family's initial
 value), ``unpatch`` removes them. A model built from a patched config (any ``from_pretrained``, ``from_config``)
-gets them when it is built (:func:`register`), so Transformers' own loader reads them from the checkpoint.
+gets them when it is built (:func:`register`), so Transformers' own loader reads them from the checkpoint. The same
+build hook installs, for the first model built with a ``p = 1`` normalization, the ``generate`` cache choice of
+:mod:`hf_knorm.recurrent.generation` (docs/compatibility.md, "What importing hf_knorm changes").
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..attention.linear_kernel import is_linear
 from ..compat import add_parameters_when_built
 from ..normalizations import Normalization, parse_normalization
 from ..normalizations.base import PARAMETER_PREFIX
 from ..normalizations.windowed import CODEBOOK, MIX
 from ..attention.held import hold
+from ..recurrent.generation import register as register_state_decoding
 from .architectures import attention_modules
 
 PREFIX = PARAMETER_PREFIX
@@ -79,10 +83,13 @@ def hold_normalization(model: nn.Module, normalization: Normalization | None) ->
 
 def _add_when_built(model: nn.Module) -> None:
     """The build hook: a model whose config is patched holds its normalization (parsed here, once) and gets the
-    values its family learns."""
+    values its family learns; one built with a ``p = 1`` normalization makes ``generate`` choose its state cache
+    (installed by the first such model)."""
     normalization = _configured_normalization(getattr(model, "config", None))
     if normalization is None:
-        return
+        return  # a model that never met the plugin: nothing happens
+    if is_linear(normalization):
+        register_state_decoding()
     try:
         hold_normalization(model, normalization)
         if normalization.learnable():
@@ -102,7 +109,8 @@ def _initialize_missing(module: nn.Module) -> None:
 
 
 def register() -> None:
-    """Give every model built from a patched config its learnable values (``import hf_knorm`` calls it; once)."""
+    """Give every model built from a patched config its learnable values (``import hf_knorm`` calls it: a plain
+    ``from_pretrained`` of a patched checkpoint runs no plugin call before its weights load; idempotent)."""
     add_parameters_when_built(_add_when_built, _initialize_missing)
 
 

@@ -25,6 +25,7 @@ from ..normalizations.registry import RECORD_FORMAT
 from ..attention.paths import LINEAR_POLICIES
 from ..compat import attn_implementation_of
 from ..recurrent.cache import unwatch_steps, watch_steps
+from ..recurrent.generation import register as register_state_decoding
 from ..version import __version__
 from .architectures import architecture_of, attention_modules
 from .parameters import LEGACY_MIX_FIELD, add_parameters, hold_normalization, remove_parameters
@@ -102,6 +103,7 @@ def patch(model: nn.Module, normalization: str | Normalization, *, linear: str =
     hold_normalization(model, normalization)  # what the attention reads at run time (attention/held.py)
     add_parameters(model, normalization)
     if is_linear(normalization):  # generate decodes it with a constant-size state (hf_knorm.recurrent.generation)
+        register_state_decoding()  # the generate wrap, installed by the first such model (idempotent)
         watch_steps(model)  # a layer that misses its state is an error at the step's end
     return model
 

@@ -12,6 +12,9 @@ the interpreter; TF32 is not used for fp32 inputs); bf16 and fp16 inputs against
 rounded inputs, ``2e-2`` of the largest value (the output is rounded to 8 or 11 bits; the sums are fp32).
 """
 
+import contextlib
+import threading
+
 import pytest
 import torch
 
@@ -20,6 +23,9 @@ triton_kernel = pytest.importorskip("hf_knorm.attention.triton_kernel",
 
 from hf_knorm.normalizations import parse_normalization  # noqa: E402
 from hf_knorm.attention.reference import reference_attention  # noqa: E402
+
+import triton  # noqa: E402  (installed: hf_knorm.attention.triton_kernel imported it)
+import triton.language as tl  # noqa: E402
 
 pytestmark = [pytest.mark.triton, pytest.mark.device]  # make device runs them compiled on a GPU
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -159,42 +165,79 @@ def test_half_precision_at_the_production_blocks(dtype):
 @pytest.mark.skipif(not triton_kernel.INTERPRETED, reason="reads the operands through Triton's interpreter")
 def test_bf16_multiplies_bf16_operands_at_the_production_blocks(monkeypatch):
     """Every ``tl.dot`` of a bf16 call, forward and backward, multiplies bf16 tiles of 64 rows or columns (the
-    interpreter records what reaches it), and the result is right."""
+    interpreter's conversion records what reaches it), and the result is right."""
     from triton import language as tl
-    from triton.runtime import interpreter
 
-    products = []
-    multiply = interpreter.InterpreterBuilder.create_dot
+    from hf_knorm.attention import triton_interpreter
 
-    def recording(self, a, b, *args):
-        products.append((a.dtype.scalar, b.dtype.scalar, a.data.shape, b.data.shape))
-        return multiply(self, a, b, *args)
+    operands, convert = [], triton_interpreter._as_fp32
 
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", recording)
+    def recording(handle):
+        operands.append((handle.dtype.scalar, handle.data.shape))
+        return convert(handle)
+
+    monkeypatch.setattr(triton_interpreter, "_as_fp32", recording)
     q, k, v = _tensors(q_len=100, kv_len=100, dim=64, dtype=torch.bfloat16)
     _check("x^3/16", q, k, v, None, causal=True, rtol=2e-2, blocks={})
-    assert products and {(a, b) for a, b, *_ in products} == {(tl.bfloat16, tl.bfloat16)}
-    assert all(64 in a_shape and 64 in b_shape for _, _, a_shape, b_shape in products)
+    assert operands and {dtype for dtype, _ in operands} == {tl.bfloat16}
+    assert all(64 in shape for _, shape in operands)
+
+
+@triton.jit
+def _product(A, B, C, N: tl.constexpr):
+    """A 64 x 64 ``tl.dot`` of a kernel that is not the package's."""
+    rows, columns = tl.arange(0, N)[:, None], tl.arange(0, N)[None, :]
+    c = tl.dot(tl.load(A + rows * N + columns), tl.load(B + rows * N + columns))
+    tl.store(C + rows * N + columns, c)
+
+
+def _bf16_product(generator_seed=0):
+    generator = torch.Generator().manual_seed(generator_seed)
+    a, b = (torch.randn(64, 64, generator=generator).to(DEVICE, torch.bfloat16) for _ in range(2))
+    c = torch.empty(64, 64, device=DEVICE, dtype=torch.float32)
+    _product[(1,)](a, b, c, N=64)
+    return a, b, c
 
 
 def test_the_interpreter_multiplies_bf16_tiles():
-    """The product ``triton_interpreter.py`` teaches Triton's interpreter (on a GPU, the hardware's): a 64 x 64 bf16
-    ``tl.dot`` with fp32 sums, as torch computes it on the fp32 values of the same bf16 numbers."""
-    import triton
-    import triton.language as tl
+    """The product ``triton_interpreter.py`` teaches Triton's interpreter inside ``bf16_dot`` (on a GPU, the
+    hardware's): a 64 x 64 bf16 ``tl.dot`` with fp32 sums, as torch computes it on the fp32 values of the same bf16
+    numbers."""
+    from hf_knorm.attention.triton_interpreter import bf16_dot
 
-    @triton.jit
-    def product(A, B, C, N: tl.constexpr):
-        rows, columns = tl.arange(0, N)[:, None], tl.arange(0, N)[None, :]
-        c = tl.dot(tl.load(A + rows * N + columns), tl.load(B + rows * N + columns))
-        tl.store(C + rows * N + columns, c)
-
-    generator = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(64, 64, generator=generator).to(DEVICE, torch.bfloat16) for _ in range(2))
-    c = torch.empty(64, 64, device=DEVICE, dtype=torch.float32)
-    product[(1,)](a, b, c, N=64)
+    with bf16_dot() if triton_kernel.INTERPRETED else contextlib.nullcontext():
+        a, b, c = _bf16_product()
     want = a.double() @ b.double()
     torch.testing.assert_close(c.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.skipif(not triton_kernel.INTERPRETED, reason="Triton's interpreter only")
+def test_the_bf16_product_is_taught_to_the_package_kernels_only(monkeypatch):
+    """Another interpreted kernel multiplies as Triton does (no operand converted), before and after a launch of the
+    package's kernels and from another thread during one; the interpreter's ``create_dot`` is Triton's own outside
+    the package's launches; teaching a kernel twice wraps it once."""
+    from triton.runtime import interpreter
+
+    from hf_knorm.attention import triton_interpreter
+
+    own = interpreter.InterpreterBuilder.create_dot
+    converted, convert = [], triton_interpreter._as_fp32
+    monkeypatch.setattr(triton_interpreter, "_as_fp32", lambda handle: converted.append(handle) or convert(handle))
+    _bf16_product()
+    assert not converted and interpreter.InterpreterBuilder.create_dot is own
+    q, k, v = _tensors(q_len=16, kv_len=16, dim=16, dtype=torch.bfloat16)
+    triton_kernel.triton_attention(q, k, v, None, parse_normalization("x^3/16"), causal=True)
+    assert converted and interpreter.InterpreterBuilder.create_dot is own
+    converted.clear()
+    with triton_interpreter.bf16_dot():  # as during a package launch: the converting create_dot is on the class
+        assert interpreter.InterpreterBuilder.create_dot is not own
+        elsewhere = threading.Thread(target=_bf16_product)
+        elsewhere.start()
+        elsewhere.join()
+    assert not converted and interpreter.InterpreterBuilder.create_dot is own
+    run = triton_kernel._forward_kernel.run
+    triton_interpreter.teach_bf16_dot(triton_kernel._forward_kernel)
+    assert triton_kernel._forward_kernel.run is run
 
 
 def test_block_ranges_from_a_window_mask():

@@ -28,6 +28,13 @@ def _no_grad():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _ragged_attention_registered():
+    """These tests select "knorm_ragged" before building a head-budget cache (the call that registers it for users;
+    its laziness is tested in tests/test_compat_reaches.py)."""
+    ragged.register()
+
+
 def ragged_model(model_type="llama", layers=None):
     model = knorm_model(model_type)
     if layers is not None:

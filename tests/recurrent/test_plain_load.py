@@ -83,6 +83,7 @@ def test_the_wrap_is_installed_once_and_a_transformers_without_the_method_gets_a
 
     from hf_knorm.recurrent.generation import CHOOSER, default_cache
 
+    hf_knorm.patch(tiny_model("llama"), "x/1")  # the first p = 1 model installs the wrap
     before = GenerationMixin._prepare_cache_for_generation
     assert before.__wrapped__.__qualname__ == "GenerationMixin._prepare_cache_for_generation"
     choose_default_generation_cache(CHOOSER, default_cache)
