@@ -1,10 +1,10 @@
 """``ConvertSettings``: what ``hf-knorm convert`` and :func:`hf_knorm.convert` run; each field is a flag.
 
 The defaults convert the embedded default model (SmolLM2-135M-Instruct) to ``x/1 + softmax window 64 + sinks 4 + sparse
-256 (prefix_kv_diff)`` on the general mixture (:mod:`.mixture`: the original model's own samples and Paul Graham essays
-0-39), evaluated on four held-out domains
-(:mod:`hf_knorm.evaluation.domains`) and by the ability probe (:mod:`hf_knorm.evaluation.probe`);
-docs/results/conversion.md, "The default conversion", has the time and the figures.
+256 (prefix_kv_diff) + clusters 600`` on the general mixture (:mod:`.mixture`: the original model's own samples and
+Paul Graham essays 0-39), evaluated on four held-out domains (:mod:`hf_knorm.evaluation.domains`) and by the ability
+probe (:mod:`hf_knorm.evaluation.probe`); docs/results/conversion.md, "The default conversion", has the time and the
+figures. Each field's ``metadata["help"]`` is its flag's help, a line or two; docs/conversion.md has the details.
 """
 
 from __future__ import annotations
@@ -91,16 +91,19 @@ class ConvertSettings:
         "help": "softmax over each query's last W keys (0: none)",
         "group": NORMALIZATION, "metavar": "W"})
     attention_sinks: int | None = field(default=None, metadata={
-        "help": f"softmax over the first S keys too (default: {DEFAULT_ATTENTION_SINKS} with a window, 0 without)", "group": NORMALIZATION, "metavar": "S"})
+        "help": f"softmax over the first S keys too (default: {DEFAULT_ATTENTION_SINKS} with a window, 0 without)",
+        "group": NORMALIZATION, "metavar": "S"})
     sparse_cache: int | None = field(default=None, metadata={
         "help": f"softmax over K older pairs per KV head too, by --sparse-score (default: {DEFAULT_SPARSE_CACHE} "
                 "with a window, 0 without)",
         "group": NORMALIZATION, "metavar": "K"})
     sparse_score: str | None = field(default=None, metadata={
-        "help": f"prefix_kv_diff | value_over_key | key_norm (default: {DEFAULT_SPARSE_SCORE})", "group": NORMALIZATION, "metavar": "SCORE"})
+        "help": f"prefix_kv_diff | value_over_key | key_norm (default: {DEFAULT_SPARSE_SCORE})",
+        "group": NORMALIZATION, "metavar": "SCORE"})
     clusters: int | None = field(default=None, metadata={
         "help": "softmax over C cluster means of the pairs the cache leaves too (default: the spelling's, or "
-                f"{DEFAULT_CLUSTERS} beside a cache it does not give; 0: none)", "group": NORMALIZATION, "metavar": "C"})
+                f"{DEFAULT_CLUSTERS} beside a cache it does not give; 0: none)",
+        "group": NORMALIZATION, "metavar": "C"})
     fold_constant: bool = field(default=True, metadata={
         "help": "train x^p/c as x^p/1, then fold c^(1/p) into q", "group": NORMALIZATION})
     out: str = field(default="outputs/convert", metadata={
@@ -112,7 +115,8 @@ class ConvertSettings:
         "help": "the loss on prompts too, not only on replies",
         "group": MODEL})
     eval_dataset: str | None = field(default=None, metadata={
-        "help": "held-out text of the data, as --dataset (default: the data's own, or none: docs/conversion.md)", "group": EVALUATION})
+        "help": "held-out text of the data, as --dataset (default: the data's own, or none: docs/conversion.md)",
+        "group": EVALUATION})
     eval_domains: tuple[str, ...] = field(default=("essays", "plays", "technical", "conversation"), metadata={
         "help": "held-out domains; the worst is the headline", "group": EVALUATION})
     eval_fraction: float = field(default=0.1, metadata={
