@@ -352,7 +352,8 @@ def _build_parser() -> argparse.ArgumentParser:
     """The ``hf-knorm`` parser; ``parser.command_parsers`` maps each command's name to its own parser."""
     parser = argparse.ArgumentParser(
         prog="hf-knorm",
-        description="Attention-norm tools for Hugging Face Transformers (runs offline on SmolLM2-135M-Instruct by default).",
+        description="Attention-norm tools for Hugging Face Transformers (on SmolLM2-135M-Instruct by default, offline "
+        "once installed; terms: docs/glossary.md).",
         epilog=normalizations_help(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error, not one line")
