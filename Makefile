@@ -29,8 +29,8 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The suite in one pytest-xdist worker per core (tests/conftest.py gives each worker its share of the threads; an idle
-# worker takes queued tests from a busy one: the long end-to-end tests do not leave one core idle at the end): 7 min
-# on 2 cores, 19 min in one process (docs/status.md "Setup, times and status").
+# worker takes queued tests from a busy one: the long end-to-end tests do not leave one core idle at the end). Its
+# time, and make demo's: docs/status.md, "Setup, times and status" (the one place they are stated).
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -ra -n auto --dist worksteal

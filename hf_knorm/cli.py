@@ -1,9 +1,9 @@
 """The ``hf-knorm`` command line: runs the plugin's jobs on the embedded default model (or a local checkpoint).
 
 The work lives in the library, so everything the CLI does is also one Python call away. A job with settings has
-one settings dataclass, and the command's flags are built from it by Transformers' ``HfArgumentParser``: each field
-is a flag, its default is the field's default and its help is the field's ``metadata["help"]``, so the command
-line, ``--help`` and the Python API cannot drift apart (``tests/test_cli.py`` checks every such command).
+one settings dataclass, and the command's flags are built from it (:func:`_add_settings`, on argparse): each field is
+a flag, its default is the field's default and its help is the field's ``metadata["help"]``, so the command line,
+``--help`` and the Python API cannot drift apart (``tests/test_cli.py`` checks every such command).
 
 Adding a command (e.g. ``convert``) takes one dataclass and one registration:
 
@@ -15,11 +15,13 @@ Adding a command (e.g. ``convert``) takes one dataclass and one registration:
            out: str = field(default="outputs/convert", metadata={"help": "the converted model's folder"})
            ratio: float = field(default=0.5, metadata={"help": "..."})
 
-   What the fields become (HfArgumentParser, checked on Transformers 5.24): ``name_with_underscores`` is both
-   ``--name_with_underscores`` and ``--name-with-underscores``; ``str | None`` / ``int | None`` take a value or stay
+   What the fields become (:func:`_add_settings`): ``name_with_underscores`` is ``--name-with-underscores`` (the
+   old ``--name_with_underscores`` is accepted, not shown); ``str | None`` / ``int | None`` take a value or stay
    ``None``; ``bool`` is ``--flag`` (default False) or, with default True, ``--flag`` and ``--no-flag``;
-   ``metadata={"choices": (...)}`` restricts a value; ``tuple[X, ...]`` takes comma-separated X values
-   (``--normalizations softmax,x^3/16``; :class:`_SettingsParser`). ``--help`` shows every default.
+   ``metadata={"choices": (...)}`` restricts a value, ``"metavar"`` names it, ``"group"`` puts the flag in a titled
+   group of ``--help`` (ordered by the class attribute ``help_groups``); ``tuple[X, ...]`` takes comma-separated X
+   values (``--normalizations softmax,x^3/16``). ``--help`` shows one default per flag: keep each help to a line or
+   two, the details on the command's docs page (``convert --help`` stays under 120 lines).
 2. One entry of ``COMMANDS`` below::
 
        Command("convert", help="one line for `hf-knorm --help`", description="the `hf-knorm convert --help` text",
@@ -38,13 +40,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import types
 import typing
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
-
-from transformers import HfArgumentParser
 
 from .conversion.settings import (DEFAULT_ATTENTION_SINKS, DEFAULT_CLUSTERS, DEFAULT_NORMALIZATION,
                                   DEFAULT_SOFTMAX_WINDOW, DEFAULT_SPARSE_CACHE, DEFAULT_SPARSE_SCORE, ConvertSettings)
@@ -58,22 +59,93 @@ from .jobs.push import PushSettings
 from .models.sources import MODEL_HELP
 
 
-class _SettingsParser(HfArgumentParser):
-    """``HfArgumentParser`` whose ``tuple[X, ...]`` fields take comma-separated values.
+class _SettingsParser(argparse.ArgumentParser):
+    """A command's parser, its flags built from the command's settings dataclass (:func:`_add_settings`)."""
 
-    HfArgumentParser (Transformers 5.24) turns a ``list[X]`` field into ``nargs="+"`` but hands any other annotation,
-    ``tuple[str, ...]`` included, to argparse as the ``type``, which would split ``"a,b"`` into characters. Here such
-    an argument parses ``"a,b"`` into ``("a", "b")`` (X applied to each item), and its default is shown and parsed
-    in the same comma-separated form.
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """A command's ``--help``: the help column at 30 characters (most flags and their help fit one line), and one
+    default per flag: its value, unless the help already says ``default:`` (a default that depends on other flags)
+    or there is none (``None``, a ``store_true`` flag's ``False``)."""
+
+    def __init__(self, prog: str):
+        super().__init__(prog, max_help_position=30)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or "default:" in text or any(
+                action.default is nothing for nothing in (None, False, argparse.SUPPRESS)):
+            return text
+        return text + " (default: %(default)s)"
+
+
+_METAVARS = {int: "N", float: "X", str: "TEXT"}
+
+
+def _add_settings(parser: argparse.ArgumentParser, settings: type) -> None:
+    """One flag per field of the dataclass ``settings``: its default is the field's, its help the field's
+    ``metadata["help"]``, shown in the group ``metadata["group"]`` (else with the parser's options; the groups in the
+    order of the class attribute ``help_groups``, if any, then as they come).
+
+    ``name_with_underscores`` is ``--name-with-underscores``, with the old ``--name_with_underscores`` still accepted
+    but not shown; ``X | None`` takes an X or stays ``None``; ``bool`` is ``--flag`` (default False) or
+    ``--flag``/``--no-flag`` (default True); ``metadata["choices"]`` restricts a value, ``metadata["metavar"]`` names
+    it; ``tuple[X, ...]`` takes comma-separated X values (``--normalizations softmax,x^3/16``). The help shows one
+    default (:class:`_HelpFormatter`).
     """
+    hints = typing.get_type_hints(settings)
+    groups = {title: parser.add_argument_group(title) for title in getattr(settings, "help_groups", ())}
+    for setting in fields(settings):
+        if not setting.init:
+            continue
+        metadata = dict(setting.metadata)
+        title = metadata.pop("group", None)
+        target = parser if title is None else groups.get(title) or groups.setdefault(
+            title, parser.add_argument_group(title))
+        _add_setting(target, setting.name, hints[setting.name], setting.default, metadata)
 
-    def add_argument(self, *names, **kwargs):
-        if typing.get_origin(kwargs.get("type")) is tuple:
-            item = typing.get_args(kwargs["type"])[0]
-            kwargs["type"] = _comma_separated(item)
-            if isinstance(kwargs.get("default"), tuple):
-                kwargs["default"] = ",".join(map(str, kwargs["default"]))
-        return super().add_argument(*names, **kwargs)
+
+def _add_setting(group, name: str, annotation, default, metadata: dict) -> None:
+    """:func:`_add_settings` for one field, into ``group`` (a parser or an argument group)."""
+    flag, old = f"--{name.replace('_', '-')}", f"--{name}"
+    text = metadata.pop("help").replace("%", "%%")  # argparse %-formats help
+    kind = _value_type(annotation)
+    if kind is bool:
+        action = argparse.BooleanOptionalAction if default else "store_true"
+        group.add_argument(flag, dest=name, action=action, default=default, help=text)
+        if old != flag:  # the old spellings: --flag_name [true|false], --no_flag_name
+            group.add_argument(old, dest=name, nargs="?", const=True, type=_boolean, default=argparse.SUPPRESS,
+                               help=argparse.SUPPRESS)
+            group.add_argument(f"--no_{name}", dest=name, action="store_false", default=argparse.SUPPRESS,
+                               help=argparse.SUPPRESS)
+        return
+    shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+    if typing.get_origin(kind) is tuple:
+        item = typing.get_args(kind)[0]
+        kind, metavar = _comma_separated(item), metadata.pop("metavar", f"{_METAVARS.get(item, 'A')},...")
+    else:
+        metavar = metadata.pop("metavar", None if "choices" in metadata else _METAVARS.get(kind, "VALUE"))
+    group.add_argument(flag, dest=name, type=kind, default=shown, metavar=metavar, help=text, **metadata)
+    if old != flag:
+        group.add_argument(old, dest=name, type=kind, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **metadata)
+
+
+def _value_type(annotation):
+    """The type a flag parses: ``X`` for ``X | None``."""
+    arguments = [item for item in typing.get_args(annotation) if item is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(arguments) == 1:
+        return arguments[0]
+    return annotation
+
+
+def _boolean(text: str) -> bool:
+    """``true``/``false`` (``yes``/``no``, ``1``/``0``) of the old ``--flag_name VALUE`` spelling."""
+    value = text.strip().lower()
+    if value in ("true", "t", "yes", "y", "1"):
+        return True
+    if value in ("false", "f", "no", "n", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def _comma_separated(item: type) -> Callable[[str], tuple]:
@@ -206,7 +278,7 @@ COMMANDS: tuple[Command, ...] = (
         "to a polynomial normalization (attention transfer, then recovery; held-out perplexity, NormLoggerCallback, "
         "TensorBoard; --full-conversion runs hf-knorm convert's defaults), (5) the converted model saved with its model card exactly as "
         "push_to_hub would send it. Writes report.html (self-contained), demo.json and each step's files to --out. "
-        "Minutes on a 2-core CPU at the defaults (BENCHMARKS.md); --fast shrinks every step to seconds.",
+        "Its time: docs/status.md, 'Setup, times and status'; --fast shrinks every step to seconds.",
         settings=DemoSettings, run=_run_demo, arguments=_demo_arguments,
         preset=lambda args: DemoSettings.fast() if args.fast else None,
     ),
@@ -250,29 +322,11 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         "convert",
         help="convert a pretrained softmax causal LM to a normalization: attention transfer, then LoRA or full recovery",
-        description=f"Convert the model (default: SmolLM2-135M-Instruct) to --normalization (default: "
-        f"{DEFAULT_NORMALIZATION}), beside a softmax over each query's last {DEFAULT_SOFTMAX_WINDOW} keys, the "
-        f"sequence's first {DEFAULT_ATTENTION_SINKS} and up to {DEFAULT_SPARSE_CACHE} older key/value pairs per layer "
-        f"and KV head chosen by {DEFAULT_SPARSE_SCORE}, the older pairs it leaves through {DEFAULT_CLUSTERS} "
-        "per-cluster mean pairs fitted after the training (--softmax-window, --attention-sinks, --sparse-cache, "
-        "--sparse-score, --clusters: LoLCATs' window, StreamingLLM's sinks, LoLA's sparse cache, our clusters; "
-        "--clusters 0: the sparse cache alone; --sparse-cache 0: the window and sinks alone; --softmax-window 0: the "
-        "pure normalization), in two stages, each a "
-        "Trainer run with NormLoggerCallback and held-out perplexity at its start and every --eval-steps: (1) "
-        "attention transfer (LoLCATs, arXiv 2410.10254): each patched attention layer trains its q/k projections to "
-        "reproduce the original attention's output on the original layer inputs, after a closed-form per-head scale "
-        "(with a window: the mix of the polynomial part); "
-        "(2) recovery: next-token training through LoRA adapters on the attention, the MLPs frozen (merged before "
-        "saving; the default), or of the whole model (--recovery full), distilled from the original (its top-256 "
-        "next tokens cached where the recovery reads at least half the training set; --distill-weight; 0: none). "
-        "Trains on the general mixture by default (the original model's own samples, drawn once and cached, and "
-        "essays), or on --dataset in any format finetune takes; measured on four held-out domains (the worst is the "
-        "headline), beyond the window (positions >= 256 of 1,024-token blocks, --beyond-window-block; passkey "
-        "retrieval; the window alone) "
-        "and by an ability probe of 40 greedy answers against the original's. --out ends with "
-        "the converted model (hf_knorm.from_pretrained), its card, norms.png, perplexity.png and convert.json; "
-        "--resume continues an interrupted run with the same settings. Time and figures: BENCHMARKS.md. Needs the "
-        "train extra: pip install 'hf_knorm[train]'.",
+        description=f"Convert a pretrained softmax causal LM to --normalization (default: {DEFAULT_NORMALIZATION} + "
+        f"softmax window {DEFAULT_SOFTMAX_WINDOW} + sinks {DEFAULT_ATTENTION_SINKS} + sparse {DEFAULT_SPARSE_CACHE} "
+        f"({DEFAULT_SPARSE_SCORE}) + clusters {DEFAULT_CLUSTERS}) in two Trainer stages, attention transfer then "
+        "recovery, and measure it against the original. Guide: docs/conversion.md; figures: "
+        "docs/results/conversion.md; terms: docs/glossary.md. Needs the train extra.",
         settings=ConvertSettings, run=_run_convert,
     ),
     Command(
@@ -299,7 +353,8 @@ def _build_parser() -> argparse.ArgumentParser:
     """The ``hf-knorm`` parser; ``parser.command_parsers`` maps each command's name to its own parser."""
     parser = argparse.ArgumentParser(
         prog="hf-knorm",
-        description="Attention-norm tools for Hugging Face Transformers (runs offline on SmolLM2-135M-Instruct by default).",
+        description="Attention-norm tools for Hugging Face Transformers (on SmolLM2-135M-Instruct by default, offline "
+        "once installed; terms: docs/glossary.md).",
         epilog=normalizations_help(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error, not one line")
@@ -307,9 +362,14 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.command_parsers = {}
     for command in COMMANDS:
         sub = subparsers.add_parser(command.name, help=command.help, description=command.description,
-                                    dataclass_types=command.settings)
+                                    formatter_class=_HelpFormatter)
         if command.arguments is not None:
             command.arguments(sub)
+        if command.settings is not None:
+            _add_settings(sub, command.settings)
+        # one usage line (the options are listed below it): the positional arguments, if any, after [options]
+        sub.usage = " ".join(["%(prog)s [-h] [options]",
+                              *(action.metavar or action.dest for action in sub._actions if not action.option_strings)])
         sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                          help="show the traceback of an error, not one line")
         parser.command_parsers[command.name] = sub

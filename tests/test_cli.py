@@ -176,3 +176,68 @@ def test_a_multi_process_job_leaves_with_its_exit_status_and_no_interpreter_tear
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 5 and result.stdout.strip() == "job done"
+
+
+def _help(command: str, monkeypatch) -> str:
+    """``hf-knorm COMMAND --help`` as an 80-column terminal (or a pipe) shows it."""
+    monkeypatch.setenv("COLUMNS", "80")
+    return _build_parser().command_parsers[command].format_help()
+
+
+def _entries(text: str) -> dict[str, str]:
+    """``{first flag: its help entry, flattened}`` of a ``--help`` text."""
+    entries, current = {}, None
+    for line in text.splitlines():
+        match = re.match(r"  (-[-\w]+)", line)
+        if match:
+            current = match.group(1)
+            entries[current] = line
+        elif current and line.startswith("   "):
+            entries[current] += " " + line
+        else:
+            current = None
+    return {flag: _flat(entry) for flag, entry in entries.items()}
+
+
+def test_convert_help_is_grouped_and_under_120_lines(monkeypatch):
+    text = _help("convert", monkeypatch)
+    assert len(text.splitlines()) < 120, len(text.splitlines())
+    from hf_knorm.conversion.settings import ConvertSettings
+
+    titles = [line[:-1] for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert titles == ["options", *ConvertSettings.help_groups]
+    grouped = {setting.metadata.get("group") for setting in dataclasses.fields(ConvertSettings)}
+    assert grouped == set(ConvertSettings.help_groups)  # every field in a group
+
+
+@pytest.mark.parametrize("command", SETTINGS_COMMANDS, ids=lambda command: command.name)
+def test_each_flag_is_hyphenated_with_one_default_and_its_help_once(command, monkeypatch):
+    text = _help(command.name, monkeypatch)
+    assert not re.search(r"--\w+_\w", text), re.findall(r"--\w+_[\w-]*", text)  # no underscore spelling shown
+    for flag, entry in _entries(text).items():
+        assert entry.count("default:") <= 1, entry
+    for setting in dataclasses.fields(command.settings):
+        # once: the --no-flag of a flag that defaults to True does not repeat the help
+        assert "".join(text.split()).count("".join(setting.metadata["help"].split())) == 1, setting.name
+        if setting.default is not None and setting.default is not False and "default:" not in setting.metadata["help"]:
+            shown = ",".join(map(str, setting.default)) if isinstance(setting.default, tuple) else setting.default
+            assert f"(default: {shown})" in _entries(text)[f"--{setting.name.replace('_', '-')}"], setting.name
+
+
+def test_the_old_underscore_flags_still_parse_as_the_hyphenated_ones():
+    hyphens = ["convert", "--beyond-window-block", "4096", "--no-beyond-window", "--sparse-cache", "0",
+               "--no-fold-constant", "--eval-domains", "essays,plays", "--train-on-prompt", "--resume"]
+    underscores = ["convert", "--beyond_window_block", "4096", "--no_beyond_window", "--sparse_cache", "0",
+                   "--fold_constant", "false", "--eval_domains", "essays,plays", "--train_on_prompt", "--resume"]
+    _, settings, _ = parse(hyphens)
+    assert (settings.beyond_window_block, settings.beyond_window, settings.sparse_cache, settings.fold_constant,
+            settings.eval_domains, settings.train_on_prompt) == (4096, False, 0, False, ("essays", "plays"), True)
+    assert parse(underscores)[1] == settings
+    assert parse(["convert", "--no-beyond-window", "--beyond_window"])[1].beyond_window is True
+    assert parse(["finetune", "--no_stop_on_nonfinite_loss"])[1].stop_on_nonfinite_loss is False
+
+
+def test_an_old_boolean_value_that_is_not_one_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        parse(["convert", "--beyond_window", "maybe"])
+    assert "expected true or false, got 'maybe'" in capsys.readouterr().err

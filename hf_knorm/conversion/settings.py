@@ -1,15 +1,16 @@
 """``ConvertSettings``: what ``hf-knorm convert`` and :func:`hf_knorm.convert` run; each field is a flag.
 
 The defaults convert the embedded default model (SmolLM2-135M-Instruct) to ``x/1 + softmax window 64 + sinks 4 + sparse
-256 (prefix_kv_diff)`` on the general mixture (:mod:`.mixture`: the original model's own samples and Paul Graham essays
-0-39), evaluated on four held-out domains
-(:mod:`hf_knorm.evaluation.domains`) and by the ability probe (:mod:`hf_knorm.evaluation.probe`);
-docs/results/conversion.md, "The default conversion", has the time and the figures.
+256 (prefix_kv_diff) + clusters 600`` on the general mixture (:mod:`.mixture`: the original model's own samples and
+Paul Graham essays 0-39), evaluated on four held-out domains (:mod:`hf_knorm.evaluation.domains`) and by the ability
+probe (:mod:`hf_knorm.evaluation.probe`); docs/results/conversion.md, "The default conversion", has the time and the
+figures. Each field's ``metadata["help"]`` is its flag's help, a line or two; docs/conversion.md has the details.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 from ..normalizations import Normalization, parse_normalization, with_clusters, with_sparse, with_window
 from ..runs.precision import BF16_HELP, FP16_HELP
@@ -39,6 +40,10 @@ of the pairs' bytes at 4,000 tokens (issue 47's budget: 25%). Measured on three 
 (docs/results/conversion.md, 'The default conversion'): the same passkeys on the median, 13% lower perplexity beyond
 the window on technical text in 1,024-token blocks."""
 RECOVERY_TRAINABLE = ("all", "no-embeddings", "attention")
+MODEL, NORMALIZATION, STAGES, EVALUATION, RUN = (
+    "the model and its training data", "the normalization", "the stages: attention transfer, then recovery",
+    "evaluation", "output and run")
+"""The groups of ``hf-knorm convert --help`` (each field's ``metadata["group"]``)."""
 SCALE_FOLDS = ("scores", "output")
 """Where the transfer's closed-form head scales go (:meth:`~.transfer.AttentionTransfer.match_scale`)."""
 RECOVERY_LEARNING_RATES = {1: 1e-3}
@@ -65,147 +70,122 @@ class ConvertSettings:
     Attributes are the command-line flags (``--transfer-steps`` for ``transfer_steps``); see each field's help.
     """
 
+    help_groups: ClassVar[tuple[str, ...]] = (MODEL, NORMALIZATION, STAGES, EVALUATION, RUN)
+    """The order of the groups of ``hf-knorm convert --help``."""
+
     model: str = field(default="default", metadata={
         "help": "'default' (SmolLM2-135M-Instruct, embedded), the folder of a pretrained softmax causal LM, or its Hub id "
-                "(org/name) if it is in the local Hub cache (nothing is downloaded)"})
+                "(org/name) if it is in the local Hub cache (nothing is downloaded)", "group": MODEL})
     dataset: str = field(default="general", metadata={
-        "help": "training data: general (the original model's own samples + Paul Graham essays 0-39) | shakespeare | "
-                "paul-graham | chatterbot (conversations) | local file(s), comma-separated | a datasets name; text, "
-                "'messages' (conversations) or 'prompt' + 'completion' columns, detected"})
+        "help": "general (the original model's samples + essays), shakespeare, paul-graham, chatterbot, local "
+                "files or a datasets name, in any format finetune takes", "group": MODEL})
     teacher_tokens: int = field(default=65536, metadata={
-        "help": "tokens the original model samples for the general mixture (generated once, then cached); at most 256 "
-                "per example the run's stages draw (steps x batch x accumulation x processes)"})
+        "help": "tokens the original samples for general, cached", "group": MODEL})
     pack_teacher_samples: bool = field(default=False, metadata={
-        "help": "pack the teacher samples into blocks with the essays (default: each sample is one example from "
-                "position 0, padded, as a prompt starts)"})
+        "help": "pack the teacher samples with the essays",
+        "group": MODEL})
     normalization: str = field(default=DEFAULT_NORMALIZATION, metadata={
-        "help": "the normalization to convert to (not softmax), beside --softmax-window, --attention-sinks and "
-                "--sparse-cache"})
+        "help": "the normalization beyond the window (hf-knorm --help lists them)",
+        "group": NORMALIZATION})
     softmax_window: int = field(default=DEFAULT_SOFTMAX_WINDOW, metadata={
-        "help": "W: each query's last W keys keep softmax, the older keys take the normalization, scaled by a "
-                "per-head mix solved in closed form (LoLCATs' hybrid; hf_knorm.attention.window); 0: the pure "
-                "normalization over every key (docs/results/conversion.md, 'The default conversion': both measured)"})
+        "help": "softmax over each query's last W keys (0: none)",
+        "group": NORMALIZATION, "metavar": "W"})
     attention_sinks: int | None = field(default=None, metadata={
-        "help": "S: each sequence's first S keys keep softmax beside the window and leave the polynomial part "
-                "(StreamingLLM's attention sinks, arXiv 2309.17453); needs a window (default: "
-                f"{DEFAULT_ATTENTION_SINKS} with one, 0 without)"})
+        "help": f"softmax over the first S keys too (default: {DEFAULT_ATTENTION_SINKS} with a window, 0 without)",
+        "group": NORMALIZATION, "metavar": "S"})
     sparse_cache: int | None = field(default=None, metadata={
-        "help": "K: each layer keeps up to K key/value pairs older than the window, chosen by --sparse-score and "
-                "weighted by softmax with it; the others go to the normalization (LoLA's sparse global cache, arXiv "
-                "2505.23666); needs a window (default: "
-                f"{DEFAULT_SPARSE_CACHE} with one, 0 without; 0: none)"})
+        "help": f"softmax over K older pairs per KV head too, by --sparse-score (default: {DEFAULT_SPARSE_CACHE} "
+                "with a window, 0 without)",
+        "group": NORMALIZATION, "metavar": "K"})
     sparse_score: str | None = field(default=None, metadata={
-        "help": "which older pairs the sparse cache keeps, a score fixed before its token leaves the window: "
-                "prefix_kv_diff (kv_diff against the tokens before it; a window of 3 or more) | value_over_key "
-                f"(||v|| / ||k||) | key_norm (KNorm's -||k||) (default: {DEFAULT_SPARSE_SCORE})"})
+        "help": f"prefix_kv_diff | value_over_key | key_norm (default: {DEFAULT_SPARSE_SCORE})",
+        "group": NORMALIZATION, "metavar": "SCORE"})
     clusters: int | None = field(default=None, metadata={
-        "help": "C: the older pairs the sparse cache leaves are also weighted by softmax with it through C "
-                "pseudo-pairs per layer and KV head, the mean key and value of each cluster of a codebook fitted "
-                "after training on the model's keys (Paul Graham essays; hf_knorm.attention.distant_clusters); needs "
-                f"a sparse cache (default: the spelling's; {DEFAULT_CLUSTERS} beside a sparse cache the spelling does "
-                "not give; else 0: none; not with an attention softcap, Gemma 2)"})
+        "help": "softmax over C cluster means of the pairs the cache leaves too (default: the spelling's, or "
+                f"{DEFAULT_CLUSTERS} beside a cache it does not give; 0: none)",
+        "group": NORMALIZATION, "metavar": "C"})
     fold_constant: bool = field(default=True, metadata={
-        "help": "x^p/c with a constant c: train the same function as x^p/1, then fold c^(1/p) into the queries "
-                "(AdamW's steps suit the smaller q and k: docs/research/2026-12-conversion.md, 'Per normalization'); "
-                "--no-fold-constant trains x^p/c itself"})
+        "help": "train x^p/c as x^p/1, then fold c^(1/p) into q", "group": NORMALIZATION})
     out: str = field(default="outputs/convert", metadata={
-        "help": "run folder: each stage's checkpoints and logs, the converted model, convert.json"})
-    text_column: str = field(default="text", metadata={"help": "the column holding the text"})
-    split: str = field(default="train", metadata={"help": "the split to read"})
+        "help": "the run and the converted model", "group": RUN,
+        "metavar": "DIR"})
+    text_column: str = field(default="text", metadata={"help": "the text column", "group": MODEL})
+    split: str = field(default="train", metadata={"help": "the split", "group": MODEL})
     train_on_prompt: bool = field(default=False, metadata={
-        "help": "conversations and prompt/completion pairs: the loss on every token, not only on the replies"})
+        "help": "the loss on prompts too, not only on replies",
+        "group": MODEL})
     eval_dataset: str | None = field(default=None, metadata={
-        "help": "held-out text of the training data (same forms as --dataset), evaluated beside the held-out "
-                "domains; default: none for general and paul-graham, shakespeare's Hamlet and sonnets, else the "
-                "last --eval-fraction of the texts"})
+        "help": "held-out text of the data, as --dataset (default: the data's own, or none: docs/conversion.md)",
+        "group": EVALUATION})
     eval_domains: tuple[str, ...] = field(default=("essays", "plays", "technical", "conversation"), metadata={
-        "help": "held-out domains, comma-separated (hf_knorm.evaluation.domains; none: no domain); the headline "
-                "figure is the worst held-out set"})
-    eval_fraction: float = field(default=0.1, metadata={"help": "share of texts held out of other datasets"})
+        "help": "held-out domains; the worst is the headline", "group": EVALUATION})
+    eval_fraction: float = field(default=0.1, metadata={
+        "help": "texts held out of other data", "group": EVALUATION})
     eval_tokens: int = field(default=4096, metadata={
-        "help": "held-out tokens of each domain scored at each evaluation"})
-    eval_steps: int = field(default=50, metadata={"help": "evaluate every N steps of each stage (and at its start)"})
-    block_size: int = field(default=256, metadata={"help": "tokens per example"})
-    batch_size: int = field(default=4, metadata={"help": "examples per device and micro-batch"})
+        "help": "held-out tokens per domain", "group": EVALUATION})
+    eval_steps: int = field(default=50, metadata={"help": "evaluate every N steps", "group": EVALUATION})
+    block_size: int = field(default=256, metadata={"help": "tokens per example", "group": MODEL})
+    batch_size: int = field(default=4, metadata={"help": "examples per micro-batch", "group": STAGES})
     gradient_accumulation_steps: int = field(default=1, metadata={
-        "help": "micro-batches per optimizer step, in each process"})
+        "help": "micro-batches per step", "group": STAGES})
     transfer_steps: int = field(default=25, metadata={
-        "help": "attention-transfer steps after the closed-form head scales (0: skip the stage and the scales)"})
-    transfer_learning_rate: float = field(default=1e-3, metadata={"help": "attention-transfer learning rate"})
+        "help": "transfer steps (0: no transfer)", "group": STAGES})
+    transfer_learning_rate: float = field(default=1e-3, metadata={
+        "help": "transfer learning rate", "group": STAGES})
     transfer_trainable: str = field(default="qk", metadata={
-        "help": "attention projections trained by the transfer, letters of qkvo"})
+        "help": "what the transfer trains, of qkvo", "group": STAGES})
     scale_fold: str = field(default="scores", metadata={
-        "help": "where the closed-form head scales go: scores (q/k rows; o_proj keeps its size, so AdamW steps stay "
-                "in proportion) | output (o_proj columns)", "choices": SCALE_FOLDS})
+        "help": "where the closed-form head scales go", "choices": SCALE_FOLDS,
+        "group": STAGES})
     recovery: str = field(default="lora", metadata={
-        "help": "recovery: lora (rank --lora-rank adapters on q/k/v/o, the MLPs and embeddings frozen, merged before "
-                "saving: with the softmax window it keeps more of the original's answers than full recovery, for a "
-                "slightly worse worst domain; docs/research/2026-12-conversion.md, 'LoRA recovery') | full (every "
-                "weight, --recovery-trainable) | none",
-        "choices": RECOVERY_MODES})
-    recovery_steps: int = field(default=150, metadata={"help": "recovery steps at --budget 1"})
+        "help": "lora (merged before saving) | full | none", "choices": RECOVERY_MODES,
+        "group": STAGES})
+    recovery_steps: int = field(default=150, metadata={"help": "recovery steps at --budget 1", "group": STAGES})
     budget: float = field(default=1.0, metadata={
-        "help": "the recovery's length as a multiple of its steps (recovery_steps), to trade time for quality: 1 is "
-                "the default conversion (150 steps; its time in docs/results/conversion.md, "
-                "'The default conversion'), 2 runs 300 steps: on the pure x^3/16 in full recovery, 1.55x the time, the worst "
-                "held-out domain from 12.9x to 9.7x the original (docs/research/2026-12-conversion.md, 'Budget')"})
+        "help": "the recovery's length, in --recovery-steps", "group": STAGES})
     window_dropout: float = field(default=0.0, metadata={
-        "help": "p0: with a softmax window, the probability that a recovery step runs without it (the window, the "
-                "sinks and a sparse cache off: the normalization alone over every key), so that the part beside the "
-                "window must carry the context; drawn once per step from --seed (Scheduled Sliding-window Dropout, "
-                "arXiv 2510.05901; hf_knorm.training.window_dropout); never in evaluation; 0: off"})
+        "help": "chance a recovery step runs without the window (0: off)",
+        "group": STAGES, "metavar": "P0"})
     window_dropout_schedule: str = field(default="linear", metadata={
-        "help": "how --window-dropout moves over the recovery: linear (p0 at the first step, down to 0 at the last) | "
-                "constant", "choices": WINDOW_DROPOUT_SCHEDULES})
+        "help": "linear: down to 0", "choices": WINDOW_DROPOUT_SCHEDULES, "group": STAGES})
     recovery_learning_rate: float | None = field(default=None, metadata={
-        "help": "recovery learning rate; default 1e-3 for LoRA; in full recovery by the normalization's power: 1e-3 "
-                "for the linear ones (x/c, x/sqrtN; x/1 measured stable at the full budget), 5e-4 for the others "
-                "(1e-3 moved x^3/16 by 2.6x between runs; docs/research/2026-12-conversion.md, "
-                "'The general conversion': 'Spread after the fix')"})
-    lora_rank: int = field(default=8, metadata={"help": "LoRA rank (q, k, v, o projections)"})
+        "help": "recovery learning rate (default: 1e-3, or 5e-4 in full recovery of any but x/c)",
+        "group": STAGES})
+    lora_rank: int = field(default=8, metadata={"help": "LoRA rank", "group": STAGES})
     distill_weight: float = field(default=1.0, metadata={
-        "help": "weight of the KL divergence to the original model's next-token distribution in recovery (0: the "
-                "next-token loss alone: steps 1.5x faster without the teacher, a worse model: BENCHMARKS.md)"})
+        "help": "weight of the KL to the original (0: none)", "group": STAGES})
     teacher_top_k: int | None = field(default=None, metadata={
-        "help": "K > 0: the recovery's KL against the original model's K most likely next tokens per position plus one "
-                "bucket for the rest, computed once before the recovery and cached (no teacher forward per step; "
-                "hf_knorm.conversion.teacher_logits); 0: the full teacher at every step; default: 256 where the "
-                "recovery distils and draws at least half the training examples (the default conversion: 600 of "
-                "about 760), else 0 (a short run: the cache would cost more teacher forwards than it saves)"})
+        "help": "the KL over the original's top K tokens, cached (0: every token; default: 256 where the "
+                "recovery reads half the data, else 0)", "group": STAGES, "metavar": "K"})
     next_token_weight: float = field(default=1.0, metadata={
-        "help": "weight of the next-token loss in recovery (0: the KL to the original model alone)"})
+        "help": "weight of the next-token loss", "group": STAGES})
     recovery_trainable: str = field(default="all", metadata={
-        "help": "what full recovery trains: all | no-embeddings (the token embeddings and a tied output layer stay) "
-                "| attention (the attention projections alone)", "choices": RECOVERY_TRAINABLE})
+        "help": "what full recovery trains", "choices": RECOVERY_TRAINABLE, "group": STAGES})
     non_attention_lr_scale: float = field(default=1.0, metadata={
-        "help": "recovery learning rate of the weights outside the attention, as a fraction of "
-                "--recovery-learning-rate (the attention is what the conversion changed)"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping of both stages"})
-    warmup_steps: int = field(default=10, metadata={"help": "linear warm-up steps of each stage"})
-    logging_steps: int = field(default=10, metadata={"help": "log loss and norms every N steps"})
-    save_steps: int = field(default=50, metadata={"help": "checkpoint every N steps"})
-    max_blocks: int | None = field(default=None, metadata={"help": "use at most N training blocks"})
-    seed: int = field(default=0, metadata={"help": "random seed"})
-    bf16: bool = field(default=False, metadata={"help": BF16_HELP})
-    fp16: bool = field(default=False, metadata={"help": FP16_HELP})
+        "help": "learning-rate factor outside attention", "group": STAGES})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping", "group": STAGES})
+    warmup_steps: int = field(default=10, metadata={"help": "warm-up steps of each stage", "group": STAGES})
+    logging_steps: int = field(default=10, metadata={"help": "log every N steps", "group": RUN})
+    save_steps: int = field(default=50, metadata={"help": "checkpoint every N steps", "group": RUN})
+    max_blocks: int | None = field(default=None, metadata={"help": "at most N training blocks", "group": MODEL})
+    seed: int = field(default=0, metadata={"help": "random seed", "group": RUN})
+    bf16: bool = field(default=False, metadata={"help": BF16_HELP, "group": RUN})
+    fp16: bool = field(default=False, metadata={"help": FP16_HELP, "group": RUN})
     beyond_window: bool = field(default=True, metadata={
-        "help": "also measure beyond the window: each held-out domain's perplexity in --beyond-window-block-token "
-                "blocks on positions >= 256, and --retrieval-tasks at --retrieval-lengths, of the original and the "
-                "converted model and, with a softmax window, of the window alone (the polynomial part off)"})
+        "help": "perplexity and retrieval beyond the window",
+        "group": EVALUATION})
     beyond_window_block: int = field(default=1024, metadata={
-        "help": "tokens per block of the beyond-window perplexity (above 256; max(--eval-tokens, this) tokens of "
-                "each domain). 4096 measures what a bounded cache loses where it cannot hold the whole block (the "
-                "default conversion: 1.24x the original on technical text at 1024, 2.21x at 4096)"})
+        "help": "tokens per block beyond the window (> 256)", "group": EVALUATION})
     retrieval_tasks: tuple[str, ...] = field(default=("passkey",), metadata={
-        "help": "retrieval tasks beyond the window, comma-separated: passkey, niah (none: no retrieval)"})
+        "help": "passkey, niah or none", "group": EVALUATION, "metavar": "TASK,..."})
     retrieval_lengths: tuple[int, ...] = field(default=(1000, 2000), metadata={
-        "help": "context lengths (tokens) of the retrieval, separated by commas; the needle at 4 depths from 0 to "
-                "0.75, 2 seeds each"})
+        "help": "retrieval context lengths", "group": EVALUATION})
     probe: bool = field(default=True, metadata={
-        "help": "ask the ability probe (40 greedy answers) of the original and the converted model"})
+        "help": "the ability probe (40 greedy answers)", "group": EVALUATION})
     report_to: tuple[str, ...] = field(default=("tensorboard",), metadata={
-        "help": "Trainer integrations, comma-separated (tensorboard, wandb, ...; 'none' for none)"})
-    resume: bool = field(default=False, metadata={"help": "continue an interrupted conversion in --out"})
+        "help": "Trainer integrations", "group": RUN})
+    resume: bool = field(default=False, metadata={
+        "help": "continue an interrupted run in --out", "group": RUN})
 
     def target(self) -> Normalization:
         """The normalization the run converts to, with its softmax window: the spelling parsed, the one place a

@@ -27,7 +27,7 @@ class NiahSettings:
                                      metadata={"help": "comma-separated context lengths (tokens)"})
     depths: tuple[float, ...] = field(default=(0.0, 0.25, 0.5, 0.75, 1.0),
                                       metadata={"help": "comma-separated needle depths in [0, 1]"})
-    seeds: int = field(default=1, metadata={"help": "needle seeds per cell (1: ~40 min on 2 CPU cores)"})
+    seeds: int = field(default=1, metadata={"help": "needle seeds per cell"})
     passkey_seeds: int = field(default=1, metadata={"help": "passkey seeds per cell (0 = skip)"})
     options: bool = field(default=True, metadata={
         "help": "the extra rows at ratio 0.5 (sinks+window, layers 0-1 kept, the authors' protocol); --no-options "

@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-BF16_HELP = ("mixed precision in bf16 (TrainingArguments(bf16=True): autocast on CPU and GPU; the attention kernel "
-             "computes its normalization in fp32)")
-FP16_HELP = ("mixed precision in fp16 with loss scaling (TrainingArguments(fp16=True)), on an accelerator only; fp16 "
-             "ends at 65,504, which an unnormalized x^p/c row can pass: prefer --bf16 where the device has it")
+BF16_HELP = "mixed precision in bf16 (autocast; the attention kernel normalizes in fp32)"
+FP16_HELP = "mixed precision in fp16, on an accelerator only (prefer --bf16: a row of x^p/c can pass 65,504)"
 """The help of ``--bf16`` and ``--fp16``, the same in every job's settings."""
 
 

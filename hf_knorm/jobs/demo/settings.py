@@ -55,7 +55,7 @@ class DemoSettings:
     clusters: int | None = field(default=None, metadata={
         "help": "step 4: the older pairs the sparse cache leaves, weighted by softmax with it through C per-cluster "
                 f"mean pairs (hf-knorm convert --clusters; default: {DEFAULT_CLUSTERS} beside the default sparse "
-                "cache; 0: none)"})
+                "cache; 0: none)", "metavar": "C"})
     beyond_window: bool = field(default=True, metadata={
         "help": "step 4: also measure beyond the window (1,024-token blocks from position 256, passkey retrieval at "
                 "1,000 tokens, the window alone), as hf-knorm convert does"})
