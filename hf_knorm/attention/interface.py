@@ -24,6 +24,8 @@ chunk attends). Either way the results are the eager ones (``tests/attention/tes
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..compat import attentions_being_collected
@@ -35,7 +37,7 @@ from ..normalizations import Normalization
 from .held import running_normalization
 from ..normalizations.base import PARAMETER_PREFIX
 from ..normalizations.windowed import CODEBOOK, MIX
-from .paths import check_linear_policy, choose_path, linear_keys, linear_policy_of, note_path
+from .paths import Path, check_linear_policy, choose_path, linear_keys, linear_policy_of, note_path
 from .taps import current_kv_transform, current_recorder, take_state_for, taps_set
 from .sparse import sparse_path, sparse_window_attention
 from .window import check_state_window, window_attention, window_path
@@ -74,7 +76,6 @@ def hf_knorm_attention(
     compiling = torch.compiler.is_compiling()
     read_taps = not compiling or taps_set()  # compiled code cannot read a ContextVar without a graph break
     normalization = normalization_of(module, read_taps)
-    params = normalization.values_on(module)  # the family's learnable values, (H_q,) each
     handover = take_state_for(key) if read_taps else None
     transform = current_kv_transform() if read_taps else None
     if transform is not None:
@@ -85,94 +86,151 @@ def hf_knorm_attention(
         frobenius_sq = query.new_zeros(query.shape[0], key.shape[1], query.shape[1] // key.shape[1], dtype=torch.float32)
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
     mask, bias = read_mask(attention_mask, query.shape[2], key.shape[2], causal, compiling)
-    softcap = kwargs.get("softcap")
-    dropout = dropout if module.training else 0.0
-    return_weights = _attentions_requested(kwargs)
     check_state_window(handover, normalization)
-    if normalization.window and window_is_dropped(module):  # window dropout, in training only (window_off.py)
-        output, weights = _window_off(module, query, key, value, mask, bias, normalization, params, handover, causal,
-                                      softcap, dropout, return_weights, frobenius_sq, compiling, read_taps, scaling)
-        if recorder is not None:
-            recorder.record(module, key, value, mask, frobenius_sq.reshape(query.shape[0], query.shape[1]))
-        return output, weights
-    if normalization.sparse:  # a sparse cache beside the window (sparse.py): in blocks with a state, or masked rows
-        path = sparse_path(normalization, query.shape[2], key.shape[2], handover, softcap=softcap,
-                           return_weights=return_weights, recording=recorder is not None)
-        if read_taps:
-            note_path(path, module, query.shape[2], linear_policy_of(module))
-        elif path.fallback:
-            check_linear_policy(path, linear_policy_of(module))
-        output, weights = sparse_window_attention(
-            query, key, value, mask, normalization, bias=bias, scaling=scaling, softcap=softcap, dropout=dropout,
-            causal=causal, return_weights=return_weights, frobenius_sq=frobenius_sq, mix=params.get(MIX),
-            params=params, handover=handover, sliding_window=kwargs.get("sliding_window"),
-            codebook=module._parameters.get(PARAMETER_PREFIX + CODEBOOK))
-        if recorder is not None:
-            recorder.record(module, key, value, mask, frobenius_sq.reshape(query.shape[0], query.shape[1]))
-        return output, weights
-    choice = dict(causal=causal, softcap=softcap, dropout=dropout, return_weights=return_weights,
-                  has_state=handover is not None, compiling=compiling)
-    if normalization.window:  # the polynomial part's path (window.py), chosen once here and handed to it
-        path = window_path(normalization, query.shape[2], key.shape[2], mask, bias, **choice,
-                           recording=recorder is not None, sliding_window=kwargs.get("sliding_window"))
-    else:
-        path = choose_path(normalization, query.shape[2], key.shape[2], mask, bias, **choice)
-    path = with_kernel(path, query, normalization.without_window, dropout=dropout, return_weights=return_weights,
-                       recording=recorder is not None, compiling=compiling, softcap=softcap,
-                       sdpa=not normalization.window)
-    if read_taps:
+    call = _Call(module, query, key, value, mask, bias, normalization, normalization.values_on(module), handover,
+                 causal, scaling, kwargs.get("softcap"), dropout if module.training else 0.0,
+                 _attentions_requested(kwargs), frobenius_sq, kwargs.get("sliding_window"), compiling, read_taps)
+    for applies, choose, run in ROUTES:
+        if applies(call):
+            break
+    path = choose(call)
+    if read_taps:  # counted once, whichever route (attention_paths, the linear policy)
         note_path(path, module, query.shape[2], linear_policy_of(module))
     elif path.fallback:
         check_linear_policy(path, linear_policy_of(module))
-    if handover is not None and not path.linear:
-        raise ValueError(f"A recurrent state cache decodes with linear attention only, and this call cannot: "
-                         f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")
-    weights = None
-    if normalization.window:  # a softmax window beside the polynomial part (window.py), on the path counted above
-        output, weights = window_attention(
-            query, key, value, mask, normalization, bias=bias, scaling=scaling, softcap=softcap, dropout=dropout,
-            causal=causal, return_weights=return_weights, frobenius_sq=frobenius_sq, mix=params.get(MIX), params=params,
-            handover=handover, path=path, sliding_window=kwargs.get("sliding_window"), op=compiling and not read_taps,
-            compiling=compiling)
-    elif path.linear:
-        key, value = linear_keys(query, key, value, mask, causal)
-        output = _linear(query, key, value, path, normalization, scaling, handover, frobenius_sq)
-    elif compiling and not read_taps and dropout == 0.0 and not return_weights:
-        output = compiled_attention(query, key, value, kernel_mask(mask, compiling), bias,
-                                    normalization, scaling=scaling, softcap=softcap, causal=causal, params=params)
-    else:
-        output, weights = run_quadratic(
-            path, query, key, value, kernel_mask(mask, compiling), normalization, bias=bias,
-            scaling=scaling, softcap=softcap, dropout=dropout, causal=causal, return_weights=return_weights,
-            frobenius_sq=frobenius_sq, trim_keys=not compiling, params=params,
-        )
+    output, weights = run(call, path)
     if recorder is not None:
         recorder.record(module, key, value, mask, frobenius_sq.reshape(query.shape[0], query.shape[1]))
     return output, weights
 
 
-def _window_off(module, query, key, value, mask, bias, normalization, params, handover, causal, softcap, dropout,
-                return_weights, frobenius_sq, compiling, read_taps, scaling):
-    """A windowed layer's training forward with its window dropped (:mod:`.window_off`): the base family's path
-    chosen and counted as for the pure normalization (quadratic where norms are recorded: the rows' scales apply to
-    the weights)."""
-    if handover is not None:
-        raise ValueError(f"{normalization.name}: its softmax window is dropped (window dropout, a training switch) "
-                         "and a recurrent cache was handed over: train without a cache (use_cache=False), or leave "
-                         "hf_knorm.models.window_mix.window_dropped before decoding.")
-    base = normalization.without_window
-    weighted = return_weights or frobenius_sq is not None
-    path = choose_path(base, query.shape[2], key.shape[2], mask, bias, causal=causal, softcap=softcap, dropout=dropout,
-                       return_weights=weighted, has_state=False, compiling=compiling)
-    path = with_kernel(path, query, base, dropout=dropout, return_weights=weighted, recording=frobenius_sq is not None,
-                       compiling=compiling, softcap=softcap)
-    if read_taps:
-        note_path(path, module, query.shape[2], linear_policy_of(module))
-    elif path.fallback:
-        check_linear_policy(path, linear_policy_of(module))
-    return window_off_attention(query, key, value, mask, normalization, path, bias=bias, scaling=scaling,
-                                softcap=softcap, dropout=dropout, causal=causal, return_weights=return_weights,
-                                frobenius_sq=frobenius_sq, mix=params.get(MIX), params=params, compiling=compiling)
+@dataclass(frozen=True)
+class _Call:
+    """One call's arguments, as the routes read them (shapes: :func:`hf_knorm_attention`). ``mask``, ``bias``: as
+    :func:`read_mask` gives them; ``params``: the family's learnable values; ``handover``: a recurrent state to
+    continue (``taps.StateHandover``) or ``None``; ``frobenius_sq``: the recorder's accumulator or ``None``."""
+
+    module: torch.nn.Module
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    mask: Mask
+    bias: torch.Tensor | None
+    normalization: Normalization
+    params: dict
+    handover: object
+    causal: bool
+    scaling: float | None
+    softcap: float | None
+    dropout: float
+    return_weights: bool
+    frobenius_sq: torch.Tensor | None
+    sliding_window: int | None
+    compiling: bool
+    read_taps: bool
+
+    @property
+    def kernel_options(self) -> dict:
+        """What every kernel of the quadratic and window routes takes besides the tensors."""
+        return dict(bias=self.bias, scaling=self.scaling, softcap=self.softcap, dropout=self.dropout,
+                    causal=self.causal, return_weights=self.return_weights, frobenius_sq=self.frobenius_sq,
+                    params=self.params)
+
+
+# --- the routes: which applies (the first that does), the path it counts, and the computation ---------------------
+
+
+def _window_dropped(call: _Call) -> bool:
+    return bool(call.normalization.window) and window_is_dropped(call.module)
+
+
+def _window_off_path(call: _Call) -> Path:
+    """A windowed layer's training forward with its window dropped (:mod:`.window_off`, window dropout): the base
+    family's path chosen and counted as for the pure normalization (quadratic where norms are recorded: the rows'
+    scales apply to the weights)."""
+    if call.handover is not None:
+        raise ValueError(f"{call.normalization.name}: its softmax window is dropped (window dropout, a training "
+                         "switch) and a recurrent cache was handed over: train without a cache (use_cache=False), or "
+                         "leave hf_knorm.models.window_mix.window_dropped before decoding.")
+    base = call.normalization.without_window
+    weighted = call.return_weights or call.frobenius_sq is not None
+    path = choose_path(base, call.query.shape[2], call.key.shape[2], call.mask, call.bias, causal=call.causal,
+                       softcap=call.softcap, dropout=call.dropout, return_weights=weighted, has_state=False,
+                       compiling=call.compiling)
+    return with_kernel(path, call.query, base, dropout=call.dropout, return_weights=weighted,
+                       recording=call.frobenius_sq is not None, compiling=call.compiling, softcap=call.softcap)
+
+
+def _window_off(call: _Call, path: Path):
+    return window_off_attention(call.query, call.key, call.value, call.mask, call.normalization, path,
+                                mix=call.params.get(MIX), compiling=call.compiling, **call.kernel_options)
+
+
+def _sparse_path(call: _Call) -> Path:
+    """A sparse cache beside the window (:mod:`.sparse`): in blocks with a state, or masked rows."""
+    return sparse_path(call.normalization, call.query.shape[2], call.key.shape[2], call.handover, softcap=call.softcap,
+                       return_weights=call.return_weights, recording=call.frobenius_sq is not None)
+
+
+def _sparse(call: _Call, path: Path):
+    return sparse_window_attention(
+        call.query, call.key, call.value, call.mask, call.normalization, mix=call.params.get(MIX),
+        handover=call.handover, sliding_window=call.sliding_window,
+        codebook=call.module._parameters.get(PARAMETER_PREFIX + CODEBOOK), **call.kernel_options)
+
+
+def _kernel_path(call: _Call) -> Path:
+    """The path of a pure normalization, or of a softmax window's base part (:mod:`.window`, chosen once here and
+    handed to it), with the kernel that computes it (:func:`.backends.with_kernel`)."""
+    normalization = call.normalization
+    choice = dict(causal=call.causal, softcap=call.softcap, dropout=call.dropout, return_weights=call.return_weights,
+                  has_state=call.handover is not None, compiling=call.compiling)
+    q_len, kv_len = call.query.shape[2], call.key.shape[2]
+    if normalization.window:
+        path = window_path(normalization, q_len, kv_len, call.mask, call.bias, **choice,
+                           recording=call.frobenius_sq is not None, sliding_window=call.sliding_window)
+    else:
+        path = choose_path(normalization, q_len, kv_len, call.mask, call.bias, **choice)
+    path = with_kernel(path, call.query, normalization.without_window, dropout=call.dropout,
+                       return_weights=call.return_weights, recording=call.frobenius_sq is not None,
+                       compiling=call.compiling, softcap=call.softcap, sdpa=not normalization.window)
+    if call.handover is not None and not path.linear:
+        raise ValueError(f"A recurrent state cache decodes with linear attention only, and this call cannot: "
+                         f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")
+    return path
+
+
+def _window(call: _Call, path: Path):
+    """A softmax window beside the base part (:mod:`.window`), the base part on ``path``."""
+    return window_attention(call.query, call.key, call.value, call.mask, call.normalization,
+                            mix=call.params.get(MIX), handover=call.handover, path=path,
+                            sliding_window=call.sliding_window, op=call.compiling and not call.read_taps,
+                            compiling=call.compiling, **call.kernel_options)
+
+
+def _pure(call: _Call, path: Path):
+    """A normalization without a window: the linear path, the custom op (traced code without taps), or a quadratic
+    kernel."""
+    if path.linear:
+        key, value = linear_keys(call.query, call.key, call.value, call.mask, call.causal)
+        return _linear(call.query, key, value, path, call.normalization, call.scaling, call.handover,
+                       call.frobenius_sq), None
+    mask = kernel_mask(call.mask, call.compiling)
+    if call.compiling and not call.read_taps and call.dropout == 0.0 and not call.return_weights:
+        return compiled_attention(call.query, call.key, call.value, mask, call.bias, call.normalization,
+                                  scaling=call.scaling, softcap=call.softcap, causal=call.causal,
+                                  params=call.params), None
+    return run_quadratic(path, call.query, call.key, call.value, mask, call.normalization,
+                         trim_keys=not call.compiling, **call.kernel_options)
+
+
+ROUTES = (
+    (_window_dropped, _window_off_path, _window_off),
+    (lambda call: bool(call.normalization.sparse), _sparse_path, _sparse),
+    (lambda call: bool(call.normalization.window), _kernel_path, _window),
+    (lambda call: True, _kernel_path, _pure),
+)
+"""The route table: ``(applies, path, compute)`` per route, the first that applies computes the call."""
 
 
 def _linear(query, key, value, path, normalization, scaling, handover, frobenius_sq) -> torch.Tensor:
