@@ -21,6 +21,7 @@ from ..balancing.balance import key_scales, value_scales
 from ..compat import cache_kwargs
 from .cache import KNormCache
 from .ragged import ragged_attention_for
+from .reconstruction import compress_by_reconstruction
 from .defaults import CACHE_OPTIONS, SCORE_BASES, merged_options
 
 
@@ -63,7 +64,8 @@ def check_unpadded(attention_mask: torch.Tensor | None) -> None:
 
 @torch.no_grad()
 def knorm_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                   score_basis: str | None = None, **kwargs) -> torch.Tensor:
+                   score_basis: str | None = None, tokenizer=None, chat_template: bool | None = None,
+                   **kwargs) -> torch.Tensor:
     """``model.generate`` with the prompt's KV cache compressed by KNorm.
 
     Args:
@@ -71,6 +73,10 @@ def knorm_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
         input_ids (torch.Tensor): (B, n) prompt ids, unpadded.
         attention_mask (torch.Tensor, optional): (B, n); must be all ones.
         score_basis ({"cached", "original"}): See :func:`knorm_cache_for`.
+        tokenizer, chat_template: Needed by ``score="kvzip"`` only (its reconstruction prompt is text,
+            :func:`hf_knorm.eviction.reconstruction.compress_by_reconstruction`). With it the prompt but its last
+            token is prefilled, scored by the reconstruction and compressed; ``generate`` then starts from the last
+            token (it needs one new token to start from).
         **kwargs: :class:`KNormCache` options (``compression_ratio``, ``score``, ``budget``, ``sink_tokens``,
             ``recent_window``, ``layer_ratios``, ``decoding_budget``, ``head_budget``, ``head_floor``,
             ``layer_budget``); everything else goes to ``model.generate`` (``max_new_tokens``,
@@ -84,6 +90,13 @@ def knorm_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     check_unpadded(attention_mask)
     options = {name: kwargs.pop(name) for name in CACHE_OPTIONS if name in kwargs}
     cache = knorm_cache_for(model, score_basis=score_basis, **options)
+    if cache.settings.deferred:
+        if input_ids.shape[1] < 2:
+            raise ValueError("score='kvzip' compresses the prompt but its last token: give at least 2 prompt tokens.")
+        context_ids = input_ids[:, :-1]
+        with ragged_attention_for(model, cache):
+            model(input_ids=context_ids, **cache_kwargs(cache), use_cache=True)
+        compress_by_reconstruction(model, cache, context_ids, tokenizer, chat_template)
     with ragged_attention_for(model, cache):  # head_budget="heads": the attention that masks per head
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(cache), **kwargs)
 
@@ -113,7 +126,8 @@ def generate_after(model, cache: KNormCache, context_ids: torch.Tensor, new_ids:
 
 @torch.no_grad()
 def answer_after_context(model, cache: KNormCache, context_ids: torch.Tensor, question_ids: torch.Tensor, *,
-                         prefilled=None, **generate_kwargs) -> torch.Tensor:
+                         prefilled=None, tokenizer=None, chat_template: bool | None = None,
+                         **generate_kwargs) -> torch.Tensor:
     """The kvpress protocol, once: the context is compressed into ``cache``, the question appended uncompressed on top
     of it, and the answer decoded. The ``knorm-text-generation`` pipeline and the needle benchmark both run this.
 
@@ -125,6 +139,9 @@ def answer_after_context(model, cache: KNormCache, context_ids: torch.Tensor, qu
         prefilled (DynamicCache, optional): The context already run through ``model`` into a plain cache; it is then
             compressed into ``cache`` (:meth:`KNormCache.prefill_from`) instead of running the context again. Same
             result (a KNormCache's prefill attends the whole context): a benchmark prefills once for many caches.
+        tokenizer, chat_template: For ``score="kvzip"``: the context is then scored by the reconstruction pass
+            (:func:`hf_knorm.eviction.reconstruction.compress_by_reconstruction`) before the question; ignored by
+            the other scores.
         **generate_kwargs: ``model.generate`` arguments (``max_new_tokens``, ``do_sample``, ``pad_token_id``, ...).
 
     Returns:
@@ -135,6 +152,8 @@ def answer_after_context(model, cache: KNormCache, context_ids: torch.Tensor, qu
             model(input_ids=context_ids, **cache_kwargs(cache), use_cache=True)  # prefill: compressed here
         else:
             cache.prefill_from(prefilled)
+        if cache.settings.deferred:
+            compress_by_reconstruction(model, cache, context_ids, tokenizer, chat_template)
         return generate_after(model, cache, context_ids, question_ids, **generate_kwargs)
 
 
@@ -174,7 +193,8 @@ class KNormTextGenerationPipeline(Pipeline):
     def _sanitize_parameters(self, question=None, chat_template=None, answer_prefix="", score_basis=None, **kwargs):
         preprocess = dict(question=question, chat_template=chat_template, answer_prefix=answer_prefix)
         cache_options = {name: kwargs.pop(name) for name in CACHE_OPTIONS if name in kwargs}
-        forward = dict(cache_options=cache_options, score_basis=score_basis, generate_kwargs=kwargs)
+        forward = dict(cache_options=cache_options, score_basis=score_basis, chat_template=chat_template,
+                       generate_kwargs=kwargs)
         return preprocess, forward, {}
 
     def preprocess(self, context: str, question: str | None = None, chat_template=None, answer_prefix: str = ""):
@@ -185,14 +205,15 @@ class KNormTextGenerationPipeline(Pipeline):
         context_ids, question_ids = encode_prompt(self.tokenizer, context, question, answer_prefix, chat_template)
         return {"context_ids": context_ids, "question_ids": question_ids}
 
-    def _forward(self, inputs, cache_options, score_basis, generate_kwargs):
+    def _forward(self, inputs, cache_options, score_basis, chat_template, generate_kwargs):
         context_ids = inputs["context_ids"].to(self.model.device)
         question_ids = inputs["question_ids"].to(self.model.device)
         cache = knorm_cache_for(self.model, score_basis=score_basis, **cache_options)
         kwargs = dict(generate_kwargs)
         if self.tokenizer.pad_token_id is None and "pad_token_id" not in kwargs:
             kwargs["pad_token_id"] = self.tokenizer.eos_token_id
-        new_ids = answer_after_context(self.model, cache, context_ids, question_ids, **kwargs)
+        new_ids = answer_after_context(self.model, cache, context_ids, question_ids, tokenizer=self.tokenizer,
+                                       chat_template=chat_template, **kwargs)
         return {"new_ids": new_ids[0], "stored_tokens": cache.stored_tokens()}
 
     def postprocess(self, outputs):
