@@ -81,6 +81,12 @@ class EvictionSettings:
                 raise ValueError(f"{name} must be a positive integer (a number of tokens) or None, got {value!r}.")
         if self.budget is not None and (self.compression_ratio or self.layer_ratios):
             raise ValueError("Give either a token budget or compression ratios, not both.")
+        if self.deferred and self.decoding_budget is not None:
+            raise ValueError(
+                f"score={self.score.name!r} scores the prompt by a reconstruction pass after the prefill; it cannot "
+                "score the tokens generated later, so it does not combine with decoding_budget (drop it, or use a "
+                "score computed from the cached states such as 'kv_diff')."
+            )
         protected = self.sink_tokens + self.recent_window
         if self.decoding_budget is not None and self.decoding_budget < protected:
             raise ValueError(

@@ -230,12 +230,42 @@ def test_head_budgets_and_protections_apply_to_the_reconstruction_score():
         assert torch.equal(protected.kept_positions(index), expected.sort(dim=-1).values)
 
 
+def test_balancing_changes_no_kvzip_choice():
+    """K/V balancing folds ``s`` into the key and query projections, so ``q k^T`` and the reconstruction's weights
+    do not change: a balanced model keeps the unbalanced model's pairs, in either score basis."""
+    from tiny_models import tiny_inputs
+
+    import hf_knorm
+    from hf_knorm.eviction.pipeline import knorm_cache_for
+
+    model = knorm_model("llama")
+    balanced = copy.deepcopy(model)
+    calibration = [tiny_inputs("llama", batch=1, length=64, seed=s) for s in range(2)]
+    hf_knorm.balance_kv(balanced, None, calibration, mode="channel", alpha=1.0, progress=False, min_tokens=1)
+    assert hf_knorm.balancing.balance.key_scales(balanced.config) is not None
+    ids = context_ids(batch=1)
+    results = {}
+    for name, m in (("plain", model.double()), ("balanced", balanced.double())):
+        for basis in ("cached", "original"):
+            cache = knorm_cache_for(m, score_basis=basis, compression_ratio=0.5, score=KVzip(chunk_size=8, tail=3))
+            m(input_ids=ids, **cache_kwargs(cache), use_cache=True)
+            importance = compress_by_reconstruction(m, cache, ids, word_tokenizer())
+            results[name, basis] = importance, [cache.kept_positions(i) for i in sorted(importance)]
+    plain, kept = results["plain", "cached"]
+    for key, (importance, positions) in results.items():
+        for index in importance:
+            torch.testing.assert_close(importance[index], plain[index], atol=1e-6, rtol=1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(positions, kept)), key
+
+
 # --- names and refusals -----------------------------------------------------------------------------------------------
 def test_spelling_and_refusals():
     assert resolve_score("kvzip") == KVzip() and resolve_score("kvzip+chunk_size512") == KVzip(chunk_size=512)
     assert score_spelling(KVzip(tail=4)) == "kvzip+tail4"
     with pytest.raises(ValueError, match="chunk_size"):
         KVzip(chunk_size=0)
+    with pytest.raises(ValueError, match="decoding_budget"):
+        KNormCache(0.5, score="kvzip", decoding_budget=8)
     model = knorm_model("llama")
     ids = context_ids(batch=1)
     cache = KNormCache(0.5, score="kvzip", config=model.config)
