@@ -14,6 +14,8 @@ l2compress code; docs/knorm.md); ``layer_ratios={0: 0.0, 1: 0.0}`` reproduces th
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import Pipeline
 
@@ -147,6 +149,37 @@ def answer_after_context(model, cache: KNormCache, context_ids: torch.Tensor, qu
     Returns:
         torch.Tensor: (B, new) the answer's token ids.
     """
+    return answer_questions(model, cache, context_ids, [question_ids], prefilled=prefilled, tokenizer=tokenizer,
+                            chat_template=chat_template, **generate_kwargs)[0]
+
+
+def fork_cache(cache: KNormCache) -> KNormCache:
+    """An independent copy of ``cache`` (its stored tensors copied; its settings and config shared, they are read
+    only): a question appended to the copy leaves ``cache`` as it was."""
+    memo = {id(cache.settings): cache.settings}
+    if cache.config is not None:
+        memo[id(cache.config)] = cache.config
+    return copy.deepcopy(cache, memo)
+
+
+@torch.no_grad()
+def answer_questions(model, cache: KNormCache, context_ids: torch.Tensor, questions: list[torch.Tensor], *,
+                     prefilled=None, tokenizer=None, chat_template: bool | None = None,
+                     **generate_kwargs) -> list[torch.Tensor]:
+    """Compress once, ask many: the context is prefilled and compressed into ``cache`` once (scores included), then
+    each question is appended to a copy of the compressed cache (:func:`fork_cache`; the last question to ``cache``
+    itself) and answered. For a query-agnostic score this gives every question the answer of
+    :func:`answer_after_context` run on it alone (tested), without recomputing the context or the scores.
+
+    Args:
+        questions (list of torch.Tensor): (B, m_i >= 1) ids of each question (and answer prefix), not compressed.
+        Others: as :func:`answer_after_context`.
+
+    Returns:
+        list of torch.Tensor: per question, (B, new) the answer's ids.
+    """
+    if not questions:
+        raise ValueError("answer_questions needs at least one question.")
     with ragged_attention_for(model, cache):  # head_budget="heads": the attention that masks per head
         if prefilled is None:
             model(input_ids=context_ids, **cache_kwargs(cache), use_cache=True)  # prefill: compressed here
@@ -154,7 +187,11 @@ def answer_after_context(model, cache: KNormCache, context_ids: torch.Tensor, qu
             cache.prefill_from(prefilled)
         if cache.settings.deferred:
             compress_by_reconstruction(model, cache, context_ids, tokenizer, chat_template)
-        return generate_after(model, cache, context_ids, question_ids, **generate_kwargs)
+        answers = []
+        for index, question_ids in enumerate(questions):
+            target = cache if index == len(questions) - 1 else fork_cache(cache)
+            answers.append(generate_after(model, target, context_ids, question_ids, **generate_kwargs))
+        return answers
 
 
 def encode_prompt(tokenizer, context: str, question: str, answer_prefix: str = "",
@@ -182,7 +219,9 @@ def split_prompt(tokenizer, context: str, question: str, chat_template: bool | N
 class KNormTextGenerationPipeline(Pipeline):
     """``pipeline("knorm-text-generation", model=..., tokenizer=...)``: answer a question about a compressed context.
 
-    Call: ``pipe(context, question=..., compression_ratio=0.5, max_new_tokens=16)`` -> ``{"answer": str}``. Other
+    Call: ``pipe(context, question=..., compression_ratio=0.5, max_new_tokens=16)`` -> ``{"answer": str}``; with a
+    list of questions, ``question=[q1, q2, ...]`` -> ``[{"answer": str}, ...]``: the context is compressed once and
+    each question answered from a copy of that cache (:func:`answer_questions`). Other
     keywords: the :class:`KNormCache` options, ``score_basis``, ``chat_template`` (default: use the tokenizer's),
     ``answer_prefix`` (text the answer starts with, kept out of the answer), and ``model.generate`` arguments
     (``do_sample``, ``temperature``, ...). Batch size 1 (each context has its own cache).
@@ -197,28 +236,39 @@ class KNormTextGenerationPipeline(Pipeline):
                        generate_kwargs=kwargs)
         return preprocess, forward, {}
 
-    def preprocess(self, context: str, question: str | None = None, chat_template=None, answer_prefix: str = ""):
-        if not isinstance(context, str) or not question:
+    def preprocess(self, context: str, question=None, chat_template=None, answer_prefix: str = ""):
+        several = isinstance(question, (list, tuple))
+        questions = list(question) if several else [question]
+        if not isinstance(context, str) or not questions or not all(isinstance(q, str) and q for q in questions):
             raise ValueError(
-                "knorm-text-generation takes a context string and a question: pipe(context, question='...')."
+                "knorm-text-generation takes a context string and a question: pipe(context, question='...'), or "
+                "several: pipe(context, question=['...', '...'])."
             )
-        context_ids, question_ids = encode_prompt(self.tokenizer, context, question, answer_prefix, chat_template)
-        return {"context_ids": context_ids, "question_ids": question_ids}
+        encoded = [encode_prompt(self.tokenizer, context, q, answer_prefix, chat_template) for q in questions]
+        context_ids = encoded[0][0]
+        if any(not torch.equal(ids, context_ids) for ids, _ in encoded):
+            raise ValueError("The questions split the prompt differently (the chat template puts the question "
+                             "before the context?): ask them one at a time.")
+        return {"context_ids": context_ids, "question_ids": [q for _, q in encoded] if several else encoded[0][1]}
 
-    def _forward(self, inputs, cache_options, score_basis, chat_template, generate_kwargs):
+    def _forward(self, inputs, cache_options, score_basis, generate_kwargs, chat_template=None):
         context_ids = inputs["context_ids"].to(self.model.device)
-        question_ids = inputs["question_ids"].to(self.model.device)
         cache = knorm_cache_for(self.model, score_basis=score_basis, **cache_options)
         kwargs = dict(generate_kwargs)
         if self.tokenizer.pad_token_id is None and "pad_token_id" not in kwargs:
             kwargs["pad_token_id"] = self.tokenizer.eos_token_id
-        new_ids = answer_after_context(self.model, cache, context_ids, question_ids, tokenizer=self.tokenizer,
-                                       chat_template=chat_template, **kwargs)
-        return {"new_ids": new_ids[0], "stored_tokens": cache.stored_tokens()}
+        several = isinstance(inputs["question_ids"], list)
+        questions = [ids.to(self.model.device) for ids in (inputs["question_ids"] if several else
+                                                           [inputs["question_ids"]])]
+        new_ids = answer_questions(self.model, cache, context_ids, questions, tokenizer=self.tokenizer,
+                                   chat_template=chat_template, **kwargs)
+        return {"new_ids": [ids[0] for ids in new_ids], "several": several,
+                "stored_tokens": cache.stored_tokens()}
 
     def postprocess(self, outputs):
-        answer = self.tokenizer.decode(outputs["new_ids"], skip_special_tokens=True)
-        return {"answer": answer.strip()}
+        answers = [{"answer": self.tokenizer.decode(ids, skip_special_tokens=True).strip()}
+                   for ids in outputs["new_ids"]]
+        return answers if outputs["several"] else answers[0]
 
 
 def register_pipeline() -> None:
