@@ -67,9 +67,9 @@ def max_attention_weights(query: torch.Tensor, key: torch.Tensor, scored: int, s
         logits = q @ key[:, :, start:start + block].to(dtype).transpose(-1, -2)  # (B, H_kv, group * m, block)
         if start + logits.shape[-1] > offset:  # the queries' own keys: causal
             columns = torch.arange(start, start + logits.shape[-1], device=query.device)
-            logits = logits.masked_fill(columns[None, :] > offset + row[:, None], float("-inf"))
+            logits.masked_fill_(columns[None, :] > offset + row[:, None], float("-inf"))
         new_peak = torch.maximum(peak, logits.amax(-1))
-        total = total * torch.exp(peak - new_peak) + torch.exp(logits - new_peak[..., None]).sum(-1)
+        total = total * torch.exp(peak - new_peak) + logits.sub_(new_peak[..., None]).exp_().sum(-1)  # in place
         peak = new_peak
     lse = (peak + torch.log(total))[..., None]  # (B, H_kv, group * m, 1); key 0 is seen by every row: finite
 
@@ -77,5 +77,5 @@ def max_attention_weights(query: torch.Tensor, key: torch.Tensor, scored: int, s
     for start in range(0, scored, block):  # pass 2: max_i exp(s_ij - lse_i) over the scored keys (no mask needed)
         stop = min(scored, start + block)
         logits = q @ key[:, :, start:stop].to(dtype).transpose(-1, -2)
-        out[..., start:stop] = (logits - lse).amax(-2).exp()  # exp is monotone: one exp per key
+        out[..., start:stop] = logits.sub_(lse).amax(-2).exp()  # exp is monotone: one exp per key
     return out
