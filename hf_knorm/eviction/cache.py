@@ -19,7 +19,9 @@ differ between heads), in their original order. Later tokens are appended uncomp
 Which tokens a layer keeps is decided by a score (``score=``, :mod:`hf_knorm.eviction.scores`): ``"key_norm"``, the
 paper's, by default; others need no attention weights either: ``"kv_diff"`` (recommended: it keeps the needle that
 ``key_norm`` loses on the default model, docs/results/knorm.md, "Eviction scores"), ``"key_diff"``,
-``"value_over_key"`` and the baselines ``"recent"`` and ``"random"``.
+``"value_over_key"`` and the baselines ``"recent"`` and ``"random"``. ``"kvzip"`` (KVzip, arXiv 2505.23416) reads the
+attention of a reconstruction pass run after the prefill: the layers then store the prompt whole until
+:meth:`KNormCache.compress_prompts` gets its importance (:mod:`hf_knorm.eviction.reconstruction` runs both).
 
 Options (all off by default): ``budget`` (keep a token count instead of a ratio), ``sink_tokens`` and
 ``recent_window`` (never evict the first k / last w tokens; they count towards the kept number), ``layer_ratios``
@@ -210,8 +212,10 @@ class KNormCache(Cache):
             a ``DynamicCache``).
         score (str or score object): What decides which tokens are kept: a name of
             :data:`hf_knorm.eviction.scores.SCORES` (``"key_norm"``, the paper's, the default; ``"value_over_key"``,
-            ``"key_diff"``, ``"kv_diff"``, ``"recent"``, ``"random"``) or a score instance (e.g. ``Random(seed=3)``,
-            ``KeyDiff(pool=5)``).
+            ``"key_diff"``, ``"kv_diff"``, ``"recent"``, ``"random"``, ``"kvzip"``) or a score instance (e.g.
+            ``Random(seed=3)``, ``KeyDiff(pool=5)``). ``"kvzip"`` compresses only when
+            :func:`hf_knorm.eviction.reconstruction.compress_by_reconstruction` has scored the prompt (``knorm_generate``
+            with ``tokenizer=`` and the pipeline run it); generating before that is refused.
         budget (int, optional): Keep this many prompt tokens per head instead of using the ratio (must not exceed the
             prompt length).
         sink_tokens (int): Never evict the first ``sink_tokens`` tokens (attention sinks). Default 0.
