@@ -53,7 +53,8 @@ def test_needle_cells_give_the_pipeline_answers(tiny):
     sample = dict(context=word_text(PROMPT, seed=2), question=word_text(2, seed=3), answer_prefix=" w5", expected="0")
     variants = [needle.Variant("r=0"), needle.Variant("r=0.9", {"compression_ratio": 0.9}),
                 needle.Variant("kv_diff", {"compression_ratio": 0.5, "score": "kv_diff", "sink_tokens": 2}),
-                needle.Variant("layer 0 kept", {"compression_ratio": 0.75, "layer_ratios": {0: 0.0}})]
+                needle.Variant("layer 0 kept", {"compression_ratio": 0.75, "layer_ratios": {0: 0.0}}),
+                needle.Variant("kvzip", {"compression_ratio": 0.75, "score": "kvzip+chunk_size8"})]
     answers = needle.answer_cell(model, tokenizer, sample, variants, max_new_tokens=NEW)
     pipe = pipeline("knorm-text-generation", model=model, tokenizer=tokenizer)
     for variant in variants:
