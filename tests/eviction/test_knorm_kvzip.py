@@ -16,7 +16,7 @@ from hf_knorm.compat import cache_kwargs
 from hf_knorm.eviction.budgets import head_adaptive_keep
 from hf_knorm.eviction.cache import KNormCache, KNormLayer, kept_count
 from hf_knorm.eviction.max_weight import max_attention_weights
-from hf_knorm.eviction.pipeline import answer_after_context, encode_prompt, knorm_generate
+from hf_knorm.eviction.pipeline import answer_after_context, encode_prompt, generate_after, knorm_generate
 from hf_knorm.eviction.reconstruction import (FIRST_PROMPT, NEXT_PROMPT, compress_by_reconstruction,
                                               reconstruction_chunks, reconstruction_importance,
                                               reconstruction_prompt)
@@ -228,6 +228,32 @@ def test_head_budgets_and_protections_apply_to_the_reconstruction_score():
         free = scores[..., 2:CONTEXT - 2].topk(2, dim=-1).indices + 2
         expected = torch.cat([torch.tensor([0, 1, CONTEXT - 2, CONTEXT - 1]).expand(1, 2, 4), free], -1)
         assert torch.equal(protected.kept_positions(index), expected.sort(dim=-1).values)
+
+
+def test_layer_ratios_and_schedules_apply_to_the_reconstruction_score():
+    model = fp64_model("llama")
+    tokenizer = word_tokenizer()
+    ids = context_ids(batch=1)
+    score = KVzip(chunk_size=8, tail=3)
+    ratios = KNormCache(layer_ratios={0: 0.0, 1: 0.75}, score=score, config=model.config)
+    model(input_ids=ids, **cache_kwargs(ratios), use_cache=True)
+    importance = compress_by_reconstruction(model, ratios, ids, tokenizer)
+    assert ratios.kept_positions(0).tolist() == [[list(range(CONTEXT))] * 2]
+    keep = kept_count(CONTEXT, 0.75)
+    assert torch.equal(ratios.kept_positions(1), importance[1].topk(keep, dim=-1).indices.sort(dim=-1).values)
+    question = torch.tensor([[5, 6, 7]])  # per-layer counts: the question goes one token at a time
+    out = generate_after(model, ratios, ids, question, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                         pad_token_id=0)
+    assert out.shape == (1, 3) and ratios.stored_tokens() == [CONTEXT + 5, keep + 5]
+
+    dispersion = KNormCache(0.5, score=score, layer_budget="dispersion", config=model.config)
+    model(input_ids=ids, **cache_kwargs(dispersion), use_cache=True)
+    compress_by_reconstruction(model, dispersion, ids, tokenizer)
+    counts = dispersion.stored_tokens()
+    assert sum(counts) == 2 * kept_count(CONTEXT, 0.5)
+    for index, count in enumerate(counts):  # each layer keeps its share, chosen by the reconstruction's importance
+        assert torch.equal(dispersion.kept_positions(index),
+                           importance[index].topk(count, dim=-1).indices.sort(dim=-1).values)
 
 
 def test_balancing_changes_no_kvzip_choice():
