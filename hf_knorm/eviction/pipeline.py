@@ -93,6 +93,7 @@ def knorm_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     options = {name: kwargs.pop(name) for name in CACHE_OPTIONS if name in kwargs}
     cache = knorm_cache_for(model, score_basis=score_basis, **options)
     if cache.settings.deferred:
+        _check_tokenizer(tokenizer)
         if input_ids.shape[1] < 2:
             raise ValueError("score='kvzip' compresses the prompt but its last token: give at least 2 prompt tokens.")
         context_ids = input_ids[:, :-1]
@@ -153,6 +154,12 @@ def answer_after_context(model, cache: KNormCache, context_ids: torch.Tensor, qu
                             chat_template=chat_template, **generate_kwargs)[0]
 
 
+def _check_tokenizer(tokenizer) -> None:
+    """Fail before the prefill when ``score="kvzip"`` has no tokenizer for its reconstruction prompt."""
+    if tokenizer is None:
+        raise ValueError("score='kvzip' needs the tokenizer (its reconstruction prompt is text): pass tokenizer=.")
+
+
 def fork_cache(cache: KNormCache) -> KNormCache:
     """An independent copy of ``cache`` (its stored tensors copied; its settings and config shared, they are read
     only): a question appended to the copy leaves ``cache`` as it was."""
@@ -180,6 +187,8 @@ def answer_questions(model, cache: KNormCache, context_ids: torch.Tensor, questi
     """
     if not questions:
         raise ValueError("answer_questions needs at least one question.")
+    if cache.settings.deferred:
+        _check_tokenizer(tokenizer)
     with ragged_attention_for(model, cache):  # head_budget="heads": the attention that masks per head
         if prefilled is None:
             model(input_ids=context_ids, **cache_kwargs(cache), use_cache=True)  # prefill: compressed here
