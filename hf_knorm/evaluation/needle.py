@@ -190,7 +190,8 @@ def answer_cell(model, tokenizer, sample: dict, variants: list[Variant], max_new
     for variant in variants:
         cache = knorm_cache_for(model, score_basis=variant.score_basis, recorded_defaults=False, **variant.options)
         if variant.protocol == "kvpress":
-            new = answer_after_context(model, cache, context_ids, question_ids, prefilled=full, **generate)[0]
+            new = answer_after_context(model, cache, context_ids, question_ids, prefilled=full, tokenizer=tokenizer,
+                                       **generate)[0]
         elif variant.protocol == "authors":
             if with_question is None:  # question on the uncompressed pass; its last logits give the first token
                 step_cache = DynamicCache([(layer.keys, layer.values) for layer in full.layers])

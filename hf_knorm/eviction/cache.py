@@ -19,7 +19,9 @@ differ between heads), in their original order. Later tokens are appended uncomp
 Which tokens a layer keeps is decided by a score (``score=``, :mod:`hf_knorm.eviction.scores`): ``"key_norm"``, the
 paper's, by default; others need no attention weights either: ``"kv_diff"`` (recommended: it keeps the needle that
 ``key_norm`` loses on the default model, docs/results/knorm.md, "Eviction scores"), ``"key_diff"``,
-``"value_over_key"`` and the baselines ``"recent"`` and ``"random"``.
+``"value_over_key"`` and the baselines ``"recent"`` and ``"random"``. ``"kvzip"`` (KVzip, arXiv 2505.23416) reads the
+attention of a reconstruction pass run after the prefill: the layers then store the prompt whole until
+:meth:`KNormCache.compress_prompts` gets its importance (:mod:`hf_knorm.eviction.reconstruction` runs both).
 
 Options (all off by default): ``budget`` (keep a token count instead of a ratio), ``sink_tokens`` and
 ``recent_window`` (never evict the first k / last w tokens; they count towards the kept number), ``layer_ratios``
@@ -90,7 +92,7 @@ class KNormLayer(DynamicLayer):
         if start == 0 and q_len > 0:  # the prompt: compressed once it has been attended in full
             _check_unpadded_positions(position_ids, q_len)
             self.prompt_length = q_len
-            if self.settings.layer_budget != "uniform":  # the cache compresses every layer once all have the prompt
+            if self.settings.layer_budget != "uniform" or self.settings.deferred:  # compressed by the cache later
                 self.keys, self.values, self.positions = full_keys, full_values, full_positions
                 return full_keys, full_values
             keep = self.settings.prompt_keep(self.layer_idx, q_len)
@@ -107,10 +109,15 @@ class KNormLayer(DynamicLayer):
             self.keys, self.values, self.positions = full_keys, full_values, full_positions
         return full_keys, full_values
 
-    def prompt_order(self) -> torch.Tensor:
-        """Eviction order (B, H_kv, n) of the stored, not yet compressed prompt (low = kept)."""
+    def prompt_order(self, importance: torch.Tensor | None = None) -> torch.Tensor:
+        """Eviction order (B, H_kv, n) of the stored, not yet compressed prompt (low = kept); from ``importance``
+        (B, H_kv, n) instead of the score when given (a deferred score's)."""
         return self.settings.eviction_order(self.keys, self.values, self.positions, self.layer_idx,
-                                            self.cumulative_length)
+                                            self.cumulative_length, importance)
+
+    def prompt_states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored, not yet compressed prompt's keys and values, (B, H_kv, n, D) each (views, not copies)."""
+        return self.keys, self.values
 
     def compress_prompt(self, keep: int, order: torch.Tensor | None = None) -> None:
         """Keep ``keep`` tokens per head of the stored prompt (a layer budget, applied by the cache once every layer
@@ -205,8 +212,10 @@ class KNormCache(Cache):
             a ``DynamicCache``).
         score (str or score object): What decides which tokens are kept: a name of
             :data:`hf_knorm.eviction.scores.SCORES` (``"key_norm"``, the paper's, the default; ``"value_over_key"``,
-            ``"key_diff"``, ``"kv_diff"``, ``"recent"``, ``"random"``) or a score instance (e.g. ``Random(seed=3)``,
-            ``KeyDiff(pool=5)``).
+            ``"key_diff"``, ``"kv_diff"``, ``"recent"``, ``"random"``, ``"kvzip"``) or a score instance (e.g.
+            ``Random(seed=3)``, ``KeyDiff(pool=5)``). ``"kvzip"`` compresses only when
+            :func:`hf_knorm.eviction.reconstruction.compress_by_reconstruction` has scored the prompt (``knorm_generate``
+            with ``tokenizer=`` and the pipeline run it); generating before that is refused.
         budget (int, optional): Keep this many prompt tokens per head instead of using the ratio (must not exceed the
             prompt length).
         sink_tokens (int): Never evict the first ``sink_tokens`` tokens (attention sinks). Default 0.
@@ -325,10 +334,19 @@ class KNormCache(Cache):
         if not isinstance(layer, KNormLayer):
             return layer.update(key_states, value_states, *args, **kwargs)
         self._check_multi_token_step(layer, key_states.shape[-2])
+        if layer.cumulative_length > 0 and self.awaits_importance():
+            raise ValueError(
+                f"KNormCache(score={self.settings.score.name!r}) holds the prompt uncompressed until its importance is "
+                "computed (a reconstruction pass of the model) and handed to compress_prompts; generating on it now "
+                "would never compress it. Use hf_knorm.eviction.pipeline.knorm_generate(..., tokenizer=...) or the "
+                "knorm-text-generation pipeline, or call hf_knorm.eviction.reconstruction.compress_by_reconstruction "
+                "after the prefill."
+            )
         if isinstance(layer, RaggedKNormLayer):
             self._check_ragged_step(layer, key_states.shape[-2])
         out = layer.update(key_states, value_states, position_ids=update_position_ids(kwargs))
-        if self.settings.layer_budget != "uniform" and layer.cumulative_length == layer.prompt_length:
+        if (self.settings.layer_budget != "uniform" and not self.settings.deferred
+                and layer.cumulative_length == layer.prompt_length):
             self._finish_prompt()
         return out
 
@@ -348,10 +366,11 @@ class KNormCache(Cache):
             raise ValueError("KNormCache(head_budget='heads') takes one token per forward after the prompt; feed the "
                              "tokens one at a time (hf_knorm.eviction.pipeline.append_tokens does).")
 
-    def _finish_prompt(self) -> None:
+    def _finish_prompt(self, importance: Mapping[int, torch.Tensor] | None = None) -> None:
         """Compress every KNorm layer under the layer schedule once all of them hold the whole prompt (the schedule
         reads every layer's scores). Until then a layer stores its prompt whole: the peak is a full prompt cache,
-        as with prefill into a ``DynamicCache``."""
+        as with prefill into a ``DynamicCache``. ``importance`` (layer index -> (B, H_kv, n)): a deferred score's,
+        used instead of calling the score."""
         layers = [layer for layer in self.layers if isinstance(layer, KNormLayer)]
         if getattr(self, "_scheduled", False) or any(
                 not layer.is_initialized or not layer.prompt_length or layer.cumulative_length != layer.prompt_length
@@ -361,17 +380,48 @@ class KNormCache(Cache):
         from .budgets import layer_dispersion, layer_keep_counts
 
         n = layers[0].prompt_length
-        keep = self.settings.prompt_keep(0, n)
-        orders = [layer.prompt_order() for layer in layers]
-        dispersions = [layer_dispersion(order) for order in orders]
-        low = max(1, min(n, self.settings.sink_tokens + self.settings.recent_window))
-        counts = layer_keep_counts(self.settings.layer_budget, n, keep, len(layers), low=low, dispersions=dispersions)
+        orders = [layer.prompt_order(None if importance is None else importance[layer.layer_idx]) for layer in layers]
+        if self.settings.layer_budget == "uniform":  # a deferred score under the uniform budget (or layer_ratios)
+            counts = [self.settings.prompt_keep(layer.layer_idx, n) for layer in layers]
+        else:
+            keep = self.settings.prompt_keep(0, n)
+            dispersions = [layer_dispersion(order) for order in orders]
+            low = max(1, min(n, self.settings.sink_tokens + self.settings.recent_window))
+            counts = layer_keep_counts(self.settings.layer_budget, n, keep, len(layers), low=low,
+                                       dispersions=dispersions)
         for layer, order, count in zip(layers, orders, counts):
             layer.compress_prompt(count, order)
 
+    def awaits_importance(self) -> bool:
+        """True when the score is deferred (``score="kvzip"``) and :meth:`compress_prompts` has not run yet."""
+        return self.settings.deferred and not getattr(self, "_scored", False)
+
+    def compress_prompts(self, importance: Mapping[int, torch.Tensor]) -> None:
+        """Compress the stored prompt of every KNorm layer with a deferred score's importance (``score="kvzip"``,
+        computed after the prefill by :func:`hf_knorm.eviction.reconstruction.compress_by_reconstruction`).
+
+        Args:
+            importance (mapping int -> torch.Tensor): for every KNorm layer index, (B, H_kv, n) importance of its
+                prompt tokens (higher = kept); the budgets, protections and schedules apply as for any score.
+        """
+        if not self.settings.deferred:
+            raise ValueError(f"compress_prompts is for a deferred score (score='kvzip'); this cache's score "
+                             f"{self.settings.score.name!r} compresses at the prefill.")
+        layers = [layer for layer in self.layers if isinstance(layer, KNormLayer)]
+        if getattr(self, "_scored", False) or not layers or any(
+                not layer.is_initialized or layer.cumulative_length != layer.prompt_length or not layer.prompt_length
+                for layer in layers):
+            raise ValueError("compress_prompts needs a KNormCache holding exactly its prompt, uncompressed (prefill it "
+                             "once, then call this once).")
+        missing = [layer.layer_idx for layer in layers if layer.layer_idx not in importance]
+        if missing:
+            raise ValueError(f"compress_prompts got no importance for KNorm layer(s) {missing}.")
+        self._finish_prompt(importance)
+        self._scored = True
+
     def reset(self) -> None:
         super().reset()
-        self._scheduled = False
+        self._scheduled = self._scored = False
 
     def _check_multi_token_step(self, layer: KNormLayer, q_len: int) -> None:
         """Refuse q > 1 new tokens after the prompt if the KNorm layers that have not yet received them store

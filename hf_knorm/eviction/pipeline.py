@@ -14,6 +14,8 @@ l2compress code; docs/knorm.md); ``layer_ratios={0: 0.0, 1: 0.0}`` reproduces th
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import Pipeline
 
@@ -21,6 +23,7 @@ from ..balancing.balance import key_scales, value_scales
 from ..compat import cache_kwargs
 from .cache import KNormCache
 from .ragged import ragged_attention_for
+from .reconstruction import compress_by_reconstruction
 from .defaults import CACHE_OPTIONS, SCORE_BASES, merged_options
 
 
@@ -63,7 +66,8 @@ def check_unpadded(attention_mask: torch.Tensor | None) -> None:
 
 @torch.no_grad()
 def knorm_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                   score_basis: str | None = None, **kwargs) -> torch.Tensor:
+                   score_basis: str | None = None, tokenizer=None, chat_template: bool | None = None,
+                   **kwargs) -> torch.Tensor:
     """``model.generate`` with the prompt's KV cache compressed by KNorm.
 
     Args:
@@ -71,6 +75,10 @@ def knorm_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
         input_ids (torch.Tensor): (B, n) prompt ids, unpadded.
         attention_mask (torch.Tensor, optional): (B, n); must be all ones.
         score_basis ({"cached", "original"}): See :func:`knorm_cache_for`.
+        tokenizer, chat_template: Needed by ``score="kvzip"`` only (its reconstruction prompt is text,
+            :func:`hf_knorm.eviction.reconstruction.compress_by_reconstruction`). With it the prompt but its last
+            token is prefilled, scored by the reconstruction and compressed; ``generate`` then starts from the last
+            token (it needs one new token to start from).
         **kwargs: :class:`KNormCache` options (``compression_ratio``, ``score``, ``budget``, ``sink_tokens``,
             ``recent_window``, ``layer_ratios``, ``decoding_budget``, ``head_budget``, ``head_floor``,
             ``layer_budget``); everything else goes to ``model.generate`` (``max_new_tokens``,
@@ -84,6 +92,14 @@ def knorm_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     check_unpadded(attention_mask)
     options = {name: kwargs.pop(name) for name in CACHE_OPTIONS if name in kwargs}
     cache = knorm_cache_for(model, score_basis=score_basis, **options)
+    if cache.settings.deferred:
+        _check_tokenizer(tokenizer)
+        if input_ids.shape[1] < 2:
+            raise ValueError("score='kvzip' compresses the prompt but its last token: give at least 2 prompt tokens.")
+        context_ids = input_ids[:, :-1]
+        with ragged_attention_for(model, cache):
+            model(input_ids=context_ids, **cache_kwargs(cache), use_cache=True)
+        compress_by_reconstruction(model, cache, context_ids, tokenizer, chat_template)
     with ragged_attention_for(model, cache):  # head_budget="heads": the attention that masks per head
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(cache), **kwargs)
 
@@ -113,7 +129,8 @@ def generate_after(model, cache: KNormCache, context_ids: torch.Tensor, new_ids:
 
 @torch.no_grad()
 def answer_after_context(model, cache: KNormCache, context_ids: torch.Tensor, question_ids: torch.Tensor, *,
-                         prefilled=None, **generate_kwargs) -> torch.Tensor:
+                         prefilled=None, tokenizer=None, chat_template: bool | None = None,
+                         **generate_kwargs) -> torch.Tensor:
     """The kvpress protocol, once: the context is compressed into ``cache``, the question appended uncompressed on top
     of it, and the answer decoded. The ``knorm-text-generation`` pipeline and the needle benchmark both run this.
 
@@ -125,17 +142,65 @@ def answer_after_context(model, cache: KNormCache, context_ids: torch.Tensor, qu
         prefilled (DynamicCache, optional): The context already run through ``model`` into a plain cache; it is then
             compressed into ``cache`` (:meth:`KNormCache.prefill_from`) instead of running the context again. Same
             result (a KNormCache's prefill attends the whole context): a benchmark prefills once for many caches.
+        tokenizer, chat_template: For ``score="kvzip"``: the context is then scored by the reconstruction pass
+            (:func:`hf_knorm.eviction.reconstruction.compress_by_reconstruction`) before the question; ignored by
+            the other scores.
         **generate_kwargs: ``model.generate`` arguments (``max_new_tokens``, ``do_sample``, ``pad_token_id``, ...).
 
     Returns:
         torch.Tensor: (B, new) the answer's token ids.
     """
+    return answer_questions(model, cache, context_ids, [question_ids], prefilled=prefilled, tokenizer=tokenizer,
+                            chat_template=chat_template, **generate_kwargs)[0]
+
+
+def _check_tokenizer(tokenizer) -> None:
+    """Fail before the prefill when ``score="kvzip"`` has no tokenizer for its reconstruction prompt."""
+    if tokenizer is None:
+        raise ValueError("score='kvzip' needs the tokenizer (its reconstruction prompt is text): pass tokenizer=.")
+
+
+def fork_cache(cache: KNormCache) -> KNormCache:
+    """An independent copy of ``cache`` (its stored tensors copied; its settings and config shared, they are read
+    only): a question appended to the copy leaves ``cache`` as it was."""
+    memo = {id(cache.settings): cache.settings}
+    if cache.config is not None:
+        memo[id(cache.config)] = cache.config
+    return copy.deepcopy(cache, memo)
+
+
+@torch.no_grad()
+def answer_questions(model, cache: KNormCache, context_ids: torch.Tensor, questions: list[torch.Tensor], *,
+                     prefilled=None, tokenizer=None, chat_template: bool | None = None,
+                     **generate_kwargs) -> list[torch.Tensor]:
+    """Compress once, ask many: the context is prefilled and compressed into ``cache`` once (scores included), then
+    each question is appended to a copy of the compressed cache (:func:`fork_cache`; the last question to ``cache``
+    itself) and answered. For a query-agnostic score this gives every question the answer of
+    :func:`answer_after_context` run on it alone (tested), without recomputing the context or the scores.
+
+    Args:
+        questions (list of torch.Tensor): (B, m_i >= 1) ids of each question (and answer prefix), not compressed.
+        Others: as :func:`answer_after_context`.
+
+    Returns:
+        list of torch.Tensor: per question, (B, new) the answer's ids.
+    """
+    if not questions:
+        raise ValueError("answer_questions needs at least one question.")
+    if cache.settings.deferred:
+        _check_tokenizer(tokenizer)
     with ragged_attention_for(model, cache):  # head_budget="heads": the attention that masks per head
         if prefilled is None:
             model(input_ids=context_ids, **cache_kwargs(cache), use_cache=True)  # prefill: compressed here
         else:
             cache.prefill_from(prefilled)
-        return generate_after(model, cache, context_ids, question_ids, **generate_kwargs)
+        if cache.settings.deferred:
+            compress_by_reconstruction(model, cache, context_ids, tokenizer, chat_template)
+        answers = []
+        for index, question_ids in enumerate(questions):
+            target = cache if index == len(questions) - 1 else fork_cache(cache)
+            answers.append(generate_after(model, target, context_ids, question_ids, **generate_kwargs))
+        return answers
 
 
 def encode_prompt(tokenizer, context: str, question: str, answer_prefix: str = "",
@@ -163,7 +228,9 @@ def split_prompt(tokenizer, context: str, question: str, chat_template: bool | N
 class KNormTextGenerationPipeline(Pipeline):
     """``pipeline("knorm-text-generation", model=..., tokenizer=...)``: answer a question about a compressed context.
 
-    Call: ``pipe(context, question=..., compression_ratio=0.5, max_new_tokens=16)`` -> ``{"answer": str}``. Other
+    Call: ``pipe(context, question=..., compression_ratio=0.5, max_new_tokens=16)`` -> ``{"answer": str}``; with a
+    list of questions, ``question=[q1, q2, ...]`` -> ``[{"answer": str}, ...]``: the context is compressed once and
+    each question answered from a copy of that cache (:func:`answer_questions`). Other
     keywords: the :class:`KNormCache` options, ``score_basis``, ``chat_template`` (default: use the tokenizer's),
     ``answer_prefix`` (text the answer starts with, kept out of the answer), and ``model.generate`` arguments
     (``do_sample``, ``temperature``, ...). Batch size 1 (each context has its own cache).
@@ -174,30 +241,43 @@ class KNormTextGenerationPipeline(Pipeline):
     def _sanitize_parameters(self, question=None, chat_template=None, answer_prefix="", score_basis=None, **kwargs):
         preprocess = dict(question=question, chat_template=chat_template, answer_prefix=answer_prefix)
         cache_options = {name: kwargs.pop(name) for name in CACHE_OPTIONS if name in kwargs}
-        forward = dict(cache_options=cache_options, score_basis=score_basis, generate_kwargs=kwargs)
+        forward = dict(cache_options=cache_options, score_basis=score_basis, chat_template=chat_template,
+                       generate_kwargs=kwargs)
         return preprocess, forward, {}
 
-    def preprocess(self, context: str, question: str | None = None, chat_template=None, answer_prefix: str = ""):
-        if not isinstance(context, str) or not question:
+    def preprocess(self, context: str, question=None, chat_template=None, answer_prefix: str = ""):
+        several = isinstance(question, (list, tuple))
+        questions = list(question) if several else [question]
+        if not isinstance(context, str) or not questions or not all(isinstance(q, str) and q for q in questions):
             raise ValueError(
-                "knorm-text-generation takes a context string and a question: pipe(context, question='...')."
+                "knorm-text-generation takes a context string and a question: pipe(context, question='...'), or "
+                "several: pipe(context, question=['...', '...'])."
             )
-        context_ids, question_ids = encode_prompt(self.tokenizer, context, question, answer_prefix, chat_template)
-        return {"context_ids": context_ids, "question_ids": question_ids}
+        encoded = [encode_prompt(self.tokenizer, context, q, answer_prefix, chat_template) for q in questions]
+        context_ids = encoded[0][0]
+        if any(not torch.equal(ids, context_ids) for ids, _ in encoded):
+            raise ValueError("The questions split the prompt differently (the chat template puts the question "
+                             "before the context?): ask them one at a time.")
+        return {"context_ids": context_ids, "question_ids": [q for _, q in encoded] if several else encoded[0][1]}
 
-    def _forward(self, inputs, cache_options, score_basis, generate_kwargs):
+    def _forward(self, inputs, cache_options, score_basis, generate_kwargs, chat_template=None):
         context_ids = inputs["context_ids"].to(self.model.device)
-        question_ids = inputs["question_ids"].to(self.model.device)
         cache = knorm_cache_for(self.model, score_basis=score_basis, **cache_options)
         kwargs = dict(generate_kwargs)
         if self.tokenizer.pad_token_id is None and "pad_token_id" not in kwargs:
             kwargs["pad_token_id"] = self.tokenizer.eos_token_id
-        new_ids = answer_after_context(self.model, cache, context_ids, question_ids, **kwargs)
-        return {"new_ids": new_ids[0], "stored_tokens": cache.stored_tokens()}
+        several = isinstance(inputs["question_ids"], list)
+        questions = [ids.to(self.model.device) for ids in (inputs["question_ids"] if several else
+                                                           [inputs["question_ids"]])]
+        new_ids = answer_questions(self.model, cache, context_ids, questions, tokenizer=self.tokenizer,
+                                   chat_template=chat_template, **kwargs)
+        return {"new_ids": [ids[0] for ids in new_ids], "several": several,
+                "stored_tokens": cache.stored_tokens()}
 
     def postprocess(self, outputs):
-        answer = self.tokenizer.decode(outputs["new_ids"], skip_special_tokens=True)
-        return {"answer": answer.strip()}
+        answers = [{"answer": self.tokenizer.decode(ids, skip_special_tokens=True).strip()}
+                   for ids in outputs["new_ids"]]
+        return answers if outputs["several"] else answers[0]
 
 
 TASK = "knorm-text-generation"

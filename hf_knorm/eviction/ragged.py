@@ -206,7 +206,7 @@ class RaggedKNormLayer(KNormLayer):
             self.prompt_length = q_len
             positions = torch.arange(q_len, device=self.device).expand(batch, heads, q_len)
             keep = torch.ones(batch, heads, q_len, dtype=torch.bool, device=self.device)
-            if self.settings.layer_budget == "uniform" and q_len > 0:
+            if self.settings.layer_budget == "uniform" and not self.settings.deferred and q_len > 0:
                 order = self.settings.eviction_order(key_states, value_states, positions, self.layer_idx, q_len)
                 keep = head_adaptive_keep(order, self.settings.prompt_keep(self.layer_idx, q_len),
                                           self.settings.head_floor)
@@ -239,9 +239,14 @@ class RaggedKNormLayer(KNormLayer):
         order = self.prompt_order() if order is None else order
         self._pack(keys, values, positions, head_adaptive_keep(order, keep, self.settings.head_floor))
 
-    def prompt_order(self) -> torch.Tensor:
+    def prompt_order(self, importance: torch.Tensor | None = None) -> torch.Tensor:
         keys, values, positions, _ = self.padded()
-        return self.settings.eviction_order(keys, values, positions, self.layer_idx, self.cumulative_length)
+        return self.settings.eviction_order(keys, values, positions, self.layer_idx, self.cumulative_length,
+                                            importance)
+
+    def prompt_states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values, _, _ = self.padded()  # the prompt, whole: every head holds it (a copy of the store)
+        return keys, values
 
     def reset(self) -> None:
         super().reset()

@@ -198,3 +198,48 @@ def reference_generate(model, input_ids: torch.Tensor, ratio: float, max_new_tok
         logits.append(out.logits[:, -1].float())
         tokens.append(logits[-1].argmax(-1))
     return torch.stack(tokens, dim=1), logits, kept
+
+
+def reference_max_weights(query: torch.Tensor, key: torch.Tensor, scored: int, scaling: float | None = None):
+    """:func:`hf_knorm.eviction.max_weight.max_attention_weights` by materializing every weight, in fp64.
+
+    The (B, H_q, m, L) logits ``scaling * q k^T`` (KV head ``h // group`` for query head ``h``), causal for the last
+    ``m`` keys, a softmax over each row, the first ``scored`` columns, the maximum over rows and the group's heads.
+    Returns (B, H_kv, scored) fp64.
+    """
+    batch, query_heads, rows, dim = query.shape
+    heads, length = key.shape[1], key.shape[2]
+    group = query_heads // heads
+    scaling = dim ** -0.5 if scaling is None else scaling
+    keys = key.double().repeat_interleave(group, dim=1)  # (B, H_q, L, D)
+    logits = scaling * query.double() @ keys.transpose(-1, -2)
+    visible = torch.ones(rows, length, dtype=torch.bool, device=query.device).tril(diagonal=length - rows)
+    weights = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)[..., :scored]
+    return weights.reshape(batch, heads, group, rows, scored).amax(dim=(2, 3))
+
+
+@torch.no_grad()
+def reference_kvzip_importance(model, context_ids: torch.Tensor, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """KVzip's importance (arXiv 2505.23416) from the weights Transformers' eager attention returns.
+
+    For every reconstruction chunk (:func:`hf_knorm.eviction.reconstruction.reconstruction_chunks`) the model reads
+    ``context + chunk`` in one forward with ``output_attentions=True``; the rows of the chunk's tokens and the
+    columns of the context are kept, and the maximum is taken over those rows, the query heads of each KV head and
+    the chunks. ``model`` must run with ``attn_implementation="eager"`` (full-attention layers only).
+
+    Returns:
+        list: per layer, (B, H_kv, n) fp64.
+    """
+    n = context_ids.shape[1]
+    heads = model.config.num_key_value_heads
+    result = None
+    for chunk in chunks:
+        ids = torch.cat([context_ids, chunk], dim=1)
+        attentions = model(input_ids=ids, output_attentions=True).attentions  # per layer (B, H_q, T, T)
+        per_layer = []
+        for weights in attentions:
+            batch, query_heads = weights.shape[:2]
+            rows = weights[:, :, n:, :n].double()  # the chunk's queries on the context's keys
+            per_layer.append(rows.reshape(batch, heads, query_heads // heads, -1, n).amax(dim=(2, 3)))
+        result = per_layer if result is None else [torch.maximum(a, b) for a, b in zip(result, per_layer)]
+    return result

@@ -9,9 +9,12 @@ A score is a small frozen dataclass (its fields are its hyperparameters) called 
 - ``positions``: (B, H_kv, S) int64, the absolute position of every token;
 - ``layer_idx``: the layer (a seeded score draws per layer).
 
-None of them reads attention weights or the question, so every one works with any attention implementation (SDPA,
-flash, the plugin's polynomial normalizations) and under the kvpress protocol (context compressed before the question
-is known). The cache applies the protections (``sink_tokens``, ``recent_window``) and the per-layer count on top.
+None of them reads the question, so every one works under the kvpress protocol (context compressed before the
+question is known). All but :class:`KVzip` read no attention weights either and work with any attention implementation
+(SDPA, flash, the plugin's polynomial normalizations); ``KVzip`` reads the softmax attention of a reconstruction pass
+(computed by the plugin, :mod:`hf_knorm.eviction.max_weight`), so the cache defers it (``reconstructs = True``: the
+importance is handed to :meth:`hf_knorm.KNormCache.compress_prompts`). The cache applies the protections
+(``sink_tokens``, ``recent_window``) and the per-layer count on top.
 
 Adding a score: a dataclass here with a ``name`` and a docstring naming its source, an entry in :data:`SCORES`, and a
 row in ``tests/eviction/test_knorm_scores.py``'s plain reference (``hf_knorm.eviction.reference.reference_importance``).
@@ -163,7 +166,50 @@ class Random:
         return torch.rand(keys.shape[:-1], generator=generator).to(keys.device)
 
 
-SCORES: dict[str, type] = {cls.name: cls for cls in (KeyNorm, ValueOverKey, KeyDiff, KVDiff, Recent, Random)}
+@dataclass(frozen=True)
+class KVzip:
+    """Keep the pairs the model attends most while it **reconstructs the context** from the cache: importance = the
+    largest softmax weight any query of the reconstruction gives the pair (max over the reconstruction's tokens and
+    the query heads sharing the KV head; the softmax over the whole row, cached context and the reconstruction's own
+    keys causally).
+
+    KVzip (Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arXiv 2505.23416;
+    kvpress ``KVzipPress``, PR #93): after the context is prefilled, the model is fed "Repeat the previous context
+    exactly." (in the chat template's user turn) and then the context itself as the assistant's answer, teacher-forced,
+    attending to the cached context; a context longer than ``chunk_size`` tokens is repeated chunk by chunk, each chunk
+    after the first prompted with "Repeat the part of the previous context exactly, starting with" and the previous
+    chunk's last ``tail`` tokens (the authors' prompts and sizes). Query-agnostic like the other scores, but it reads
+    attention, so it needs the model: the cache stores the prompt whole until
+    :func:`hf_knorm.eviction.reconstruction.compress_by_reconstruction` (run by ``knorm_generate`` and the
+    ``knorm-text-generation`` pipeline) has scored it. Cost: about one more prefill (docs/knorm.md).
+
+    Args:
+        chunk_size (int): Context tokens repeated per reconstruction forward (the paper: 2k; default 2048).
+        tail (int): Tokens of the previous chunk quoted in a later chunk's prompt (default 8, the authors').
+    """
+
+    name: ClassVar[str] = "kvzip"
+    reconstructs: ClassVar[bool] = True  # the cache waits for compress_by_reconstruction
+    chunk_size: int = 2048
+    tail: int = 8
+
+    def __post_init__(self):
+        for field in ("chunk_size", "tail"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < (1 if field == "chunk_size" else 0):
+                raise ValueError(f"KVzip's {field} must be an integer >= {1 if field == 'chunk_size' else 0}, "
+                                 f"got {value!r}.")
+
+    def __call__(self, keys, values, positions, layer_idx):
+        raise ValueError(
+            "score='kvzip' ranks the cached pairs by the attention of a reconstruction pass, which needs the model and "
+            "its tokenizer: use hf_knorm.eviction.pipeline.knorm_generate(..., tokenizer=...), the "
+            "knorm-text-generation pipeline, or hf_knorm.eviction.reconstruction.compress_by_reconstruction after the "
+            "prefill."
+        )
+
+
+SCORES: dict[str, type] = {cls.name: cls for cls in (KeyNorm, ValueOverKey, KeyDiff, KVDiff, Recent, Random, KVzip)}
 """Every score by name; ``KNormCache(score=name)`` builds it with its default hyperparameters."""
 
 

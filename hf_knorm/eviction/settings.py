@@ -81,6 +81,12 @@ class EvictionSettings:
                 raise ValueError(f"{name} must be a positive integer (a number of tokens) or None, got {value!r}.")
         if self.budget is not None and (self.compression_ratio or self.layer_ratios):
             raise ValueError("Give either a token budget or compression ratios, not both.")
+        if self.deferred and self.decoding_budget is not None:
+            raise ValueError(
+                f"score={self.score.name!r} scores the prompt by a reconstruction pass after the prefill; it cannot "
+                "score the tokens generated later, so it does not combine with decoding_budget (drop it, or use a "
+                "score computed from the cached states such as 'kv_diff')."
+            )
         protected = self.sink_tokens + self.recent_window
         if self.decoding_budget is not None and self.decoding_budget < protected:
             raise ValueError(
@@ -140,18 +146,31 @@ class EvictionSettings:
         protected = min(prompt_length, self.sink_tokens + self.recent_window)
         return max(keep, protected)
 
+    @property
+    def deferred(self) -> bool:
+        """True when the score is computed outside the cache, after the prefill (``score="kvzip"``): layers then store
+        their prompt whole until :meth:`~hf_knorm.KNormCache.compress_prompts` gets the importance."""
+        return bool(getattr(self.score, "reconstructs", False))
+
     def eviction_order(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, layer_idx: int,
-                       length: int) -> torch.Tensor:
+                       length: int, importance: torch.Tensor | None = None) -> torch.Tensor:
         """Eviction order (B, H_kv, S) of one layer's keys and values (B, H_kv, S, D) at absolute positions
         (B, H_kv, S), ``length`` tokens seen so far: the negated importance of ``score`` (for ``key_norm`` the key L2
-        norm), low = kept; protected tokens -inf."""
-        scale = self._scale("key_scales", layer_idx, keys)
-        if scale is not None:
-            keys = keys * scale.to(keys)[None, :, None, :]
-        scale = self._scale("value_scales", layer_idx, values)
-        if scale is not None:
-            values = values / scale.to(values)[None, :, None, :]
-        scores = -self.score(keys, values, positions, layer_idx)
+        norm), low = kept; protected tokens -inf. ``importance`` (B, H_kv, S), when given, is used instead of calling
+        the score (a deferred score's, computed outside the cache)."""
+        if importance is not None:
+            if importance.shape != positions.shape:
+                raise ValueError(f"importance has shape {tuple(importance.shape)}; layer {layer_idx} stores "
+                                 f"{tuple(positions.shape)} (B, H_kv, S) tokens.")
+            scores = -importance.to(positions.device)
+        else:
+            scale = self._scale("key_scales", layer_idx, keys)
+            if scale is not None:
+                keys = keys * scale.to(keys)[None, :, None, :]
+            scale = self._scale("value_scales", layer_idx, values)
+            if scale is not None:
+                values = values / scale.to(values)[None, :, None, :]
+            scores = -self.score(keys, values, positions, layer_idx)
         protected = positions < self.sink_tokens
         if self.recent_window:
             protected |= positions >= length - self.recent_window

@@ -19,7 +19,8 @@ class NiahSettings:
                                       metadata={"help": "comma-separated compression ratios (0 = uncompressed)"})
     scores: tuple[str, ...] = field(default=("key_norm",), metadata={
         "help": "comma-separated eviction scores, one row per ratio and score: key_norm (the paper's), kv_diff (the "
-        "recommended one), value_over_key, key_diff, recent, random; append +sinksK / +windowW to protect the first K "
+        "recommended one), value_over_key, key_diff, recent, random, kvzip (KVzip's context reconstruction, about one "
+        "more prefill per context); append +sinksK / +windowW to protect the first K "
         "/ last W tokens (e.g. recent+sinks4 is StreamingLLM, kv_diff+sinks4+window64), +poolP to set the window of "
         "key_diff / kv_diff, +heads for AdaKV's head-adaptive budget and +layers-dispersion / +layers-skip_first for a "
         "per-layer schedule (e.g. kv_diff+heads+layers-dispersion)"})

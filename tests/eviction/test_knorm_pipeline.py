@@ -53,7 +53,8 @@ def test_needle_cells_give_the_pipeline_answers(tiny):
     sample = dict(context=word_text(PROMPT, seed=2), question=word_text(2, seed=3), answer_prefix=" w5", expected="0")
     variants = [needle.Variant("r=0"), needle.Variant("r=0.9", {"compression_ratio": 0.9}),
                 needle.Variant("kv_diff", {"compression_ratio": 0.5, "score": "kv_diff", "sink_tokens": 2}),
-                needle.Variant("layer 0 kept", {"compression_ratio": 0.75, "layer_ratios": {0: 0.0}})]
+                needle.Variant("layer 0 kept", {"compression_ratio": 0.75, "layer_ratios": {0: 0.0}}),
+                needle.Variant("kvzip", {"compression_ratio": 0.75, "score": "kvzip+chunk_size8"})]
     answers = needle.answer_cell(model, tokenizer, sample, variants, max_new_tokens=NEW)
     pipe = pipeline("knorm-text-generation", model=model, tokenizer=tokenizer)
     for variant in variants:
@@ -61,3 +62,30 @@ def test_needle_cells_give_the_pipeline_answers(tiny):
                       max_new_tokens=NEW, do_sample=False, pad_token_id=tokenizer.eos_token_id, **variant.options)
         assert answers[variant.name] == answer["answer"], variant.name
     assert len(set(answers.values())) > 1  # the variants differ, so each equality checks its own cache
+
+
+@pytest.mark.parametrize("options", [{"score": "kv_diff", "compression_ratio": 0.5},
+                                     {"score": "key_norm", "compression_ratio": 0.5, "head_budget": "heads"},
+                                     {"score": "kvzip+chunk_size8", "compression_ratio": 0.5}],
+                         ids=lambda options: options["score"] + ("+heads" if "head_budget" in options else ""))
+def test_several_questions_are_answered_from_one_compressed_context(tiny, options):
+    """Compress once, ask many: a list of questions gives, for a query-agnostic score, the answers of one call per
+    question, with the context prefilled (and scored) once."""
+    model, tokenizer = tiny
+    context, questions = word_text(PROMPT, seed=6), [word_text(3, seed=s) for s in (7, 8, 9)]
+    one_by_one = [pipe_answer for pipe_answer in (
+        pipeline("knorm-text-generation", model=model, tokenizer=tokenizer)(context, question=q, **options, **GENERATE)
+        for q in questions)]
+    context_forwards = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: context_forwards.append(kwargs["input_ids"].shape[1] == PROMPT), with_kwargs=True)
+    try:
+        pipe = pipeline("knorm-text-generation", model=model, tokenizer=tokenizer)
+        together = pipe(context, question=questions, **options, **GENERATE)
+    finally:
+        hook.remove()
+    assert together == one_by_one
+    assert sum(context_forwards) == 1  # the context ran once; the questions and the answers ran on copies of its cache
+    assert len({answer["answer"] for answer in one_by_one}) > 1  # the questions matter: the equality is not vacuous
+    with pytest.raises(ValueError, match="question"):
+        pipe(context, question=[questions[0], ""], **GENERATE)

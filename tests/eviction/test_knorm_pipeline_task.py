@@ -51,3 +51,22 @@ def test_the_context_is_compressed_and_the_question_is_not(pipe):
                            do_sample=True)["answer"], str)
     with pytest.raises(ValueError, match="question"):
         pipe(SAMPLE_TEXT)
+
+
+def test_the_reconstruction_prompt_in_the_default_chat_template(pipe):
+    """score='kvzip' on SmolLM2's chat template: the reconstruction repeats the context's tokens after the template's
+    prefix (system prompt, user header), prompted in the user turn and answered in the assistant turn."""
+    from hf_knorm.eviction.reconstruction import FIRST_PROMPT, reconstruction_chunks, reconstruction_prompt
+
+    tokenizer = pipe.tokenizer
+    prompt = reconstruction_prompt(tokenizer)
+    decode = lambda ids: tokenizer.decode(ids[0])
+    assert decode(prompt.prefix_ids).startswith("<|im_start|>system") and decode(prompt.prefix_ids).endswith("user\n")
+    assert decode(prompt.first_ids) == "\n\n" + FIRST_PROMPT
+    assert decode(prompt.suffix_ids) == "<|im_end|>\n<|im_start|>assistant\n"
+    context_ids = pipe.preprocess(SAMPLE_TEXT, question=QUESTION)["context_ids"]
+    assert torch.equal(context_ids[:, :prompt.prefix_ids.shape[1]], prompt.prefix_ids)  # the prefix is cut cleanly
+    (chunk,) = reconstruction_chunks(context_ids, prompt, 2048, 8)
+    assert decode(chunk) == "\n\n" + FIRST_PROMPT + "<|im_end|>\n<|im_start|>assistant\n" + SAMPLE_TEXT
+    answer = pipe(SAMPLE_TEXT, question=[QUESTION, "Who?"], compression_ratio=0.5, score="kvzip", **FIXED)
+    assert [sorted(a) for a in answer] == [["answer"], ["answer"]]

@@ -1,0 +1,243 @@
+"""KVzip's context reconstruction (Kim et al., arXiv 2505.23416): score a prefilled KNorm cache by the attention the
+model pays to it while repeating the context, then compress it.
+
+The protocol (the paper's, with the authors' prompts, github snu-mllab/KVzip ``model/wrapper.py``):
+
+- the context, in the chat template's user turn, is prefilled into a :class:`~hf_knorm.KNormCache` with
+  ``score="kvzip"``, which stores it whole (:attr:`EvictionSettings.deferred <hf_knorm.eviction.settings.
+  EvictionSettings.deferred>`);
+- the context tokens after the template's prefix are cut into chunks of ``chunk_size``; chunk ``c`` is fed as
+  ``"\\n\\nRepeat the previous context exactly."`` (chunk 0) or ``"\\n\\nRepeat the part of the previous context
+  exactly, starting with"`` plus the previous chunk's last ``tail`` tokens (later chunks), then the template's end of
+  the user turn and assistant header, then the chunk itself (teacher-forced), each chunk's forward attending the full
+  cached context plus its own tokens (causally) and nothing of the other chunks;
+- in every full-attention layer, each cached pair's importance is the largest softmax weight any reconstruction query of
+  its KV head's group gives it, over all chunks (:func:`hf_knorm.eviction.max_weight.max_attention_weights`, from the
+  post-RoPE queries and keys the attention receives, captured by the ``"knorm_capture"`` attention below);
+- the cache keeps the most important pairs per KV head (:meth:`hf_knorm.KNormCache.compress_prompts`: the same budgets,
+  protections and schedules as every score).
+
+Two differences from the authors' code, both on the side of the definition: their softmax for chunk ``c`` spans only
+the sinks, chunk ``c``'s own span of the context and the repeated chunk, and only that span is scored by chunk ``c``;
+here every row's softmax spans everything it attends and every chunk scores the whole context (max over chunks).
+
+The reconstruction runs on a plain cache that reads the KNorm cache's stored prompt without copying it (sliding-window
+layers are copied shallowly) and is dropped after each chunk; the KNorm cache itself is untouched until
+``compress_prompts``. The attention during the reconstruction is Transformers' SDPA (``sdpa_attention_forward``): it
+needs softmax attention, so models patched with another normalization and softcapped attention (Gemma 2) are refused.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import copy
+import inspect
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..compat import cache_kwargs
+from .cache import KNormCache, KNormLayer
+from .max_weight import max_attention_weights
+
+__all__ = ["CAPTURE_ATTENTION", "FIRST_PROMPT", "NEXT_PROMPT", "ReconstructionPrompt", "capture_attention",
+           "compress_by_reconstruction", "reconstruction_chunks", "reconstruction_importance", "reconstruction_prompt"]
+
+CAPTURE_ATTENTION = "knorm_capture"
+FIRST_PROMPT = "Repeat the previous context exactly."
+NEXT_PROMPT = "Repeat the part of the previous context exactly, starting with"
+
+_COLLECTOR: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("hf_knorm_capture", default=None)
+
+
+@dataclass(frozen=True)
+class ReconstructionPrompt:
+    """The token ids around a reconstruction chunk, (1, k) int64 each.
+
+    Attributes:
+        prefix_ids: the chat template's text before the user's content (empty without a template); the context's
+            tokens that match it are not repeated.
+        first_ids: ``"\\n\\n" + FIRST_PROMPT``, before chunk 0.
+        next_ids: ``"\\n\\n" + NEXT_PROMPT``, before the previous chunk's tail in later chunks.
+        suffix_ids: the template's end of the user turn and assistant header (``"\\n"`` without a template).
+    """
+
+    prefix_ids: torch.Tensor
+    first_ids: torch.Tensor
+    next_ids: torch.Tensor
+    suffix_ids: torch.Tensor
+
+
+def reconstruction_prompt(tokenizer, chat_template: bool | None = None) -> ReconstructionPrompt:
+    """The reconstruction's prompt pieces for ``tokenizer``, with its chat template unless ``chat_template=False``
+    (default: use it when the tokenizer has one). The user turn is ``context + "\\n\\n" + instruction``, the
+    convention of the ``knorm-text-generation`` pipeline (:func:`hf_knorm.eviction.pipeline.split_prompt`) and of
+    kvpress."""
+    if chat_template is None:
+        chat_template = getattr(tokenizer, "chat_template", None) is not None
+    instruction = "\n\n" + FIRST_PROMPT
+    if chat_template:
+        full = tokenizer.apply_chat_template([{"role": "user", "content": instruction}], tokenize=False,
+                                             add_generation_prompt=True)
+        if instruction not in full:
+            raise ValueError("The tokenizer's chat template changes the user's text (it trims it?): the "
+                             "reconstruction prompt cannot be placed in it; pass chat_template=False.")
+        cut = full.rindex(instruction)
+        prefix, suffix = full[:cut], full[cut + len(instruction):]
+    else:
+        prefix, suffix = "", "\n"
+
+    def encode(text):
+        return tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"].reshape(1, -1).long()
+
+    return ReconstructionPrompt(encode(prefix), encode(instruction), encode("\n\n" + NEXT_PROMPT), encode(suffix))
+
+
+def reconstruction_chunks(context_ids: torch.Tensor, prompt: ReconstructionPrompt, chunk_size: int,
+                          tail: int) -> list[torch.Tensor]:
+    """The inputs of the reconstruction forwards, (B, m_c) each.
+
+    Args:
+        context_ids (torch.Tensor): (B, n) the prefilled context (template prefix included).
+        prompt (ReconstructionPrompt): :func:`reconstruction_prompt`.
+        chunk_size, tail (int): :class:`hf_knorm.eviction.scores.KVzip`'s.
+
+    The repeated tokens are those after the longest run of leading tokens shared with ``prompt.prefix_ids``.
+    """
+    batch, n = context_ids.shape
+    prefix = prompt.prefix_ids[0].to(context_ids.device)
+    shared = 0
+    while shared < min(n, prefix.numel()) and bool((context_ids[:, shared] == prefix[shared]).all()):
+        shared += 1
+    body = context_ids[:, shared:]
+    if body.shape[1] == 0:
+        raise ValueError("The context has no tokens after the chat template's prefix: there is nothing to reconstruct.")
+    expand = lambda ids: ids.to(context_ids.device).expand(batch, -1)
+    chunks = list(body.split(chunk_size, dim=1))
+    inputs = []
+    for index, chunk in enumerate(chunks):
+        lead = [expand(prompt.first_ids)] if index == 0 else [expand(prompt.next_ids), chunks[index - 1][:, -tail:]
+                                                               if tail else chunks[index - 1][:, :0]]
+        inputs.append(torch.cat([*lead, expand(prompt.suffix_ids), chunk], dim=1))
+    return inputs
+
+
+def capture_attention(module, query, key, value, attention_mask, **kwargs):
+    """Transformers' SDPA attention that first hands the (B, H_q, q, D) query and (B, H_kv, kv, D) key it receives
+    (post-RoPE, the cache's keys included) to the active collector (:func:`_collecting`)."""
+    if kwargs.get("softcap") is not None:
+        raise ValueError("score='kvzip' computes softmax weights without logit softcapping; this model (Gemma 2?) "
+                         "softcaps its attention. Use another score.")
+    collector = _COLLECTOR.get()
+    if collector is not None:
+        collector(module, query, key, kwargs.get("scaling", getattr(module, "scaling", None)))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+@contextmanager
+def _collecting(model, collector: Callable):
+    """Run ``model`` with the ``"knorm_capture"`` attention and ``collector`` active while the block runs; the model's
+    own attention is given back afterwards, even on error."""
+    original = model.config._attn_implementation
+    token = _COLLECTOR.set(collector)
+    model.set_attn_implementation(CAPTURE_ATTENTION)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(original)
+        _COLLECTOR.reset(token)
+
+
+def _reading_cache(cache: KNormCache) -> Cache:
+    """A plain cache holding ``cache``'s stored prompt (full-attention layers read it without a copy; sliding layers
+    are shallow copies): a reconstruction forward appends to it, not to ``cache``."""
+    layers = []
+    for layer in cache.layers:
+        if isinstance(layer, KNormLayer):
+            keys, values = layer.prompt_states()
+            plain = DynamicLayer()
+            plain.lazy_initialization(keys, values)
+            plain.keys, plain.values = keys, values
+            layers.append(plain)
+        else:
+            layers.append(copy.copy(layer))  # Transformers' layers replace their tensors on update, never write them
+    return Cache(layers=layers)
+
+
+def _check_model(model) -> None:
+    config = model.config.get_text_config(decoder=True)
+    normalization = (getattr(config, "hf_knorm", None) or {}).get("normalization")
+    if normalization is not None:
+        raise ValueError(f"score='kvzip' scores softmax attention weights; this model is patched with "
+                         f"{normalization}, whose weights are not a softmax. Use another score with patched models.")
+
+
+@torch.no_grad()
+def reconstruction_importance(model, cache: KNormCache, chunks: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """KVzip's importance of every KNorm layer's stored prompt: layer index -> (B, H_kv, n) fp32 (fp64 for an fp64
+    model), the largest softmax weight each cached pair receives from the reconstruction's queries (module
+    docstring). ``cache`` holds its prompt uncompressed (a ``KNormCache(score="kvzip")`` after the prefill) and is not
+    changed."""
+    _check_model(model)
+    if not cache.awaits_importance():
+        raise ValueError("This KNormCache is not waiting for a reconstruction score: it needs score='kvzip' and is "
+                         "scored once, right after the prefill.")
+    scored = {layer.layer_idx: layer.prompt_length for layer in cache.layers if isinstance(layer, KNormLayer)}
+    if not scored or any(layer.cumulative_length != layer.prompt_length or not layer.prompt_length
+                         for layer in cache.layers if isinstance(layer, KNormLayer)):
+        raise ValueError("The reconstruction needs a KNormCache holding exactly its prompt, uncompressed "
+                         "(KNormCache(score='kvzip') right after the prefill).")
+    importance: dict[int, torch.Tensor] = {}
+
+    def collect(module, query, key, scaling):
+        index = module.layer_idx
+        if index not in scored:  # a sliding-window layer: kept whole, not scored
+            return
+        weights = max_attention_weights(query, key, scored[index], scaling)
+        importance[index] = weights if index not in importance else torch.maximum(importance[index], weights)
+
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    with _collecting(model, collect):
+        for ids in chunks:
+            model(input_ids=ids, **cache_kwargs(_reading_cache(cache)), use_cache=True, **extra)
+    missing = sorted(set(scored) - set(importance))
+    if missing:
+        raise ValueError(f"The reconstruction saw no attention call of layer(s) {missing}: the model does not attend "
+                         "through Transformers' attention interface.")
+    return importance
+
+
+def compress_by_reconstruction(model, cache: KNormCache, context_ids: torch.Tensor, tokenizer,
+                               chat_template: bool | None = None) -> dict[int, torch.Tensor]:
+    """Score ``cache``'s prefilled context by KVzip's reconstruction and compress it (module docstring).
+
+    Args:
+        model (PreTrainedModel): The decoder the context was prefilled with (softmax attention).
+        cache (KNormCache): A ``KNormCache(score="kvzip", ...)`` holding exactly the prefilled context.
+        context_ids (torch.Tensor): (B, n) the context's ids, as prefilled (unpadded).
+        tokenizer: The model's tokenizer (the reconstruction prompt is text).
+        chat_template (bool, optional): Wrap the prompt in the tokenizer's chat template (default: when it has one).
+
+    Returns:
+        dict: the importance per KNorm layer (:func:`reconstruction_importance`), after ``cache`` is compressed.
+    """
+    score = cache.settings.score
+    if not cache.settings.deferred:
+        raise ValueError(f"compress_by_reconstruction is for score='kvzip'; this cache's score is {score.name!r}.")
+    if tokenizer is None:
+        raise ValueError("score='kvzip' needs the tokenizer (its reconstruction prompt is text): pass tokenizer=.")
+    prompt = reconstruction_prompt(tokenizer, chat_template)
+    chunks = reconstruction_chunks(context_ids, prompt, score.chunk_size, score.tail)
+    importance = reconstruction_importance(model, cache, chunks)
+    cache.compress_prompts(importance)
+    return importance
+
+
+AttentionInterface.register(CAPTURE_ATTENTION, capture_attention)
+AttentionMaskInterface.register(CAPTURE_ATTENTION, sdpa_mask)
