@@ -38,11 +38,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import sdpa_mask
 
 from .budgets import head_adaptive_keep
+from .registered_attention import register_attention
 from .cache import KNormLayer, _check_unpadded_positions
 
 __all__ = ["CAPACITY_SLACK", "RAGGED_ATTENTION", "RaggedKNormLayer", "RaggedViews", "ragged_attention",
@@ -323,11 +323,4 @@ def register() -> None:
     Raises:
         ValueError: ``"knorm_ragged"`` is registered with another attention or mask function.
     """
-    for interface, function in ((AttentionInterface(), ragged_attention), (AttentionMaskInterface(), sdpa_mask)):
-        held = interface.get(RAGGED_ATTENTION)
-        if held is not None and held is not function:
-            raise ValueError(f"{type(interface).__name__} already holds another {RAGGED_ATTENTION!r} function "
-                             f"({getattr(held, '__module__', '?')}.{getattr(held, '__qualname__', held)!s}); "
-                             "hf_knorm's head budgets need the name for their own attention.")
-        if held is None:
-            type(interface).register(RAGGED_ATTENTION, function)
+    register_attention(RAGGED_ATTENTION, ragged_attention, sdpa_mask, "hf_knorm's head budgets")

@@ -37,12 +37,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import sdpa_mask
 
 from ..compat import cache_kwargs
+from .registered_attention import register_attention
 from .cache import KNormCache, KNormLayer
 from .max_weight import max_attention_weights
 
@@ -146,6 +146,7 @@ def _collecting(model, collector: Callable):
     own attention is given back afterwards, even on error."""
     original = model.config._attn_implementation
     token = _COLLECTOR.set(collector)
+    register_attention(CAPTURE_ATTENTION, capture_attention, sdpa_mask, "KVzip's reconstruction (score='kvzip')")
     model.set_attn_implementation(CAPTURE_ATTENTION)
     try:
         yield
@@ -239,5 +240,3 @@ def compress_by_reconstruction(model, cache: KNormCache, context_ids: torch.Tens
     return importance
 
 
-AttentionInterface.register(CAPTURE_ATTENTION, capture_attention)
-AttentionMaskInterface.register(CAPTURE_ATTENTION, sdpa_mask)
