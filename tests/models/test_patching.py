@@ -80,6 +80,7 @@ def test_output_attentions_softmax_equals_eager():
     with torch.no_grad():
         expected = eager(**inputs, output_attentions=True).attentions
         ours = patched(**inputs, output_attentions=True).attentions
+    assert len(ours) == len(expected) == eager.config.num_hidden_layers
     for layer_expected, layer_ours in zip(expected, ours):
         torch.testing.assert_close(layer_ours, layer_expected, rtol=0, atol=1e-6)
 

@@ -277,6 +277,7 @@ def test_recorded_attention_norms_are_the_whole_matrixs(spelling):
     assert dict(taken) == {"quadratic": model.config.num_hidden_layers}
     with torch.no_grad():
         attentions = model(**inputs, output_attentions=True).attentions
+    assert len(recorder.layers) == len(attentions) == model.config.num_hidden_layers
     for layer, weights in zip(recorder.layers, attentions):
         expected = weights.square().sum(dim=(-2, -1)).sqrt().flatten()
         torch.testing.assert_close(layer.attention_frobenius(), expected, rtol=1e-5, atol=0)
@@ -336,7 +337,9 @@ def test_a_mix_is_saved_reloaded_exactly_and_removed_by_unpatch(tmp_path):
         # original's full forward; without the mix the logits would be others
         generated = reloaded.generate(input_ids=ids[:, :6], max_new_tokens=8, do_sample=False, output_logits=True,
                                       return_dict_in_generate=True)
-        assert all(isinstance(layer, WindowStateLayer) for layer in output_cache(generated).layers)
+        layers = output_cache(generated).layers
+        assert len(layers) == reloaded.config.num_hidden_layers
+        assert all(isinstance(layer, WindowStateLayer) for layer in layers)
         decoded = torch.stack(generated.logits, dim=1)
         full = model(input_ids=generated.sequences[:, :-1]).logits[:, 5:]
         torch.testing.assert_close(decoded, full, rtol=0, atol=ATOL)
@@ -432,6 +435,7 @@ def test_a_decoded_token_reads_the_device_once_per_forward_not_per_layer(spellin
     with torch.no_grad():
         out = model(**inputs, use_cache=True, **cache_kwargs(kept))
         if cache == "state":
+            assert len(kept.layers) == model.config.num_hidden_layers
             assert all(layer.sinks_complete for layer in kept.layers)
         step = dict(input_ids=out.logits[:, -1:].argmax(-1), use_cache=True, **cache_kwargs(output_cache(out)),
                     attention_mask=torch.cat([inputs["attention_mask"], torch.ones(2, 1, dtype=torch.long)], dim=1))
