@@ -9,6 +9,7 @@ from hub_helpers import tiny_tokenizer
 from tiny_models import tiny_inputs, tiny_model
 
 import hf_knorm
+from hf_knorm.eviction.defaults import set_knorm_defaults
 from hf_knorm.hub.card import BEGIN, END
 
 REPO = "alice/tiny-llama"
@@ -229,7 +230,7 @@ def test_bad_measurement_inputs_are_refused_before_writing(tmp_path):
 
 def test_a_plain_model_with_knorm_defaults_is_not_called_unmodified(tmp_path):
     model = tiny_model("llama")
-    hf_knorm.set_knorm_defaults(model, compression_ratio=0.5)
+    set_knorm_defaults(model, compression_ratio=0.5)
     hf_knorm.save_pretrained(model, tmp_path, tokenizer=tiny_tokenizer(), repo_id=REPO)
     card = _card(tmp_path)
     assert card.data.library_name == "transformers"

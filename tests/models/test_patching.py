@@ -8,6 +8,7 @@ import transformers as tf
 from tiny_models import ALL_TYPES, DECODER_TYPES, tiny_config, tiny_inputs, tiny_model
 
 import hf_knorm
+from hf_knorm.models.architectures import SUPPORTED_ARCHITECTURES
 
 pytestmark = pytest.mark.compat
 
@@ -155,7 +156,7 @@ def test_patch_is_per_instance():
 
 
 def test_every_registered_architecture_has_a_tiny_model():
-    assert set(hf_knorm.SUPPORTED_ARCHITECTURES) == set(ALL_TYPES)
+    assert set(SUPPORTED_ARCHITECTURES) == set(ALL_TYPES)
     for model_type in ALL_TYPES:
         assert tiny_config(model_type).model_type == model_type
         assert hf_knorm.models.architectures.attention_modules(tiny_model(model_type))

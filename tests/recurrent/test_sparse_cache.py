@@ -24,7 +24,7 @@ from hf_knorm.attention.interface import normalization_of
 from hf_knorm.attention.masks import explicit_bool_mask
 from hf_knorm.attention.reference import reference_window_attention, sparse_split, window_split
 from hf_knorm.compat import cache_kwargs, output_cache
-from hf_knorm.models.cluster_codebook import set_clusters
+from hf_knorm.models.cluster_codebook import fit_cluster_codebook, set_clusters
 from hf_knorm.models.parameters import add_parameters
 from hf_knorm.models.window_mix import set_window_mix, window_mixes
 from hf_knorm.normalizations.sparse_choice import token_scores
@@ -78,7 +78,7 @@ def test_models_equal_the_reference_attention(model_type, spelling, rows, monkey
     model = hf_knorm.patch(tiny_model(model_type, dtype=torch.float64), spelling)
     clusters = hf_knorm.parse_normalization(spelling).clusters
     if clusters:
-        hf_knorm.fit_cluster_codebook(model, torch.randint(3, 128, (3, 16), generator=torch.Generator().manual_seed(5)))
+        fit_cluster_codebook(model, torch.randint(3, 128, (3, 16), generator=torch.Generator().manual_seed(5)))
     generator = torch.Generator().manual_seed(1)
     mixes = [torch.randn(4, generator=generator, dtype=torch.float64) for _ in window_mixes(model)]
     set_window_mix(model, mixes)
