@@ -6,6 +6,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from card_values import stated_knorm_defaults
 from tiny_models import tiny_inputs, tiny_model
 from transformers import AutoModelForCausalLM
 
@@ -60,7 +61,9 @@ def test_defaults_travel_with_the_model_and_can_be_removed(tmp_path):
                                                       "score_basis": "original"}
     assert hf_knorm.eviction.pipeline.knorm_cache_for(loaded).settings.layer_ratios == {0: 0.0, 1: 0.5}
     card = (tmp_path / "README.md").read_text()
-    assert "KNorm KV-cache compression defaults" in card and "`compression_ratio=0.25`" in card
+    recorded = json.loads((tmp_path / "config.json").read_text())["hf_knorm"]["knorm"]
+    assert stated_knorm_defaults(card) == {key: str(value) for key, value in recorded.items()}
+    assert stated_knorm_defaults(card)["compression_ratio"] == "0.25"
     set_knorm_defaults(loaded)
     assert hf_knorm.eviction.defaults.knorm_defaults(loaded.config) == {}
     assert hf_knorm.patched_normalization(loaded) == "x^3/16"  # the rest of the section stays

@@ -6,6 +6,7 @@ import warnings
 import pytest
 import transformers as tf
 from huggingface_hub import ModelCard
+from card_values import loading_snippet, stated_changes
 from hub_helpers import hub, tiny_tokenizer  # noqa: F401 (fixture)
 from hub_standin import Repo
 from tiny_models import tiny_model
@@ -62,7 +63,8 @@ def test_push_of_a_plain_model_says_it_is_unmodified(hub):
     assert "hf_knorm" not in _config(hub) and "attn_implementation" not in _config(hub)
     card = _card(hub)
     assert card.data.library_name == "transformers"
-    assert "Unmodified: hf_knorm changed nothing in this model." in card.text
+    assert stated_changes(card.text) == {"normalization": None, "balancing": None, "knorm": None}
+    assert "hf_knorm" not in loading_snippet(card.text) and f'.from_pretrained("{REPO}")' in loading_snippet(card.text)
     assert hub.commits[0]["summary"] == f"Upload model with hf_knorm {hf_knorm.__version__}"
 
 

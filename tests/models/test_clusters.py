@@ -11,6 +11,7 @@ bounded cache (``hf_knorm/recurrent/sparse_cache.py`` keeps the clusters' sums).
 
 import pytest
 import torch
+from card_values import expected_normalization, stated_normalization
 from tiny_models import greedy_by_full_forward, tiny_model
 from transformers import DynamicCache
 
@@ -175,4 +176,5 @@ def test_the_card_says_what_the_clusters_are(tmp_path):
     model = _clustered()
     hf_knorm.save_pretrained(model, tmp_path / "model")
     card = (tmp_path / "model" / "README.md").read_text()
-    assert "4 pseudo-keys: the mean key and value of the other older keys in each cluster" in card
+    assert stated_normalization(card) == expected_normalization(hf_knorm.patched_normalization(model))
+    assert stated_normalization(card)["clusters"] == 4

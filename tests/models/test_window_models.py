@@ -10,6 +10,7 @@
 
 import pytest
 import torch
+from card_values import expected_normalization, stated_normalization
 from tiny_models import assert_same_step, logits_and_grads, tiny_inputs, tiny_model
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
@@ -169,7 +170,8 @@ def test_the_window_travels_with_the_model(tmp_path):
         assert torch.equal(loaded(**inputs).logits, model.eval()(**inputs).logits)
     card = (tmp_path / "model" / "README.md").read_text()
     assert "x^3/16 + softmax window 4" in card and "normalization-x3-16-softmax-window-4" in card
-    assert "softmax over the keys of each query's last 4 positions" in card
+    assert stated_normalization(card) == expected_normalization("x^3/16 + softmax window 4")
+    assert stated_normalization(card)["window"] == 4
 
 
 def test_the_sinks_travel_with_the_model(tmp_path):
@@ -183,7 +185,8 @@ def test_the_sinks_travel_with_the_model(tmp_path):
     inputs = tiny_inputs("llama", batch=1, length=12)
     with torch.no_grad():
         assert torch.equal(loaded(**inputs).logits, model(**inputs).logits)
-    assert "and the sequence's first 2 (attention sinks)" in (tmp_path / "model" / "README.md").read_text()
+    stated = stated_normalization((tmp_path / "model" / "README.md").read_text())
+    assert stated == expected_normalization("x/1 + softmax window 4 + sinks 2") and stated["sinks"] == 2
     ids = inputs["input_ids"]
     with torch.no_grad():
         generated = loaded.generate(ids, max_new_tokens=10, do_sample=False)

@@ -13,6 +13,7 @@ plus the state (``hf_knorm/recurrent/sparse_cache.py``).
 
 import pytest
 import torch
+from card_values import expected_normalization, stated_normalization
 from tiny_models import assert_same_step, greedy_by_full_forward, logits_and_grads, tiny_inputs, tiny_model
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
@@ -275,7 +276,8 @@ def test_a_sparse_model_travels_and_refuses_another_cache(tmp_path):
     hf_knorm.save_pretrained(model, tmp_path / "model")
     loaded = hf_knorm.from_pretrained(tmp_path / "model").eval()
     assert hf_knorm.patched_normalization(loaded) == spelling
-    assert "the 2 older keys of highest key_norm (a sparse cache" in (tmp_path / "model" / "README.md").read_text()
+    stated = stated_normalization((tmp_path / "model" / "README.md").read_text())
+    assert stated == expected_normalization(spelling) and (stated["sparse"], stated["score"]) == (2, "key_norm")
     ids, mask = _prompts(length=12)
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids, attention_mask=mask).logits,
