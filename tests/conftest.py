@@ -26,6 +26,27 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny_models.py
 sys.path.insert(0, str(Path(__file__).parent / "training"))  # tests/training/training_helpers.py, used beyond training/
 
 
+# The compatibility suite (tests marked `compat`, run on every supported Transformers release: `make compat`) fails on a
+# DeprecationWarning, or a FutureWarning (Transformers and torch announce most removals so), issued in Transformers,
+# torch, hf_knorm or the tests: a deprecated API our code calls, or one the installed release deprecates under it. A
+# filter's module is the one Python attributes the warning to (the frame at the warning's stacklevel; a regex matched
+# from the name's start): `transformers` for a warning Transformers raises about itself or with stacklevel 1, `hf_knorm`
+# or the test module for one raised with stacklevel 2 at our call. pyproject.toml's ignores (third-party noise we cannot
+# fix, each named) keep precedence, and so do a test's own filterwarnings marks and `pytest.warns` (hf_knorm's
+# deprecated names warn on purpose: their tests assert it).
+COMPAT_ERRORS = tuple(f"error::{category}:{module}" for category in ("DeprecationWarning", "FutureWarning")
+                      for module in (r"transformers\b", r"torch\b", r"hf_knorm\b", r"test_", r"tiny_models\b"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test marked ``compat`` gets :data:`COMPAT_ERRORS`, then pyproject.toml's ignores, as its first
+    filterwarnings mark (applied before, so overridden by, the test's own marks)."""
+    mark = pytest.mark.filterwarnings(*COMPAT_ERRORS, *config.getini("filterwarnings"))
+    for item in items:
+        if item.get_closest_marker("compat") is not None:
+            item.add_marker(mark, append=False)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

@@ -214,18 +214,6 @@ def test_the_docs_examples_run_as_written(page, tmp_path, monkeypatch, hub, smal
         assert "alice/smollm2-x3-16" in hub.repos
 
 
-def test_the_helpers_that_left_the_top_level_still_work_for_one_release():
-    import hf_knorm.balancing.balance as balance
-
-    with pytest.warns(DeprecationWarning, match="moved to hf_knorm.balancing.balance.key_scales"):
-        assert hf_knorm.key_scales is balance.key_scales
-    with pytest.warns(DeprecationWarning, match="or hf_knorm.KNormCache with model.generate"):
-        hf_knorm.knorm_generate
-    assert "key_scales" not in hf_knorm.__all__ and "kernels" in hf_knorm.__all__
-    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
-        hf_knorm.not_a_name
-
-
 def _resolve(node: ast.AST):
     """The object a dotted ``hf_knorm.a.b`` expression names, or ``None`` when it does not start at ``hf_knorm``."""
     parts = []

@@ -55,13 +55,14 @@ def check_codebook(codebook: torch.Tensor | None, clusters: int, kv_heads: int, 
     fitted)."""
     if codebook is None:
         raise ValueError(f"{name}: the attention module has no cluster codebook. Patch the model with hf_knorm.patch "
-                         "and fit one with hf_knorm.fit_cluster_codebook(model, input_ids).")
+                         "and fit one with hf_knorm.models.cluster_codebook.fit_cluster_codebook(model, input_ids).")
     if tuple(codebook.shape) != (kv_heads, clusters, dim):
         raise ValueError(f"{name}: the cluster codebook is {tuple(codebook.shape)}, and this call needs "
                          f"({kv_heads}, {clusters}, {dim}) (KV heads, clusters, head dimension).")
     if not bool((codebook != 0).any(dim=-1).all()):
         raise ValueError(f"{name}: the cluster codebook has rows that were never fitted (zeros). Fit it with "
-                         "hf_knorm.fit_cluster_codebook(model, input_ids) before running the model.")
+                         "hf_knorm.models.cluster_codebook.fit_cluster_codebook(model, input_ids) before running the "
+                         "model.")
 
 
 def assignments(keys: torch.Tensor, codebook: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

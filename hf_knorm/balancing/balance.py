@@ -55,8 +55,8 @@ def balance_kv(model: nn.Module, tokenizer, calibration, mode: str = "layer", *,
     """Balance ``model``'s keys and values in place (exact; see the module docstring) and return a report.
 
     Args:
-        model (nn.Module): A model of a supported architecture (``hf_knorm.SUPPORTED_ARCHITECTURES``), patched or not,
-            any dtype.
+        model (nn.Module): A model of a supported architecture
+            (``hf_knorm.models.architectures.SUPPORTED_ARCHITECTURES``), patched or not, any dtype.
         tokenizer: Tokenizes ``calibration`` texts; ``None`` when ``calibration`` holds model inputs.
         calibration (str, list of str, or list of dict): Texts, cut into windows of ``max_length`` tokens (at most
             ``max_tokens`` in all), or input dicts (e.g. ``{"pixel_values": (B, 3, H, W)}`` for ViT), one forward pass

@@ -32,16 +32,17 @@ def knorm_cache_for(model, score_basis: str | None = None, *, recorded_defaults:
     """A :class:`KNormCache` for ``model``: its config (validation, sliding layers) and, if asked, its key scales.
 
     Args:
-        model (PreTrainedModel): A supported decoder (``hf_knorm.SUPPORTED_ARCHITECTURES``), patched or not, balanced or
-            not.
+        model (PreTrainedModel): A supported decoder (``hf_knorm.models.architectures.SUPPORTED_ARCHITECTURES``),
+            patched or not, balanced or not.
         score_basis ({"cached", "original"}): ``"cached"`` scores the keys and values as cached (the paper's method).
             ``"original"`` scores ``k * s`` and ``v / t``: for a model balanced per channel (keys ``k / s``, values
             ``v * t``) the keys and values the unbalanced model would have had, so every score keeps the tokens the
             unbalanced model would keep. For an unbalanced model both are the same; per-layer balancing (one scalar
             per layer) changes no score's ranking either. Default: the model's recorded default
-            (:func:`hf_knorm.set_knorm_defaults`), else ``"cached"``.
+            (:func:`hf_knorm.eviction.defaults.set_knorm_defaults`), else ``"cached"``.
         recorded_defaults (bool): Start from the options recorded in the model's config
-            (:func:`hf_knorm.set_knorm_defaults`). ``False`` uses only what is passed (a benchmark naming every option).
+            (:func:`hf_knorm.eviction.defaults.set_knorm_defaults`). ``False`` uses only what is passed (a benchmark
+            naming every option).
         **options: :class:`KNormCache` options (``compression_ratio``, ``score``, ``budget``, ``sink_tokens``, ...),
             over the model's recorded defaults (a passed ratio or budget replaces the recorded sizing as a whole).
     """

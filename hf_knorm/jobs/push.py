@@ -1,4 +1,4 @@
-"""The ``hf-knorm push`` job: its settings (the command's flags) and the run (:func:`hf_knorm.push_folder`)."""
+"""The ``hf-knorm push`` job: its settings (the command's flags) and the run (:func:`hf_knorm.hub.push_folder`)."""
 
 from __future__ import annotations
 

@@ -70,8 +70,8 @@ def fit_cluster_codebook(model: nn.Module, input_ids, *, iterations: int = ITERA
     """
     normalization = held_normalization(model)
     if normalization is None or not normalization.clusters:
-        raise ValueError(f"The model is patched with {patched_normalization(model)!r}, which has no clusters: give it some with "
-                         "hf_knorm.set_clusters(model, C, input_ids).")
+        raise ValueError(f"The model is patched with {patched_normalization(model)!r}, which has no clusters: give it "
+                         "some with hf_knorm.models.cluster_codebook.set_clusters(model, C, input_ids).")
     sequences = _sequences(input_ids)
     clusters = normalization.clusters
     if sum(len(ids) for ids in sequences) < clusters:

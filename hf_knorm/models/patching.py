@@ -44,7 +44,8 @@ def patch(model: nn.Module, normalization: str | Normalization, *, linear: str =
     whatever else held the old one (the config the model was built from, other models built from it) is unchanged.
 
     Args:
-        model: a Transformers model of a supported architecture (``hf_knorm.SUPPORTED_ARCHITECTURES``).
+        model: a Transformers model of a supported architecture
+            (``hf_knorm.models.architectures.SUPPORTED_ARCHITECTURES``).
         normalization: a :class:`~hf_knorm.normalizations.Normalization` (``hf_knorm.normalizations.Sigmoid()``) or
             its spelling (``"sigmoid(bias=-log n)"``, ``"x^3/16"``, ``"x^3/16 + softmax window 64"``; the families
             and their spellings: ``hf_knorm.list_normalizations()``). A family's learnable values become

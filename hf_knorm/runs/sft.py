@@ -17,6 +17,8 @@ logged.
 
 from __future__ import annotations
 
+import dataclasses
+
 import transformers
 from trl import SFTConfig, SFTTrainer
 
@@ -38,7 +40,13 @@ class SFTPerplexityTrainer(HeldOutEvaluation, SFTTrainer):
         return self.token_weighted(model, inputs, result, return_outputs)
 
 
-TRAINING_ARGUMENTS_DEFAULTS = {"bf16": False, "gradient_checkpointing": False}
+CHECKPOINTING = next(name for name in ("activation_checkpointing", "gradient_checkpointing")
+                     if name in {field.name for field in dataclasses.fields(transformers.TrainingArguments)})
+"""``TrainingArguments``' activation-checkpointing switch under the installed release's name: Transformers 5.2x renamed
+``gradient_checkpointing`` to ``activation_checkpointing``, and the old name (TRL's configs default it to True) warns
+(FutureWarning) unless the new one is set."""
+
+TRAINING_ARGUMENTS_DEFAULTS = {"bf16": False, CHECKPOINTING: False}
 """Where TRL's configs default otherwise than ``TrainingArguments`` (bf16 on, activation checkpointing on): the
 job's own settings decide (``--bf16``), as under the plain Trainer."""
 

@@ -18,6 +18,7 @@ import hf_knorm
 from hf_knorm.assets.texts import shakespeare_split
 from hf_knorm.attention.taps import KVTransform
 from hf_knorm.balancing.balance import balance_kv, key_scales, value_scales
+from hf_knorm.models.architectures import SUPPORTED_ARCHITECTURES
 from hf_knorm.models.kv_layouts import expand_to_query_heads, kv_layouts
 from hf_knorm.recording.record_norms import routed_through_plugin
 
@@ -52,7 +53,7 @@ def _change(a, b):
 
 
 def test_every_registered_architecture_has_a_layout_and_is_tested_here():
-    assert set(ALL_TYPES) == set(hf_knorm.SUPPORTED_ARCHITECTURES)
+    assert set(ALL_TYPES) == set(SUPPORTED_ARCHITECTURES)
     for model_type in ALL_TYPES:
         assert len(kv_layouts(tiny_model(model_type))) == 2
 

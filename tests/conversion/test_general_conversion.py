@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+from card_values import stated_data_format, stated_held_out, stated_probe_agreement, two_decimals  # noqa: E402
 from training_helpers import char_tokenizer, lm  # noqa: E402
 
 import hf_knorm  # noqa: E402
@@ -202,7 +203,12 @@ def test_a_general_conversion_records_every_domain_the_probe_and_its_mixture(cha
     assert record["training_data"]["parts"]["teacher_samples"]["texts"] >= 2
     assert 0.0 <= summary["probe"]["agreement"] <= 1.0 and len(summary["probe"]["answers"]) == 40
     card = (out / "README.md").read_text()
-    assert "| plays: Shakespeare's Hamlet" in card and "Ability probe" in card and "the worst set" in card
+    stated = stated_held_out(card)
+    assert stated["worst_domain"] == worst and stated["worst_ratio"] == two_decimals(evaluation["ratio_to_original"])
+    assert stated["domains"] == {name: tuple(two_decimals(domain[key]) for key in
+                                             ("original_perplexity", "perplexity", "ratio_to_original"))
+                                 for name, domain in evaluation["domains"].items()}
+    assert stated_probe_agreement(card) == int(f"{100 * summary['probe']['agreement']:.0f}")  # as printed
     reloaded = hf_knorm.from_pretrained(out)
     original_embedding = lm().get_input_embeddings().weight
     assert reloaded.get_input_embeddings().weight.equal(original_embedding)  # frozen in recovery and in transfer
@@ -224,7 +230,7 @@ def test_a_conversion_on_conversations_trains_and_scores_the_replies(chat_lm_dir
     assert held_out["text"].endswith("scored on the assistant turns") and held_out["tokens"] == sum(map(len, replies))
     assert summary["stages"]["recovery"]["tokens"] < 2 * 4 * 64  # examples are shorter than a block
     card = (out / "README.md").read_text()
-    assert "Trained on conversational data, the loss on the assistant turns." in card
+    assert stated_data_format(card) == summary["data_format"]
     with pytest.raises(ValueError, match="--dataset chatterbot trains on the conversation domain"):
         run_convert(ConvertSettings(model=str(chat_lm_dir), out=str(tmp_path / "other"), dataset="chatterbot"))
 

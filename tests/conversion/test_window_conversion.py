@@ -13,6 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+from card_values import stated_beyond_window, two_decimals  # noqa: E402
 from training_helpers import lm  # noqa: E402
 
 import hf_knorm  # noqa: E402
@@ -93,7 +94,9 @@ def test_a_windowed_conversion_saves_its_mix_and_measures_beyond_the_window(tiny
     assert summary["beyond_window"]["worst_ratio"] == essays["ratio_to_original"]
     assert beyond["window_only_is_converted"] is False  # the mix is not 0: the ablation was measured
     card = (out / "README.md").read_text()
-    assert "Beyond the softmax window" in card and "the window alone" in card
+    assert stated_beyond_window(card) == {
+        "worst_domain": beyond["worst_domain"], "worst_ratio": two_decimals(beyond["worst_ratio"]),
+        "window_only_worst_ratio": two_decimals(beyond["window_only_worst_ratio"])}
 
     # the reloaded model's beyond-window perplexity is what the record says: scored from position START only
     from hf_knorm.conversion.beyond_window import beyond_window_blocks, beyond_window_perplexities

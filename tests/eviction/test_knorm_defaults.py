@@ -6,17 +6,19 @@ from typing import ClassVar
 
 import pytest
 import torch
+from card_values import stated_knorm_defaults
 from tiny_models import tiny_inputs, tiny_model
 from transformers import AutoModelForCausalLM
 
 import hf_knorm
+from hf_knorm.eviction.defaults import set_knorm_defaults
 from hf_knorm.eviction.pipeline import knorm_generate
 from hf_knorm.eviction.scores import KeyDiff, KVDiff, Random, resolve_score
 
 
 def test_recorded_defaults_are_what_knorm_cache_for_uses():
     model = tiny_model("llama")
-    hf_knorm.set_knorm_defaults(model, compression_ratio=0.5, sink_tokens=2, layer_ratios={0: 0.0})
+    set_knorm_defaults(model, compression_ratio=0.5, sink_tokens=2, layer_ratios={0: 0.0})
     recorded = hf_knorm.eviction.pipeline.knorm_cache_for(model).settings
     assert (recorded.compression_ratio, recorded.sink_tokens, recorded.layer_ratios) == (0.5, 2, {0: 0.0})
     override = hf_knorm.eviction.pipeline.knorm_cache_for(model, sink_tokens=0).settings
@@ -29,7 +31,7 @@ def test_generation_with_recorded_defaults_equals_passing_them():
     model = tiny_model("llama")
     ids = tiny_inputs("llama", batch=1, length=20)["input_ids"]
     explicit = knorm_generate(model, ids, compression_ratio=0.5, sink_tokens=2, max_new_tokens=6, do_sample=False)
-    hf_knorm.set_knorm_defaults(model, compression_ratio=0.5, sink_tokens=2)
+    set_knorm_defaults(model, compression_ratio=0.5, sink_tokens=2)
     assert torch.equal(knorm_generate(model, ids, max_new_tokens=6, do_sample=False), explicit)
     plain = knorm_generate(model, ids, compression_ratio=0.0, max_new_tokens=6, do_sample=False)
     assert not torch.equal(plain, explicit)  # the defaults do change what is generated
@@ -38,19 +40,19 @@ def test_generation_with_recorded_defaults_equals_passing_them():
 def test_bad_defaults_are_refused():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="Unknown KNorm option.*ratio"):
-        hf_knorm.set_knorm_defaults(model, ratio=0.5)
+        set_knorm_defaults(model, ratio=0.5)
     with pytest.raises(ValueError, match="compression_ratio"):
-        hf_knorm.set_knorm_defaults(model, compression_ratio=1.5)
+        set_knorm_defaults(model, compression_ratio=1.5)
     with pytest.raises(ValueError, match="score_basis"):
-        hf_knorm.set_knorm_defaults(model, score_basis="query")
+        set_knorm_defaults(model, score_basis="query")
     with pytest.raises(ValueError, match="encoder"):
-        hf_knorm.set_knorm_defaults(tiny_model("bert"), compression_ratio=0.5)
+        set_knorm_defaults(tiny_model("bert"), compression_ratio=0.5)
     assert hf_knorm.eviction.defaults.knorm_defaults(model.config) == {}
 
 
 def test_defaults_travel_with_the_model_and_can_be_removed(tmp_path):
     model = hf_knorm.patch(tiny_model("llama"), "x^3/16")
-    hf_knorm.set_knorm_defaults(model, compression_ratio=0.25, layer_ratios={0: 0.0, 1: 0.5}, score_basis="original")
+    set_knorm_defaults(model, compression_ratio=0.25, layer_ratios={0: 0.0, 1: 0.5}, score_basis="original")
     hf_knorm.save_pretrained(model, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["hf_knorm"]["knorm"]["layer_ratios"] == {"0": 0.0,
                                                                                                        "1": 0.5}
@@ -59,15 +61,17 @@ def test_defaults_travel_with_the_model_and_can_be_removed(tmp_path):
                                                       "score_basis": "original"}
     assert hf_knorm.eviction.pipeline.knorm_cache_for(loaded).settings.layer_ratios == {0: 0.0, 1: 0.5}
     card = (tmp_path / "README.md").read_text()
-    assert "KNorm KV-cache compression defaults" in card and "`compression_ratio=0.25`" in card
-    hf_knorm.set_knorm_defaults(loaded)
+    recorded = json.loads((tmp_path / "config.json").read_text())["hf_knorm"]["knorm"]
+    assert stated_knorm_defaults(card) == {key: str(value) for key, value in recorded.items()}
+    assert stated_knorm_defaults(card)["compression_ratio"] == "0.25"
+    set_knorm_defaults(loaded)
     assert hf_knorm.eviction.defaults.knorm_defaults(loaded.config) == {}
     assert hf_knorm.patched_normalization(loaded) == "x^3/16"  # the rest of the section stays
 
 
 def test_recorded_defaults_can_be_ignored():
     model = tiny_model("llama")
-    hf_knorm.set_knorm_defaults(model, compression_ratio=0.5, sink_tokens=2, score="kv_diff")
+    set_knorm_defaults(model, compression_ratio=0.5, sink_tokens=2, score="kv_diff")
     settings = hf_knorm.eviction.pipeline.knorm_cache_for(model, recorded_defaults=False, budget=8).settings
     assert (settings.budget, settings.sink_tokens, settings.score.name) == (8, 0, "key_norm")
     assert hf_knorm.eviction.pipeline.knorm_cache_for(model, budget=8).settings.sink_tokens == 2  # by default they apply
@@ -77,7 +81,7 @@ def test_recorded_defaults_can_be_ignored():
                                              (KVDiff(), "kv_diff"), ("recent", "recent")])
 def test_a_recorded_score_instance_is_saved_as_text_and_read_back(tmp_path, score, spelling):
     model = tiny_model("llama")
-    assert hf_knorm.set_knorm_defaults(model, compression_ratio=0.5, score=score)["score"] == spelling
+    assert set_knorm_defaults(model, compression_ratio=0.5, score=score)["score"] == spelling
     model.save_pretrained(tmp_path)  # a plain save: JSON would refuse a dataclass
     assert json.loads((tmp_path / "config.json").read_text())["hf_knorm"]["knorm"]["score"] == spelling
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
@@ -94,6 +98,6 @@ def test_a_custom_score_cannot_be_recorded():
 
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="cannot be written as text.*pass it at call time"):
-        hf_knorm.set_knorm_defaults(model, compression_ratio=0.5, score=Mine())
+        set_knorm_defaults(model, compression_ratio=0.5, score=Mine())
     assert hf_knorm.eviction.defaults.knorm_defaults(model.config) == {}
     assert hf_knorm.eviction.pipeline.knorm_cache_for(model, score=Mine()).settings.score == Mine()  # usable at call time

@@ -1,14 +1,18 @@
 """The model card hf_knorm.save_pretrained writes: metadata, first lines, measurements, and the user's text kept."""
 
 import json
+import re
 
 import pytest
 import transformers as tf
 from huggingface_hub import ModelCard
+from card_values import (expected_normalization, load_as_the_card_says, loading_snippet, stated_changes,
+                         stated_normalization)
 from hub_helpers import tiny_tokenizer
 from tiny_models import tiny_inputs, tiny_model
 
 import hf_knorm
+from hf_knorm.eviction.defaults import set_knorm_defaults
 from hf_knorm.hub.card import BEGIN, END
 
 REPO = "alice/tiny-llama"
@@ -42,8 +46,9 @@ def test_patched_model_card_says_how_to_install_and_load(tmp_path):
     first = _first_lines(card)
     assert "pip install hf_knorm==" + hf_knorm.__version__ in first
     assert f'hf_knorm.from_pretrained("{REPO}")' in first
-    assert "x^3/16" in card.text and "never loads silently as softmax" in card.text
-    assert "K/V balancing**: none" in card.text
+    assert hf_knorm.patched_normalization(load_as_the_card_says(card.text, REPO, tmp_path)) == "x^3/16"
+    assert stated_normalization(card.text) == expected_normalization("x^3/16")
+    assert stated_changes(card.text) == {"normalization": "x^3/16", "balancing": None, "knorm": None}
     assert "no tokenizer" not in card.text
     assert f"- transformers {tf.__version__}" in card.text and f"- hf_knorm {hf_knorm.__version__}" in card.text
     assert "## Measurements" not in card.text  # none were given
@@ -55,9 +60,11 @@ def test_balanced_unpatched_model_card_loads_with_plain_transformers_and_shows_t
     card = _card(tmp_path)
     assert card.data.library_name == "transformers"
     assert card.data.tags == ["hf-knorm", "kv-balancing"]
-    assert "Loads with plain Transformers" in _first_lines(card)
-    assert f'AutoModelForCausalLM.from_pretrained("{REPO}")' in card.text
-    assert "**K/V balancing** (`layer` mode" in card.text
+    assert "hf_knorm" not in loading_snippet(card.text)  # loads with plain Transformers, as the card says
+    loaded = load_as_the_card_says(card.text, REPO, tmp_path)
+    assert type(loaded).__name__ == "LlamaForCausalLM" and loaded.config._attn_implementation != "hf_knorm"
+    mode = json.loads((tmp_path / "config.json").read_text())["hf_knorm"]["kv_balancing"]["mode"]
+    assert stated_changes(card.text) == {"normalization": None, "balancing": mode, "knorm": None} and mode == "layer"
     before, after = report.before.ratios(), report.after.ratios()
     for layer in range(len(before)):
         assert f"| {layer} | {before[layer]:.3f} | {after[layer]:.3f} |" in card.text
@@ -75,7 +82,8 @@ def test_balanced_and_patched_model_card_has_both(tmp_path):
     card = _card(tmp_path)
     assert card.data.library_name == "hf_knorm"
     assert card.data.tags == ["hf-knorm", "normalization-x3-sqrtn", "kv-balancing"]
-    assert "sqrt(N_i)" in card.text and "`layer` mode" in card.text
+    assert stated_changes(card.text) == {"normalization": "x^3/sqrtN", "balancing": "layer", "knorm": None}
+    assert "sqrt(N_i)" in card.text  # the divisor the spelling means
 
 
 def test_plain_model_card_says_unmodified(tmp_path):
@@ -83,8 +91,10 @@ def test_plain_model_card_says_unmodified(tmp_path):
     card = _card(tmp_path)
     assert card.data.library_name == "transformers"
     assert card.data.tags == ["hf-knorm"]
-    assert "Unmodified: hf_knorm changed nothing" in _first_lines(card)
-    assert f'AutoModelForCausalLM.from_pretrained("{REPO}")' in card.text
+    assert stated_changes(card.text) == {"normalization": None, "balancing": None, "knorm": None}
+    assert "hf_knorm" not in loading_snippet(card.text)
+    loaded = load_as_the_card_says(card.text, REPO, tmp_path)
+    assert type(loaded).__name__ == "LlamaForCausalLM" and loaded.config._attn_implementation != "hf_knorm"
     config = json.loads((tmp_path / "config.json").read_text())
     assert "hf_knorm" not in config and "attn_implementation" not in config
 
@@ -99,7 +109,7 @@ def test_encoder_card_uses_automodel(tmp_path):
     hf_knorm.save_pretrained(hf_knorm.patch(tiny_model("bert"), "x^3/16"), tmp_path, repo_id=REPO)
     card = _card(tmp_path)
     assert card.data.pipeline_tag is None
-    assert "`AutoModel.from_pretrained` with no `import hf_knorm`" in card.text
+    assert set(re.findall(r"`(Auto\w+)\.from_pretrained`", card.text)) == {"AutoModel"}  # not a causal LM class
 
 
 def test_base_model_only_as_a_hub_id(tmp_path):
@@ -229,9 +239,14 @@ def test_bad_measurement_inputs_are_refused_before_writing(tmp_path):
 
 def test_a_plain_model_with_knorm_defaults_is_not_called_unmodified(tmp_path):
     model = tiny_model("llama")
-    hf_knorm.set_knorm_defaults(model, compression_ratio=0.5)
+    set_knorm_defaults(model, compression_ratio=0.5)
     hf_knorm.save_pretrained(model, tmp_path, tokenizer=tiny_tokenizer(), repo_id=REPO)
     card = _card(tmp_path)
     assert card.data.library_name == "transformers"
-    assert "**Loads with plain Transformers.** hf_knorm recorded KNorm cache defaults" in _first_lines(card)
-    assert "Unmodified" not in card.text and "`compression_ratio=0.5`" in card.text
+    recorded = json.loads((tmp_path / "config.json").read_text())["hf_knorm"]["knorm"]
+    assert stated_changes(card.text) == {"normalization": None, "balancing": None,
+                                         "knorm": {key: str(value) for key, value in recorded.items()}}
+    assert recorded == {"compression_ratio": 0.5}
+    assert "Unmodified" not in card.text  # it does not claim that nothing changed
+    assert "hf_knorm" not in loading_snippet(card.text)
+    assert load_as_the_card_says(card.text, REPO, tmp_path).config.hf_knorm["knorm"] == recorded

@@ -6,11 +6,13 @@ import warnings
 import pytest
 import transformers as tf
 from huggingface_hub import ModelCard
+from card_values import loading_snippet, stated_changes
 from hub_helpers import hub, tiny_tokenizer  # noqa: F401 (fixture)
 from hub_standin import Repo
 from tiny_models import tiny_model
 
 import hf_knorm
+from hf_knorm.hub import push_folder
 from hf_knorm.hub.card import BEGIN, END
 
 REPO = "user/tiny-x3"
@@ -61,7 +63,8 @@ def test_push_of_a_plain_model_says_it_is_unmodified(hub):
     assert "hf_knorm" not in _config(hub) and "attn_implementation" not in _config(hub)
     card = _card(hub)
     assert card.data.library_name == "transformers"
-    assert "Unmodified: hf_knorm changed nothing in this model." in card.text
+    assert stated_changes(card.text) == {"normalization": None, "balancing": None, "knorm": None}
+    assert "hf_knorm" not in loading_snippet(card.text) and f'.from_pretrained("{REPO}")' in loading_snippet(card.text)
     assert hub.commits[0]["summary"] == f"Upload model with hf_knorm {hf_knorm.__version__}"
 
 
@@ -176,7 +179,7 @@ def test_transformers_own_push_to_hub_keeps_the_marker_after_a_plain_load(hub, t
 
 def test_push_folder_pushes_a_saved_folder_with_the_card_for_the_repo(hub, tmp_path):
     folder = hf_knorm.save_pretrained(_patched(), tmp_path / "saved", tokenizer=tiny_tokenizer())
-    hf_knorm.push_folder(folder, REPO, commit_message="first version")
+    push_folder(folder, REPO, commit_message="first version")
     assert hub.commits[0]["summary"] == "first version"
     card = _card(hub)
     assert f'hf_knorm.from_pretrained("{REPO}")' in card.text and str(tmp_path) not in card.text
@@ -185,11 +188,11 @@ def test_push_folder_pushes_a_saved_folder_with_the_card_for_the_repo(hub, tmp_p
 
 def test_push_folder_keeps_the_local_text_the_user_wrote(hub, tmp_path):
     folder = hf_knorm.save_pretrained(_patched(), tmp_path / "saved", tokenizer=tiny_tokenizer())
-    hf_knorm.push_folder(folder, REPO)
+    push_folder(folder, REPO)
     card = ModelCard((folder / "README.md").read_text())
     card.text += "\n## Local notes\n\nWritten before the second push.\n"
     card.save(folder / "README.md")
-    hf_knorm.push_folder(folder, REPO)
+    push_folder(folder, REPO)
     assert "Written before the second push." in _card(hub).text
 
 
@@ -200,39 +203,39 @@ def test_push_folder_refuses_a_config_that_lost_its_marker_and_says_how_to_resav
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"names the hf_knorm normalization x\^3/16 but lacks \"attn_implementation\".*"
                                          r"would run softmax.*hf_knorm.save_pretrained\(hf_knorm.from_pretrained"):
-        hf_knorm.push_folder(folder, REPO)
+        push_folder(folder, REPO)
     assert hub.requests == []  # refused before anything was sent
     resaved = hf_knorm.save_pretrained(hf_knorm.from_pretrained(folder), tmp_path / "resaved",
                                        tokenizer=tiny_tokenizer())  # the fix the message gives
-    hf_knorm.push_folder(resaved, REPO)
+    push_folder(resaved, REPO)
     assert _config(hub)["attn_implementation"] == "hf_knorm"
 
 
 def test_push_folder_refuses_what_is_not_a_saved_model(hub, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="is not a saved model: it has no config.json"):
-        hf_knorm.push_folder(tmp_path / "empty", REPO)
+        push_folder(tmp_path / "empty", REPO)
     with pytest.raises(FileNotFoundError, match="No model folder"):
-        hf_knorm.push_folder(tmp_path / "missing", REPO)
+        push_folder(tmp_path / "missing", REPO)
     folder = hf_knorm.save_pretrained(_patched(), tmp_path / "saved", tokenizer=tiny_tokenizer())
     (folder / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="has a config.json but no weights"):
-        hf_knorm.push_folder(folder, REPO)
+        push_folder(folder, REPO)
     sharded = tmp_path / "sharded"
     _patched().save_pretrained(sharded, max_shard_size="100KB")
     next(sharded.glob("model-0000*.safetensors")).unlink()
     with pytest.raises(ValueError, match="incomplete sharded checkpoint"):
-        hf_knorm.push_folder(sharded, REPO, without_tokenizer=True)
+        push_folder(sharded, REPO, without_tokenizer=True)
     assert hub.requests == []
 
 
 def test_push_folder_of_a_causal_lm_without_tokenizer(hub, tmp_path):
     folder = hf_knorm.save_pretrained(_patched(), tmp_path / "saved")
     with pytest.raises(ValueError, match=r"without its tokenizer.*--no-tokenizer"):
-        hf_knorm.push_folder(folder, REPO)
+        push_folder(folder, REPO)
     assert hub.requests == []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        hf_knorm.push_folder(folder, REPO, without_tokenizer=True)
+        push_folder(folder, REPO, without_tokenizer=True)
     assert len(hub.commits) == 1
     assert not [w for w in caught if "marker" in str(w.message)]

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+from card_values import stated_data_format
 from training_helpers import char_tokenizer, history_lines, lm, save_tiny_lm
 
 import hf_knorm
@@ -123,7 +124,8 @@ def test_finetune_logs_norms_checkpoints_reloads_and_resumes(tmp_path, tiny_lm_d
     assert "eval/perplexity" in events.Tags()["scalars"]
 
     card = (out / "README.md").read_text()  # the card, as convert's: held-out section, data format, norm figure
-    assert "### Held-out perplexity" in card and "Trained on language modeling data, the loss on every token." in card
+    assert "### Held-out perplexity" in card
+    assert stated_data_format(card) == {"format": "language_modeling", "loss_on": "every token"}
     assert "figures/norm_history.png" in card and "huggingface/trl" not in card  # TRL's own card is not written
 
     assert _finetune(*flags, "--max-steps", "4", model=tiny_lm_dir, out=out) == 2  # would overwrite: refused

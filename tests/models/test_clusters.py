@@ -11,6 +11,7 @@ bounded cache (``hf_knorm/recurrent/sparse_cache.py`` keeps the clusters' sums).
 
 import pytest
 import torch
+from card_values import expected_normalization, stated_normalization
 from tiny_models import greedy_by_full_forward, tiny_model
 from transformers import DynamicCache
 
@@ -41,6 +42,11 @@ def _prompts(batch=2, length=30, pad=3, seed=0):
     mask[-1, :pad] = 0
     ids[-1, :pad] = 0
     return ids, mask
+
+
+def _codebooks(model) -> dict[str, torch.Tensor]:
+    """The model's codebooks by parameter name (one per attention layer), cloned."""
+    return {name: value.detach().clone() for name, value in model.named_parameters() if name.endswith(CODEBOOK)}
 
 
 def _clustered(model_type="llama", spelling=SPELLING, dtype=torch.float32):
@@ -97,8 +103,10 @@ def test_a_clustered_model_travels_with_its_codebooks(tmp_path):
     hf_knorm.save_pretrained(model, tmp_path / "model")
     loaded = hf_knorm.from_pretrained(tmp_path / "model").eval()
     assert hf_knorm.patched_normalization(loaded) == hf_knorm.patched_normalization(model)
-    for (name, want), (_, got) in zip(model.named_parameters(), loaded.named_parameters()):
-        assert torch.equal(got, want), name
+    want, got = dict(model.named_parameters()), dict(loaded.named_parameters())
+    assert sorted(got) == sorted(want) and len(_codebooks(loaded)) == model.config.num_hidden_layers
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
     ids, mask = _prompts(length=12)
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids, attention_mask=mask).logits,
@@ -109,13 +117,19 @@ def test_fitting_is_deterministic_and_reads_the_keys_without_the_clusters():
     """Fitted twice on the same tokens (the second time with a fitted codebook in place): the same codebooks, since
     the keys are computed with the clusters off; another seed starts elsewhere."""
     model = _clustered()
-    first = [value.clone() for name, value in model.named_parameters() if name.endswith(CODEBOOK)]
+    first = _codebooks(model)
+    assert len(first) == model.config.num_hidden_layers
+    assert all(value.abs().sum() > 0 for value in first.values())  # fitted, not the zeros patch adds
     fit_cluster_codebook(model, _calibration())
-    again = [value for name, value in model.named_parameters() if name.endswith(CODEBOOK)]
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    again = _codebooks(model)
+    assert sorted(again) == sorted(first)
+    for name in first:
+        assert torch.equal(again[name], first[name]), name
     assert hf_knorm.patched_normalization(model).endswith("clusters 4")  # the spelling is back
     fit_cluster_codebook(model, _calibration(), seed=1)
-    assert not all(torch.equal(a, b) for a, b in zip(first, model.parameters()))
+    elsewhere = _codebooks(model)
+    assert sorted(elsewhere) == sorted(first)
+    assert all(not torch.equal(elsewhere[name], first[name]) for name in first), "another seed, other codebooks"
 
 
 def test_set_clusters_and_set_sparse_cache_keep_the_learned_values_and_the_codebooks():
@@ -124,14 +138,19 @@ def test_set_clusters_and_set_sparse_cache_keep_the_learned_values_and_the_codeb
     set_window_mix(model, mixes)
     set_clusters(model, 4, _calibration())
     assert hf_knorm.patched_normalization(model) == SPELLING
+    assert len(window_mixes(model)) == len(mixes)
     assert all(torch.equal(torch.tensor(a), b) for a, b in zip(window_mixes(model), mixes))
-    codebooks = [value.clone() for name, value in model.named_parameters() if name.endswith(CODEBOOK)]
+    codebooks = _codebooks(model)
+    assert len(codebooks) == model.config.num_hidden_layers
     set_sparse_cache(model, 3)
     assert hf_knorm.patched_normalization(model).endswith("sparse 3 (key_norm) + clusters 4")
-    assert all(torch.equal(a, b) for a, b in zip(codebooks, (value for name, value in model.named_parameters()
-                                                                if name.endswith(CODEBOOK))))
+    kept = _codebooks(model)
+    assert sorted(kept) == sorted(codebooks)
+    for name in codebooks:
+        assert torch.equal(kept[name], codebooks[name]), name
     set_clusters(model, 0)
-    assert not any(name.endswith(CODEBOOK) for name, _ in model.named_parameters())
+    assert _codebooks(model) == {}
+    assert len(window_mixes(model)) == len(mixes)
     assert all(torch.equal(torch.tensor(a), b) for a, b in zip(window_mixes(model), mixes))
 
 
@@ -157,4 +176,5 @@ def test_the_card_says_what_the_clusters_are(tmp_path):
     model = _clustered()
     hf_knorm.save_pretrained(model, tmp_path / "model")
     card = (tmp_path / "model" / "README.md").read_text()
-    assert "4 pseudo-keys: the mean key and value of the other older keys in each cluster" in card
+    assert stated_normalization(card) == expected_normalization(hf_knorm.patched_normalization(model))
+    assert stated_normalization(card)["clusters"] == 4

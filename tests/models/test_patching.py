@@ -8,6 +8,7 @@ import transformers as tf
 from tiny_models import ALL_TYPES, DECODER_TYPES, tiny_config, tiny_inputs, tiny_model
 
 import hf_knorm
+from hf_knorm.models.architectures import SUPPORTED_ARCHITECTURES
 
 pytestmark = pytest.mark.compat
 
@@ -80,6 +81,7 @@ def test_output_attentions_softmax_equals_eager():
     with torch.no_grad():
         expected = eager(**inputs, output_attentions=True).attentions
         ours = patched(**inputs, output_attentions=True).attentions
+    assert len(ours) == len(expected) == eager.config.num_hidden_layers
     for layer_expected, layer_ours in zip(expected, ours):
         torch.testing.assert_close(layer_ours, layer_expected, rtol=0, atol=1e-6)
 
@@ -154,7 +156,7 @@ def test_patch_is_per_instance():
 
 
 def test_every_registered_architecture_has_a_tiny_model():
-    assert set(hf_knorm.SUPPORTED_ARCHITECTURES) == set(ALL_TYPES)
+    assert set(SUPPORTED_ARCHITECTURES) == set(ALL_TYPES)
     for model_type in ALL_TYPES:
         assert tiny_config(model_type).model_type == model_type
         assert hf_knorm.models.architectures.attention_modules(tiny_model(model_type))

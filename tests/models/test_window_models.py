@@ -10,6 +10,7 @@
 
 import pytest
 import torch
+from card_values import expected_normalization, stated_normalization
 from tiny_models import assert_same_step, logits_and_grads, tiny_inputs, tiny_model
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
@@ -172,7 +173,8 @@ def test_the_window_travels_with_the_model(tmp_path):
         assert torch.equal(loaded(**inputs).logits, model.eval()(**inputs).logits)
     card = (tmp_path / "model" / "README.md").read_text()
     assert "x^3/16 + softmax window 4" in card and "normalization-x3-16-softmax-window-4" in card
-    assert "softmax over the keys of each query's last 4 positions" in card
+    assert stated_normalization(card) == expected_normalization("x^3/16 + softmax window 4")
+    assert stated_normalization(card)["window"] == 4
 
 
 def test_the_sinks_travel_with_the_model(tmp_path):
@@ -186,7 +188,8 @@ def test_the_sinks_travel_with_the_model(tmp_path):
     inputs = tiny_inputs("llama", batch=1, length=12)
     with torch.no_grad():
         assert torch.equal(loaded(**inputs).logits, model(**inputs).logits)
-    assert "and the sequence's first 2 (attention sinks)" in (tmp_path / "model" / "README.md").read_text()
+    stated = stated_normalization((tmp_path / "model" / "README.md").read_text())
+    assert stated == expected_normalization("x/1 + softmax window 4 + sinks 2") and stated["sinks"] == 2
     ids = inputs["input_ids"]
     with torch.no_grad():
         generated = loaded.generate(ids, max_new_tokens=10, do_sample=False)
@@ -280,6 +283,7 @@ def test_recorded_attention_norms_are_the_whole_matrixs(spelling):
     assert dict(taken) == {"quadratic": model.config.num_hidden_layers}
     with torch.no_grad():
         attentions = model(**inputs, output_attentions=True).attentions
+    assert len(recorder.layers) == len(attentions) == model.config.num_hidden_layers
     for layer, weights in zip(recorder.layers, attentions):
         expected = weights.square().sum(dim=(-2, -1)).sqrt().flatten()
         torch.testing.assert_close(layer.attention_frobenius(), expected, rtol=1e-5, atol=0)
@@ -339,7 +343,9 @@ def test_a_mix_is_saved_reloaded_exactly_and_removed_by_unpatch(tmp_path):
         # original's full forward; without the mix the logits would be others
         generated = reloaded.generate(input_ids=ids[:, :6], max_new_tokens=8, do_sample=False, output_logits=True,
                                       return_dict_in_generate=True)
-        assert all(isinstance(layer, WindowStateLayer) for layer in output_cache(generated).layers)
+        layers = output_cache(generated).layers
+        assert len(layers) == reloaded.config.num_hidden_layers
+        assert all(isinstance(layer, WindowStateLayer) for layer in layers)
         decoded = torch.stack(generated.logits, dim=1)
         full = model(input_ids=generated.sequences[:, :-1]).logits[:, 5:]
         torch.testing.assert_close(decoded, full, rtol=0, atol=ATOL)
@@ -435,6 +441,7 @@ def test_a_decoded_token_reads_the_device_once_per_forward_not_per_layer(spellin
     with torch.no_grad():
         out = model(**inputs, use_cache=True, **cache_kwargs(kept))
         if cache == "state":
+            assert len(kept.layers) == model.config.num_hidden_layers
             assert all(layer.sinks_complete for layer in kept.layers)
         step = dict(input_ids=out.logits[:, -1:].argmax(-1), use_cache=True, **cache_kwargs(output_cache(out)),
                     attention_mask=torch.cat([inputs["attention_mask"], torch.ones(2, 1, dtype=torch.long)], dim=1))

@@ -13,6 +13,7 @@ plus the state (``hf_knorm/recurrent/sparse_cache.py``).
 
 import pytest
 import torch
+from card_values import expected_normalization, stated_normalization
 from tiny_models import assert_same_step, greedy_by_full_forward, logits_and_grads, tiny_inputs, tiny_model
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
@@ -24,7 +25,7 @@ from hf_knorm.attention.interface import normalization_of
 from hf_knorm.attention.masks import explicit_bool_mask
 from hf_knorm.attention.reference import reference_window_attention, sparse_split, window_split
 from hf_knorm.compat import cache_kwargs, output_cache
-from hf_knorm.models.cluster_codebook import set_clusters
+from hf_knorm.models.cluster_codebook import fit_cluster_codebook, set_clusters
 from hf_knorm.models.parameters import add_parameters, hold_normalization
 from hf_knorm.models.window_mix import set_window_mix, window_mixes
 from hf_knorm.normalizations.sparse_choice import token_scores
@@ -78,7 +79,7 @@ def test_models_equal_the_reference_attention(model_type, spelling, rows, monkey
     model = hf_knorm.patch(tiny_model(model_type, dtype=torch.float64), spelling)
     clusters = hf_knorm.parse_normalization(spelling).clusters
     if clusters:
-        hf_knorm.fit_cluster_codebook(model, torch.randint(3, 128, (3, 16), generator=torch.Generator().manual_seed(5)))
+        fit_cluster_codebook(model, torch.randint(3, 128, (3, 16), generator=torch.Generator().manual_seed(5)))
     generator = torch.Generator().manual_seed(1)
     mixes = [torch.randn(4, generator=generator, dtype=torch.float64) for _ in window_mixes(model)]
     set_window_mix(model, mixes)
@@ -276,7 +277,8 @@ def test_a_sparse_model_travels_and_refuses_another_cache(tmp_path):
     hf_knorm.save_pretrained(model, tmp_path / "model")
     loaded = hf_knorm.from_pretrained(tmp_path / "model").eval()
     assert hf_knorm.patched_normalization(loaded) == spelling
-    assert "the 2 older keys of highest key_norm (a sparse cache" in (tmp_path / "model" / "README.md").read_text()
+    stated = stated_normalization((tmp_path / "model" / "README.md").read_text())
+    assert stated == expected_normalization(spelling) and (stated["sparse"], stated["score"]) == (2, "key_norm")
     ids, mask = _prompts(length=12)
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids, attention_mask=mask).logits,

@@ -15,6 +15,7 @@ import hf_knorm
 from hf_knorm.recording.per_step import STATISTICS
 
 trl = pytest.importorskip("trl")
+from hf_knorm.runs.sft import CHECKPOINTING  # noqa: E402 (imports trl)
 
 TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}</s>\n{% endfor %}"
             "{% if add_generation_prompt %}[assistant] {% endif %}")
@@ -43,7 +44,8 @@ def _records(kind: str) -> datasets.Dataset:
 def _config(config_class, out, **overrides):
     settings = dict(output_dir=str(out), max_steps=4, logging_steps=2, per_device_train_batch_size=4,
                     learning_rate=1e-3, report_to=["tensorboard"], save_strategy="no", disable_tqdm=True,
-                    use_cpu=True, bf16=False, gradient_checkpointing=False, seed=0, data_seed=0, max_length=64)
+                    use_cpu=True, bf16=False, seed=0, data_seed=0, max_length=64)
+    settings[CHECKPOINTING] = False  # under the name the installed Transformers has (the old one warns in 5.2x)
     settings.update(overrides)
     return config_class(**settings)
 

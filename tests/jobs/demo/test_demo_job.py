@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+from card_values import expected_normalization, stated_held_out, stated_normalization, two_decimals
 
 import hf_knorm
 from hf_knorm.cli import main
@@ -70,7 +71,16 @@ def test_the_saved_model_loads_back_with_its_normalization_and_card(fast_demo):
     assert hf_knorm.patched_normalization(model) == spelling
     card = (folder / "README.md").read_text()
     assert "pip install hf_knorm" in card.split("---", 2)[2][:2000]
-    assert spelling in card and "held-out perplexity" in card and "model-index" in card
+    assert stated_normalization(card) == expected_normalization(spelling)
+    evaluation = json.loads((fast_demo / "demo.json").read_text())["steps"]["conversion"]["evaluation"]
+    stated = stated_held_out(card)  # the card's perplexities are the run's
+    assert stated["worst_domain"] == max(evaluation["domains"],
+                                         key=lambda name: evaluation["domains"][name]["ratio_to_original"])
+    assert stated["worst_ratio"] == two_decimals(evaluation["ratio_to_original"])
+    assert stated["domains"] == {name: tuple(two_decimals(domain[key]) for key in
+                                             ("original_perplexity", "perplexity", "ratio_to_original"))
+                                 for name, domain in evaluation["domains"].items()}
+    assert "model-index" in card
 
 
 def test_the_report_has_every_section_and_embeds_its_images(fast_demo):
