@@ -122,14 +122,16 @@ def test_import_installs_only_what_cannot_wait_and_the_first_call_installs_the_r
         from transformers.generation import GenerationMixin
         from transformers.pipelines import PIPELINE_REGISTRY
 
-        def wrapped(method):
-            return hasattr(method, "__wrapped__")
+        def wrapped(method, marker):  # the marker hf_knorm.compat sets on its own wraps (Transformers wraps some
+            return bool(getattr(method, marker, False))  # of these methods itself: __wrapped__ says nothing)
 
         def state():
-            return dict(post_init=wrapped(tf.PreTrainedModel.post_init),
-                        init_weights=wrapped(tf.PreTrainedModel._init_weights),
-                        serialize=wrapped(tf.PretrainedConfig._remove_keys_not_serialized),
-                        generate=wrapped(GenerationMixin._prepare_cache_for_generation),
+            return dict(post_init=wrapped(tf.PreTrainedModel.post_init, "_hf_knorm_adds_parameters"),
+                        init_weights=wrapped(tf.PreTrainedModel._init_weights, "_hf_knorm_adds_parameters"),
+                        serialize=wrapped(tf.PretrainedConfig._remove_keys_not_serialized,
+                                          "__hf_knorm_keeps_attn_implementation__"),
+                        generate=wrapped(GenerationMixin._prepare_cache_for_generation,
+                                         "__hf_knorm_chooses_the_default_cache__"),
                         hf_knorm="hf_knorm" in AttentionInterface._global_mapping,
                         ragged="knorm_ragged" in AttentionInterface._global_mapping,
                         pipeline="knorm-text-generation" in PIPELINE_REGISTRY.supported_tasks)
@@ -147,6 +149,10 @@ def test_import_installs_only_what_cannot_wait_and_the_first_call_installs_the_r
         states.append(state())
         print(json.dumps(dict(states=states, cache=type(cache).__name__)))
     '''))
+    from hf_knorm import compat  # the markers the fresh process reads, by name (it checks before importing hf_knorm)
+
+    assert (compat._BUILDS, compat._WRAPPED, compat._CHOOSES) == (
+        "_hf_knorm_adds_parameters", "__hf_knorm_keeps_attn_implementation__", "__hf_knorm_chooses_the_default_cache__")
     result = json.loads(state.strip().splitlines()[-1])
     before, imported, loaded, cached = result["states"]
     assert not any(before.values())
