@@ -6,7 +6,8 @@ models in one process can use different normalizations, and a mode set for a whi
 context variable, not a write to a shared config. The math is in
 ``kernel.py`` (any normalization, quadratic time) and ``linear_kernel.py`` (``p = 1``, linear time; ``paths.py``
 chooses; ``backends.py`` runs softmax, SSMax and a sink softmax on PyTorch's SDPA, ``sdpa.py``, and on CUDA the
-polynomials as Triton and flash-linear-attention kernels), composed by ``window.py``
+polynomials as Triton and flash-linear-attention kernels, and the softmax-over-logits and log-weight families through
+FlexAttention, ``flex.py``), composed by ``window.py``
 for a normalization with a softmax window; this module adapts Transformers' arguments to them (mask forms, kwargs,
 output recording), reports to an active norm recorder or K/V transform, and continues the recurrent state a cache
 hands over (``taps.py``).
@@ -141,8 +142,9 @@ def hf_knorm_attention(
         output = compiled_attention(query, key, value, kernel_mask(mask, compiling), bias,
                                     normalization, scaling=scaling, softcap=softcap, causal=causal, params=params)
     else:
+        flex_mask = path.kernel == "flex"  # FlexAttention reads key padding as it is (no N x N mask)
         output, weights = run_quadratic(
-            path, query, key, value, kernel_mask(mask, compiling), normalization, bias=bias,
+            path, query, key, value, mask if flex_mask else kernel_mask(mask, compiling), normalization, bias=bias,
             scaling=scaling, softcap=softcap, dropout=dropout, causal=causal, return_weights=return_weights,
             frobenius_sq=frobenius_sq, trim_keys=not compiling, params=params,
         )
