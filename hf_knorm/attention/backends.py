@@ -196,6 +196,12 @@ def _order(path: Path, normalization: Normalization, whole_call: bool) -> list[s
     return [kernel for kernel in ("flex", "sdpa") if kernel in paths]
 
 
+def automatic_order(normalization: Normalization) -> list[str]:
+    """The kernels the automatic choice tries for a plain quadratic call of ``normalization`` on CUDA, in order
+    (before the PyTorch chunked kernel): what ``make device-check`` times per family."""
+    return _order(Path(linear=False), normalization, True)
+
+
 def _sdpa_blocker(normalization: Normalization, softcap, whole_call: bool, options: dict) -> str:
     if not whole_call:
         return "the part of a softmax window"
