@@ -216,10 +216,10 @@ def test_a_forced_gpu_kernel_refuses_cpu_tensors(fresh, monkeypatch):
 def test_a_forced_kernel_says_why_it_cannot_compute_a_call(proven, monkeypatch, path, case, reason):
     """Forcing a kernel is a promise that it computes the calls: one it cannot compute raises with the reason,
     rather than going to the PyTorch kernel unnoticed."""
-    backends._CHOSEN.set({"quadratic": "triton", "linear": "fla"})
     kernel = "flash-linear-attention" if path.linear else "the Triton kernel"
-    with pytest.raises(ValueError, match=rf"forces {kernel}, which cannot compute this call: {reason}"):
-        _name(path, **case)
+    with backends.kernels(quadratic="triton", linear="fla"):  # a tap: compiled code reads the choice (kernels())
+        with pytest.raises(ValueError, match=rf"forces {kernel}, which cannot compute this call: {reason}"):
+            _name(path, **case)
 
 
 def _broken(function, factor=1.05):
