@@ -10,7 +10,8 @@ a second thread wait for the first one's check rather than run its own.
 The key is what changes the code a kernel runs: the device (``cuda:0``, ``cuda:1`` may be different GPUs), the
 input dtype (bf16 multiplies bf16 operands, fp16 TF32 ones, fp32 IEEE ones in the Triton kernel), the kernel, the
 normalization's family (:func:`family_of`: its element-wise form, the power ``p``, a rectification and the row rule,
-compiled into the Triton kernel; the constant ``c`` is a runtime scalar) and the head dimension (the tile width).
+compiled into the Triton kernel; the constant ``c`` is a runtime scalar; for FlexAttention its declared form with each
+value by its kind, :func:`flex_form_of`) and the head dimension (the tile width).
 
 What runs, at the production block sizes (``triton_kernel.BLOCK_M x BLOCK_N`` = 64 x 64) and the caller's head
 dimension, 2 items, 4 query heads over 2 KV heads, random inputs from a generator of its own (the global random
@@ -66,7 +67,34 @@ def key_of(kernel: str, device: torch.device, dtype: torch.dtype, normalization:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return str(device), str(dtype).removeprefix("torch."), kernel, family_of(normalization), int(head_dim)
+    family = flex_form_of(normalization) if kernel == "flex" else family_of(normalization)
+    return str(device), str(dtype).removeprefix("torch."), kernel, family, int(head_dim)
+
+
+def flex_form_of(normalization: Normalization) -> str:
+    """What FlexAttention's compiled code depends on: the declared form with each value by its kind (a number, per
+    row, learned), since the ``score_mod`` reads numbers as constants and learned values as captured tensors: e.g.
+    ``"sigmoid: logsigmoid(s + learned)"``, ``"ssmax: softmax(s * number log n)"``."""
+    base = normalization.without_window
+    form = base.log_weights
+    if form is not None:
+        shift = "" if form.shift is None else f" + {_kind(form.shift)}"
+        if form.activation == "logsigmoid":
+            text = f"logsigmoid(s{shift})"
+        else:
+            text = f"{form.power} log {'relu' if form.rectified else 'abs'}(s{shift})"
+        rule = {"constant": "", "n": " - log n", "sqrtN": " - log n / 2"}[form.row_rule]
+        return f"{base.family}: {text}{rule}"
+    logits = base.softmax_logits
+    scale = "" if logits.log_n_scale is None else f" * {_kind(logits.log_n_scale)} log n"
+    sink = "" if logits.sink is None else f" + {_kind(logits.sink)} sink"
+    return f"{base.family}: softmax(s{scale}){sink}"
+
+
+def _kind(value) -> str:
+    if isinstance(value, str):
+        return value.replace(" ", "")
+    return "number" if isinstance(value, (int, float)) else "learned"
 
 
 def verdict(kernel: str, device: torch.device, dtype: torch.dtype, normalization: Normalization,

@@ -168,6 +168,18 @@ def test_gradients_through_the_log_sum_exp_equal_the_reference(cpu_backward, spe
         _close(got_grad, want_grad, 1e-10)
 
 
+def test_the_self_check_key_is_what_the_compiled_code_depends_on():
+    """Each way a family's values come (a number, per row, learned) compiles its own ``score_mod``: a check each;
+    numbers of one kind share one."""
+    def key(spelling):
+        return self_check.key_of("flex", torch.device("cpu"), torch.bfloat16, parse_normalization(spelling), 64)[3]
+
+    spellings = ["sigmoid(bias=-log n)", "sigmoid(bias=learned)", "sigmoid(bias=-6.93)", "ssmax(scale=learned)",
+                 "ssmax(scale=0.144)", "softmax(sink=0)", "softmax(sink=learned)", "relu(x)/n", "relu(x)^2/n", "softmax"]
+    assert len({key(spelling) for spelling in spellings}) == len(spellings)
+    assert key("sigmoid(bias=-3)") == key("sigmoid(bias=-6.93)") and key("x^2/16") == key("x^2/1")
+
+
 @pytest.fixture
 def stub_cuda(monkeypatch):
     monkeypatch.setattr(self_check, "_VERDICTS", {})
