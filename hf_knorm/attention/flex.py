@@ -260,16 +260,16 @@ def _padding_blocks(valid: torch.Tensor, q_len: int, kv_len: int, offset: int, c
     positions = torch.arange(keys.shape[1] * block, device=device).unflatten(-1, (-1, block))  # (nK, bk)
     first_valid = torch.where(keys, positions, kv_len).amin(-1)  # (Bm, nK): kv_len where none
     all_valid = keys.all(-1)  # (Bm, nK); a block past the end is never all valid (padded with False)
+    starts = torch.arange(q_blocks, device=device) * block
+    full_rows = (starts + block <= q_len)[:, None]  # a ragged last query block is never full
     any_blocks = (first_valid < kv_len)[:, None, :].expand(-1, q_blocks, -1)
-    all_blocks = all_valid[:, None, :].expand(-1, q_blocks, -1)
+    all_blocks = all_valid[:, None, :] & full_rows[None]
     if causal:
-        starts = torch.arange(q_blocks, device=device) * block
         last_row = (starts + block).clamp_max(q_len) - 1 + offset  # the block's last query's position
         first_row = starts + offset
         block_last_key = positions[:, -1]  # (nK,)
-        full_rows = (starts + block <= q_len)[:, None]  # a ragged last query block is never full
         any_blocks = any_blocks & (first_valid[:, None, :] <= last_row[None, :, None])
-        all_blocks = all_blocks & (block_last_key[None, None, :] <= first_row[None, :, None]) & full_rows[None]
+        all_blocks = all_blocks & (block_last_key[None, None, :] <= first_row[None, :, None])
     return any_blocks[:, None], all_blocks[:, None]
 
 

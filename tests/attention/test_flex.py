@@ -240,3 +240,52 @@ def test_the_compiled_route_on_cuda_passes_the_self_check_in_bf16_and_fp32(spell
     normalization = parse_normalization(spelling)
     for dtype in (torch.float32, torch.bfloat16):
         assert self_check.run_check("flex", torch.device("cuda"), dtype, normalization, 64) == ""
+
+
+def _block_maps(blocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(partial, full)`` bool ``(B, H, nQ, nK)`` maps of a ``BlockMask``'s blocks."""
+    def dense(counts, indices):
+        columns = torch.arange(indices.shape[-1])
+        chosen = columns < counts[..., None].long()  # the first `counts` indices of each row are the blocks
+        result = torch.zeros(*indices.shape, dtype=torch.bool)
+        return result.scatter(-1, indices.long(), chosen)
+
+    return (dense(blocks.kv_num_blocks, blocks.kv_indices),
+            dense(blocks.full_kv_num_blocks, blocks.full_kv_indices))
+
+
+def _dense_blocks(allowed: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(any, all)`` per block of a dense mask, written as loops (past the ends: never all)."""
+    batch, heads, q_len, kv_len = allowed.shape
+    q_blocks, kv_blocks = -(-q_len // block), -(-kv_len // block)
+    any_map = torch.zeros(batch, heads, q_blocks, kv_blocks, dtype=torch.bool)
+    all_map = torch.zeros_like(any_map)
+    for m in range(q_blocks):
+        for n in range(kv_blocks):
+            tile = allowed[:, :, m * block:(m + 1) * block, n * block:(n + 1) * block]
+            whole = tile.shape[-2:] == (block, block)
+            any_map[:, :, m, n] = tile.flatten(2).any(-1)
+            all_map[:, :, m, n] = tile.flatten(2).all(-1) & whole
+    return any_map, all_map
+
+
+@pytest.mark.parametrize(("q_len", "kv_len", "causal"), [(50, 50, True), (20, 70, True), (1, 45, True),
+                                                        (40, 40, False), (33, 64, True)])
+def test_the_block_mask_skips_exactly_the_empty_blocks_and_trusts_only_the_full_ones(q_len, kv_len, causal):
+    """On a GPU a full block is computed without the ``mask_mod`` and an absent one is skipped: the summaries of key
+    padding (built without the ``q x kv`` mask) and of an explicit mask must be those of the dense mask, block by
+    block (blocks of 16 here, ragged ends included), and the counts ``n_i`` its row sums."""
+    key_valid = torch.rand(2, kv_len, generator=torch.Generator().manual_seed(q_len)) > 0.2
+    key_valid[1, :17] = False  # item 1 left-padded over a whole block and more
+    key_valid[0, 16:32] = True  # a whole block of real keys
+    padding = KeyPadding(key_valid, q_len, causal=causal)
+    dense = padding.dense()
+    for form in (padding, dense):
+        blocks = flex.block_mask(form, q_len, kv_len, block=16, dtype=torch.float64)
+        partial, full = _block_maps(blocks.block_mask)
+        any_map, all_map = _dense_blocks(dense, 16)
+        assert torch.equal(full, all_map)
+        assert torch.equal(partial | full, any_map)
+        assert not (partial & full).any()
+        counts = dense.sum(-1).clamp_min(1).double().log()
+        assert torch.equal(blocks.log_counts.expand_as(counts), counts)
