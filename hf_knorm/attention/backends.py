@@ -27,13 +27,13 @@ is not tried; one that fails its check or cannot be imported is reported once, w
 PyTorch kernel computes its calls. SDPA needs no self-check: it is PyTorch's own, and ``sdpa.py`` builds inputs on
 which it computes the family's weights exactly (``tests/attention/test_sdpa.py``).
 
-:func:`kernels` overrides the automatic choice inside a ``with`` block: ``"pytorch"`` runs the PyTorch chunked and linear
-kernels only (no SDPA, no GPU kernel); ``"sdpa"``, ``"triton"``, ``"flex"`` / ``"fla"`` force one: the GPU kernels fail at once,
-naming the extra to install, when its package is missing, and each raises with the reason on a call it cannot compute
-(another family, tensors not on CUDA, dropout, ...) and a GPU kernel when it fails its self-check.
-``attention_paths()`` counts each call under the name of what ran: ``"sdpa"``, ``"triton"``, ``"flex"``, ``"fla"``,
-``"quadratic"`` (the PyTorch chunked kernel) or ``"linear"`` (the PyTorch linear kernel); the ``hf_knorm.attention``
-logger says at DEBUG level which kernel computes a call and, for a PyTorch one, why.
+:func:`kernels` overrides the automatic choice inside a ``with`` block: ``"pytorch"`` runs the PyTorch chunked and
+linear kernels only (no SDPA, no GPU kernel); ``"sdpa"``, ``"triton"``, ``"flex"`` / ``"fla"`` force one: the GPU
+kernels fail at once, naming the extra to install, when its package is missing, and each raises with the reason on a
+call it cannot compute (another family, tensors not on CUDA, dropout, ...) and a GPU kernel when it fails its
+self-check. ``attention_paths()`` counts each call under the name of what ran: ``"sdpa"``, ``"triton"``, ``"flex"``,
+``"fla"``, ``"quadratic"`` (the PyTorch chunked kernel) or ``"linear"`` (the PyTorch linear kernel); the
+``hf_knorm.attention`` logger says at DEBUG level which kernel computes a call and, for a PyTorch one, why.
 """
 
 from __future__ import annotations

@@ -119,6 +119,7 @@ def flex_route_attention(
         mask = KeyPadding(torch.ones(1, k.shape[2], dtype=torch.bool, device=q.device), q_len, causal=False)
     elif not isinstance(mask, KeyPadding):
         mask = mask[..., : k.shape[2]]
+    bias = None if bias is None else bias[..., : k.shape[2]]
     accumulate = torch.promote_types(compute, torch.float32)  # the renormalization and n: fp32 (fp64 for fp64)
     blocks = block_mask(mask, q_len, k.shape[2], dtype=accumulate)
     form = _Form.of(normalization, raw)

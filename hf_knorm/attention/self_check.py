@@ -1,11 +1,11 @@
 """A GPU kernel proves itself on the device before it computes a call: checked against the PyTorch kernel, once.
 
 ``backends.py`` asks :func:`verdict` before it hands a call to the Triton kernel (``triton_kernel.py``), to
-flash-linear-attention (``fla_linear.py``) or to FlexAttention (``flex.py``, compiled by Inductor on CUDA). The first time a key comes up in a process, the kernel runs on small
-shapes on that device and is compared with the PyTorch kernel (``kernel.py``, ``linear_kernel.py``) computing in
-fp64 on the same device, from the same (rounded) inputs: outputs and the gradients of query, key and value. The
-verdict (``""`` = passed, otherwise why not) is kept per key, so each key is checked once per process; a lock makes
-a second thread wait for the first one's check rather than run its own.
+flash-linear-attention (``fla_linear.py``) or to FlexAttention (``flex.py``, compiled by Inductor on CUDA). The first
+time a key comes up in a process, the kernel runs on small shapes on that device and is compared with the PyTorch kernel
+(``kernel.py``, ``linear_kernel.py``) computing in fp64 on the same device, from the same (rounded) inputs: outputs and
+the gradients of query, key and value. The verdict (``""`` = passed, otherwise why not) is kept per key, so each key is
+checked once per process; a lock makes a second thread wait for the first one's check rather than run its own.
 
 The key is what changes the code a kernel runs: the device (``cuda:0``, ``cuda:1`` may be different GPUs), the
 input dtype (bf16 multiplies bf16 operands, fp16 TF32 ones, fp32 IEEE ones in the Triton kernel), the kernel, the

@@ -18,8 +18,8 @@ additive bias) into weights ``w_ij``. Each family lives in its own file of this 
   which SDPA and other softmax kernels compute), or an element-wise weight of the score
   (:attr:`Normalization.pointwise`, which the Triton kernel and, for ``s / c``, the linear-time kernels compute), or
   a non-negative weight with an element-wise logarithm (:attr:`Normalization.log_weights`, which FlexAttention
-  computes with the softmax families); the fast paths that compute it exactly (:attr:`Normalization.fast_paths`) follow from them. The attention paths read
-  these capabilities and never test a family's type.
+  computes with the softmax families); the fast paths that compute it exactly (:attr:`Normalization.fast_paths`)
+  follow from them. The attention paths read these capabilities and never test a family's type.
 
 The registry (:mod:`.registry`) lists the families; adding one is a new file and one registry line.
 """

@@ -17,8 +17,8 @@ normalization what it is:
   softmax kernel that returns its log-sum-exp computes it exactly (FlexAttention, :mod:`hf_knorm.attention.flex`):
   with ``l`` as the score modification, ``sum_j w_ij v_j = out_i e^{lse_i}``. Odd powers ``s^p`` (negative weights)
   have no such form.
-- :attr:`~.base.Normalization.row_normalizer`: what a family with none of these carries along a row (a running maximum and a
-  denominator, or the whole row: stick-breaking); the chunked kernel computes every family from whole rows.
+- :attr:`~.base.Normalization.row_normalizer`: what a family with none of these carries along a row (a running maximum
+  and a denominator, or the whole row: stick-breaking); the chunked kernel computes every family from whole rows.
 
 A family's routes (:attr:`~.base.Normalization.fast_paths`) follow from these: a new family with a GPU route is its
 file (declaring the capability) and its registry line.

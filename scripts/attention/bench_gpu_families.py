@@ -177,8 +177,9 @@ def rows(lengths: list[int], shapes: list[str], spellings: list[str], chunked_al
         for index, length in enumerate(lengths):
             inputs = _inputs(shape, length, dtype)
             sdpa = {name: _timed(_sdpa, inputs, backward) for name, backward in (("fwd", False), ("bwd", True))}
-            emit(f"| fused {label} N={length} baseline {baseline_name} ({dtype_name}) | forward {1e3 * sdpa['fwd']['median']:.2f}"
-                 f" ms, forward+backward {1e3 * sdpa['bwd']['median']:.2f} ms{_peak(sdpa['bwd']['peak'])} |")
+            emit(f"| fused {label} N={length} baseline {baseline_name} ({dtype_name}) | forward "
+                 f"{1e3 * sdpa['fwd']['median']:.2f} ms, forward+backward {1e3 * sdpa['bwd']['median']:.2f} ms"
+                 f"{_peak(sdpa['bwd']['peak'])} |")
             for spelling in spellings:
                 normalization = parse_normalization(spelling)
                 kernel = kernel_for(normalization, inputs[0])

@@ -173,7 +173,8 @@ def test_the_self_check_key_is_what_the_compiled_code_depends_on():
         return self_check.key_of("flex", torch.device("cpu"), torch.bfloat16, parse_normalization(spelling), 64)[3]
 
     spellings = ["sigmoid(bias=-log n)", "sigmoid(bias=learned)", "sigmoid(bias=-6.93)", "ssmax(scale=learned)",
-                 "ssmax(scale=0.144)", "softmax(sink=0)", "softmax(sink=learned)", "relu(x)/n", "relu(x)^2/n", "softmax"]
+                 "ssmax(scale=0.144)", "softmax(sink=0)", "softmax(sink=learned)", "relu(x)/n", "relu(x)^2/n",
+                 "softmax"]
     assert len({key(spelling) for spelling in spellings}) == len(spellings)
     assert key("sigmoid(bias=-3)") == key("sigmoid(bias=-6.93)") and key("x^2/16") == key("x^2/1")
 
