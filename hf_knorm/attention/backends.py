@@ -4,8 +4,18 @@
   (softmax, SSMax, a sink softmax; no softcap, no attention dropout, no returned weights, no norm recording, not
   traced by ``torch.compile``, no softmax window), on any device; the Triton kernel (``triton_kernel.py``) on CUDA for
   the calls it computes (a polynomial ``x^p/c``, fp32/bf16/fp16, no attention dropout, no returned weights, no norm
-  recording, not traced by ``torch.compile``); the PyTorch chunked kernel (``kernel.py``) otherwise, and for every
-  other family on the CPU.
+  recording, not traced by ``torch.compile``); FlexAttention (``flex.py``, compiled) on CUDA for the families that
+  are a softmax over modified logits or whose weight has an element-wise logarithm (``Normalization.log_weights``:
+  sigmoid, ``relu(x)^p/c``, even ``x^p/c``), fp32/bf16/fp16, with a softcap, no attention dropout, no returned
+  weights, no norm recording, not traced by ``torch.compile``; the PyTorch chunked kernel (``kernel.py``) otherwise,
+  and for every other family (softpick, stick-breaking) and every family on the CPU but SDPA's.
+
+  The order the automatic choice tries (not measured yet: ``make device-check`` times each family against SDPA flash
+  on a GPU, and the order is to be confirmed by it, issue 64): softmax itself on SDPA (its flash kernel), then
+  FlexAttention (a softcap, which SDPA has none of); SSMax and a sink softmax on FlexAttention first (bf16 operands
+  with fp32 accumulation on CUDA, where ``sdpa.py`` computes in fp32 and runs SDPA's math or efficient kernel), then
+  SDPA; the element-wise families on the Triton kernel (measured: 1.08x SDPA flash at 16k for ``x^3/16``; FlexAttention
+  only when forced); sigmoid on FlexAttention.
 - The linear path (``p = 1``): flash-linear-attention (``fla_linear.py``) on CUDA for the calls it computes
   (fp32/bf16/fp16, norms not recorded, not traced by ``torch.compile``); the PyTorch linear kernel
   (``linear_kernel.py``) otherwise.
@@ -17,13 +27,13 @@ is not tried; one that fails its check or cannot be imported is reported once, w
 PyTorch kernel computes its calls. SDPA needs no self-check: it is PyTorch's own, and ``sdpa.py`` builds inputs on
 which it computes the family's weights exactly (``tests/attention/test_sdpa.py``).
 
-:func:`kernels` overrides the automatic choice inside a ``with`` block: ``"pytorch"`` runs the PyTorch chunked and linear
-kernels only (no SDPA, no GPU kernel); ``"sdpa"``, ``"triton"`` / ``"fla"`` force one: the GPU kernels fail at once,
-naming the extra to install, when its package is missing, and each raises with the reason on a call it cannot compute
-(another family, tensors not on CUDA, dropout, ...) and a GPU kernel when it fails its self-check.
-``attention_paths()`` counts each call under the name of what ran: ``"sdpa"``, ``"triton"``, ``"fla"``,
-``"quadratic"`` (the PyTorch chunked kernel) or ``"linear"`` (the PyTorch linear kernel); the ``hf_knorm.attention``
-logger says at DEBUG level which kernel computes a call and, for a PyTorch one, why.
+:func:`kernels` overrides the automatic choice inside a ``with`` block: ``"pytorch"`` runs the PyTorch chunked and
+linear kernels only (no SDPA, no GPU kernel); ``"sdpa"``, ``"triton"``, ``"flex"`` / ``"fla"`` force one: the GPU
+kernels fail at once, naming the extra to install, when its package is missing, and each raises with the reason on a
+call it cannot compute (another family, tensors not on CUDA, dropout, ...) and a GPU kernel when it fails its
+self-check. ``attention_paths()`` counts each call under the name of what ran: ``"sdpa"``, ``"triton"``, ``"flex"``,
+``"fla"``, ``"quadratic"`` (the PyTorch chunked kernel) or ``"linear"`` (the PyTorch linear kernel); the
+``hf_knorm.attention`` logger says at DEBUG level which kernel computes a call and, for a PyTorch one, why.
 """
 
 from __future__ import annotations
@@ -43,20 +53,22 @@ import torch
 
 from ..extras import require
 from .kernel import chunked_attention
+from .flex import available as flex_available
 from .linear_kernel import linear_attention
 from ..normalizations import Normalization
+from .masks import KeyPadding, kernel_mask
 from .paths import Path
 from .sdpa import sdpa_attention, sdpa_blocker
 from .self_check import family_of, key_of, verdict
 from .taps import count_tap, taps_set
 
-KERNEL_CHOICES = {"quadratic": ("auto", "pytorch", "sdpa", "triton"), "linear": ("auto", "pytorch", "fla")}
+KERNEL_CHOICES = {"quadratic": ("auto", "pytorch", "sdpa", "triton", "flex"), "linear": ("auto", "pytorch", "fla")}
 _AUTO = MappingProxyType({"quadratic": "auto", "linear": "auto"})
 _CHOSEN: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar("hf_knorm_kernels", default=_AUTO)
 """The kernel choices in force in this context (a thread, an asyncio task): :func:`kernels` sets them for its block."""
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_NAMES = {"triton": "the Triton kernel", "fla": "flash-linear-attention", "sdpa": "SDPA"}
-_MODULES = {"triton": "triton", "fla": "fla"}
+_NAMES = {"triton": "the Triton kernel", "fla": "flash-linear-attention", "sdpa": "SDPA", "flex": "FlexAttention"}
+_MODULES = {"triton": "triton", "fla": "fla", "flex": "triton"}  # compiled FlexAttention generates Triton kernels
 logger = logging.getLogger("hf_knorm.attention")
 _REPORTED: set[tuple] = set()  # self-check keys whose failure has been warned about
 _REPORTED_LOCK = threading.Lock()
@@ -70,8 +82,8 @@ def kernels(quadratic: str | None = None, linear: str | None = None):
     ``"fla"``) raises on a call it cannot compute and when it fails its self-check (:func:`with_kernel`).
 
     Args:
-        quadratic: ``"auto"`` (default), ``"pytorch"`` (the chunked kernel for every call), ``"sdpa"`` or
-            ``"triton"``.
+        quadratic: ``"auto"`` (default), ``"pytorch"`` (the chunked kernel for every call), ``"sdpa"``,
+            ``"triton"`` or ``"flex"`` (FlexAttention, compiled, on CUDA).
         linear: ``"auto"`` (default), ``"pytorch"`` or ``"fla"``.
 
     Raises:
@@ -129,7 +141,8 @@ def with_kernel(path: Path, query: torch.Tensor, normalization: Normalization, *
                 return_weights: bool, recording: bool, compiling: bool, softcap: float | None = None,
                 sdpa: bool = True) -> Path:
     """``path`` with its ``kernel`` named when SDPA or a GPU kernel computes the call (see the module docstring).
-    ``sdpa``: SDPA may compute it (``False`` for the parts of a softmax window, which ``window.py`` composes).
+    ``sdpa``: a route for the whole call (SDPA, FlexAttention) may compute it (``False`` for the parts of a softmax
+    window, which ``window.py`` composes).
 
     Raises:
         ValueError: a kernel forced by :func:`kernels` cannot compute this call (the message says why).
@@ -139,42 +152,90 @@ def with_kernel(path: Path, query: torch.Tensor, normalization: Normalization, *
     chosen = _CHOSEN.get()[kind] if not compiling or taps_set() else "auto"  # see kernels()
     if chosen == "pytorch":
         return path if compiling else _log(path, f"kernels({kind}='pytorch')")
-    if not path.linear and chosen in ("auto", "sdpa"):
-        blocker = sdpa_blocker(normalization, softcap=softcap, dropout=dropout, return_weights=return_weights,
-                               recording=recording, compiling=compiling) if sdpa else "the part of a softmax window"
-        if not blocker:
-            return _log(replace(path, kernel="sdpa"), "a softmax over modified logits")
-        if chosen == "sdpa":
+    options = dict(dropout=dropout, return_weights=return_weights, recording=recording, compiling=compiling)
+    if chosen == "sdpa":
+        blocker = _sdpa_blocker(normalization, softcap, sdpa, options)
+        if blocker:
             raise ValueError(f"kernels(quadratic='sdpa') forces SDPA, which cannot compute this call: {blocker}. "
                              "Use kernels(quadratic='auto') to let the PyTorch kernel compute the calls it does "
                              "not.")
-        if sdpa and "sdpa" in normalization.fast_paths:  # an SDPA family on a call SDPA does not compute
-            return path if compiling else _log(path, f"SDPA does not compute it: {blocker}")
-    kernel = "fla" if path.linear else "triton"
-    forced = chosen != "auto"
-    blocker = _blocker(kernel, query, normalization, dropout=dropout, return_weights=return_weights,
-                       recording=recording, compiling=compiling)
+        return _log(replace(path, kernel="sdpa"), "a softmax over modified logits")
+    if chosen != "auto":
+        return _gpu_kernel(chosen, path, query, normalization, forced=True, **options) or path
+    reasons = []
+    for kernel in _order(path, normalization, sdpa):
+        if kernel == "sdpa":
+            blocker = _sdpa_blocker(normalization, softcap, sdpa, options)
+            if not blocker:
+                return _log(replace(path, kernel="sdpa"), "a softmax over modified logits")
+            reasons.append(f"SDPA does not compute it: {blocker}")
+            continue
+        chosen_path = _gpu_kernel(kernel, path, query, normalization, forced=False, reasons=reasons, **options)
+        if chosen_path is not None:
+            return chosen_path
+    if compiling:  # traced code: no logging (a graph break)
+        return path
+    return _log(path, "; ".join(reasons) or "no other kernel computes it")
+
+
+def _order(path: Path, normalization: Normalization, whole_call: bool) -> list[str]:
+    """The kernels the automatic choice tries, in order (see the module docstring): softmax itself on SDPA's flash
+    kernel, then FlexAttention; SSMax and a sink softmax on FlexAttention (bf16 operands on CUDA) before SDPA (fp32);
+    an element-wise weight on the Triton kernel; a weight with a logarithm only (sigmoid) on FlexAttention. To be
+    confirmed by the device measurement (``make device-check``, issue 64)."""
+    if path.linear:
+        return ["fla"]
+    paths = normalization.fast_paths
+    if "triton" in paths:
+        return ["triton"]
+    if not whole_call:
+        return []
+    form = normalization.softmax_logits
+    if form is not None and form.is_plain:
+        return ["sdpa", "flex"]
+    return [kernel for kernel in ("flex", "sdpa") if kernel in paths]
+
+
+def automatic_order(normalization: Normalization) -> list[str]:
+    """The kernels the automatic choice tries for a plain quadratic call of ``normalization`` on CUDA, in order
+    (before the PyTorch chunked kernel): what ``make device-check`` times per family."""
+    return _order(Path(linear=False), normalization, True)
+
+
+def _sdpa_blocker(normalization: Normalization, softcap, whole_call: bool, options: dict) -> str:
+    if not whole_call:
+        return "the part of a softmax window"
+    return sdpa_blocker(normalization, softcap=softcap, **options)
+
+
+def _gpu_kernel(kernel: str, path: Path, query: torch.Tensor, normalization: Normalization, *, forced: bool,
+                reasons: list | None = None, **options) -> Path | None:
+    """``path`` computed by the GPU kernel ``kernel`` when it can compute the call and has passed its self-check;
+    otherwise ``None`` with the reason appended to ``reasons`` (a forced kernel raises instead)."""
+    kind = "linear" if path.linear else "quadratic"
+    blocker = _blocker(kernel, query, normalization, **options)
     if blocker:
         if forced:
-            raise ValueError(f"kernels({kind}={chosen!r}) forces {_NAMES[kernel]}, which cannot compute this "
+            raise ValueError(f"kernels({kind}={kernel!r}) forces {_NAMES[kernel]}, which cannot compute this "
                              f"call: {blocker}. Use kernels({kind}='auto') to let the PyTorch kernel compute the "
                              "calls it does not.")
-        if compiling:  # traced code: no logging (a graph break)
-            return path
-        return _log(path, f"{_NAMES[kernel]} does not compute it: {blocker}")
+        reasons.append(f"{_NAMES[kernel]} does not compute it: {blocker}")
+        return None
     if not forced and not _importable(_MODULES[kernel]):
-        return _log(path, f"{_NAMES[kernel]} is not installed (pip install 'hf_knorm[gpu]')")
+        reasons.append(f"{_NAMES[kernel]} is not installed (pip install 'hf_knorm[gpu]')")
+        return None
     failure = verdict(kernel, query.device, query.dtype, normalization, query.shape[-1])
     if failure:
         what = (f"{_NAMES[kernel]} failed its self-check against the PyTorch kernel on {query.device} "
                 f"({query.dtype}, {family_of(normalization)}, head dim {query.shape[-1]}): {failure}")
         if forced:
-            raise RuntimeError(f"kernels({kind}={chosen!r}) forces {_NAMES[kernel]}, and {what}. Use "
+            raise RuntimeError(f"kernels({kind}={kernel!r}) forces {_NAMES[kernel]}, and {what}. Use "
                                f"kernels({kind}='pytorch'), or 'auto' (the PyTorch kernel, with a warning).")
         _warn_once(key_of(kernel, query.device, query.dtype, normalization, query.shape[-1]),
                    f"hf_knorm: {what}. The PyTorch kernel computes these calls (kernels({kind}='pytorch') "
                    "says so without this warning).")
-        return _log(path, f"{_NAMES[kernel]} failed its self-check: {failure}")
+        reasons.append(f"{_NAMES[kernel]} failed its self-check: {failure}")
+        return None
     return _log(replace(path, kernel=kernel), "self-check passed")
 
 
@@ -190,10 +251,17 @@ def _blocker(kernel: str, query: torch.Tensor, normalization: Normalization, *, 
         return "the call is traced by torch.compile (compiled code runs the PyTorch kernels: compiled.py)"
     if recording:
         return "the attention norms are recorded (record_norms, NormLoggerCallback), which only the PyTorch kernels do"
-    if kernel == "triton":
-        if "triton" not in normalization.fast_paths:
-            return (f"{normalization.name} (it computes the element-wise families only: x^p/c, relu(x)^p/c; "
-                    "Normalization.pointwise)")
+    if kernel == "triton" and "triton" not in normalization.fast_paths:
+        return (f"{normalization.name} (it computes the element-wise families only: x^p/c, relu(x)^p/c; "
+                "Normalization.pointwise)")
+    if kernel == "flex":
+        if "flex" not in normalization.fast_paths:
+            return (f"{normalization.name} (it computes a softmax over modified logits or a non-negative weight with "
+                    "an element-wise logarithm: Normalization.softmax_logits, Normalization.log_weights)")
+        missing = flex_available()
+        if missing:
+            return missing
+    if kernel in ("triton", "flex"):
         if dropout:
             return "attention dropout"
         if return_weights:
@@ -223,7 +291,11 @@ def _device_type(tensor: torch.Tensor) -> str:
 
 
 def run_quadratic(path: Path, query, key, value, allowed, normalization, **options):
-    """The quadratic path's call: :func:`.kernel.chunked_attention`'s arguments and result ``(output, weights)``."""
+    """The quadratic path's call: :func:`.kernel.chunked_attention`'s arguments and result ``(output, weights)``;
+    ``allowed`` may be key padding (:class:`~.masks.KeyPadding`), which FlexAttention reads without an ``N x N`` mask
+    and the other kernels as the dense mask it stands for (:func:`.masks.kernel_mask`)."""
+    if isinstance(allowed, KeyPadding) and path.kernel == "sdpa":
+        allowed = kernel_mask(allowed)
     if path.kernel == "sdpa":
         if options.get("softcap") is not None or options.get("dropout") or options.get("return_weights") \
                 or options.get("frobenius_sq") is not None:
@@ -232,6 +304,17 @@ def run_quadratic(path: Path, query, key, value, allowed, normalization, **optio
         keep = ("bias", "scaling", "causal", "params")
         return sdpa_attention(query, key, value, allowed, normalization,
                               **{name: options[name] for name in keep if name in options}), None
+    if path.kernel == "flex":
+        if options.get("dropout") or options.get("return_weights") or options.get("frobenius_sq") is not None:
+            raise ValueError("FlexAttention computes no dropout, returned weights or norms (with_kernel keeps such "
+                             "calls on the PyTorch kernel).")
+        from .flex import flex_route_attention
+
+        keep = ("bias", "scaling", "softcap", "causal", "params")
+        return flex_route_attention(query, key, value, allowed, normalization,
+                                    **{name: options[name] for name in keep if name in options}), None
+    if isinstance(allowed, KeyPadding):  # only FlexAttention reads key padding as it is
+        allowed = kernel_mask(allowed)
     if path.kernel != "triton":
         return chunked_attention(query, key, value, allowed, normalization, **options)
     from .triton_kernel import triton_attention  # imports triton: only when it runs

@@ -6,7 +6,8 @@ models in one process can use different normalizations, and a mode set for a whi
 context variable, not a write to a shared config. The math is in
 ``kernel.py`` (any normalization, quadratic time) and ``linear_kernel.py`` (``p = 1``, linear time; ``paths.py``
 chooses; ``backends.py`` runs softmax, SSMax and a sink softmax on PyTorch's SDPA, ``sdpa.py``, and on CUDA the
-polynomials as Triton and flash-linear-attention kernels), composed by ``window.py``
+polynomials as Triton and flash-linear-attention kernels, and the softmax-over-logits and log-weight families through
+FlexAttention, ``flex.py``), composed by ``window.py``
 for a normalization with a softmax window; this module adapts Transformers' arguments to them (mask forms, kwargs,
 output recording), reports to an active norm recorder or K/V transform, and continues the recurrent state a cache
 hands over (``taps.py``).
@@ -215,7 +216,8 @@ def _pure(call: _Call, path: Path):
         key, value = linear_keys(call.query, call.key, call.value, call.mask, call.causal)
         return _linear(call.query, key, value, path, call.normalization, call.scaling, call.handover,
                        call.frobenius_sq), None
-    mask = kernel_mask(call.mask, call.compiling)
+    # FlexAttention reads key padding as it is; the other kernels take the N x N form (masks.kernel_mask)
+    mask = call.mask if path.kernel == "flex" else kernel_mask(call.mask, call.compiling)
     if call.compiling and not call.read_taps and call.dropout == 0.0 and not call.return_weights:
         return compiled_attention(call.query, call.key, call.value, mask, call.bias, call.normalization,
                                   scaling=call.scaling, softcap=call.softcap, causal=call.causal,

@@ -1,16 +1,17 @@
 """A GPU kernel proves itself on the device before it computes a call: checked against the PyTorch kernel, once.
 
-``backends.py`` asks :func:`verdict` before it hands a call to the Triton kernel (``triton_kernel.py``) or to
-flash-linear-attention (``fla_linear.py``). The first time a key comes up in a process, the kernel runs on small
-shapes on that device and is compared with the PyTorch kernel (``kernel.py``, ``linear_kernel.py``) computing in
-fp64 on the same device, from the same (rounded) inputs: outputs and the gradients of query, key and value. The
-verdict (``""`` = passed, otherwise why not) is kept per key, so each key is checked once per process; a lock makes
-a second thread wait for the first one's check rather than run its own.
+``backends.py`` asks :func:`verdict` before it hands a call to the Triton kernel (``triton_kernel.py``), to
+flash-linear-attention (``fla_linear.py``) or to FlexAttention (``flex.py``, compiled by Inductor on CUDA). The first
+time a key comes up in a process, the kernel runs on small shapes on that device and is compared with the PyTorch kernel
+(``kernel.py``, ``linear_kernel.py``) computing in fp64 on the same device, from the same (rounded) inputs: outputs and
+the gradients of query, key and value. The verdict (``""`` = passed, otherwise why not) is kept per key, so each key is
+checked once per process; a lock makes a second thread wait for the first one's check rather than run its own.
 
 The key is what changes the code a kernel runs: the device (``cuda:0``, ``cuda:1`` may be different GPUs), the
 input dtype (bf16 multiplies bf16 operands, fp16 TF32 ones, fp32 IEEE ones in the Triton kernel), the kernel, the
 normalization's family (:func:`family_of`: its element-wise form, the power ``p``, a rectification and the row rule,
-compiled into the Triton kernel; the constant ``c`` is a runtime scalar) and the head dimension (the tile width).
+compiled into the Triton kernel; the constant ``c`` is a runtime scalar; for FlexAttention its declared form with each
+value by its kind, :func:`flex_form_of`) and the head dimension (the tile width).
 
 What runs, at the production block sizes (``triton_kernel.BLOCK_M x BLOCK_N`` = 64 x 64) and the caller's head
 dimension, 2 items, 4 query heads over 2 KV heads, random inputs from a generator of its own (the global random
@@ -19,17 +20,21 @@ state is left as it was), gradients on (also under ``torch.no_grad`` / ``inferen
 - Triton: (a) no mask with ``causal`` (the implicit top-left causal mask; 100 queries and keys: a full and a ragged
   block) and (b) an explicit mask (70 queries after an 80-key cache, bottom-right causal, 20 padded keys in item 1)
   with an additive bias and a softcap: between them every branch of the three kernels (forward, dK/dV, dQ).
+- FlexAttention: (a) the implicit top-left causal mask (100 queries and keys), (b) key padding (150 queries after a
+  60-key cache, 40 padded keys in item 1) with a softcap, (c) an explicit sliding-window mask (50 keys) with an
+  additive bias; the family's learned values (near their initial values) get their gradients compared too.
 - fla: (a) a prefill (70 queries after a 20-key cache, 10 padded keys in item 1; chunked kernel) returning its state,
   with gradients, and (b) one decoded token from that state (recurrent kernel): output, state and count.
 
 Tolerance, relative to the largest value of the fp64 result: ``1e-4`` where the kernel multiplies fp32 operands in
-IEEE precision (Triton, fp32 inputs); ``2e-2`` where it multiplies bf16 or TF32 operands (bf16 and fp16 inputs; fla
+IEEE precision (Triton and FlexAttention, fp32 inputs); ``2e-2`` where it multiplies bf16 or TF32 operands (bf16 and fp16 inputs; fla
 on fp32 inputs, whose ``tl.dot`` takes Triton's default TF32) — the tolerances of ``tests/attention/``. A kernel
 that raises (cannot be imported, fails to compile, cannot launch) fails its check with the exception as the reason.
 
 On a CPU under Triton's interpreter (``TRITON_INTERPRET=1``; the tests, through ``backends._device_type``) the
 Triton check runs as it does on a GPU, bf16 operands included (``triton_interpreter.py``); fla's kernels need a
-GPU and fail their check there.
+GPU and fail their check there, and so does FlexAttention's (torch refuses its backward on the CPU; its tests lift
+that refusal).
 """
 
 from __future__ import annotations
@@ -41,9 +46,10 @@ import torch
 
 from .kernel import chunked_attention
 from .linear_kernel import linear_attention
+from .masks import KeyPadding
 from ..normalizations import Normalization
 
-KERNELS = ("triton", "fla")
+KERNELS = ("triton", "fla", "flex")
 _LOCK = threading.Lock()
 _VERDICTS: dict[tuple, str] = {}  # key (see key_of) -> "" (passed) or why the kernel failed
 
@@ -61,7 +67,34 @@ def key_of(kernel: str, device: torch.device, dtype: torch.dtype, normalization:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return str(device), str(dtype).removeprefix("torch."), kernel, family_of(normalization), int(head_dim)
+    family = flex_form_of(normalization) if kernel == "flex" else family_of(normalization)
+    return str(device), str(dtype).removeprefix("torch."), kernel, family, int(head_dim)
+
+
+def flex_form_of(normalization: Normalization) -> str:
+    """What FlexAttention's compiled code depends on: the declared form with each value by its kind (a number, per
+    row, learned), since the ``score_mod`` reads numbers as constants and learned values as captured tensors: e.g.
+    ``"sigmoid: logsigmoid(s + learned)"``, ``"ssmax: softmax(s * number log n)"``."""
+    base = normalization.without_window
+    form = base.log_weights
+    if form is not None:
+        shift = "" if form.shift is None else f" + {_kind(form.shift)}"
+        if form.activation == "logsigmoid":
+            text = f"logsigmoid(s{shift})"
+        else:
+            text = f"{form.power} log {'relu' if form.rectified else 'abs'}(s{shift})"
+        rule = {"constant": "", "n": " - log n", "sqrtN": " - log n / 2"}[form.row_rule]
+        return f"{base.family}: {text}{rule}"
+    logits = base.softmax_logits
+    scale = "" if logits.log_n_scale is None else f" * {_kind(logits.log_n_scale)} log n"
+    sink = "" if logits.sink is None else f" + {_kind(logits.sink)} sink"
+    return f"{base.family}: softmax(s{scale}){sink}"
+
+
+def _kind(value) -> str:
+    if isinstance(value, str):
+        return value.replace(" ", "")
+    return "number" if isinstance(value, (int, float)) else "learned"
 
 
 def verdict(kernel: str, device: torch.device, dtype: torch.dtype, normalization: Normalization,
@@ -87,7 +120,7 @@ def run_check(kernel: str, device: torch.device, dtype: torch.dtype, normalizati
               head_dim: int) -> str:
     """Run ``kernel``'s check now (not cached): ``""`` or the first failure, e.g. ``"case (b), dk: largest error
     0.41 of the largest value (tolerance 0.02)"``, or the exception the kernel raised."""
-    check = _check_triton if kernel == "triton" else _check_fla
+    check = {"triton": _check_triton, "fla": _check_fla, "flex": _check_flex}[kernel]
     quiet = torch.autocast(device.type, enabled=False) if device.type in ("cuda", "cpu") else contextlib.nullcontext()
     try:
         with torch.inference_mode(False), torch.enable_grad(), quiet:
@@ -99,7 +132,7 @@ def run_check(kernel: str, device: torch.device, dtype: torch.dtype, normalizati
 
 def tolerance(kernel: str, dtype: torch.dtype) -> float:
     """The largest error allowed, relative to the largest fp64 value (module docstring)."""
-    return 1e-4 if kernel == "triton" and dtype == torch.float32 else 2e-2
+    return 1e-4 if kernel in ("triton", "flex") and dtype == torch.float32 else 2e-2
 
 
 def _inputs(device, dtype, q_len, kv_len, head_dim, seed):
@@ -133,7 +166,8 @@ def _outputs_and_gradients(case, got, want, got_leaves, want_leaves, limit, seed
     upstream = _upstream(want, seed)
     got_grads = torch.autograd.grad((got.double() * upstream).sum(), got_leaves)
     want_grads = torch.autograd.grad((want * upstream).sum(), want_leaves)
-    checks = [(got, want, "output")] + [(g, w, f"d{name}") for name, g, w in zip("qkv", got_grads, want_grads)]
+    names = ["q", "k", "v"] + [f"(learned value {index})" for index in range(len(got_leaves) - 3)]
+    checks = [(got, want, "output")] + [(g, w, f"d{name}") for name, g, w in zip(names, got_grads, want_grads)]
     for tensor, reference, what in checks:
         failure = _compare(tensor, reference, f"case ({case}), {what}", limit)
         if failure:
@@ -162,6 +196,51 @@ def _check_triton(device, dtype, normalization, head_dim) -> str:
     got = triton_kernel.triton_attention(*leaves, allowed, normalization, bias=bias, softcap=5.0)
     want, _ = chunked_attention(*exact, allowed, normalization, bias=bias.double(), softcap=5.0)
     return _outputs_and_gradients("b", got, want, leaves, exact, limit, seed=4)
+
+
+def _learned(normalization, device, dtype, seed) -> tuple[dict, dict]:
+    """The family's learnable values, ``(4,)`` each near their initial value, in ``dtype`` and in fp64 (leaves)."""
+    generator = torch.Generator().manual_seed(seed)
+    made = {name: init + 0.1 * torch.randn(4, generator=generator) for name, init in normalization.learnable().items()}
+    return ({name: value.to(device=device, dtype=dtype).requires_grad_() for name, value in made.items()},
+            {name: value.to(device=device, dtype=torch.float64).requires_grad_() for name, value in made.items()})
+
+
+def _check_flex(device, dtype, normalization, head_dim) -> str:
+    from . import flex  # torch's FlexAttention, compiled on CUDA: a failing compile is the check's verdict
+
+    limit = tolerance("flex", dtype)
+    params, exact_params = _learned(normalization, device, torch.float32, seed=8)
+    # (a) the implicit top-left causal mask: 100 queries and keys (a full and a ragged block of 128 after trimming)
+    leaves, exact = _inputs(device, dtype, 100, 100, head_dim, seed=0)
+    got = flex.flex_route_attention(*leaves, None, normalization, causal=True, params=params)
+    want, _ = chunked_attention(*exact, None, normalization, causal=True, params=exact_params)
+    failure = _outputs_and_gradients("a", got, want, [*leaves, *params.values()],
+                                     [*exact, *exact_params.values()], limit, seed=1)
+    if failure:
+        return failure
+    # (b) key padding: 150 queries after a 60-key cache, 40 padded keys in item 1; a softcap
+    leaves, exact = _inputs(device, dtype, 150, 210, head_dim, seed=2)
+    key_valid = torch.ones(2, 210, dtype=torch.bool, device=device)
+    key_valid[1, :40] = False
+    padding = KeyPadding(key_valid, 150, causal=True)
+    got = flex.flex_route_attention(*leaves, padding, normalization, softcap=5.0, params=params)
+    want, _ = chunked_attention(*exact, padding.dense(), normalization, softcap=5.0, params=exact_params)
+    failure = _outputs_and_gradients("b", got, want, [*leaves, *params.values()],
+                                     [*exact, *exact_params.values()], limit, seed=4)
+    if failure:
+        return failure
+    # (c) an explicit mask: a sliding window of 50 keys over 130 queries, and an additive bias
+    leaves, exact = _inputs(device, dtype, 130, 130, head_dim, seed=5)
+    rows = torch.arange(130, device=device)[:, None]
+    keys = torch.arange(130, device=device)[None, :]
+    allowed = ((keys <= rows) & (keys > rows - 50)).expand(2, 1, 130, 130)
+    noise = torch.randn(allowed.shape, generator=torch.Generator().manual_seed(6)).to(device)
+    bias = torch.where(allowed, 0.3 * noise, 0.0)
+    got = flex.flex_route_attention(*leaves, allowed, normalization, bias=bias, params=params)
+    want, _ = chunked_attention(*exact, allowed, normalization, bias=bias.double(), params=exact_params)
+    return _outputs_and_gradients("c", got, want, [*leaves, *params.values()], [*exact, *exact_params.values()],
+                                  limit, seed=7)
 
 
 def _check_fla(device, dtype, normalization, head_dim) -> str:

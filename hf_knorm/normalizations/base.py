@@ -16,9 +16,10 @@ additive bias) into weights ``w_ij``. Each family lives in its own file of this 
   to an equal object, and its saved record (:meth:`Normalization.to_record`);
 - its routes (:mod:`.routes`): whether it is a softmax over modified logits (:attr:`Normalization.softmax_logits`,
   which SDPA and other softmax kernels compute), or an element-wise weight of the score
-  (:attr:`Normalization.pointwise`, which the Triton kernel and, for ``s / c``, the linear-time kernels compute); the
-  fast paths that compute it exactly (:attr:`Normalization.fast_paths`) follow from them. The attention paths read
-  these capabilities and never test a family's type.
+  (:attr:`Normalization.pointwise`, which the Triton kernel and, for ``s / c``, the linear-time kernels compute), or
+  a non-negative weight with an element-wise logarithm (:attr:`Normalization.log_weights`, which FlexAttention
+  computes with the softmax families); the fast paths that compute it exactly (:attr:`Normalization.fast_paths`)
+  follow from them. The attention paths read these capabilities and never test a family's type.
 
 The registry (:mod:`.registry`) lists the families; adding one is a new file and one registry line.
 """
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 if TYPE_CHECKING:
-    from .routes import Pointwise, SoftmaxLogits
+    from .routes import LogWeight, Pointwise, SoftmaxLogits
 
 PARAMETER_PREFIX = "hf_knorm_"
 """A learnable value ``name`` is the attention module's ``nn.Parameter`` ``hf_knorm_<name>``."""
@@ -74,6 +75,8 @@ class Normalization:
     pointwise: Pointwise | None = None
     """How each weight is an element-wise function of its score and its row's key count
     (:class:`.routes.Pointwise`), or ``None``."""
+    log_weights: LogWeight | None = None
+    """How each weight is non-negative with an element-wise logarithm (:class:`.routes.LogWeight`), or ``None``."""
 
     is_softmax: ClassVar[bool] = False
     window: ClassVar[int] = 0
@@ -85,10 +88,13 @@ class Normalization:
     def fast_paths(self) -> tuple[str, ...]:
         """The paths computing the family exactly, from its routes: ``"chunked"`` (the PyTorch quadratic kernel, whole
         rows per chunk: any family), ``"sdpa"`` (a softmax over modified logits), ``"triton"`` (element-wise
-        weights), ``"linear"`` / ``"fla"`` (``s / c``: linear attention)."""
+        weights), ``"flex"`` (FlexAttention: a softmax over modified logits, or a non-negative weight's logarithm),
+        ``"linear"`` / ``"fla"`` (``s / c``: linear attention)."""
         paths = ["chunked"]
         if self.softmax_logits is not None:
             paths.append("sdpa")
+        if self.softmax_logits is not None or self.log_weights is not None:
+            paths.append("flex")
         if self.pointwise is not None:
             paths.append("triton")
             if self.pointwise.is_linear:

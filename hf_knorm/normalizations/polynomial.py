@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 
 from .base import Normalization, masked, row_counts
-from .routes import Pointwise
+from .routes import LogWeight, Pointwise
 
 _SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹", "0123456789")
 _SPELLING = re.compile(r"^x(?:\^(?P<power>[+-]?\d+)|(?P<sup>[⁰¹²³⁴⁵⁶⁷⁸⁹]+))?/(?P<constant>sqrt\(?N\)?|[^/]+)$")
@@ -50,6 +50,12 @@ class Polynomial(Normalization):
         if self.sqrt_n:
             return Pointwise("power", self.power, row_rule="sqrtN")
         return Pointwise("power", self.power, inv_constant=1.0 / self.constant)
+
+    @property
+    def log_weights(self) -> LogWeight | None:
+        """An even power's ``p log|s|`` plus ``log r(n)`` (FlexAttention computes it); an odd power has negative
+        weights and no logarithm: ``None`` (the Triton kernel computes it)."""
+        return self.pointwise.log_form
 
     def unit_constant_twin(self) -> Polynomial | None:
         return None if self.sqrt_n else Polynomial(power=self.power, constant=1.0)

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 
 from .base import Normalization, masked, row_counts
-from .routes import Pointwise
+from .routes import LogWeight, Pointwise
 
 _SPELLING = re.compile(r"^relu\(x\)(?:\^(?P<power>[+-]?\d+))?/(?P<divisor>.+)$", re.IGNORECASE)
 ROW_RULES = ("n", "sqrtN")
@@ -50,6 +50,11 @@ class Rectified(Normalization):
         if isinstance(self.divisor, str):
             return Pointwise("relu_power", self.power, row_rule=self.divisor)
         return Pointwise("relu_power", self.power, inv_constant=1.0 / self.divisor)
+
+    @property
+    def log_weights(self) -> LogWeight:
+        """``p log(s)`` where ``s > 0`` (``-inf`` elsewhere) plus ``log r(n)``: FlexAttention computes it."""
+        return self.pointwise.log_form
 
     def weights(self, scores, allowed, params=None, inplace=False):
         weights = scores.clamp_min_(0.0) if inplace else scores.clamp_min(0.0)

@@ -12,8 +12,13 @@ normalization what it is:
   carries nothing but its accumulator (the Triton kernel, :mod:`hf_knorm.attention.triton_kernel`), and with
   ``g(s) = s`` the causal sum runs in linear time (:mod:`hf_knorm.attention.linear_kernel`, flash-linear-attention).
   It also gives the hand-written derivative the PyTorch kernel's backward uses, and a plain reference.
-- :attr:`~.base.Normalization.row_normalizer`: what a family with neither carries along a row (a running maximum and a
-  denominator, or the whole row: stick-breaking); the chunked kernel computes every family from whole rows.
+- :class:`LogWeight` (:attr:`~.base.Normalization.log_weights`): the weight is non-negative and its logarithm an
+  element-wise function of the score, the row's key count and the head's learned values, ``w_ij = e^{l(s_ij)}``. A
+  softmax kernel that returns its log-sum-exp computes it exactly (FlexAttention, :mod:`hf_knorm.attention.flex`):
+  with ``l`` as the score modification, ``sum_j w_ij v_j = out_i e^{lse_i}``. Odd powers ``s^p`` (negative weights)
+  have no such form.
+- :attr:`~.base.Normalization.row_normalizer`: what a family with none of these carries along a row (a running maximum
+  and a denominator, or the whole row: stick-breaking); the chunked kernel computes every family from whole rows.
 
 A family's routes (:attr:`~.base.Normalization.fast_paths`) follow from these: a new family with a GPU route is its
 file (declaring the capability) and its registry line.
@@ -21,10 +26,12 @@ file (declaring the capability) and its registry line.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .base import Learnable
 
@@ -68,6 +75,15 @@ class Pointwise:
         base = "x" if self.activation == "power" else "relu(x)"
         power = "" if self.power == 1 else f"^{self.power}"
         return f"{base}{power}/{'c' if self.row_rule == 'constant' else self.row_rule}"
+
+    @property
+    def log_form(self) -> LogWeight | None:
+        """The same weights as :class:`LogWeight` where they are never negative (a rectified power; an even power),
+        ``None`` for an odd power ``s^p`` (negative weights have no logarithm)."""
+        if self.activation == "power" and self.power % 2:
+            return None
+        return LogWeight("log_power", self.power, rectified=self.activation == "relu_power", row_rule=self.row_rule,
+                         inv_constant=self.inv_constant)
 
     def row_factor(self, counts: torch.Tensor) -> torch.Tensor:
         """``r(n_i)`` for key counts ``counts`` ``(..., q, 1)`` (at least 1), in their dtype."""
@@ -130,3 +146,82 @@ class SoftmaxLogits:
         if isinstance(self.sink, Learnable):
             return params["sink"].to(like.dtype)
         return like.new_full((heads,), float(self.sink))
+
+
+LOG_ACTIVATIONS = ("logsigmoid", "log_power")
+"""``f`` of :class:`LogWeight`: ``"logsigmoid"`` ``log sigma(x)`` (sigmoid attention), ``"log_power"`` ``p log|x|``
+(``-inf`` at 0; rectified: ``-inf`` for ``x <= 0``)."""
+PER_ROW_SHIFT = "-log n"
+"""The shift ``b_i = -log n_i`` of :class:`LogWeight` (sigmoid's per-row bias)."""
+
+
+@dataclass(frozen=True)
+class LogWeight:
+    """``log w_ij = f(s_ij + b) + log r(n_i)``: the logarithm of a non-negative weight (``-inf`` for a weight 0).
+
+    Attributes:
+        activation: ``f``, one of :data:`LOG_ACTIVATIONS`.
+        power: ``p >= 1`` of ``"log_power"``.
+        rectified: ``"log_power"`` weighs ``s > 0`` only (``relu(s)^p``); else ``|s|^p`` (an even power's ``s^p``).
+        shift: ``b`` added to the score first: ``None`` (0), a number, :data:`PER_ROW_SHIFT` (``-log n_i``) or
+            learned per head (:class:`~.base.Learnable`: the family's learnable value ``bias``).
+        row_rule: ``r``, one of :data:`ROW_RULES`; inv_constant: ``1 / c`` for the ``"constant"`` rule.
+    """
+
+    activation: str
+    power: int = 1
+    rectified: bool = False
+    shift: float | str | Learnable | None = None
+    row_rule: str = "constant"
+    inv_constant: float = 1.0
+
+    def __post_init__(self):
+        if (self.activation not in LOG_ACTIVATIONS or self.row_rule not in ROW_RULES or self.power < 1
+                or not (isinstance(self.shift, (float, int, Learnable)) or self.shift in (None, PER_ROW_SHIFT))):
+            raise ValueError(f"LogWeight takes an activation of {LOG_ACTIVATIONS}, a power >= 1, a shift (None, a "
+                             f"number, {PER_ROW_SHIFT!r} or Learnable) and a row rule of {ROW_RULES}; got "
+                             f"{self.activation!r}, {self.power}, {self.shift!r}, {self.row_rule!r}.")
+
+    @property
+    def needs_counts(self) -> bool:
+        """Whether ``l`` reads the row's key count ``n_i``."""
+        return self.shift == PER_ROW_SHIFT or self.row_rule != "constant"
+
+    def shift_of(self, log_counts: torch.Tensor | float, values: Mapping[str, torch.Tensor] | None):
+        """``b``: ``-log n_i`` from ``log_counts``, the learned ``values["bias"]`` (already indexed or broadcast to
+        the scores), the number, or 0."""
+        if isinstance(self.shift, Learnable):
+            return values["bias"]
+        if self.shift == PER_ROW_SHIFT:
+            return -log_counts
+        return 0.0 if self.shift is None else float(self.shift)
+
+    def log_row_factor(self, log_counts: torch.Tensor | float):
+        """``log r(n_i)`` from ``log n_i``."""
+        if self.row_rule == "n":
+            return -log_counts
+        if self.row_rule == "sqrtN":
+            return -0.5 * log_counts
+        return math.log(self.inv_constant)
+
+    def __call__(self, scores: torch.Tensor, log_counts: torch.Tensor | float,
+                 values: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """``l(s)``, element-wise: ``scores`` of any shape (a 0-d score inside FlexAttention's ``score_mod``),
+        ``log_counts`` ``log n_i`` broadcastable to them, ``values`` the learned values broadcastable to them. Where
+        the weight is 0 the result is ``-inf``, and its gradient 0 (no ``log 0`` is differentiated)."""
+        shifted = scores + self.shift_of(log_counts, values)
+        if self.activation == "logsigmoid":
+            logged = F.logsigmoid(shifted)
+        else:
+            positive = shifted > 0 if self.rectified else shifted != 0
+            magnitude = shifted if self.rectified else shifted.abs()
+            safe = torch.where(positive, magnitude, torch.ones_like(magnitude))  # log(1) = 0: a finite gradient
+            logged = torch.where(positive, self.power * torch.log(safe), torch.full_like(safe, float("-inf")))
+        return logged + self.log_row_factor(log_counts)
+
+    def reference(self, scores: torch.Tensor, allowed: torch.Tensor,
+                  values: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """The weights ``e^{l(s)}`` on allowed pairs, 0 elsewhere (``scores`` ``(..., q, kv)``, ``allowed`` bool of
+        that shape): what the declaration must equal (the family's own weights; tested)."""
+        counts = allowed.sum(-1, keepdim=True).clamp_min(1).to(scores.dtype)
+        return torch.exp(self(scores, counts.log(), values)) * allowed

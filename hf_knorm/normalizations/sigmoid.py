@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from .base import Learnable, Normalization, _number, arguments, check_keys, masked, read_value, row_counts
+from .routes import PER_ROW_SHIFT, LogWeight
 
-PER_ROW = "-log n"
+PER_ROW = PER_ROW_SHIFT
 LEARNED_INIT = -math.log(1024)
 """A learned bias starts at the paper's ``-log n`` of a 1,024-token training length."""
 
@@ -40,6 +41,11 @@ class Sigmoid(Normalization):
         if isinstance(self.bias, Learnable):
             return f"sigmoid(bias={self.bias.spelling(LEARNED_INIT)})"
         return f"sigmoid(bias={self.bias if self.bias == PER_ROW else _number(self.bias)})"
+
+    @property
+    def log_weights(self) -> LogWeight:
+        """``log sigma(s + b)``: FlexAttention computes it (its log-sum-exp gives the unnormalized sum)."""
+        return LogWeight("logsigmoid", shift=self.bias)
 
     def learnable(self):
         return {"bias": self.bias.init} if isinstance(self.bias, Learnable) else {}

@@ -73,7 +73,8 @@ class Windowed(Normalization):
 
     @property
     def fast_paths(self) -> tuple[str, ...]:
-        return tuple(path for path in self.base.fast_paths if path != "sdpa")  # window.py composes the two parts
+        # window.py composes the two parts: no whole-call softmax route
+        return tuple(path for path in self.base.fast_paths if path not in ("sdpa", "flex"))
 
     @property
     def name(self) -> str:

@@ -82,18 +82,70 @@ def test_on_cuda_the_rest_stays_on_the_pytorch_kernel(proven, case):
     assert not proven  # nothing to check: the kernel is not asked
 
 
-@pytest.mark.parametrize("spelling", ["softmax", "ssmax(scale=learned)", "softmax(sink=0)"])
-def test_the_softmax_families_take_sdpa_unless_forced_to_the_pytorch_kernel(proven, spelling):
-    assert _name(QUADRATIC, spelling) == "sdpa"
-    assert _name(QUADRATIC, spelling, softcap=5.0) == "quadratic"
-    assert not proven  # SDPA is PyTorch's own: no self-check
+@pytest.mark.parametrize(("spelling", "automatic"), [("softmax", "sdpa"), ("ssmax(scale=learned)", "flex"),
+                                                     ("softmax(sink=0)", "flex")])
+def test_the_softmax_families_take_sdpa_or_flex_unless_forced_to_the_pytorch_kernel(proven, spelling, automatic):
+    assert _name(QUADRATIC, spelling) == automatic
+    assert _name(QUADRATIC, spelling, softcap=5.0) == "flex"  # SDPA has no softcap; FlexAttention's score_mod does
+    assert [kernel for kernel, *_ in proven] == ["flex"] * (1 + (automatic == "flex"))  # SDPA: no self-check
     with backends.kernels(quadratic="pytorch"):
         assert _name(QUADRATIC, spelling) == "quadratic"
     with backends.kernels(quadratic="sdpa"):
         assert _name(QUADRATIC, spelling) == "sdpa"
         with pytest.raises(ValueError, match="forces SDPA, which cannot compute this call: a softcap on the scores"):
             _name(QUADRATIC, spelling, softcap=5.0)
-    assert _name(QUADRATIC, spelling, softcap=5.0) == "quadratic"  # the automatic choice again, outside the blocks
+    with backends.kernels(quadratic="flex"):
+        assert _name(QUADRATIC, spelling, softcap=5.0) == "flex"
+    assert _name(QUADRATIC, spelling, softcap=5.0) == "flex"  # the automatic choice again, outside the blocks
+    assert _name(QUADRATIC, spelling, softcap=5.0, dropout=0.1) == "quadratic"
+
+
+# The kernel each family takes (the first example of each registered family and each learned one): on CUDA (the
+# device seam) and on the CPU. The order is issue 64's, to be confirmed by the device measurement (backends.py).
+FAMILY_KERNELS = [
+    ("softmax", "sdpa", "sdpa"),
+    ("ssmax(scale=learned)", "flex", "sdpa"),
+    ("ssmax(scale=0.144)", "flex", "sdpa"),
+    ("softmax(sink=learned)", "flex", "sdpa"),
+    ("sigmoid(bias=-log n)", "flex", "quadratic"),
+    ("sigmoid(bias=learned)", "flex", "quadratic"),
+    ("sigmoid(bias=-6.93)", "flex", "quadratic"),
+    ("relu(x)/n", "triton", "quadratic"),
+    ("relu(x)^2/n", "triton", "quadratic"),
+    ("relu(x)^3/16", "triton", "quadratic"),
+    ("x^2/16", "triton", "quadratic"),
+    ("x^3/16", "triton", "quadratic"),
+    ("softpick", "quadratic", "quadratic"),
+    ("stick-breaking", "quadratic", "quadratic"),
+]
+
+
+@pytest.mark.parametrize(("spelling", "on_cuda", "on_cpu"), FAMILY_KERNELS, ids=[row[0] for row in FAMILY_KERNELS])
+def test_each_family_takes_its_kernel_on_cuda_and_on_the_cpu(fresh, monkeypatch, spelling, on_cuda, on_cpu):
+    assert _name(QUADRATIC, spelling, dtype=torch.float32) == on_cpu
+    monkeypatch.setattr(backends, "_device_type", lambda tensor: "cuda")
+    monkeypatch.setattr(backends, "_importable", lambda module: True)
+    monkeypatch.setattr(backends, "verdict", lambda *key: "")
+    assert _name(QUADRATIC, spelling) == on_cuda
+    assert _name(QUADRATIC, spelling, return_weights=True) in ("quadratic", "sdpa")[: 1 + (on_cpu == "sdpa")]
+
+
+def test_every_registered_family_is_in_the_table():
+    from hf_knorm.normalizations.registry import FAMILIES, representative_spellings
+
+    assert {parse_normalization(spelling).family for spelling, *_ in FAMILY_KERNELS} == set(FAMILIES)
+    assert set(representative_spellings()) <= {spelling for spelling, *_ in FAMILY_KERNELS}
+
+
+def test_flex_forced_on_a_family_without_its_route_says_why(proven):
+    with backends.kernels(quadratic="flex"):
+        for spelling in ("softpick", "stick-breaking", "x^3/16"):
+            with pytest.raises(ValueError, match="forces FlexAttention, which cannot compute this call: .*"
+                                                 "Normalization.log_weights"):
+                _name(QUADRATIC, spelling)
+        assert _name(QUADRATIC, "relu(x)^2/n") == "flex"  # a rectified power has a logarithm: forced, it runs
+        with pytest.raises(ValueError, match="forces FlexAttention, which cannot compute this call: attention dropout"):
+            _name(QUADRATIC, "sigmoid", dropout=0.1)
 
 
 @pytest.mark.parametrize("case", [dict(dtype=torch.float64), dict(recording=True), dict(compiling=True)],
@@ -122,7 +174,7 @@ def test_kernels_override_inside_their_block_and_refuse(proven, monkeypatch):
             assert inner == {"quadratic": "pytorch", "linear": "auto"}
         assert backends.chosen_kernels() == {"quadratic": "pytorch", "linear": "pytorch"}  # the outer block's, restored
     assert backends.chosen_kernels() == {"quadratic": "auto", "linear": "auto"}
-    with pytest.raises(ValueError, match="one of auto, pytorch, sdpa, triton"):
+    with pytest.raises(ValueError, match="one of auto, pytorch, sdpa, triton, flex"):
         with backends.kernels(quadratic="flash"):
             pass
     monkeypatch.setitem(sys.modules, "triton", None)  # as if not installed
