@@ -315,7 +315,11 @@ def test_clusters_are_fitted_after_training_saved_and_ablated_with_the_distant_p
     assert beyond_window_perplexities(reloaded, blocks, "reloaded")["essays"] == pytest.approx(
         essays["perplexity"], rel=1e-5)
     with distant_part_off(reloaded):
-        assert hf_knorm.patched_normalization(reloaded).endswith("sparse 4 (prefix_kv_diff)")
+        from hf_knorm.attention.interface import normalization_of
+
+        running = normalization_of(reloaded.model.layers[0].self_attn)  # what the attention computes now
+        assert running.name.endswith("sparse 4 (prefix_kv_diff)")  # the clusters off, in this context only
+        assert hf_knorm.patched_normalization(reloaded) == record["normalization"]  # the config is not rewritten
         assert beyond_window_perplexities(reloaded, blocks, "window only")["essays"] == pytest.approx(
             essays["window_only_perplexity"], rel=1e-5)
     with clusters_off(reloaded):
