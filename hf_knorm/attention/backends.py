@@ -78,8 +78,8 @@ _REPORTED_LOCK = threading.Lock()
 def kernels(quadratic: str | None = None, linear: str | None = None):
     """``with kernels(quadratic="pytorch"):``: which kernels run inside the block (``None`` leaves a setting as it
     is); yields the settings in force, and restores the previous ones on leaving. The choice is a context variable:
-    it holds in this thread (or asyncio task) only, so two threads may run with different kernels. A forced kernel (``"triton"``,
-    ``"fla"``) raises on a call it cannot compute and when it fails its self-check (:func:`with_kernel`).
+    it holds in this thread (or asyncio task) only, so two threads may run with different kernels. A forced kernel
+    (``"triton"``, ``"fla"``) raises on a call it cannot compute and when it fails its self-check (:func:`with_kernel`).
 
     Args:
         quadratic: ``"auto"`` (default), ``"pytorch"`` (the chunked kernel for every call), ``"sdpa"``,

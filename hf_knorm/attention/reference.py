@@ -3,9 +3,11 @@ and of a normalization with a softmax window (:func:`reference_window_attention`
 
 Written independently of ``kernel.py``; softmax and the element-wise families (``x^p/c``, ``relu(x)^p/c``) also
 independently of their ``weights`` (softmax as ``torch.softmax``; the others through their declared
-:class:`~hf_knorm.normalizations.routes.Pointwise` form's plain :meth:`~hf_knorm.normalizations.routes.Pointwise.reference`),
-so that the memory-efficient paths are checked against a second formulation of the same definition. Every other family's ``weights`` is its plain definition (:mod:`hf_knorm.normalizations`),
-applied here to the whole score matrix at once, with the learnable values broadcast per query head.
+:class:`~hf_knorm.normalizations.routes.Pointwise` form's plain
+:meth:`~hf_knorm.normalizations.routes.Pointwise.reference`), so that the memory-efficient paths are checked against
+a second formulation of the same definition. Every other family's ``weights`` is its plain definition
+(:mod:`hf_knorm.normalizations`), applied here to the whole score matrix at once, with the learnable values broadcast
+per query head.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ itself, SSMax, softmax with a sink). Exact: the same weights as the chunked kern
 gradients (the learnable values' included, through autograd).
 
 - **No modification** (softmax): SDPA as it is.
-- **A row factor** ``softmax_j(s_h log(n_i) s_ij)`` (SSMax): each query row is multiplied by its own ``s_h log n_i`` (``n_i`` the keys
-  row ``i`` may attend: ``i + 1`` under the implicit causal mask, the allowed keys of a padded or cached row), and an
-  additive bias by the same factor.
+- **A row factor** ``softmax_j(s_h log(n_i) s_ij)`` (SSMax): each query row is multiplied by its own
+  ``s_h log n_i`` (``n_i`` the keys row ``i`` may attend: ``i + 1`` under the implicit causal mask, the allowed keys of
+  a padded or cached row), and an additive bias by the same factor.
 - **A sink** ``e^s / (e^sigma_h + sum e^s)``: the sink is one more key, first, of value 0, that every
   row may attend. Its logit rides on one more head dimension: the queries (already multiplied by the scaling; SDPA
   then runs with ``scale=1``) get ``sigma_h`` there, the keys 0, and the sink's key 1 (its other dimensions 0), so its
