@@ -56,7 +56,6 @@ from .kernel import chunked_attention
 from .flex import available as flex_available
 from .linear_kernel import linear_attention
 from ..normalizations import Normalization
-from .masks import KeyPadding, kernel_mask
 from .paths import Path
 from .sdpa import sdpa_attention, sdpa_blocker
 from .self_check import family_of, key_of, verdict
@@ -292,10 +291,8 @@ def _device_type(tensor: torch.Tensor) -> str:
 
 def run_quadratic(path: Path, query, key, value, allowed, normalization, **options):
     """The quadratic path's call: :func:`.kernel.chunked_attention`'s arguments and result ``(output, weights)``;
-    ``allowed`` may be key padding (:class:`~.masks.KeyPadding`), which FlexAttention reads without an ``N x N`` mask
-    and the other kernels as the dense mask it stands for (:func:`.masks.kernel_mask`)."""
-    if isinstance(allowed, KeyPadding) and path.kernel == "sdpa":
-        allowed = kernel_mask(allowed)
+    for FlexAttention ``allowed`` may be key padding (:class:`~.masks.KeyPadding`, read without an ``N x N`` mask),
+    the other kernels take the mask their caller made of it (:func:`.masks.kernel_mask`)."""
     if path.kernel == "sdpa":
         if options.get("softcap") is not None or options.get("dropout") or options.get("return_weights") \
                 or options.get("frobenius_sq") is not None:
@@ -313,8 +310,6 @@ def run_quadratic(path: Path, query, key, value, allowed, normalization, **optio
         keep = ("bias", "scaling", "softcap", "causal", "params")
         return flex_route_attention(query, key, value, allowed, normalization,
                                     **{name: options[name] for name in keep if name in options}), None
-    if isinstance(allowed, KeyPadding):  # only FlexAttention reads key padding as it is
-        allowed = kernel_mask(allowed)
     if path.kernel != "triton":
         return chunked_attention(query, key, value, allowed, normalization, **options)
     from .triton_kernel import triton_attention  # imports triton: only when it runs
