@@ -6,8 +6,8 @@ stores a bf16 tile as ``uint16`` bit patterns, and its ``InterpreterBuilder.crea
 ``np.matmul`` (it converts fp8 operands first, not bf16 ones): a bf16 ``tl.dot`` returns garbage there (errors of
 ~1e10 on a 16 x 16 product). :func:`teach_bf16_dot` converts bf16 operands to fp32 before the product. That is what a
 GPU's bf16 ``tl.dot`` computes: the product of two bf16 numbers is exact in fp32, and the sum accumulates in fp32.
-So ``triton_kernel.py`` runs the same code on both: bf16 operands (``w`` and ``dS`` rounded to bf16 before their
-products) in every case.
+So ``triton_kernel.py`` runs the same code on both: bf16 operands (``w`` and ``dS`` split in two bf16 tiles before
+their products) in every case.
 
 Scope: the interpreter has one ``InterpreterBuilder`` for the process, so the product is taught where the package's
 kernels launch and nowhere else. Each kernel handed to :func:`teach_bf16_dot` launches inside :func:`bf16_dot`,
