@@ -5,17 +5,19 @@
   traced by ``torch.compile``, no softmax window), on any device; the Triton kernel (``triton_kernel.py``) on CUDA for
   the calls it computes (a polynomial ``x^p/c``, fp32/bf16/fp16, no attention dropout, no returned weights, no norm
   recording, not traced by ``torch.compile``); FlexAttention (``flex.py``, compiled) on CUDA for the families that
-  are a softmax over modified logits or whose weight has an element-wise logarithm (``Normalization.log_weights``:
-  sigmoid, ``relu(x)^p/c``, even ``x^p/c``), fp32/bf16/fp16, with a softcap, no attention dropout, no returned
-  weights, no norm recording, not traced by ``torch.compile``; the PyTorch chunked kernel (``kernel.py``) otherwise,
-  and for every other family (softpick, stick-breaking) and every family on the CPU but SDPA's.
+  are a softmax over modified logits, whose weight has an element-wise logarithm (``Normalization.log_weights``:
+  sigmoid, ``relu(x)^p/c``, even ``x^p/c``) or is a ratio of two such weights (``Normalization.log_weight_ratio``:
+  softpick, in two passes), fp32/bf16/fp16, with a softcap, no attention dropout, no returned weights, no norm
+  recording, not traced by ``torch.compile``; the PyTorch chunked kernel (``kernel.py``) otherwise, and for every
+  other family (stick-breaking) and every family on the CPU but SDPA's. SDPA computes bf16/fp16 inputs on CUDA in
+  their dtype (its flash kernel), everything else in fp32 (``sdpa.sdpa_call``).
 
   The order the automatic choice tries (not measured yet: ``make device-check`` times each family against SDPA flash
   on a GPU, and the order is to be confirmed by it, issue 64): softmax itself on SDPA (its flash kernel), then
-  FlexAttention (a softcap, which SDPA has none of); SSMax and a sink softmax on FlexAttention first (bf16 operands
-  with fp32 accumulation on CUDA, where ``sdpa.py`` computes in fp32 and runs SDPA's math or efficient kernel), then
-  SDPA; the element-wise families on the Triton kernel (measured: 1.08x SDPA flash at 16k for ``x^3/16``; FlexAttention
-  only when forced); sigmoid on FlexAttention.
+  FlexAttention (a softcap, which SDPA has none of); SSMax and a sink softmax on FlexAttention first (it reads key
+  padding without an ``N x N`` mask, where SDPA takes a dense mask and leaves its flash kernel), then SDPA (bf16
+  operands on CUDA too); the element-wise families on the Triton kernel (measured: 1.08x SDPA flash at 16k for
+  ``x^3/16``; FlexAttention only when forced); sigmoid and softpick on FlexAttention.
 - The linear path (``p = 1``): flash-linear-attention (``fla_linear.py``) on CUDA for the calls it computes
   (fp32/bf16/fp16, norms not recorded, not traced by ``torch.compile``); the PyTorch linear kernel
   (``linear_kernel.py``) otherwise.
@@ -179,9 +181,9 @@ def with_kernel(path: Path, query: torch.Tensor, normalization: Normalization, *
 
 def _order(path: Path, normalization: Normalization, whole_call: bool) -> list[str]:
     """The kernels the automatic choice tries, in order (see the module docstring): softmax itself on SDPA's flash
-    kernel, then FlexAttention; SSMax and a sink softmax on FlexAttention (bf16 operands on CUDA) before SDPA (fp32);
-    an element-wise weight on the Triton kernel; a weight with a logarithm only (sigmoid) on FlexAttention. To be
-    confirmed by the device measurement (``make device-check``, issue 64)."""
+    kernel, then FlexAttention; SSMax and a sink softmax on FlexAttention (key padding without a dense mask) before
+    SDPA; an element-wise weight on the Triton kernel; a weight with a logarithm only (sigmoid) or a ratio of two
+    (softpick) on FlexAttention. To be confirmed by the device measurement (``make device-check``, issue 64)."""
     if path.linear:
         return ["fla"]
     paths = normalization.fast_paths
@@ -255,8 +257,9 @@ def _blocker(kernel: str, query: torch.Tensor, normalization: Normalization, *, 
                 "Normalization.pointwise)")
     if kernel == "flex":
         if "flex" not in normalization.fast_paths:
-            return (f"{normalization.name} (it computes a softmax over modified logits or a non-negative weight with "
-                    "an element-wise logarithm: Normalization.softmax_logits, Normalization.log_weights)")
+            return (f"{normalization.name} (it computes a softmax over modified logits, a non-negative weight with "
+                    "an element-wise logarithm or a ratio of two: Normalization.softmax_logits, "
+                    "Normalization.log_weights, Normalization.log_weight_ratio)")
         missing = flex_available()
         if missing:
             return missing

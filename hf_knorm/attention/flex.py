@@ -1,7 +1,7 @@
 """FlexAttention (``torch.nn.attention.flex_attention``; Dong, Feng, Guessous, Liang, He, "Flex Attention: A
 Programming Model for Generating Optimized Attention Kernels", arXiv 2412.05496) for every family that is a softmax
-over modified logits or whose weight has an element-wise logarithm. The route reads the family's declared form and
-never its type:
+over modified logits, whose weight has an element-wise logarithm, or whose weight is a ratio of two such weights. The
+route reads the family's declared form and never its type:
 
 - :class:`~hf_knorm.normalizations.routes.SoftmaxLogits` (softmax, SSMax, a sink softmax): the row factor
   ``s_h log n_i`` multiplies the score in the ``score_mod``; a sink of logit ``sigma_h`` renormalizes by the returned
@@ -10,10 +10,20 @@ never its type:
   ``x^p/c``): the ``score_mod`` is ``l(s) = log w(s)``; FlexAttention's softmax of it, times ``e^{lse}``, is the
   unnormalized sum: ``sum_j w_ij v_j = out_i e^{lse_i}`` exactly (``-inf`` where a weight is 0).
 
-Softpick is not here: its ``eps`` is added after the shift by the row's maximum score (``softpick.py``), which two
-passes' log-sum-exps do not give (FlexAttention returns a row maximum on CUDA only, without a gradient). Stick-breaking
-weighs a key by the keys after it in its row (a reversed cumulative sum, not an element-wise function): it stays on
-the chunked kernel. The odd powers ``x^p/c`` (negative weights) run on the Triton kernel.
+- :class:`~hf_knorm.normalizations.routes.LogWeightRatio` (softpick): two passes. Pass A's ``score_mod`` is the
+  numerator's logarithm ``a(s) = log relu(e^s - 1)``: its output ``out_A``, ``lse_A`` and the row's largest modified
+  score ``max_A`` (``AuxRequest(max_scores=True)``), from which the row shift ``m = max(0, max_k s_k) =
+  softplus(max_A)`` follows; pass B's is the denominator's ``b(s) = log |e^s - 1|``: its ``lse_B``. Then
+  ``out = out_A e^{lse_A} / (e^{lse_B} + eps e^m) = out_A / (e^{lse_B - lse_A} + eps e^{m - lse_A})`` (``lse_B >=
+  lse_A``: no overflow), a row with no positive score 0. Exact in the forward. FlexAttention's ``max_scores`` has no
+  gradient, so the backward holds ``m`` fixed where the reference differentiates it through the row's maximum: the
+  term it leaves out is the floor's share of the denominator, ``eps e^m / (D + eps e^m)`` with ``D = sum_k |e^{s_k} -
+  1| >= e^m - 1``, at most ``eps e^m / (e^m - 1)`` relative (``~eps`` = 1e-6 unless every score of the row is near 0),
+  on the gradient of the row's largest score only: the tests allow ``1e-5`` of the largest gradient (fp64), against
+  ``1e-10`` for the other families.
+
+Stick-breaking weighs a key by the keys after it in its row (a reversed cumulative sum, not an element-wise function):
+it stays on the chunked kernel. The odd powers ``x^p/c`` (negative weights) run on the Triton kernel.
 
 Masks (:mod:`.masks`): key padding ``(B, kv)`` with queries at the bottom right of the keys, no mask (the implicit
 top-left causal mask with ``causal``, keys cut to ``q``), or an explicit bool ``(B or 1, 1 or H_q, q, kv)`` mask (a
@@ -37,6 +47,9 @@ returned ``lse`` (its backward takes ``grad_logsumexp``, in the dense implementa
 backward at the API's entry (``_validate_device``: "FlexAttention does not support backward on CPU"); the dense
 implementation under it computes the gradients through ``lse`` exactly in fp64 (``tests/attention/test_flex.py`` lifts
 the refusal to check them), so on the CPU this route runs inference only, and the dispatcher sends it CUDA calls only.
+Torch 2.13 refuses ``max_scores`` on the CPU too ("Returning max scores is not supported on CPU/MPS", raised as it
+is): the two-pass route needs CUDA even for inference; its CPU tests lift that refusal as well (the dense
+implementation computes the maximum).
 """
 
 from __future__ import annotations
@@ -62,8 +75,8 @@ _COMPILED = None
 
 
 def computes(normalization: Normalization) -> bool:
-    """Whether this route computes ``normalization``: a softmax over modified logits or a weight with a logarithm
-    (without a softmax window: :mod:`.window` composes its parts)."""
+    """Whether this route computes ``normalization``: a softmax over modified logits, a weight with a logarithm or a
+    ratio of two (without a softmax window: :mod:`.window` composes its parts)."""
     return "flex" in normalization.fast_paths
 
 
@@ -102,7 +115,8 @@ def flex_route_attention(
     """
     if not computes(normalization):
         raise ValueError(f"FlexAttention computes a softmax over modified logits or a non-negative weight with an "
-                         f"element-wise logarithm, not {normalization.name} (it stays on the chunked kernel).")
+                         f"element-wise logarithm (or a ratio of two), not {normalization.name} (it stays on the "
+                         "chunked kernel).")
     batch, q_heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     if q_heads % kv_heads:
@@ -124,10 +138,31 @@ def flex_route_attention(
     blocks = block_mask(mask, q_len, k.shape[2], dtype=accumulate)
     form = _Form.of(normalization, raw)
     scale = dim**-0.5 if scaling is None else float(scaling)
-    score_mod = _score_mod(form, blocks.log_counts, bias, softcap, accumulate)
-    output, lse = _flex(q, k, v, score_mod, blocks.block_mask, scale, q_heads != kv_heads, compiled)
-    output = form.finish(output.to(accumulate), lse.to(accumulate))
+    gqa = q_heads != kv_heads
+    if form.ratio is not None:  # two passes: the numerator's output, lse and row maximum; the denominator's lse
+        numerator = _score_mod(form, blocks.log_counts, bias, softcap, accumulate, element=form.ratio.numerator)
+        denominator = _score_mod(form, blocks.log_counts, bias, softcap, accumulate, element=form.ratio.denominator)
+        output, lse, largest = _flex(q, k, v, numerator, blocks.block_mask, scale, gqa, compiled, max_scores=True)
+        _, lse_b, _ = _flex(q, k, v, denominator, blocks.block_mask, scale, gqa, compiled)
+        output = _ratio(form.ratio, output.to(accumulate), lse.to(accumulate), largest.to(accumulate),
+                        lse_b.to(accumulate))
+    else:
+        score_mod = _score_mod(form, blocks.log_counts, bias, softcap, accumulate)
+        output, lse, _ = _flex(q, k, v, score_mod, blocks.block_mask, scale, gqa, compiled)
+        output = form.finish(output.to(accumulate), lse.to(accumulate))
     return output.transpose(1, 2).to(query.dtype)
+
+
+def _ratio(ratio, out_a: torch.Tensor, lse_a: torch.Tensor, max_a: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """``out_A e^{lse_A} / (e^{lse_B} + eps e^m)``, ``m = row_shift(max_A)``, computed as ``out_A / (e^{lse_B - lse_A}
+    + eps e^{m - lse_A})``: pass A's output ``(B, H_q, q, D_v)`` and ``lse_A``, ``max_A``, ``lse_B`` ``(B, H_q, q)``,
+    fp32. A row with no positive score (``lse_A = -inf``) is 0, with gradient 0."""
+    some = lse_a > float("-inf")
+    zero = torch.zeros_like(lse_a)
+    safe_a = torch.where(some, lse_a, zero)
+    floor = ratio.eps * torch.exp(torch.where(some, ratio.row_shift(max_a), zero) - safe_a)
+    denominator = torch.exp(torch.where(some, lse_b, zero) - safe_a) + floor
+    return torch.where(some[..., None], out_a / denominator[..., None], torch.zeros_like(out_a))
 
 
 @dataclass
@@ -137,14 +172,17 @@ class _Form:
 
     logits: object  # SoftmaxLogits or None
     log_weight: object  # LogWeight or None
+    ratio: object  # LogWeightRatio or None
     values: dict
 
     @classmethod
     def of(cls, normalization: Normalization, raw: dict) -> _Form:
-        return cls(normalization.softmax_logits, normalization.log_weights, raw)
+        return cls(normalization.softmax_logits, normalization.log_weights, normalization.log_weight_ratio, raw)
 
     @property
     def needs_counts(self) -> bool:
+        if self.ratio is not None:
+            return False
         if self.logits is not None:
             return self.logits.log_n_scale is not None
         return self.log_weight.needs_counts
@@ -160,8 +198,9 @@ class _Form:
 
 
 def _score_mod(form: _Form, log_counts: torch.Tensor | None, bias: torch.Tensor | None, softcap: float | None,
-               dtype: torch.dtype):
-    """The ``score_mod(score, b, h, q_idx, kv_idx)``: softcap, bias, then the family's modification of the logit.
+               dtype: torch.dtype, element=None):
+    """The ``score_mod(score, b, h, q_idx, kv_idx)``: softcap, bias, then the family's modification of the logit (or
+    ``element``, an element-wise function of the score: a pass of a ratio's two).
 
     Numbers it reads that differ between calls (a softcap, SSMax's fixed scale) are captured as 0-d tensors: Dynamo
     would otherwise turn a Python float that changed into a symbolic one, which FlexAttention's backward graph fails
@@ -184,6 +223,8 @@ def _score_mod(form: _Form, log_counts: torch.Tensor | None, bias: torch.Tensor 
             score = softcap * torch.tanh(score / softcap)
         if bias is not None:
             score = score + _at(bias, b, h, q_idx, kv_idx).to(score.dtype)
+        if element is not None:
+            return element(score)
         log_n = 0.0 if log_counts is None else _at(log_counts, b, h, q_idx).to(score.dtype)
         if log_weight is not None:
             return log_weight(score, log_n, {name: value[h] for name, value in values.items()})
@@ -281,12 +322,13 @@ def _indices(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts.contiguous(), order.contiguous()
 
 
-def _flex(q, k, v, score_mod, blocks, scale: float, gqa: bool, compiled: bool):
-    """``(output (B, H_q, q, D_v), lse (B, H_q, q))`` from FlexAttention, compiled or eager."""
+def _flex(q, k, v, score_mod, blocks, scale: float, gqa: bool, compiled: bool, max_scores: bool = False):
+    """``(output (B, H_q, q, D_v), lse (B, H_q, q), the row's largest modified score (B, H_q, q) or None)`` from
+    FlexAttention, compiled or eager; the maximum (no gradient) with ``max_scores``."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     options = dict(score_mod=score_mod, block_mask=blocks, scale=scale, enable_gqa=gqa,
-                   return_aux=AuxRequest(lse=True))
+                   return_aux=AuxRequest(lse=True, max_scores=max_scores))
     # Python numbers the score_mod reads (a family's constants) stay constants: a float Dynamo made symbolic after it
     # changed between calls breaks FlexAttention's backward graph on torch 2.13 ("could not guard on data-dependent
     # expression zuf0"). Shapes stay dynamic after a second length (no recompilation per decoded token).
@@ -294,12 +336,20 @@ def _flex(q, k, v, score_mod, blocks, scale: float, gqa: bool, compiled: bool):
     with torch._dynamo.config.patch(**settings):
         if not compiled:
             output, aux = flex_attention(q, k, v, **options)
-            return output, aux.lse
+            return output, aux.lse, aux.max_scores
         global _COMPILED
         if _COMPILED is None:
             _COMPILED = torch.compile(flex_attention)
         output, aux = _COMPILED(q, k, v, **options)
-    return output, aux.lse
+    return output, aux.lse, aux.max_scores
+
+
+def cpu_blocker(normalization: Normalization) -> str:
+    """Why this route's eager forward cannot run on the CPU for ``normalization`` (``""`` when it can): a ratio's two
+    passes read FlexAttention's row maximum, which torch 2.13 returns on CUDA only."""
+    if normalization.log_weight_ratio is not None:
+        return "its two passes read FlexAttention's row maximum, which torch returns on CUDA only"
+    return ""
 
 
 def available() -> str:

@@ -8,10 +8,11 @@ gradients (the learnable values' included, through autograd).
   ``s_h log n_i`` (``n_i`` the keys row ``i`` may attend: ``i + 1`` under the implicit causal mask, the allowed keys of
   a padded or cached row), and an additive bias by the same factor.
 - **A sink** ``e^s / (e^sigma_h + sum e^s)``: the sink is one more key, first, of value 0, that every
-  row may attend. Its logit rides on one more head dimension: the queries (already multiplied by the scaling; SDPA
-  then runs with ``scale=1``) get ``sigma_h`` there, the keys 0, and the sink's key 1 (its other dimensions 0), so its
-  score is exactly ``sigma_h``. Values get a zero dimension too: SDPA's CPU flash kernel takes equal head dimensions
-  only (a query/key dimension of 65 against values of 64 runs its math fallback, 10x slower). Under the implicit
+  row may attend. Its logit rides on one more head dimension: the queries get ``sigma_h / scale`` there (``scale``
+  SDPA's: the scaling, or 1 after SSMax's factor), the keys 0, and the sink's key 1 (its other dimensions 0), so its
+  score is ``sigma_h``; in bf16/fp16 on two dimensions, a high and a low part (:class:`SdpaCall`). Values get zero
+  dimensions too: SDPA's CPU flash kernel takes equal head dimensions only (a query/key dimension of 65 against
+  values of 64 runs its math fallback, 10x slower), and so does its CUDA flash kernel. Under the implicit
   causal mask a dummy query row goes first, so that SDPA's top-left ``is_causal`` gives row ``i`` the sink and keys
   ``0 .. i`` without a mask.
 
@@ -32,10 +33,21 @@ Not this path (:func:`sdpa_blocker`; the chunked kernel computes those calls): a
 weights, recorded norms, code traced by ``torch.compile`` (the custom op of :mod:`.compiled` runs the chunked
 kernel), and a softmax window's parts (:mod:`.window`).
 
-The computation is in fp32 (fp64 for fp64 inputs) whatever the inputs' dtype and autocast, as the chunked kernel's.
+Precision (:func:`sdpa_call`, a pure function of the device type, the dtype, the family's form and the mask's form):
+on CUDA, bf16 and fp16 inputs go to SDPA as they are (its flash kernel multiplies bf16/fp16 operands and accumulates
+in fp32; under ``is_causal`` with no mask it is the kernel SDPA picks), so the plugin's softmax is SDPA flash itself
+and its error SDPA flash's own. SSMax's queries are multiplied by their row factor in fp32 and rounded once to the
+inputs' dtype (one more rounding of each query element, relative ``2^-9`` in bf16); a sink's logit is split into a
+bf16/fp16 pair (high and low part, on two of the extra head dimensions, padded to a multiple of 8 for the fused
+kernels' alignment), so its score is exact to about ``2^-16`` relative. ``make device-check`` measures the error
+against fp64 beside SDPA flash's own (issue 64's bound: at most 2x). Everywhere else (the CPU, fp32 and fp64 inputs)
+the computation is in fp32 (fp64 for fp64 inputs) whatever the inputs' dtype and autocast, as the chunked kernel's:
+the CPU's exactness promise. Either way the learnable values' gradients come through autograd in fp32.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -51,8 +63,62 @@ MASK_BLOCK_ELEMENTS = 1 << 22
 bytes per entry (64 MiB for 4,096 x 4,096): an explicit mask larger than this goes to SDPA in blocks of query rows
 (each row is its own softmax), so that the float form exists for one block at a time (16 MiB)."""
 
+MASK_FORMS = ("none", "causal", "explicit")
+"""How a call's mask reaches SDPA: none (every key: a bidirectional call, one decoded row), the implicit top-left
+causal mask (SDPA's ``is_causal``: no mask tensor, its flash kernel), or an explicit bool mask or additive bias
+(``attn_mask``: SDPA's efficient or math kernel on CUDA, its flash kernel on the CPU)."""
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+"""Input dtypes SDPA computes in as they are on CUDA (:func:`sdpa_call`)."""
+_ALIGNMENT = 8
+"""Head dimensions SDPA's fused CUDA kernels take without padding them: multiples of 8."""
+
 _ENABLE_GQA = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 """SDPA groups the query heads itself from torch 2.5 on; before, K and V are repeated."""
+
+
+@dataclass(frozen=True)
+class SdpaCall:
+    """How :func:`sdpa_attention` calls SDPA (:func:`sdpa_call`).
+
+    Attributes:
+        dtype: the operands' dtype (query, key, value and a float mask).
+        is_causal: SDPA's own top-left causal mask, no mask tensor.
+        sink_width: the extra head dimensions that carry a sink's logit (0: no sink). 1 in fp32/fp64 (the logit in
+            the operands' precision); in bf16/fp16 at least 2 (its high and low part), up to a multiple of 8 of the
+            head dimension plus it (the fused kernels' alignment; zeros past the two parts).
+    """
+
+    dtype: torch.dtype
+    is_causal: bool
+    sink_width: int
+
+
+def sdpa_call(device_type: str, dtype: torch.dtype, form: SoftmaxLogits, mask_form: str, head_dim: int) -> SdpaCall:
+    """How SDPA computes a call: a pure function of where and what (the tests call it with a stub device type).
+
+    Args:
+        device_type: the inputs' device type (``"cuda"``, ``"cpu"``, ...).
+        dtype: the inputs' dtype.
+        form: the family's :class:`SoftmaxLogits`.
+        mask_form: one of :data:`MASK_FORMS`.
+        head_dim: the query/key head dimension ``D``.
+
+    Returns:
+        On CUDA with bf16/fp16 inputs, operands in that dtype (SDPA's flash kernel: bf16/fp16 products, fp32
+        accumulation); otherwise fp32 (fp64 for fp64 inputs), the chunked kernel's precision. ``is_causal`` for the
+        implicit causal mask; the sink's extra width (see :class:`SdpaCall`).
+
+    Raises:
+        ValueError: an unknown mask form.
+    """
+    if mask_form not in MASK_FORMS:
+        raise ValueError(f"SDPA's mask form is one of {', '.join(MASK_FORMS)}, not {mask_form!r}.")
+    low = device_type == "cuda" and dtype in LOW_PRECISION
+    operands = dtype if low else torch.promote_types(dtype, torch.float32)
+    width = 0
+    if form.sink is not None:
+        width = (-(head_dim + 2)) % _ALIGNMENT + 2 if low else 1
+    return SdpaCall(operands, mask_form == "causal", width)
 
 
 def computes(normalization: Normalization) -> bool:
@@ -105,7 +171,8 @@ def sdpa_attention(
         params: the family's learnable values, ``(H_q,)`` each (SSMax's ``scale``, the sink's ``sink``).
 
     Returns:
-        ``(B, q, H_q, D_v)`` in the query's dtype, computed in fp32 (fp64 for fp64 inputs).
+        ``(B, q, H_q, D_v)`` in the query's dtype: computed by SDPA in bf16/fp16 for such inputs on CUDA, in fp32
+        (fp64 for fp64 inputs) otherwise (:func:`sdpa_call`).
 
     Raises:
         ValueError: a family SDPA does not compute, head counts that do not group, a learnable value missing.
@@ -117,11 +184,14 @@ def sdpa_attention(
     kv_heads, kv_len = key.shape[1], key.shape[2]
     if q_heads % kv_heads:
         raise ValueError(f"{q_heads} query heads cannot be grouped over {kv_heads} key-value heads.")
-    raw = _raw_params(normalization, params, query)  # (H_q,) each, in the compute dtype
-    compute = torch.promote_types(query.dtype, torch.float32)
+    raw = _raw_params(normalization, params, query)  # (H_q,) each, in fp32 (fp64 for fp64 inputs)
+    accumulate = torch.promote_types(query.dtype, torch.float32)  # the row factor, the sink's logit
+    is_causal = allowed is None and causal and q_len > 1
+    mask_form = "causal" if is_causal else "explicit" if allowed is not None or bias is not None else "none"
+    call = sdpa_call(_device_type(query), query.dtype, form, mask_form, dim)
+    compute = call.dtype
     q, k, v = query.to(compute), key.to(compute), value.to(compute)
     scaling = dim**-0.5 if scaling is None else float(scaling)
-    is_causal = allowed is None and causal and q_len > 1
     if is_causal:  # top-left, keys cut to the queries (the kernel's convention)
         kv_len = min(kv_len, q_len)
         k, v = k[:, :, :kv_len], v[:, :, :kv_len]
@@ -133,10 +203,10 @@ def sdpa_attention(
         if not bool(has_key.all()):
             empty = ~has_key
     scale = scaling
-    if form.log_n_scale is not None:
-        factor = _row_factor(form, raw, allowed, is_causal, q_len, kv_len, compute, q.device)
-        q = q * (factor * scaling)
-        bias = None if bias is None else bias * factor
+    if form.log_n_scale is not None:  # the factor and the product in fp32, rounded once to the operands' dtype
+        factor = _row_factor(form, raw, allowed, is_causal, q_len, kv_len, accumulate, q.device)
+        q = (query.to(accumulate) * (factor * scaling)).to(compute)
+        bias = None if bias is None else bias.to(accumulate) * factor
         scale = 1.0
     if empty is not None:
         allowed = allowed | empty  # opened for SDPA (no 0/0), zeroed below
@@ -145,8 +215,7 @@ def sdpa_attention(
         mask = bias.to(compute) if allowed is None else bias.to(compute).masked_fill(~allowed, float("-inf"))
     head_dim = v.shape[-1]
     if form.sink is not None:
-        q, k, v, mask = _with_sink(form, raw, q, scaling, k, v, mask, is_causal)
-        scale = 1.0
+        q, k, v, mask = _with_sink(form, raw, q, k, v, mask, scale, call, accumulate)
     output = _sdpa(q, k, v, mask, is_causal, scale, q_heads // kv_heads)
     if form.sink is not None:
         output = output[:, :, 1:] if is_causal else output
@@ -154,6 +223,11 @@ def sdpa_attention(
     if empty is not None:
         output = output.masked_fill(empty, 0.0)
     return output.transpose(1, 2).to(query.dtype)
+
+
+def _device_type(tensor: torch.Tensor) -> str:
+    """Where ``tensor`` is (a seam: the tests run the CUDA precision on CPU tensors)."""
+    return tensor.device.type
 
 
 def _row_factor(form: SoftmaxLogits, raw, allowed, is_causal: bool, q_len: int, kv_len: int, dtype,
@@ -169,19 +243,25 @@ def _row_factor(form: SoftmaxLogits, raw, allowed, is_causal: bool, q_len: int, 
     return counts.log() * (scale[:, None, None] if isinstance(scale, torch.Tensor) else scale)
 
 
-def _with_sink(form: SoftmaxLogits, raw, q, scaling: float, k, v, mask, is_causal: bool):
-    """Queries (multiplied by ``scaling``), keys, values and mask with the sink: one more key first, its logit
-    ``sigma_h`` on one more head dimension (see the module docstring). One copy of each tensor."""
+def _with_sink(form: SoftmaxLogits, raw, q, k, v, mask, scale: float, call: SdpaCall, accumulate: torch.dtype):
+    """Queries, keys, values and mask with the sink (see the module docstring): one more key first, of value 0, whose
+    score ``scale * (q_extra . k_extra)`` is ``sigma_h``: the queries carry ``sigma_h / scale`` on the extra head
+    dimensions (in bf16/fp16 as a high and a low part, each against a 1 of the sink's key), every other key 0 there.
+    One copy of each tensor."""
     batch, q_heads, q_len, dim = q.shape
-    sink = form.sink_logits(raw, q_heads, q)
+    width = call.sink_width
+    sink = form.sink_logits(raw, q_heads, q.new_empty((), dtype=accumulate)) / scale  # (H_q,)
+    parts = [sink.to(q.dtype)]
+    if width > 1:
+        parts.append((sink - parts[0].to(accumulate)).to(q.dtype))  # what the high part's rounding left
+    extra = F.pad(torch.stack(parts, dim=-1), (0, width - len(parts)))  # (H_q, width)
+    q = torch.cat([q, extra[:, None, :].expand(batch, q_heads, q_len, width)], dim=-1)
     # under is_causal a dummy query row first: top-left causal then gives row i the sink and keys 0 .. i
-    q = F.pad(q, (0, 1, int(is_causal), 0))  # a new tensor: the products below may write into it
-    q.mul_(F.pad(q.new_full((dim,), scaling), (0, 1)))
-    q.add_(F.pad(sink[:, None, None], (dim, 0)))  # sigma_h on the extra dimension of each head's queries
-    k = F.pad(k, (0, 1, 1, 0))  # a zero dimension, and the sink's key first
-    k[:, :, 0, dim] = 1.0
-    v = F.pad(v, (0, 1 if v.shape[-1] == dim else 0, 1, 0))  # the sink's value 0; head dims equal for the flash kernel
-    if not is_causal and mask is not None:  # the sink's column: always attended, score sigma_h (bias 0)
+    q = F.pad(q, (0, 0, int(call.is_causal), 0))
+    k = F.pad(k, (0, width, 1, 0))  # zeros on the extra dimensions, and the sink's key first
+    k[:, :, 0, dim:dim + len(parts)] = 1.0
+    v = F.pad(v, (0, width if v.shape[-1] == dim else 0, 1, 0))  # the sink's value 0; head dims equal (flash)
+    if not call.is_causal and mask is not None:  # the sink's column: always attended, score sigma_h (bias 0)
         column = (mask.new_ones if mask.dtype == torch.bool else mask.new_zeros)((*mask.shape[:-1], 1))
         mask = torch.cat([column, mask], dim=-1)
     return q, k, v, mask

@@ -85,6 +85,9 @@ def flex_form_of(normalization: Normalization) -> str:
             text = f"{form.power} log {'relu' if form.rectified else 'abs'}(s{shift})"
         rule = {"constant": "", "n": " - log n", "sqrtN": " - log n / 2"}[form.row_rule]
         return f"{base.family}: {text}{rule}"
+    ratio = base.log_weight_ratio
+    if ratio is not None:
+        return f"{base.family}: {ratio.form} ratio + number floor"
     logits = base.softmax_logits
     scale = "" if logits.log_n_scale is None else f" * {_kind(logits.log_n_scale)} log n"
     sink = "" if logits.sink is None else f" + {_kind(logits.sink)} sink"

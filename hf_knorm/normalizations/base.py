@@ -18,7 +18,8 @@ additive bias) into weights ``w_ij``. Each family lives in its own file of this 
   which SDPA and other softmax kernels compute), or an element-wise weight of the score
   (:attr:`Normalization.pointwise`, which the Triton kernel and, for ``s / c``, the linear-time kernels compute), or
   a non-negative weight with an element-wise logarithm (:attr:`Normalization.log_weights`, which FlexAttention
-  computes with the softmax families); the fast paths that compute it exactly (:attr:`Normalization.fast_paths`)
+  computes with the softmax families), or a ratio of two such weights with a floor
+  (:attr:`Normalization.log_weight_ratio`: softpick, FlexAttention in two passes); the fast paths that compute it exactly (:attr:`Normalization.fast_paths`)
   follow from them. The attention paths read these capabilities and never test a family's type.
 
 The registry (:mod:`.registry`) lists the families; adding one is a new file and one registry line.
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 if TYPE_CHECKING:
-    from .routes import LogWeight, Pointwise, SoftmaxLogits
+    from .routes import LogWeight, LogWeightRatio, Pointwise, SoftmaxLogits
 
 PARAMETER_PREFIX = "hf_knorm_"
 """A learnable value ``name`` is the attention module's ``nn.Parameter`` ``hf_knorm_<name>``."""
@@ -77,6 +78,9 @@ class Normalization:
     (:class:`.routes.Pointwise`), or ``None``."""
     log_weights: LogWeight | None = None
     """How each weight is non-negative with an element-wise logarithm (:class:`.routes.LogWeight`), or ``None``."""
+    log_weight_ratio: LogWeightRatio | None = None
+    """How each weight is a ratio of two element-wise weights with a floor (:class:`.routes.LogWeightRatio`), or
+    ``None``."""
 
     is_softmax: ClassVar[bool] = False
     window: ClassVar[int] = 0
@@ -88,12 +92,13 @@ class Normalization:
     def fast_paths(self) -> tuple[str, ...]:
         """The paths computing the family exactly, from its routes: ``"chunked"`` (the PyTorch quadratic kernel, whole
         rows per chunk: any family), ``"sdpa"`` (a softmax over modified logits), ``"triton"`` (element-wise
-        weights), ``"flex"`` (FlexAttention: a softmax over modified logits, or a non-negative weight's logarithm),
+        weights), ``"flex"`` (FlexAttention: a softmax over modified logits, a non-negative weight's logarithm, or a
+        ratio of two such weights),
         ``"linear"`` / ``"fla"`` (``s / c``: linear attention)."""
         paths = ["chunked"]
         if self.softmax_logits is not None:
             paths.append("sdpa")
-        if self.softmax_logits is not None or self.log_weights is not None:
+        if self.softmax_logits is not None or self.log_weights is not None or self.log_weight_ratio is not None:
             paths.append("flex")
         if self.pointwise is not None:
             paths.append("triton")

@@ -17,6 +17,11 @@ normalization what it is:
   softmax kernel that returns its log-sum-exp computes it exactly (FlexAttention, :mod:`hf_knorm.attention.flex`):
   with ``l`` as the score modification, ``sum_j w_ij v_j = out_i e^{lse_i}``. Odd powers ``s^p`` (negative weights)
   have no such form.
+- :class:`LogWeightRatio` (:attr:`~.base.Normalization.log_weight_ratio`): the weight is a ratio of two
+  non-negative element-wise weights with a floor, ``w_ij = e^{a(s_ij)} / (sum_k e^{b(s_ik)} + eps e^{m_i})`` with
+  ``m_i = max(0, max_k s_ik)`` (softpick). Two softmax passes that return their log-sum-exp compute it exactly
+  (FlexAttention): ``a`` as the score modification gives ``out_A`` and ``lse_A`` (and the row's largest ``a``, from
+  which ``m_i`` follows), ``b`` gives ``lse_B``, and ``sum_j w_ij v_j = out_A e^{lse_A} / (e^{lse_B} + eps e^{m})``.
 - :attr:`~.base.Normalization.row_normalizer`: what a family with none of these carries along a row (a running maximum
   and a denominator, or the whole row: stick-breaking); the chunked kernel computes every family from whole rows.
 
@@ -225,3 +230,69 @@ class LogWeight:
         that shape): what the declaration must equal (the family's own weights; tested)."""
         counts = allowed.sum(-1, keepdim=True).clamp_min(1).to(scores.dtype)
         return torch.exp(self(scores, counts.log(), values)) * allowed
+
+
+RATIO_FORMS = ("expm1",)
+"""The element-wise weights of :class:`LogWeightRatio`: ``"expm1"``, ``a(s) = log relu(e^s - 1)`` over
+``b(s) = log |e^s - 1|`` (softpick)."""
+
+
+@dataclass(frozen=True)
+class LogWeightRatio:
+    """``w_ij = e^{a(s_ij)} / (sum_k e^{b(s_ik)} + eps e^{m_i})``, ``m_i = max(0, max_k s_ik)``, on allowed pairs.
+
+    For ``"expm1"`` (softpick, :mod:`.softpick`): ``a(s) = log relu(e^s - 1)``, ``b(s) = log |e^s - 1|`` (``-inf``
+    where the weight is 0), so the weight is ``relu(e^s - 1) / (sum_k |e^{s_k} - 1| + eps e^m)``, the family's
+    ``relu(e^{s - m} - e^{-m}) / (sum_k |e^{s_k - m} - e^{-m}| + eps)`` (its ``eps`` after the shift by ``m``)
+    multiplied through by ``e^m``. ``a`` is increasing where finite, so ``m`` is read back from the row's largest
+    ``a``: ``max_k s_k = log(1 + e^{max_k a(s_k)})`` when a score is positive, and ``m = softplus(max_k a) = 0`` when
+    none is (``max_k a = -inf``).
+
+    Attributes:
+        form: one of :data:`RATIO_FORMS`.
+        eps: the floor's ``eps`` (> 0).
+    """
+
+    form: str
+    eps: float
+
+    def __post_init__(self):
+        if self.form not in RATIO_FORMS or not self.eps > 0:
+            raise ValueError(f"LogWeightRatio takes a form of {RATIO_FORMS} and eps > 0; got {self.form!r}, "
+                             f"{self.eps!r}.")
+
+    def numerator(self, scores: torch.Tensor) -> torch.Tensor:
+        """``a(s) = log relu(e^s - 1)``, element-wise (a 0-d score inside FlexAttention's ``score_mod``): ``s +
+        log(-expm1(-s))`` for ``s > 0``, ``-inf`` otherwise, with a gradient 0 there (no ``log 0`` differentiated)."""
+        positive = scores > 0
+        return torch.where(positive, self._log_expm1_abs(scores, positive), torch.full_like(scores, float("-inf")))
+
+    def denominator(self, scores: torch.Tensor) -> torch.Tensor:
+        """``b(s) = log |e^s - 1|``, element-wise: ``s + log(-expm1(-s))`` for ``s > 0``, ``log(-expm1(s))`` for
+        ``s < 0``, ``-inf`` at 0 (gradient 0 there)."""
+        nonzero = scores != 0
+        return torch.where(nonzero, self._log_expm1_abs(scores, scores > 0), torch.full_like(scores, float("-inf")))
+
+    @staticmethod
+    def _log_expm1_abs(scores: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
+        """``log |e^s - 1|`` where ``s != 0`` (finite, with finite gradients, everywhere: 0 is replaced by 1 first):
+        with ``t = |s|``, ``log(1 - e^{-t})`` plus ``t`` where ``s > 0``."""
+        magnitude = scores.abs()
+        safe = torch.where(magnitude > 0, magnitude, torch.ones_like(magnitude))
+        tail = torch.log(-torch.expm1(-safe))  # log(1 - e^{-t}) < 0, finite for t > 0
+        return torch.where(positive, safe + tail, tail)
+
+    def row_shift(self, largest_numerator: torch.Tensor) -> torch.Tensor:
+        """``m_i = max(0, max_k s_ik)`` from ``max_k a(s_ik)`` (``-inf`` for a row with no positive score):
+        ``log(1 + e^x)`` (softplus without its linear cut-off), the inverse of ``a`` on ``s > 0``, and 0 at
+        ``-inf``."""
+        return torch.logaddexp(largest_numerator, torch.zeros_like(largest_numerator))
+
+    def reference(self, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """The weights from ``a``, ``b`` and ``m`` as declared (``scores`` ``(..., q, kv)``, ``allowed`` bool of that
+        shape; a row with no key: 0): what must equal the family's own weights (tested)."""
+        minus_inf = torch.full_like(scores, float("-inf"))
+        top = torch.where(allowed, self.numerator(scores), minus_inf)
+        bottom = torch.where(allowed, self.denominator(scores), minus_inf)
+        shift = self.row_shift(top.amax(dim=-1, keepdim=True))
+        return top.exp() / (bottom.exp().sum(dim=-1, keepdim=True) + self.eps * shift.exp())

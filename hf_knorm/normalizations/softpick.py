@@ -8,6 +8,10 @@ Computed as the paper's kernel does, shifted by the row's maximum for range: wit
 ``w_ij = relu(e^{s_ij - m} - e^{-m}) / (sum_k |e^{s_ik - m} - e^{-m}| + eps)`` (the definition itself when every
 score is <= 0; ``eps`` is added after the shift, as in the reference implementation). Masked keys are in neither
 sum; a row with no key gets zero weights.
+
+Its GPU route (:attr:`Softpick.log_weight_ratio`): the same weights multiplied through by ``e^m``,
+``relu(e^s - 1) / (sum_k |e^{s_k} - 1| + eps e^m)``, a ratio of two weights with element-wise logarithms that
+FlexAttention computes in two passes (:class:`~.routes.LogWeightRatio`, :mod:`hf_knorm.attention.flex`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Normalization, _number, arguments, check_keys, masked, read_value
+from .routes import LogWeightRatio
 
 DEFAULT_EPS = 1e-6
 _LOG2_E = 1 / math.log(2)
@@ -34,6 +39,11 @@ class Softpick(Normalization):
     source = "Zuhri et al., Softpick, arXiv 2504.20966"
     examples = ("softpick",)
     row_normalizer = "max+sum"
+
+    @property
+    def log_weight_ratio(self) -> LogWeightRatio:
+        """``log relu(e^s - 1)`` over ``log |e^s - 1|`` with the floor ``eps e^m``: FlexAttention's two passes."""
+        return LogWeightRatio("expm1", self.eps)
 
     @property
     def name(self) -> str:

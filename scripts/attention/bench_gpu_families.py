@@ -13,16 +13,18 @@ CUDA; 256 on the CPU), batch 1, causal, bf16 on CUDA (fp32 on the CPU):
   gradients): the first call's time, which holds the compile warm-up (Inductor compiling FlexAttention's kernels for
   the shape and family, Triton's JIT) and is reported apart; then the median of 3, forward and forward+backward, each
   as a ratio to SDPA in the same run, beside issue 64's target (at most 1.5x SDPA flash); and the peak memory (target:
-  at most SDPA's + 10%). The chunked kernel (softpick, stick-breaking: no fused route) is timed at the first length
-  only unless ``--chunked-all``: it takes 5-50x SDPA flash (docs/results/attention.md).
+  at most SDPA's + 10%). The chunked kernel (stick-breaking: no fused route) is timed at the first length only
+  unless ``--chunked-all``: it takes 5-50x SDPA flash (docs/results/attention.md). Softmax runs SDPA in bf16 (its
+  flash kernel, through ``sdpa.py``); softpick runs FlexAttention's two passes (``flex.py``).
 - **error** (the SmolLM2 shape, the first length; on bf16 inputs): the family's fused output, and on CUDA its
   gradients of q, k, v, against the chunked kernel in fp64 on the same (rounded) inputs, as the largest error over
   the largest fp64 value; SDPA flash's own softmax error the same way; the ratio is FlashAttention's criterion
   (target at most 2x).
 
 On the CPU there is no fused GPU kernel to time: the families whose CUDA kernel is FlexAttention run its eager forward
-(forward only: torch refuses its backward on the CPU), the Triton kernel's families are skipped (its interpreter is
-for tests), and the others run what the CPU runs (SDPA, the chunked kernel): the table's mechanics, not GPU figures.
+(forward only: torch refuses its backward on the CPU) where torch runs it there (not softpick's two passes: torch
+returns the row maximum they read on CUDA only), the Triton kernel's families are skipped (its interpreter is for
+tests), and the others run what the CPU runs (SDPA, the chunked kernel): the table's mechanics, not GPU figures.
 
 Usage:
     python scripts/attention/bench_gpu_families.py                     # CUDA: 2 shapes x 3 lengths
@@ -38,7 +40,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hf_knorm.attention import backends
+from hf_knorm.attention import backends, flex
 from hf_knorm.attention.kernel import chunked_attention
 from hf_knorm.attention.masks import KeyPadding
 from hf_knorm.attention.paths import Path
@@ -81,13 +83,14 @@ def _inputs(shape: str, length: int, dtype, seed: int = 0) -> list[torch.Tensor]
 
 def kernel_for(normalization, query) -> str:
     """The kernel this family's plain causal call takes here: the automatic choice on CUDA; on the CPU the first of
-    the CUDA order that runs on a CPU ("flex": its eager forward; "triton" is skipped), else what the CPU runs."""
+    the CUDA order that runs on a CPU ("flex": its eager forward, where torch runs it there; "triton" is skipped),
+    else what the CPU runs."""
     path = Path(linear=False)
     if CUDA:
         return backends.with_kernel(path, query, normalization, dropout=0.0, return_weights=False, recording=False,
                                     compiling=False).name
     order = backends.automatic_order(normalization)
-    if order and order[0] in ("flex", "triton"):
+    if order and (order[0] == "triton" or order[0] == "flex" and not flex.cpu_blocker(normalization)):
         return order[0]
     return backends.with_kernel(path, query, normalization, dropout=0.0, return_weights=False, recording=False,
                                 compiling=False).name

@@ -115,7 +115,7 @@ FAMILY_KERNELS = [
     ("relu(x)^3/16", "triton", "quadratic"),
     ("x^2/16", "triton", "quadratic"),
     ("x^3/16", "triton", "quadratic"),
-    ("softpick", "quadratic", "quadratic"),
+    ("softpick", "flex", "quadratic"),
     ("stick-breaking", "quadratic", "quadratic"),
 ]
 
@@ -139,11 +139,12 @@ def test_every_registered_family_is_in_the_table():
 
 def test_flex_forced_on_a_family_without_its_route_says_why(proven):
     with backends.kernels(quadratic="flex"):
-        for spelling in ("softpick", "stick-breaking", "x^3/16"):
+        for spelling in ("stick-breaking", "x^3/16"):
             with pytest.raises(ValueError, match="forces FlexAttention, which cannot compute this call: .*"
                                                  "Normalization.log_weights"):
                 _name(QUADRATIC, spelling)
         assert _name(QUADRATIC, "relu(x)^2/n") == "flex"  # a rectified power has a logarithm: forced, it runs
+        assert _name(QUADRATIC, "softpick", softcap=5.0) == "flex"  # a ratio of two: forced, it runs
         with pytest.raises(ValueError, match="forces FlexAttention, which cannot compute this call: attention dropout"):
             _name(QUADRATIC, "sigmoid", dropout=0.1)
 

@@ -23,9 +23,9 @@ from hf_knorm.normalizations import parse_normalization
 
 ROUTED = ["softmax", "ssmax(scale=learned)", "ssmax(scale=0.144)", "softmax(sink=learned)", "softmax(sink=0)",
           "sigmoid(bias=-log n)", "sigmoid(bias=learned)", "sigmoid(bias=-6.93)", "relu(x)/n", "relu(x)^2/sqrtN",
-          "relu(x)^3/16", "x^2/16"]
+          "relu(x)^3/16", "x^2/16", "softpick", "softpick(eps=0.01)"]
 """Every family with the route, and each way its values come (fixed, per row, learned)."""
-NOT_ROUTED = ["softpick", "stick-breaking", "x^3/16", "x/1"]
+NOT_ROUTED = ["stick-breaking", "x^3/16", "x/1"]
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -36,6 +36,24 @@ def cpu_backward(monkeypatch):
     import torch.nn.attention.flex_attention as module
 
     monkeypatch.setattr(module, "_validate_device", lambda query, key, value: None)
+
+
+@pytest.fixture
+def cpu_max_scores(monkeypatch):
+    """FlexAttention's row maximum (``AuxRequest(max_scores=True)``) on the CPU: its refusal lifted (torch 2.13 raises
+    in ``_apply_kernel_options``; the dense implementation under it computes the maximum), the rest as it is."""
+    import torch.nn.attention.flex_attention as module
+
+    original = module._apply_kernel_options
+
+    def lifted(query, key, value, return_lse, kernel_options, return_aux=None):
+        wanted = return_aux is not None and return_aux.max_scores
+        options = original(query, key, value, return_lse, kernel_options,
+                           return_aux._replace(max_scores=False) if wanted else return_aux)
+        options["OUTPUT_MAX"] = wanted
+        return options
+
+    monkeypatch.setattr(module, "_apply_kernel_options", lifted)
 
 
 def _inputs(q_len, kv_len, q_heads=4, kv_heads=2, dim=8, batch=2, seed=0, dtype=torch.float64):
@@ -57,7 +75,7 @@ def _close(got, want, tolerance=1e-12):
 
 
 @pytest.mark.parametrize("spelling", [spelling for spelling in ROUTED
-                                      if parse_normalization(spelling).softmax_logits is None])
+                                      if parse_normalization(spelling).log_weights is not None])
 def test_the_declared_log_form_is_the_familys_weights(spelling):
     """``e^{l(s)}`` (:class:`LogWeight`) equals the family's own weights, masked pairs and empty rows included."""
     normalization = parse_normalization(spelling)
@@ -71,6 +89,27 @@ def test_the_declared_log_form_is_the_familys_weights(spelling):
     _close(form.reference(scores, allowed.expand_as(scores), values), want, 1e-14)
 
 
+@pytest.mark.parametrize("spelling", ["softpick", "softpick(eps=0.01)", "softpick(eps=0.5)"])
+def test_the_declared_ratio_is_the_familys_weights(spelling):
+    """``e^{a(s)} / (sum e^{b(s)} + eps e^m)``, ``m`` read back from the row's largest ``a`` (:class:`LogWeightRatio`),
+    equals the family's own shifted weights: large scores, rows with no positive score, masked pairs, an empty row."""
+    normalization = parse_normalization(spelling)
+    scores = 6.0 * torch.randn(2, 4, 9, 11, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    scores[1, 2, 3] = -scores[1, 2, 3].abs()  # no positive score: m = 0
+    scores[0, 1, 2, 4] = 0.0  # a score exactly 0: weight 0 in both sums
+    scores[1, 3, 1, :] = 1e-3 * scores[1, 3, 1, :]  # every score near 0: the floor weighs
+    scores[0, 3, 5, 2] = 60.0  # a large score: e^s far past any shift-free sum's range in fp32
+    allowed = torch.rand(2, 1, 9, 11, generator=torch.Generator().manual_seed(4)) > 0.3
+    allowed[0, 0, 4] = False  # a row with no key
+    allowed[0, :, 5, 2] = True
+    want = normalization.weights(scores.clone(), allowed)
+    _close(normalization.log_weight_ratio.reference(scores, allowed.expand_as(scores)), want, 1e-14)
+    form = normalization.log_weight_ratio
+    assert form.row_shift(torch.tensor(float("-inf"))) == 0.0
+    positive = torch.tensor([1e-8, 0.3, 5.0, 40.0], dtype=torch.float64)
+    _close(form.row_shift(form.numerator(positive)), positive, 1e-12)  # softplus inverts a on s > 0
+
+
 @pytest.mark.parametrize("spelling", NOT_ROUTED)
 def test_the_families_without_a_logarithm_or_softmax_form_have_no_route(spelling):
     normalization = parse_normalization(spelling)
@@ -81,7 +120,7 @@ def test_the_families_without_a_logarithm_or_softmax_form_have_no_route(spelling
 
 
 @pytest.mark.parametrize("spelling", ROUTED)
-def test_flex_equals_the_reference(spelling):
+def test_flex_equals_the_reference(cpu_max_scores, spelling):
     normalization = parse_normalization(spelling)
     params = _params(normalization)
     # the implicit top-left causal mask, 4 query heads over 2 KV heads (enable_gqa), 150 rows (two blocks of 128)
@@ -102,7 +141,7 @@ def test_flex_equals_the_reference(spelling):
 
 
 @pytest.mark.parametrize("spelling", ROUTED)
-def test_flex_equals_the_reference_on_an_explicit_mask(spelling):
+def test_flex_equals_the_reference_on_an_explicit_mask(cpu_max_scores, spelling):
     """A model's own sliding window (Transformers hands it as an explicit mask), a cache before the queries, an
     additive bias, and a row with no key (0, the plugin's convention)."""
     normalization = parse_normalization(spelling)
@@ -133,6 +172,14 @@ def test_fp32_and_bf16_inputs_compute_in_fp32_on_the_cpu():
     _close(got.double(), exact, 1e-2)  # the output's own bf16 rounding; computed in fp32
 
 
+def test_torch_refuses_the_row_maximum_on_the_cpu():
+    """Softpick's two passes read FlexAttention's row maximum, which torch 2.13 returns on CUDA only: on the CPU the
+    route raises torch's own error (the dispatcher sends it CUDA calls only). A torch that lifts it fails this test."""
+    query, key, value = _inputs(8, 8)
+    with pytest.raises(NotImplementedError, match="max scores is not supported on CPU"):
+        flex.flex_route_attention(query, key, value, None, parse_normalization("softpick"), causal=True)
+
+
 def test_torch_refuses_flex_backward_on_the_cpu():
     """The finding the route's docstring states (torch 2.13): no backward on the CPU, so the dispatcher sends it CUDA
     calls only. A torch that lifts the refusal fails this test: then test the gradients without lifting it."""
@@ -142,11 +189,14 @@ def test_torch_refuses_flex_backward_on_the_cpu():
 
 
 @pytest.mark.parametrize("spelling", ["softmax", "ssmax(scale=learned)", "softmax(sink=learned)",
-                                      "sigmoid(bias=-log n)", "sigmoid(bias=learned)", "relu(x)^2/n", "x^2/16"])
-def test_gradients_through_the_log_sum_exp_equal_the_reference(cpu_backward, spelling):
+                                      "sigmoid(bias=-log n)", "sigmoid(bias=learned)", "relu(x)^2/n", "x^2/16",
+                                      "softpick"])
+def test_gradients_through_the_log_sum_exp_equal_the_reference(cpu_backward, cpu_max_scores, spelling):
     """Outputs' gradients with respect to query, key, value and the learned values, through the returned ``lse``
     (the renormalizations) and the captured values: fp64, left padding and a softcap, a row whose weights are all 0
-    (``relu`` of negative scores: ``lse = -inf``) included."""
+    (``relu`` of negative scores: ``lse = -inf``) included. Softpick's row shift ``m`` has no gradient on this route
+    (FlexAttention's maximum): its gradients differ from the reference's by the floor's share, ``~eps`` = 1e-6
+    relative (``flex.py``), so its tolerance is 1e-5 of the largest gradient."""
     normalization = parse_normalization(spelling)
     leaves = [tensor.requires_grad_() for tensor in _inputs(130, 130, seed=3)]
     params = {name: value.requires_grad_() for name, value in _params(normalization).items()}
@@ -159,11 +209,16 @@ def test_gradients_through_the_log_sum_exp_equal_the_reference(cpu_backward, spe
     want = reference_attention(*leaves, padding.dense(), normalization, softcap=4.0, params=params)[0]
     upstream = torch.randn(want.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     upstream[1, :20] = 0.0  # padded queries: no one reads them
+    if normalization.log_weight_ratio is not None:
+        # softpick at scores exactly 0: relu(e^s - 1) has no derivative there; the reference's clamp takes the right
+        # one, 1 / eps per unit (1e6), the route's log-weight -inf the left one, 0. Not a row a model meets.
+        upstream[0, 7] = 0.0
     inputs = [*leaves, *params.values()]
     got_grads = torch.autograd.grad((got * upstream).sum(), inputs)
     want_grads = torch.autograd.grad((want * upstream).sum(), inputs)
+    tolerance = 1e-5 if normalization.log_weight_ratio is not None else 1e-10
     for got_grad, want_grad in zip(got_grads, want_grads):
-        _close(got_grad, want_grad, 1e-10)
+        _close(got_grad, want_grad, tolerance)
 
 
 def test_the_self_check_key_is_what_the_compiled_code_depends_on():
@@ -174,9 +229,10 @@ def test_the_self_check_key_is_what_the_compiled_code_depends_on():
 
     spellings = ["sigmoid(bias=-log n)", "sigmoid(bias=learned)", "sigmoid(bias=-6.93)", "ssmax(scale=learned)",
                  "ssmax(scale=0.144)", "softmax(sink=0)", "softmax(sink=learned)", "relu(x)/n", "relu(x)^2/n",
-                 "softmax"]
+                 "softmax", "softpick"]
     assert len({key(spelling) for spelling in spellings}) == len(spellings)
     assert key("sigmoid(bias=-3)") == key("sigmoid(bias=-6.93)") and key("x^2/16") == key("x^2/1")
+    assert key("softpick(eps=0.01)") == key("softpick")  # eps: a number the score_mod does not read
 
 
 @pytest.fixture
@@ -185,6 +241,16 @@ def stub_cuda(monkeypatch):
     monkeypatch.setattr(backends, "_REPORTED", set())
     monkeypatch.setattr(backends, "_device_type", lambda tensor: "cuda")
     monkeypatch.setattr(backends, "_importable", lambda module: True)
+
+
+def test_softpicks_self_check_passes_on_the_cpu(cpu_backward, cpu_max_scores):
+    """The self-check the dispatcher runs before softpick's first FlexAttention call (its real code: causal, key
+    padding with a softcap, a sliding window with a bias; outputs and gradients against the chunked kernel in fp64),
+    with torch's CPU refusals lifted; a route off by 5% fails it."""
+    softpick = parse_normalization("softpick")
+    assert self_check.run_check("flex", torch.device("cpu"), torch.float32, softpick, 16) == ""
+    assert self_check.key_of("flex", torch.device("cpu"), torch.float32, softpick, 16)[3] == (
+        "softpick: expm1 ratio + number floor")
 
 
 def test_the_self_check_passes_and_catches_a_broken_route(cpu_backward, stub_cuda, monkeypatch):
@@ -207,16 +273,17 @@ def test_the_self_check_passes_and_catches_a_broken_route(cpu_backward, stub_cud
                                     return_weights=False, recording=False, compiling=False).kernel == "sdpa"
 
 
-def test_a_patched_model_runs_flex_where_the_dispatcher_chooses_it(stub_cuda, monkeypatch):
-    """Through the plugin: a left-padded batch and greedy decoding of a tiny Llama patched with sigmoid, the flex
-    route computing every attention call (its eager forward on the CPU, self-check stubbed), equal to the PyTorch
-    kernel's logits and tokens."""
+@pytest.mark.parametrize("spelling", ["sigmoid(bias=learned)", "softpick"])
+def test_a_patched_model_runs_flex_where_the_dispatcher_chooses_it(stub_cuda, cpu_max_scores, monkeypatch, spelling):
+    """Through the plugin: a left-padded batch and greedy decoding of a tiny Llama patched with sigmoid or softpick
+    (two passes), the flex route computing every attention call (its eager forward on the CPU, self-check stubbed),
+    equal to the PyTorch kernel's logits and tokens."""
     import hf_knorm
     from hf_knorm.attention.paths import attention_paths
     from tiny_models import tiny_model
 
     monkeypatch.setattr(backends, "verdict", lambda *key: "")
-    model = hf_knorm.patch(tiny_model("llama"), "sigmoid(bias=learned)")  # fp32: the GPU kernels' dtypes
+    model = hf_knorm.patch(tiny_model("llama"), spelling)  # fp32: the GPU kernels' dtypes
     ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
@@ -236,7 +303,7 @@ def test_a_patched_model_runs_flex_where_the_dispatcher_chooses_it(stub_cuda, mo
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's compiled kernels, and any backward of it, "
                     "run on CUDA only (torch 2.13 refuses its backward on the CPU)")
 @pytest.mark.parametrize("spelling", ["ssmax(scale=learned)", "softmax(sink=learned)", "sigmoid(bias=learned)",
-                                      "relu(x)^2/n"])
+                                      "relu(x)^2/n", "softpick"])
 def test_the_compiled_route_on_cuda_passes_the_self_check_in_bf16_and_fp32(spelling):
     normalization = parse_normalization(spelling)
     for dtype in (torch.float32, torch.bfloat16):
