@@ -8,8 +8,9 @@ stays right. Kept keys keep their rotation (they are cached post-RoPE).
 
 Who knows what: the cache validates its options once into an :class:`~hf_knorm.eviction.settings.EvictionSettings` and
 gives that object to each :class:`KNormLayer` when building it; a layer reads nothing else of the cache. The only
-thing a layer needs from the model's call, the position ids (to refuse padded batches), reaches it as an explicit
-argument of ``KNormLayer.update``. ``get_mask_sizes`` has no side effect: nothing flows from it to ``update``.
+thing a layer needs from the model's call, the position ids (which tell a left-padded batch's padding,
+:mod:`hf_knorm.eviction.rows`), reaches it as an explicit argument of ``KNormLayer.update``. ``get_mask_sizes`` has no
+side effect: nothing flows from it to ``update``.
 
 The method (the paper's setting, every option off): the first forward pass through the cache (the prompt, "prefill")
 attends the prompt in full, so it is exact; then, per layer and per KV head, only the ``ceil((1 - r) * n)`` prompt
@@ -361,9 +362,10 @@ class KNormCache(Cache):
         Shapes: each layer stores keys and values (B, H_kv, S_kept, D) and positions (B, H_kv, S_kept); with
         ``head_budget="heads"`` a head-major (C, D) store, one slice per head, and (B, H_kv) slice ends and counts (see
         ``hf_knorm.eviction.ragged``).
-        Padded batches are refused (eviction breaks the padding-mask bookkeeping): generate one sequence at a time, or
-        batch prompts of equal length. Chunked prefill (``prefill_chunk_size``) would compress only the first chunk: do
-        not combine them.
+        Left-padded batches: each row keeps its own tokens, as its prompt alone (:mod:`hf_knorm.eviction.rows`); the
+        model must then attend with ``"knorm_ragged"`` (``knorm_generate`` and the pipeline set it) and the cache
+        needs ``config``. :meth:`crop` is exact for tokens appended after the last eviction and refused otherwise.
+        Chunked prefill (``prefill_chunk_size``) would compress only the first chunk: do not combine them.
     """
 
     def __init__(

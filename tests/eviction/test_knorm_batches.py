@@ -170,6 +170,14 @@ def test_padded_batches_are_refused_where_they_cannot_be_exact():
         model.generate(input_ids=ids, attention_mask=right, **cache_kwargs(cache), **generate)
 
 
+def test_kvzip_on_a_padded_batch_refuses_sliding_window_layers():
+    model = knorm_model("gemma3_text")
+    ids, mask = left_pad(_prompts(), pad_id=0)
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        knorm_generate(model, ids, mask, compression_ratio=0.5, score="kvzip", tokenizer=word_tokenizer(),
+                       chat_template=False, max_new_tokens=2, pad_token_id=0)
+
+
 def test_a_model_that_hides_the_positions_from_the_cache_is_refused(monkeypatch):
     """Transformers before 5.24 (and GPT-NeoX) call ``Cache.update`` without position ids: the cache cannot see the
     padding, and knorm_generate raises instead of returning rows evicted as one block."""
