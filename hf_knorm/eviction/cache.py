@@ -487,13 +487,15 @@ class KNormCache(Cache):
         before any layer changes."""
         implementation = getattr(self.config, "_attn_implementation", None)
         if self.config is None or implementation != RAGGED_ATTENTION:
+            register_ragged_attention()  # the first padded batch registers the name (idempotent)
             where = ("this KNormCache has no config: build it with KNormCache(..., config=model.config)"
                      if self.config is None else f"the model attends with {implementation!r}")
             raise ValueError(
                 f"KNormCache got a padded batch: its rows keep different tokens, which Transformers' padding mask does "
-                f"not describe, so the model must attend with the {RAGGED_ATTENTION!r} attention ({where}). Run "
-                f"model.set_attn_implementation({RAGGED_ATTENTION!r}) first (hf_knorm.eviction.pipeline.knorm_generate "
-                "and the knorm-text-generation pipeline do it for you), or generate one sequence at a time."
+                f"not describe, so the model must attend with the {RAGGED_ATTENTION!r} attention ({where}). Generate "
+                f"inside hf_knorm.eviction.ragged.ragged_attention_for(model, cache, padded=True), or run "
+                f"model.set_attn_implementation({RAGGED_ATTENTION!r}) first (knorm_generate and the "
+                "knorm-text-generation pipeline do it for you), or generate one sequence at a time."
             )
         normalization = (getattr(self.config, "hf_knorm", None) or {}).get("normalization")
         if normalization is not None:

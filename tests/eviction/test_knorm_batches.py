@@ -142,6 +142,22 @@ def test_padded_questions_after_padded_contexts():
         assert all(torch.equal(b[row], a[0]) for b, a in zip(batch, alone, strict=True))
 
 
+def test_beam_search_on_a_padded_batch_equals_each_prompt_alone():
+    """Beam search on a padded batch: the rows are expanded to beams before the prompt (each beam a padded row of
+    its own) and reordered within a row after it (``reorder_cache``); every row's best beam is the one alone."""
+    model = knorm_model("llama")
+    config = _config(model, num_beams=3, output_logits=False)
+
+    def run(ids, mask=None):
+        return knorm_generate(model, ids, mask, compression_ratio=0.5, score="kv_diff", generation_config=config)
+
+    prompts = _prompts()
+    ids, mask = left_pad(prompts, pad_id=0)
+    batch = run(ids, mask)
+    for row, prompt in enumerate(prompts):
+        assert torch.equal(batch.sequences[row, ids.shape[1]:], run(prompt[None]).sequences[0, prompt.numel():])
+
+
 def test_the_live_mask():
     live = torch.tensor([[False, True, True, True, True], [True, True, False, True, False]])
     mask = live_mask(live, 2)  # two stored slots then a 2-token step
@@ -156,6 +172,11 @@ def test_padded_batches_are_refused_where_they_cannot_be_exact():
     generate = dict(max_new_tokens=2, pad_token_id=0)
     with pytest.raises(ValueError, match="knorm_ragged"):  # Transformers' mask does not describe the rows
         model.generate(input_ids=ids, attention_mask=mask, cache=KNormCache(0.5, config=model.config), **generate)
+    model.set_attn_implementation("knorm_ragged")  # what the error says: the name is registered by then
+    try:
+        model.generate(input_ids=ids, attention_mask=mask, cache=KNormCache(0.5, config=model.config), **generate)
+    finally:
+        model.set_attn_implementation("sdpa")
     with pytest.raises(ValueError, match="config=model.config"):
         model.generate(input_ids=ids, attention_mask=mask, cache=KNormCache(0.5), **generate)
     with pytest.raises(ValueError, match=r"head_budget='heads'\) got a padded batch"):
