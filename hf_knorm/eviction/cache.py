@@ -485,6 +485,10 @@ class KNormCache(Cache):
         """A padded batch is attended after its prompt with the layer's own mask of real slots, which only the
         ``"knorm_ragged"`` attention reads (:mod:`hf_knorm.eviction.rows`): refuse it under any other attention,
         before any layer changes."""
+        normalization = (getattr(self.config, "hf_knorm", None) or {}).get("normalization")
+        if normalization is not None:  # first: the knorm_ragged attention would drop the patch
+            raise ValueError(f"KNormCache attends a padded batch through the {RAGGED_ATTENTION!r} attention (softmax, "
+                             f"SDPA); this model is patched with {normalization}. Generate one sequence at a time.")
         implementation = getattr(self.config, "_attn_implementation", None)
         if self.config is None or implementation != RAGGED_ATTENTION:
             register_ragged_attention()  # the first padded batch registers the name (idempotent)
@@ -497,10 +501,6 @@ class KNormCache(Cache):
                 f"model.set_attn_implementation({RAGGED_ATTENTION!r}) first (knorm_generate and the "
                 "knorm-text-generation pipeline do it for you), or generate one sequence at a time."
             )
-        normalization = (getattr(self.config, "hf_knorm", None) or {}).get("normalization")
-        if normalization is not None:
-            raise ValueError(f"KNormCache attends a padded batch through the {RAGGED_ATTENTION!r} attention (softmax, "
-                             f"SDPA); this model is patched with {normalization}. Generate one sequence at a time.")
 
     def _finish_prompt(self, importance: Mapping[int, torch.Tensor] | None = None) -> None:
         """Compress every KNorm layer under the layer schedule once all of them hold the whole prompt (the schedule

@@ -183,6 +183,11 @@ def test_padded_batches_are_refused_where_they_cannot_be_exact():
         knorm_generate(model, ids, mask, compression_ratio=0.5, head_budget="heads", **generate)
     with pytest.raises(ValueError, match="layer_budget='skip_first'"):
         knorm_generate(model, ids, mask, compression_ratio=0.5, layer_budget="skip_first", **generate)
+    import hf_knorm
+
+    patched = hf_knorm.patch(knorm_model("llama"), normalization="x^3/16")
+    with pytest.raises(ValueError, match="patched with x\\^3/16"):  # knorm_ragged would drop the patch
+        knorm_generate(patched, ids, mask, compression_ratio=0.5, **generate)
     right = torch.flip(mask, dims=[1])  # right padding: refused from the mask, and from the position ids
     with pytest.raises(ValueError, match="left-padded"):
         knorm_generate(model, ids, right, compression_ratio=0.5, **generate)
