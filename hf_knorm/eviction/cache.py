@@ -8,8 +8,9 @@ stays right. Kept keys keep their rotation (they are cached post-RoPE).
 
 Who knows what: the cache validates its options once into an :class:`~hf_knorm.eviction.settings.EvictionSettings` and
 gives that object to each :class:`KNormLayer` when building it; a layer reads nothing else of the cache. The only
-thing a layer needs from the model's call, the position ids (to refuse padded batches), reaches it as an explicit
-argument of ``KNormLayer.update``. ``get_mask_sizes`` has no side effect: nothing flows from it to ``update``.
+thing a layer needs from the model's call, the position ids (which tell a left-padded batch's padding,
+:mod:`hf_knorm.eviction.rows`), reaches it as an explicit argument of ``KNormLayer.update``. ``get_mask_sizes`` has no
+side effect: nothing flows from it to ``update``.
 
 The method (the paper's setting, every option off): the first forward pass through the cache (the prompt, "prefill")
 attends the prompt in full, so it is exact; then, per layer and per KV head, only the ``ceil((1 - r) * n)`` prompt
@@ -41,6 +42,8 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from ..attention.linear_kernel import is_linear
 from ..normalizations import parse_normalization
 from ..compat import update_position_ids
+from . import rows
+from .rows import is_padded_step, prompt_padding, step_lengths
 from .settings import EvictionSettings, kept_count
 
 __all__ = ["KNormCache", "KNormLayer", "kept_count"]
@@ -50,11 +53,15 @@ class KNormLayer(DynamicLayer):
     """One layer of a :class:`KNormCache`: stores ``keys``/``values`` of shape (B, H_kv, S_kept, D).
 
     Built with the cache's shared :class:`~hf_knorm.eviction.settings.EvictionSettings` and its layer index; it reads
-    nothing else. ``positions`` (B, H_kv, S_kept), int64, holds the absolute position of every stored token (per head;
-    tests and the decoding budget read it). ``cumulative_length`` counts every token ever seen, evicted or not.
+    nothing else. ``positions`` (B, H_kv, S_kept), int64, holds the position of every stored token (per head; tests and
+    the decoding budget read it). ``cumulative_length`` counts every token ever seen, evicted or not (padding
+    included). A left-padded batch (:mod:`hf_knorm.eviction.rows`) sets ``row_lengths`` (B,) int64, the real tokens
+    each row has seen, and then ``positions`` are positions in the row, ``-1`` on dead slots; ``None`` otherwise.
+    ``compressed_at`` is ``cumulative_length`` at the last step that evicted something (0 if none did):
+    :meth:`crop` removes only tokens appended after it.
     """
 
-    is_croppable = False
+    is_croppable = True
 
     def __init__(self, settings: EvictionSettings, layer_idx: int):
         super().__init__()
@@ -62,6 +69,8 @@ class KNormLayer(DynamicLayer):
         self.cumulative_length = 0
         self.positions: torch.Tensor | None = None
         self.prompt_length = 0
+        self.row_lengths: torch.Tensor | None = None
+        self.compressed_at = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -69,20 +78,36 @@ class KNormLayer(DynamicLayer):
         self.positions = torch.empty(batch, heads, 0, dtype=torch.long, device=self.device)
 
     def stored_length(self) -> int:
-        """Tokens stored per head (after eviction)."""
+        """Tokens stored per head (after eviction; with a padded batch the widest row's, dead slots included)."""
         return self.keys.shape[-2] if self.is_initialized else 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
                position_ids: torch.Tensor | None = None, **kwargs):
         """Append (B, H_kv, q, D) states, return the full (B, H_kv, S_kept + q, D) states, then evict.
 
-        ``position_ids`` (B, q), optional: the positions the model gave the new tokens; at the prompt they must be
-        0..q-1 in every row (a padded batch is refused).
+        ``position_ids`` (B, q), optional: the positions the model gave the new tokens. A prompt whose rows are
+        left-padded (not 0..q-1 in every row), or a later left-padded block of tokens, switches the layer to per-row
+        eviction (:mod:`hf_knorm.eviction.rows`); the states returned after the prompt then carry ``knorm_live``
+        (B, S_kept + q) for the ``"knorm_ragged"`` attention.
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, heads, q_len, _ = key_states.shape
         start = self.cumulative_length
+        if start == 0 and q_len > 0:
+            pads = prompt_padding(position_ids, q_len)
+            if pads is not None:
+                if self.settings.layer_budget != "uniform":
+                    raise ValueError(
+                        f"layer_budget={self.settings.layer_budget!r} shares one prompt length's budget between "
+                        "layers; a padded batch has a length per row. Use layer_budget='uniform' (or layer_ratios) "
+                        "with padded batches, or generate one prompt at a time."
+                    )
+                self.row_lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
+        elif self.row_lengths is None and q_len > 1 and is_padded_step(position_ids, start, q_len):
+            self.row_lengths = torch.full((batch,), start, dtype=torch.long, device=self.device)
+        if self.row_lengths is not None:
+            return self._update_rows(key_states, value_states, position_ids, start)
         self.cumulative_length += q_len
         new_positions = torch.arange(start, start + q_len, device=self.device).expand(batch, heads, q_len)
         full_keys = torch.cat([self.keys, key_states], dim=-2)
@@ -90,7 +115,6 @@ class KNormLayer(DynamicLayer):
         full_positions = torch.cat([self.positions, new_positions], dim=-1)
         keep = full_keys.shape[-2]
         if start == 0 and q_len > 0:  # the prompt: compressed once it has been attended in full
-            _check_unpadded_positions(position_ids, q_len)
             self.prompt_length = q_len
             if self.settings.layer_budget != "uniform" or self.settings.deferred:  # compressed by the cache later
                 self.keys, self.values, self.positions = full_keys, full_values, full_positions
@@ -105,9 +129,51 @@ class KNormLayer(DynamicLayer):
             self.keys = full_keys.gather(2, index[..., None].expand(-1, -1, -1, full_keys.shape[-1]))
             self.values = full_values.gather(2, index[..., None].expand(-1, -1, -1, full_values.shape[-1]))
             self.positions = full_positions.gather(2, index)
+            self.compressed_at = self.cumulative_length
         else:
             self.keys, self.values, self.positions = full_keys, full_values, full_positions
         return full_keys, full_values
+
+    def _update_rows(self, key_states, value_states, position_ids, start: int):
+        """:meth:`update` for a padded batch: each row's real tokens are appended and evicted as the row alone."""
+        batch, heads, q_len, _ = key_states.shape
+        prompt = start == 0
+        if prompt:
+            counts = q_len - prompt_padding(position_ids, q_len)
+        elif q_len == 1:  # a decoding step: one real token per row (generate's positions continue every row)
+            counts = torch.ones_like(self.row_lengths)
+        else:
+            counts = step_lengths(position_ids, self.row_lengths, q_len)
+        new_positions = rows.new_positions(self.row_lengths, counts, heads, q_len)
+        self.row_lengths = self.row_lengths + counts
+        self.cumulative_length += q_len
+        full_keys = torch.cat([self.keys, key_states], dim=-2)
+        full_values = torch.cat([self.values, value_states], dim=-2)
+        full_positions = torch.cat([self.positions, new_positions], dim=-1)
+        self.keys, self.values, self.positions = full_keys, full_values, full_positions
+        lengths = self.row_lengths.tolist() if prompt or self.settings.decoding_budget is not None else None
+        if prompt:
+            self.prompt_length = q_len
+            if self.settings.deferred:  # compressed by the cache once the importance is known
+                return full_keys, full_values
+            self._evict_rows(lengths, [self.settings.prompt_keep(self.layer_idx, n) for n in lengths])
+            return full_keys, full_values
+        if lengths is not None:
+            self._evict_rows(lengths, [self.settings.decoding_budget] * batch)
+        returned = full_keys.view_as(full_keys)  # the live slots travel on this view, not on the stored tensor
+        returned.knorm_live = full_positions[:, 0] >= 0
+        return returned, full_values
+
+    def _evict_rows(self, lengths: list[int], keeps: list[int], importance: torch.Tensor | None = None) -> None:
+        """Keep at most ``keeps[b]`` real tokens in row ``b`` (:func:`hf_knorm.eviction.rows.select_rows`)."""
+        if self.settings.decoding_budget is not None:
+            keeps = [min(keep, self.settings.decoding_budget) for keep in keeps]
+        live = (self.positions[:, 0] >= 0).sum(-1).tolist()
+        if all(count <= keep for count, keep in zip(live, keeps)):
+            return
+        self.keys, self.values, self.positions = rows.select_rows(
+            self.settings, self.layer_idx, self.keys, self.values, self.positions, lengths, keeps, importance)
+        self.compressed_at = self.cumulative_length
 
     def prompt_order(self, importance: torch.Tensor | None = None) -> torch.Tensor:
         """Eviction order (B, H_kv, n) of the stored, not yet compressed prompt (low = kept); from ``importance``
@@ -131,9 +197,18 @@ class KNormLayer(DynamicLayer):
         self.keys = self.keys.gather(2, index[..., None].expand(-1, -1, -1, self.keys.shape[-1]))
         self.values = self.values.gather(2, index[..., None].expand(-1, -1, -1, self.values.shape[-1]))
         self.positions = self.positions.gather(2, index)
+        self.compressed_at = self.cumulative_length
+
+    def compress_rows(self, importance: torch.Tensor | None = None) -> None:
+        """A padded batch's stored prompt: keep each row's ``prompt_keep`` of its own length, chosen on the row alone
+        (by ``importance`` (B, H_kv, S), a deferred score's, when given)."""
+        lengths = self.row_lengths.tolist()
+        self._evict_rows(lengths, [self.settings.prompt_keep(self.layer_idx, n) for n in lengths], importance)
 
     def stored_per_head(self) -> torch.Tensor:
-        """Tokens stored per head, (B, H_kv) int64."""
+        """Tokens stored per head, (B, H_kv) int64 (with a padded batch: each row's real tokens)."""
+        if self.row_lengths is not None:
+            return (self.positions >= 0).sum(-1)
         shape = self.positions.shape if self.is_initialized else (0, 0, 0)
         return torch.full(shape[:2], shape[2], dtype=torch.long)
 
@@ -147,29 +222,62 @@ class KNormLayer(DynamicLayer):
         return self.cumulative_length
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(
-            "KNormCache cannot be cropped (evicted tokens are gone): assisted/speculative decoding is not supported "
-            "with it; use a DynamicCache."
-        )
+        """Remove the last ``-tokens_to_remove`` tokens (a negative count, Transformers' convention; assisted decoding
+        drops the rejected draft tokens this way). Exact when they were all appended after the last eviction (the
+        prompt's compression, or the last step a ``decoding_budget`` evicted at): they are then the last stored slots,
+        and the cache is what it would be had they never come. Transformers' assisted ``generate`` runs the prompt
+        and the first draft in one forward, which a compressing cache ranks together, so it is refused at its first
+        crop (with ``compression_ratio=0`` nothing is evicted and every crop is exact).
+
+        Raises:
+            ValueError: a positive count, or more tokens than were appended since the last eviction (the tokens
+                they displaced are gone).
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(f"KNormCache.crop takes a negative number of tokens to remove, got {tokens_to_remove}.")
+        remove = -tokens_to_remove
+        if remove == 0 or not self.is_initialized:
+            return
+        appended = self.cumulative_length - self.compressed_at
+        if remove > appended:
+            raise ValueError(
+                f"KNormCache cannot crop {remove} tokens from layer {self.layer_idx}: only the {appended} tokens "
+                "appended since its last eviction can be removed exactly (the others were ranked with the tokens "
+                "they displaced, which are gone). Transformers' assisted generate runs the prompt and the first "
+                "draft in one forward, which this cache compresses together: use it with compression_ratio=0 or a "
+                "DynamicCache. A verification loop of your own can crop the draft tokens it appended after the "
+                "prompt's compression; decoding_budget evicts at every step, so drop it there."
+            )
+        if self.row_lengths is not None:
+            self.row_lengths = self.row_lengths - (self.positions[:, 0, -remove:] >= 0).sum(-1)
+        self.keys, self.values = self.keys[..., :-remove, :], self.values[..., :-remove, :]
+        self.positions = self.positions[..., :-remove]
+        self.cumulative_length -= remove
 
     def reset(self) -> None:
         super().reset()
-        self.positions, self.prompt_length = None, 0
+        self.positions, self.prompt_length, self.row_lengths, self.compressed_at = None, 0, None, 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         if self.get_seq_length() > 0:
             self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
+            if self.row_lengths is not None:
+                self.row_lengths = self.row_lengths.index_select(0, beam_idx.to(self.row_lengths.device))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
         if self.get_seq_length() > 0:
             self.positions = self.positions.repeat_interleave(repeats, dim=0)
+            if self.row_lengths is not None:
+                self.row_lengths = self.row_lengths.repeat_interleave(repeats, dim=0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         if self.get_seq_length() > 0:
             self.positions = self.positions[indices, ...]
+            if self.row_lengths is not None:
+                self.row_lengths = self.row_lengths[indices]
 
 
 def _refuse_linear_attention(config) -> None:
@@ -192,14 +300,16 @@ def _refuse_linear_attention(config) -> None:
 
 
 def _check_unpadded_positions(position_ids: torch.Tensor | None, q_len: int) -> None:
-    """Raise if a prompt's (B, q) ``position_ids`` are not 0..q-1 in every row (left padding shifts them)."""
+    """Raise if a prompt's (B, q) ``position_ids`` are not 0..q-1 in every row (left padding shifts them): for
+    ``head_budget="heads"``, whose per-head store takes unpadded batches only."""
     if position_ids is None:
         return
     expected = torch.arange(0, q_len, device=position_ids.device)
     if not bool((position_ids.reshape(-1, position_ids.shape[-1]) == expected).all()):
         raise ValueError(
-            "KNormCache got a padded batch (position ids are not 0..n-1 in every row): eviction breaks the "
-            "padding mask. Generate one sequence at a time, or batch prompts of equal length."
+            "KNormCache(head_budget='heads') got a padded batch (position ids are not 0..n-1 in every row): its "
+            "per-head store takes unpadded batches only. Generate one sequence at a time, batch prompts of equal "
+            "length, or use head_budget='uniform' (which keeps each padded row's own tokens)."
         )
 
 
@@ -252,9 +362,10 @@ class KNormCache(Cache):
         Shapes: each layer stores keys and values (B, H_kv, S_kept, D) and positions (B, H_kv, S_kept); with
         ``head_budget="heads"`` a head-major (C, D) store, one slice per head, and (B, H_kv) slice ends and counts (see
         ``hf_knorm.eviction.ragged``).
-        Padded batches are refused (eviction breaks the padding-mask bookkeeping): generate one sequence at a time, or
-        batch prompts of equal length. Chunked prefill (``prefill_chunk_size``) would compress only the first chunk: do
-        not combine them.
+        Left-padded batches: each row keeps its own tokens, as its prompt alone (:mod:`hf_knorm.eviction.rows`); the
+        model must then attend with ``"knorm_ragged"`` (``knorm_generate`` and the pipeline set it) and the cache
+        needs ``config``. :meth:`crop` is exact for tokens appended after the last eviction and refused otherwise.
+        Chunked prefill (``prefill_chunk_size``) would compress only the first chunk: do not combine them.
     """
 
     def __init__(
@@ -342,9 +453,13 @@ class KNormCache(Cache):
                 "knorm-text-generation pipeline, or call hf_knorm.eviction.reconstruction.compress_by_reconstruction "
                 "after the prefill."
             )
+        position_ids = update_position_ids(kwargs)
         if isinstance(layer, RaggedKNormLayer):
             self._check_ragged_step(layer, key_states.shape[-2])
-        out = layer.update(key_states, value_states, position_ids=update_position_ids(kwargs))
+        elif layer.row_lengths is not None or (key_states.shape[-2] > 1 and is_padded_step(
+                position_ids, layer.cumulative_length, key_states.shape[-2])):
+            self._check_padded_attention()
+        out = layer.update(key_states, value_states, position_ids=position_ids)
         if (self.settings.layer_budget != "uniform" and not self.settings.deferred
                 and layer.cumulative_length == layer.prompt_length):
             self._finish_prompt()
@@ -366,6 +481,27 @@ class KNormCache(Cache):
             raise ValueError("KNormCache(head_budget='heads') takes one token per forward after the prompt; feed the "
                              "tokens one at a time (hf_knorm.eviction.pipeline.append_tokens does).")
 
+    def _check_padded_attention(self) -> None:
+        """A padded batch is attended after its prompt with the layer's own mask of real slots, which only the
+        ``"knorm_ragged"`` attention reads (:mod:`hf_knorm.eviction.rows`): refuse it under any other attention,
+        before any layer changes."""
+        normalization = (getattr(self.config, "hf_knorm", None) or {}).get("normalization")
+        if normalization is not None:  # first: the knorm_ragged attention would drop the patch
+            raise ValueError(f"KNormCache attends a padded batch through the {RAGGED_ATTENTION!r} attention (softmax, "
+                             f"SDPA); this model is patched with {normalization}. Generate one sequence at a time.")
+        implementation = getattr(self.config, "_attn_implementation", None)
+        if self.config is None or implementation != RAGGED_ATTENTION:
+            register_ragged_attention()  # the first padded batch registers the name (idempotent)
+            where = ("this KNormCache has no config: build it with KNormCache(..., config=model.config)"
+                     if self.config is None else f"the model attends with {implementation!r}")
+            raise ValueError(
+                f"KNormCache got a padded batch: its rows keep different tokens, which Transformers' padding mask does "
+                f"not describe, so the model must attend with the {RAGGED_ATTENTION!r} attention ({where}). Generate "
+                f"inside hf_knorm.eviction.ragged.ragged_attention_for(model, cache, padded=True), or run "
+                f"model.set_attn_implementation({RAGGED_ATTENTION!r}) first (knorm_generate and the "
+                "knorm-text-generation pipeline do it for you), or generate one sequence at a time."
+            )
+
     def _finish_prompt(self, importance: Mapping[int, torch.Tensor] | None = None) -> None:
         """Compress every KNorm layer under the layer schedule once all of them hold the whole prompt (the schedule
         reads every layer's scores). Until then a layer stores its prompt whole: the peak is a full prompt cache,
@@ -379,6 +515,10 @@ class KNormCache(Cache):
         self._scheduled = True
         from .budgets import layer_dispersion, layer_keep_counts
 
+        if layers[0].row_lengths is not None:  # a padded batch (the uniform layer budget): each row by itself
+            for layer in layers:
+                layer.compress_rows(None if importance is None else importance[layer.layer_idx])
+            return
         n = layers[0].prompt_length
         orders = [layer.prompt_order(None if importance is None else importance[layer.layer_idx]) for layer in layers]
         if self.settings.layer_budget == "uniform":  # a deferred score under the uniform budget (or layer_ratios)
@@ -428,7 +568,7 @@ class KNormCache(Cache):
         different counts: Transformers builds one causal mask for all of them (:meth:`get_mask_sizes`), which fits
         only one count. The first layer a step reaches compares every layer, so a refused step changes nothing."""
         start = layer.cumulative_length
-        if start == 0 or q_len <= 1:
+        if start == 0 or q_len <= 1 or layer.row_lengths is not None:  # a padded layer masks its own slots
             return
         peers = {other.layer_idx: other.stored_length() for other in self.layers
                  if isinstance(other, KNormLayer) and other.is_initialized and other.cumulative_length == start}
@@ -450,6 +590,11 @@ class KNormCache(Cache):
                 stored = max(layer.stored_length() for layer in filled)
                 return stored + query_length, filled[0].cumulative_length - stored
         return super().get_mask_sizes(query_length, layer_idx)
+
+    def is_padded(self) -> bool:
+        """True when the cache holds a left-padded batch (:mod:`hf_knorm.eviction.rows`): each KNorm layer then masks
+        its own dead slots, so steps of several tokens are taken whatever the layers store."""
+        return any(getattr(layer, "row_lengths", None) is not None for layer in self.layers)
 
     def is_uniform(self) -> bool:
         """True when every KNorm layer stores the same number of tokens (multi-token steps are then allowed); never

@@ -15,14 +15,16 @@ l2compress code; docs/knorm.md); ``layer_ratios={0: 0.0, 1: 0.0}`` reproduces th
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from transformers import Pipeline
 
 from ..balancing.balance import key_scales, value_scales
 from ..compat import cache_kwargs
-from .cache import KNormCache
+from .cache import KNormCache, KNormLayer
 from .ragged import ragged_attention_for
+from .rows import check_left_padded, has_padding, left_pad, mask_positions
 from .reconstruction import compress_by_reconstruction
 from .defaults import CACHE_OPTIONS, SCORE_BASES, merged_options
 
@@ -56,13 +58,22 @@ def knorm_cache_for(model, score_basis: str | None = None, *, recorded_defaults:
                       value_scales=value_scales(model.config) if original else None, **options)
 
 
-def check_unpadded(attention_mask: torch.Tensor | None) -> None:
-    """Raise if ``attention_mask`` (B, n) contains padding: KNorm eviction breaks the padding-mask bookkeeping."""
-    if attention_mask is not None and not bool(attention_mask.bool().all()):
-        raise ValueError(
-            "KNorm compression does not support padded batches (eviction breaks the padding mask). Generate one "
-            "sequence at a time, or batch prompts of equal length without padding."
-        )
+def _check_cache_saw_padding(cache: KNormCache) -> None:
+    """Raise if a padded batch went through ``cache`` without its layers seeing the padding: the model did not hand
+    ``Cache.update`` its position ids (Transformers before 5.24, GPT-NeoX; :func:`hf_knorm.compat.update_position_ids`),
+    so the rows were evicted as one unpadded block."""
+    if any(isinstance(layer, KNormLayer) for layer in cache.layers) and not cache.is_padded():
+        raise ValueError("This model does not give the cache its position ids (Transformers before 5.24, or a model "
+                         "such as GPT-NeoX that calls Cache.update without them), so KNormCache cannot see a padded "
+                         "batch's padding: generate one sequence at a time.")
+
+
+def padded_kwargs(attention_mask: torch.Tensor | None) -> dict:
+    """The keywords of a forward over a left-padded batch (``attention_mask`` (B, n) and its ``position_ids``, as
+    ``generate`` derives them); nothing for an unpadded one (the call is then the unpadded one, unchanged)."""
+    if not has_padding(attention_mask):
+        return {}
+    return {"attention_mask": attention_mask, "position_ids": mask_positions(attention_mask)}
 
 
 @torch.no_grad()
@@ -73,8 +84,10 @@ def knorm_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
 
     Args:
         model (PreTrainedModel): A supported decoder-only model.
-        input_ids (torch.Tensor): (B, n) prompt ids, unpadded.
-        attention_mask (torch.Tensor, optional): (B, n); must be all ones.
+        input_ids (torch.Tensor): (B, n) prompt ids, left-padded if the prompts differ in length.
+        attention_mask (torch.Tensor, optional): (B, n), 0 on the left padding. A padded batch keeps each row's own
+            tokens (:mod:`hf_knorm.eviction.rows`: a row's budget is of its own length, padding never kept) and
+            generates what each prompt generates alone; the model attends with ``"knorm_ragged"`` for the call.
         score_basis ({"cached", "original"}): See :func:`knorm_cache_for`.
         tokenizer, chat_template: Needed by ``score="kvzip"`` only (its reconstruction prompt is text,
             :func:`hf_knorm.eviction.reconstruction.compress_by_reconstruction`). With it the prompt but its last
@@ -90,41 +103,70 @@ def knorm_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     """
     if "cache" in kwargs or "past_key_values" in kwargs:
         raise ValueError("knorm_generate builds its own KNormCache; pass cache options instead of a cache.")
-    check_unpadded(attention_mask)
     options = {name: kwargs.pop(name) for name in CACHE_OPTIONS if name in kwargs}
     cache = knorm_cache_for(model, score_basis=score_basis, **options)
+    padded = has_padding(attention_mask)
+    if padded:
+        check_left_padded(attention_mask)
     if cache.settings.deferred:
         _check_tokenizer(tokenizer)
-        if input_ids.shape[1] < 2:
-            raise ValueError("score='kvzip' compresses the prompt but its last token: give at least 2 prompt tokens.")
+        shortest = int(attention_mask.sum(-1).min()) if padded else input_ids.shape[1]
+        if shortest < 2:
+            raise ValueError("score='kvzip' compresses the prompt but its last token: give at least 2 prompt tokens "
+                             "(in every row).")
         context_ids = input_ids[:, :-1]
-        with ragged_attention_for(model, cache):
-            model(input_ids=context_ids, **cache_kwargs(cache), use_cache=True)
+        context_mask = attention_mask[:, :-1] if padded else None
+        with ragged_attention_for(model, cache, padded):
+            model(input_ids=context_ids, **padded_kwargs(context_mask), **cache_kwargs(cache), use_cache=True)
+        if padded:
+            _check_cache_saw_padding(cache)
         compress_by_reconstruction(model, cache, context_ids, tokenizer, chat_template)
-    with ragged_attention_for(model, cache):  # head_budget="heads": the attention that masks per head
-        return model.generate(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(cache), **kwargs)
+    with ragged_attention_for(model, cache, padded):  # head budgets or padding: the attention that masks per head/row
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(cache), **kwargs)
+    if padded:
+        _check_cache_saw_padding(cache)  # raised rather than returned: the rows were not evicted as rows
+    return out
 
 
 @torch.no_grad()
-def append_tokens(model, cache: KNormCache, input_ids: torch.Tensor) -> None:
+def append_tokens(model, cache: KNormCache, input_ids: torch.Tensor,
+                  attention_mask: torch.Tensor | None = None) -> None:
     """Run (B, m) new tokens through ``model`` onto ``cache`` (uncompressed): in one forward if every layer stores
-    the same count, else one token per forward (per-layer ratios; see ``KNormCache.is_uniform``)."""
+    the same count or the batch is padded (a padded cache masks each layer itself), else one token per forward
+    (per-layer ratios; see ``KNormCache.is_uniform``). ``attention_mask`` (B, past + m): the whole batch's, for a
+    left-padded one."""
     if input_ids.shape[1] == 0:
         return
-    steps = [input_ids] if cache.is_uniform() else list(input_ids.split(1, dim=1))
+    several = cache.is_uniform() or cache.is_padded()
+    if has_padding(attention_mask) and not several:
+        raise ValueError("Left-padded tokens onto a KNormCache that takes one token per forward (per-layer ratios "
+                         "on an unpadded cache): pad the prompts too, or use one ratio for every layer.")
+    steps = [input_ids] if several else list(input_ids.split(1, dim=1))
+    done = attention_mask.shape[1] - input_ids.shape[1] if attention_mask is not None else 0
     for step in steps:
-        model(input_ids=step, **cache_kwargs(cache), use_cache=True)
+        done += step.shape[1]
+        mask = None if attention_mask is None else attention_mask[:, :done]
+        positions = padded_kwargs(mask).get("position_ids")
+        extra = {} if positions is None else {"attention_mask": mask, "position_ids": positions[:, -step.shape[1]:]}
+        model(input_ids=step, **extra, **cache_kwargs(cache), use_cache=True)
 
 
-def generate_after(model, cache: KNormCache, context_ids: torch.Tensor, new_ids: torch.Tensor, **generate_kwargs):
+def generate_after(model, cache: KNormCache, context_ids: torch.Tensor, new_ids: torch.Tensor,
+                   context_mask: torch.Tensor | None = None, new_mask: torch.Tensor | None = None,
+                   **generate_kwargs):
     """Append ``new_ids`` (B, m >= 1) to a cache holding ``context_ids`` (B, n) and generate; returns the new tokens.
 
-    With a uniform cache ``generate`` feeds ``new_ids`` itself; otherwise all but the last are fed one by one first.
+    With a uniform (or padded) cache ``generate`` feeds ``new_ids`` itself; otherwise all but the last are fed one by
+    one first. ``context_mask`` (B, n) and ``new_mask`` (B, m): the left padding of a batch of contexts and of new
+    tokens (each row's real new tokens are its last ones; default: no padding).
     """
-    if not cache.is_uniform():
-        append_tokens(model, cache, new_ids[:, :-1])
+    mask = torch.cat([torch.ones_like(context_ids) if context_mask is None else context_mask,
+                      torch.ones_like(new_ids) if new_mask is None else new_mask], dim=1)
+    if not (cache.is_uniform() or cache.is_padded()):
+        append_tokens(model, cache, new_ids[:, :-1], mask[:, :-1])
     ids = torch.cat([context_ids, new_ids], dim=1)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache), **generate_kwargs)
+    with ragged_attention_for(model, cache, has_padding(mask)):
+        out = model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(cache), **generate_kwargs)
     return out[:, ids.shape[1]:]
 
 
@@ -173,6 +215,7 @@ def fork_cache(cache: KNormCache) -> KNormCache:
 @torch.no_grad()
 def answer_questions(model, cache: KNormCache, context_ids: torch.Tensor, questions: list[torch.Tensor], *,
                      prefilled=None, tokenizer=None, chat_template: bool | None = None,
+                     context_mask: torch.Tensor | None = None, question_masks: list[torch.Tensor | None] | None = None,
                      **generate_kwargs) -> list[torch.Tensor]:
     """Compress once, ask many: the context is prefilled and compressed into ``cache`` once (scores included), then
     each question is appended to a copy of the compressed cache (:func:`fork_cache`; the last question to ``cache``
@@ -181,6 +224,9 @@ def answer_questions(model, cache: KNormCache, context_ids: torch.Tensor, questi
 
     Args:
         questions (list of torch.Tensor): (B, m_i >= 1) ids of each question (and answer prefix), not compressed.
+        context_mask (torch.Tensor, optional): (B, n), 0 on the left padding of a batch of contexts of different
+            lengths (each row is compressed as its context alone, :mod:`hf_knorm.eviction.rows`).
+        question_masks (list of torch.Tensor, optional): per question (B, m_i), 0 on its left padding.
         Others: as :func:`answer_after_context`.
 
     Returns:
@@ -190,17 +236,27 @@ def answer_questions(model, cache: KNormCache, context_ids: torch.Tensor, questi
         raise ValueError("answer_questions needs at least one question.")
     if cache.settings.deferred:
         _check_tokenizer(tokenizer)
-    with ragged_attention_for(model, cache):  # head_budget="heads": the attention that masks per head
-        if prefilled is None:
-            model(input_ids=context_ids, **cache_kwargs(cache), use_cache=True)  # prefill: compressed here
+    question_masks = question_masks or [None] * len(questions)
+    padded = has_padding(context_mask) or any(has_padding(mask) for mask in question_masks)
+    for mask in (context_mask, *question_masks):
+        check_left_padded(mask)
+    if padded and prefilled is not None:
+        raise ValueError("answer_questions takes a prefilled cache for unpadded contexts only; pass the padded "
+                         "contexts' ids and mask instead.")
+    with ragged_attention_for(model, cache, padded):  # head budgets or padding: the attention that masks
+        if prefilled is None:  # prefill: compressed here
+            model(input_ids=context_ids, **padded_kwargs(context_mask), **cache_kwargs(cache), use_cache=True)
         else:
             cache.prefill_from(prefilled)
+        if has_padding(context_mask):
+            _check_cache_saw_padding(cache)
         if cache.settings.deferred:
             compress_by_reconstruction(model, cache, context_ids, tokenizer, chat_template)
         answers = []
-        for index, question_ids in enumerate(questions):
+        for index, (question_ids, question_mask) in enumerate(zip(questions, question_masks)):
             target = cache if index == len(questions) - 1 else fork_cache(cache)
-            answers.append(generate_after(model, target, context_ids, question_ids, **generate_kwargs))
+            answers.append(generate_after(model, target, context_ids, question_ids, context_mask, question_mask,
+                                          **generate_kwargs))
         return answers
 
 
@@ -226,6 +282,21 @@ def split_prompt(tokenizer, context: str, question: str, chat_template: bool | N
     return full[:cut], full[cut:]
 
 
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """One input of the ``knorm-text-generation`` pipeline, tokenized (what ``preprocess`` hands on).
+
+    Attributes:
+        context_ids (torch.Tensor): (1, n) the context, compressed.
+        question_ids (tuple of torch.Tensor): (1, m_i) each question (and answer prefix), not compressed.
+        several (bool): The call asked a list of questions (the answer is then a list).
+    """
+
+    context_ids: torch.Tensor
+    question_ids: tuple
+    several: bool
+
+
 class KNormTextGenerationPipeline(Pipeline):
     """``pipeline("knorm-text-generation", model=..., tokenizer=...)``: answer a question about a compressed context.
 
@@ -234,7 +305,13 @@ class KNormTextGenerationPipeline(Pipeline):
     each question answered from a copy of that cache (:func:`answer_questions`). Other
     keywords: the :class:`KNormCache` options, ``score_basis``, ``chat_template`` (default: use the tokenizer's),
     ``answer_prefix`` (text the answer starts with, kept out of the answer), and ``model.generate`` arguments
-    (``do_sample``, ``temperature``, ...). Batch size 1 (each context has its own cache).
+    (``do_sample``, ``temperature``, ...).
+
+    A list of contexts, ``pipe([c1, c2, ...], question=..., batch_size=8)``, runs ``batch_size`` of them at a time as
+    one left-padded batch (:mod:`hf_knorm.eviction.rows`: each row keeps its own tokens, at a budget of its own
+    length), giving what each context gives alone; the contexts of a batch ask the same number of questions. Batching
+    needs the tokenizer's ``pad_token_id`` (Transformers' pipelines refuse to batch without one); the padding's side
+    is the plugin's (left), whatever the tokenizer's.
     """
 
     _pipeline_calls_generate = True
@@ -246,7 +323,7 @@ class KNormTextGenerationPipeline(Pipeline):
                        generate_kwargs=kwargs)
         return preprocess, forward, {}
 
-    def preprocess(self, context: str, question=None, chat_template=None, answer_prefix: str = ""):
+    def preprocess(self, context: str, question=None, chat_template=None, answer_prefix: str = "") -> dict:
         several = isinstance(question, (list, tuple))
         questions = list(question) if several else [question]
         if not isinstance(context, str) or not questions or not all(isinstance(q, str) and q for q in questions):
@@ -259,26 +336,47 @@ class KNormTextGenerationPipeline(Pipeline):
         if any(not torch.equal(ids, context_ids) for ids, _ in encoded):
             raise ValueError("The questions split the prompt differently (the chat template puts the question "
                              "before the context?): ask them one at a time.")
-        return {"context_ids": context_ids, "question_ids": [q for _, q in encoded] if several else encoded[0][1]}
+        return {"prompt": EncodedPrompt(context_ids, tuple(q for _, q in encoded), several)}
 
     def _forward(self, inputs, cache_options, score_basis, generate_kwargs, chat_template=None):
-        context_ids = inputs["context_ids"].to(self.model.device)
-        cache = knorm_cache_for(self.model, score_basis=score_basis, **cache_options)
+        batched = isinstance(inputs["prompt"], list)  # batch_size > 1: Transformers' collate lists the prompts
+        prompts = inputs["prompt"] if batched else [inputs["prompt"]]
+        if len({len(prompt.question_ids) for prompt in prompts}) > 1:
+            raise ValueError("The contexts of a batch ask different numbers of questions; give each the same number, "
+                             "or use batch_size=1.")
+        device = self.model.device
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         kwargs = dict(generate_kwargs)
         if self.tokenizer.pad_token_id is None and "pad_token_id" not in kwargs:
             kwargs["pad_token_id"] = self.tokenizer.eos_token_id
-        several = isinstance(inputs["question_ids"], list)
-        questions = [ids.to(self.model.device) for ids in (inputs["question_ids"] if several else
-                                                           [inputs["question_ids"]])]
+        context_ids, context_mask = left_pad([prompt.context_ids[0].to(device) for prompt in prompts], pad_id)
+        questions, question_masks = [], []
+        for index in range(len(prompts[0].question_ids)):
+            ids, mask = left_pad([prompt.question_ids[index][0].to(device) for prompt in prompts], pad_id)
+            questions.append(ids)
+            question_masks.append(mask)
+        cache = knorm_cache_for(self.model, score_basis=score_basis, **cache_options)
         new_ids = answer_questions(self.model, cache, context_ids, questions, tokenizer=self.tokenizer,
-                                   chat_template=chat_template, **kwargs)
-        return {"new_ids": [ids[0] for ids in new_ids], "several": several,
-                "stored_tokens": cache.stored_tokens()}
+                                   chat_template=chat_template, context_mask=context_mask,
+                                   question_masks=question_masks, **kwargs)
+        rows = [{"new_ids": [ids[row] for ids in new_ids], "several": prompt.several,
+                 "stored_tokens": _stored_tokens(cache, row)} for row, prompt in enumerate(prompts)]
+        if not batched:
+            return rows[0]
+        return {key: [row[key] for row in rows] for key in ("new_ids", "several", "stored_tokens")}
 
     def postprocess(self, outputs):
         answers = [{"answer": self.tokenizer.decode(ids, skip_special_tokens=True).strip()}
                    for ids in outputs["new_ids"]]
         return answers if outputs["several"] else answers[0]
+
+
+def _stored_tokens(cache: KNormCache, row: int) -> list[int]:
+    """Tokens batch row ``row`` stores per head, layer by layer (the longest head's; a padded row's own)."""
+    if any(isinstance(layer, KNormLayer) for layer in cache.layers) and not cache.is_padded():
+        return cache.stored_tokens()
+    return [int(cache.stored_per_head(index)[row].max()) if isinstance(layer, KNormLayer) else stored
+            for index, (layer, stored) in enumerate(zip(cache.layers, cache.stored_tokens()))]
 
 
 TASK = "knorm-text-generation"

@@ -44,6 +44,7 @@ from transformers.masking_utils import sdpa_mask
 from .budgets import head_adaptive_keep
 from .registered_attention import register_attention
 from .cache import KNormLayer, _check_unpadded_positions
+from .rows import live_mask
 
 __all__ = ["CAPACITY_SLACK", "RAGGED_ATTENTION", "RaggedKNormLayer", "RaggedViews", "ragged_attention",
            "ragged_attention_for", "register"]
@@ -82,6 +83,15 @@ class RaggedKNormLayer(KNormLayer):
         ends, lengths (torch.Tensor): (B, H_kv) int64, where each head's slice ends (its first free slot) and how many
             pairs it holds; ``starts`` is ``ends - lengths``.
     """
+
+    is_croppable = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "KNormCache(head_budget='heads') cannot be cropped: it takes one token per forward after the prompt, and "
+            "assisted/speculative decoding verifies several at once. Use head_budget='uniform' (croppable after the "
+            "prompt's compression) or a DynamicCache."
+        )
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -286,21 +296,27 @@ def _attend_per_head(query: torch.Tensor, views: RaggedViews, attention_mask, sc
 def ragged_attention(module, query, key, value, attention_mask, **kwargs):
     """SDPA attention (Transformers' ``sdpa_attention_forward``) that also reads a :class:`RaggedKNormLayer`'s
     decoding step: when ``key`` carries ``knorm_ragged`` (:class:`RaggedViews`), the query token attends each KV head's
-    slice of the store (module docstring). Otherwise this is exactly SDPA."""
+    slice of the store (module docstring). When ``key`` carries ``knorm_live`` (B, L) (a padded batch's step after
+    its prompt, :mod:`hf_knorm.eviction.rows`), SDPA runs with :func:`~hf_knorm.eviction.rows.live_mask` in place of
+    the mask Transformers built. Otherwise this is exactly SDPA."""
     if kwargs.get("softcap") is not None:
         raise ValueError("The knorm_ragged attention (SDPA) has no logit softcapping; head_budget='heads' does not "
                          "support this model (use head_budget='uniform').")
     views = getattr(key, "knorm_ragged", None)
     if views is not None:
         return _attend_per_head(query, views, attention_mask, kwargs.get("scaling"), kwargs.get("dropout", 0.0))
+    live = getattr(key, "knorm_live", None)
+    if live is not None:  # a padded batch after its prompt: the layer's own mask of real slots
+        return sdpa_attention_forward(module, query, key, value, live_mask(live, query.shape[2]), **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 @contextmanager
-def ragged_attention_for(model, cache):
+def ragged_attention_for(model, cache, padded: bool = False):
     """Run ``model`` with the ``"knorm_ragged"`` attention while the block runs if ``cache`` has per-head counts
-    (``head_budget="heads"``); its own attention is given back afterwards, even on error. Otherwise does nothing."""
-    if not any(isinstance(layer, RaggedKNormLayer) for layer in cache.layers):
+    (``head_budget="heads"``) or the batch is ``padded`` (each row keeps its own tokens, :mod:`hf_knorm.eviction.rows`);
+    its own attention is given back afterwards, even on error. Otherwise does nothing."""
+    if not padded and not any(isinstance(layer, RaggedKNormLayer) for layer in cache.layers):
         yield
         return
     register()

@@ -194,6 +194,12 @@ def reconstruction_importance(model, cache: KNormCache, chunks: list[torch.Tenso
                          for layer in cache.layers if isinstance(layer, KNormLayer)):
         raise ValueError("The reconstruction needs a KNormCache holding exactly its prompt, uncompressed "
                          "(KNormCache(score='kvzip') right after the prefill).")
+    return _importance(model, _reading_cache(cache), scored, chunks)
+
+
+def _importance(model, reading: Cache, scored: dict[int, int], chunks: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Run the reconstruction ``chunks`` on copies of ``reading`` (a plain cache holding the prompt) and return, per
+    layer index of ``scored`` (-> its prompt length), the (B, H_kv, n) largest weight each cached pair receives."""
     importance: dict[int, torch.Tensor] = {}
 
     def collect(module, query, key, scaling):
@@ -206,11 +212,45 @@ def reconstruction_importance(model, cache: KNormCache, chunks: list[torch.Tenso
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     with _collecting(model, collect):
         for ids in chunks:
-            model(input_ids=ids, **cache_kwargs(_reading_cache(cache)), use_cache=True, **extra)
+            model(input_ids=ids, **cache_kwargs(_copied(reading)), use_cache=True, **extra)
     missing = sorted(set(scored) - set(importance))
     if missing:
         raise ValueError(f"The reconstruction saw no attention call of layer(s) {missing}: the model does not attend "
                          "through Transformers' attention interface.")
+    return importance
+
+
+def _copied(reading: Cache) -> Cache:
+    """A plain cache reading ``reading``'s tensors (no copy): each chunk appends to its own, then drops it."""
+    return Cache(layers=[copy.copy(layer) for layer in reading.layers])
+
+
+def _row_importance(model, cache: KNormCache, context_ids: torch.Tensor, prompt: ReconstructionPrompt,
+                    chunk_size: int, tail: int) -> dict[int, torch.Tensor]:
+    """KVzip's importance for a left-padded batch (:mod:`hf_knorm.eviction.rows`): each row's reconstruction runs on
+    the row alone (its real context tokens and its cached pairs), as it would unbatched; returned in the padded
+    layout, (B, H_kv, N) per layer, 0 on padding (never read: a row is ranked on its real slots only)."""
+    layers = [layer for layer in cache.layers if isinstance(layer, KNormLayer)]
+    if len(layers) != len(cache.layers):
+        raise ValueError("score='kvzip' on a padded batch runs each row's reconstruction alone, which this model's "
+                         "sliding-window layers do not support: generate one sequence at a time.")
+    live = layers[0].positions[:, 0] >= 0  # (B, N): the same real slots in every layer before compression
+    importance = {layer.layer_idx: layer.keys.new_zeros(layer.positions.shape, dtype=torch.float32)
+                  for layer in layers}
+    for row in range(context_ids.shape[0]):
+        slots = live[row].nonzero().squeeze(-1)
+        reading = []
+        for layer in layers:
+            plain = DynamicLayer()
+            keys, values = layer.keys[row:row + 1, :, slots], layer.values[row:row + 1, :, slots]
+            plain.lazy_initialization(keys, values)
+            plain.keys, plain.values = keys, values
+            reading.append(plain)
+        chunks = reconstruction_chunks(context_ids[row:row + 1, slots], prompt, chunk_size, tail)
+        scored = {layer.layer_idx: slots.numel() for layer in layers}
+        for index, weights in _importance(model, Cache(layers=reading), scored, chunks).items():
+            importance[index] = importance[index].to(weights.dtype)
+            importance[index][row:row + 1, :, slots] = weights
     return importance
 
 
@@ -221,7 +261,8 @@ def compress_by_reconstruction(model, cache: KNormCache, context_ids: torch.Tens
     Args:
         model (PreTrainedModel): The decoder the context was prefilled with (softmax attention).
         cache (KNormCache): A ``KNormCache(score="kvzip", ...)`` holding exactly the prefilled context.
-        context_ids (torch.Tensor): (B, n) the context's ids, as prefilled (unpadded).
+        context_ids (torch.Tensor): (B, n) the context's ids, as prefilled; left-padded rows (a padded batch,
+            :mod:`hf_knorm.eviction.rows`) are reconstructed one row at a time, each as it would be alone.
         tokenizer: The model's tokenizer (the reconstruction prompt is text).
         chat_template (bool, optional): Wrap the prompt in the tokenizer's chat template (default: when it has one).
 
@@ -234,8 +275,15 @@ def compress_by_reconstruction(model, cache: KNormCache, context_ids: torch.Tens
     if tokenizer is None:
         raise ValueError("score='kvzip' needs the tokenizer (its reconstruction prompt is text): pass tokenizer=.")
     prompt = reconstruction_prompt(tokenizer, chat_template)
-    chunks = reconstruction_chunks(context_ids, prompt, score.chunk_size, score.tail)
-    importance = reconstruction_importance(model, cache, chunks)
+    if any(getattr(layer, "row_lengths", None) is not None for layer in cache.layers):  # a padded batch: by row
+        _check_model(model)
+        if not cache.awaits_importance():
+            raise ValueError("This KNormCache is not waiting for a reconstruction score: it needs score='kvzip' and "
+                             "is scored once, right after the prefill.")
+        importance = _row_importance(model, cache, context_ids, prompt, score.chunk_size, score.tail)
+    else:
+        chunks = reconstruction_chunks(context_ids, prompt, score.chunk_size, score.tail)
+        importance = reconstruction_importance(model, cache, chunks)
     cache.compress_prompts(importance)
     return importance
 

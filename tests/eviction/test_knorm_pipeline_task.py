@@ -40,10 +40,11 @@ def test_uncompressed_answer_equals_plain_generate(pipe):
 
 
 def test_the_context_is_compressed_and_the_question_is_not(pipe):
-    context_ids = pipe.preprocess(SAMPLE_TEXT, question=QUESTION)["context_ids"]
+    prompt = pipe.preprocess(SAMPLE_TEXT, question=QUESTION)["prompt"]
+    context_ids = prompt.context_ids
     outputs = pipe._forward(pipe.preprocess(SAMPLE_TEXT, question=QUESTION),
                             cache_options={"compression_ratio": 0.5}, score_basis=None, generate_kwargs=dict(FIXED))
-    question_and_answer = pipe.preprocess(SAMPLE_TEXT, question=QUESTION)["question_ids"].shape[1] + 5 - 1
+    question_and_answer = prompt.question_ids[0].shape[1] + 5 - 1
     kept = context_ids.shape[1] - context_ids.shape[1] // 2
     assert outputs["stored_tokens"] == [kept + question_and_answer] * 2
     torch.manual_seed(0)
@@ -64,7 +65,7 @@ def test_the_reconstruction_prompt_in_the_default_chat_template(pipe):
     assert decode(prompt.prefix_ids).startswith("<|im_start|>system") and decode(prompt.prefix_ids).endswith("user\n")
     assert decode(prompt.first_ids) == "\n\n" + FIRST_PROMPT
     assert decode(prompt.suffix_ids) == "<|im_end|>\n<|im_start|>assistant\n"
-    context_ids = pipe.preprocess(SAMPLE_TEXT, question=QUESTION)["context_ids"]
+    context_ids = pipe.preprocess(SAMPLE_TEXT, question=QUESTION)["prompt"].context_ids
     assert torch.equal(context_ids[:, :prompt.prefix_ids.shape[1]], prompt.prefix_ids)  # the prefix is cut cleanly
     (chunk,) = reconstruction_chunks(context_ids, prompt, 2048, 8)
     assert decode(chunk) == "\n\n" + FIRST_PROMPT + "<|im_end|>\n<|im_start|>assistant\n" + SAMPLE_TEXT

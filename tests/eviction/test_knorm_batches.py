@@ -1,0 +1,349 @@
+"""Padded batches and ``crop`` for KNormCache (issue 65, item 2): a left-padded batch of prompts of different lengths
+gives each row what its prompt gives alone (same greedy tokens, logits within 1e-4 in fp32 on the CPU, the same kept
+positions), through ``knorm_generate``, ``model.generate`` and the pipeline; ``crop`` is exact for tokens appended
+after the last eviction and refused, naming why, otherwise."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from knorm_helpers import NO_EOS, knorm_model, word_text, word_tokenizer
+from transformers import DynamicCache
+
+from hf_knorm.compat import cache_kwargs
+from hf_knorm.eviction.cache import KNormCache, kept_count
+from hf_knorm.eviction.pipeline import answer_questions, knorm_cache_for, knorm_generate
+from hf_knorm.eviction.ragged import ragged_attention_for
+from hf_knorm.eviction.rows import left_pad, live_mask
+
+LENGTHS = (21, 12, 17)  # the first is the longest: rows 1 and 2 are padded
+ATOL = 1e-4  # fp32 on the CPU: a padded batch sums in another order than a single row (seen: <= 2e-6)
+NEW = 5
+
+
+def _config(model, **extra):
+    config = copy.deepcopy(model.generation_config)
+    config.update(**{**dict(eos_token_id=NO_EOS, pad_token_id=0, max_new_tokens=NEW, do_sample=False,
+                            output_logits=True, return_dict_in_generate=True), **extra})
+    return config
+
+
+def _prompts(lengths=LENGTHS, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 100, (n,), generator=generator) for n in lengths]
+
+
+def _assert_rows_equal_alone(model, prompts, generate_one, generate_batch):
+    """``generate_batch(ids, mask)`` on the left-padded prompts against ``generate_one(ids)`` on each: tokens equal,
+    every step's logits within ATOL, kept positions of every KNorm layer equal (each row's real slots)."""
+    ids, mask = left_pad(prompts, pad_id=0)
+    batch, batch_cache = generate_batch(ids, mask)
+    width = ids.shape[1]
+    for row, prompt in enumerate(prompts):
+        alone, alone_cache = generate_one(prompt[None])
+        assert torch.equal(batch.sequences[row, width:], alone.sequences[0, prompt.numel():])
+        for step_batch, step_alone in zip(batch.logits, alone.logits, strict=True):
+            torch.testing.assert_close(step_batch[row], step_alone[0], atol=ATOL, rtol=0)
+        for index, layer in enumerate(alone_cache.layers):
+            if getattr(layer, "row_lengths", 0) is None and hasattr(layer, "positions"):  # a KNorm layer
+                kept = batch_cache.kept_positions(index)[row]
+                real = kept[kept >= 0].reshape(kept.shape[0], -1)
+                assert torch.equal(real, alone_cache.kept_positions(index)[0])
+
+
+@pytest.mark.parametrize("options", [dict(score="key_norm"), dict(score="kv_diff"),
+                                     dict(score="kv_diff", decoding_budget=9, sink_tokens=2),
+                                     dict(score="recent", recent_window=3), dict(score="random")],
+                         ids=["key_norm", "kv_diff", "kv_diff-decoding_budget", "recent", "random"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3_text"])  # GQA; QK-norm; QK-norm and sliding
+def test_knorm_generate_on_a_padded_batch_equals_each_prompt_alone(model_type, options):
+    model = knorm_model(model_type)
+    config = _config(model)
+
+    def run(ids, mask=None):
+        out = knorm_generate(model, ids, mask, compression_ratio=0.5, generation_config=config, **options)
+        return out, None
+
+    prompts = _prompts()
+    ids, mask = left_pad(prompts, pad_id=0)
+    batch = run(ids, mask)[0]
+    for row, prompt in enumerate(prompts):
+        alone = run(prompt[None])[0]
+        assert torch.equal(batch.sequences[row, ids.shape[1]:], alone.sequences[0, prompt.numel():])
+        for step_batch, step_alone in zip(batch.logits, alone.logits, strict=True):
+            torch.testing.assert_close(step_batch[row], step_alone[0], atol=ATOL, rtol=0)
+    assert model.config._attn_implementation == "sdpa"  # given back
+
+
+@pytest.mark.parametrize("options", [dict(compression_ratio=0.5), dict(budget=8, score="kv_diff", recent_window=2),
+                                     dict(compression_ratio=0.6, layer_ratios={0: 0.0})])
+def test_model_generate_keeps_each_rows_own_tokens(options):
+    """``model.generate`` with a KNormCache under the knorm_ragged attention: every row keeps the positions it keeps
+    alone (a row's budget is of its own length; padding never kept), per-layer ratios included."""
+    model = knorm_model("llama")
+    config = _config(model)
+
+    def run(ids, mask=None):
+        cache = KNormCache(config=model.config, **options)
+        mask = torch.ones_like(ids) if mask is None else mask
+        with ragged_attention_for(model, cache, padded=True):
+            return model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(cache),
+                                  generation_config=config), cache
+
+    _assert_rows_equal_alone(model, _prompts(), run, run)
+    ids, mask = left_pad(_prompts(), pad_id=0)
+    cache = run(ids, mask)[1]
+    counts = cache.stored_per_head(1)[:, 0].tolist()  # layer 1 is compressed: each row its own count
+    if "budget" in options:
+        assert counts == [8 + NEW - 1] * 3
+    else:
+        assert counts == [kept_count(n, options["compression_ratio"]) + NEW - 1 for n in LENGTHS]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_kvzip_on_a_padded_batch_reconstructs_each_row_alone(model_type):
+    model = knorm_model(model_type)
+    tokenizer = word_tokenizer()
+    config = _config(model)
+    prompts = [tokenizer(word_text(n, seed=n), return_tensors="pt")["input_ids"][0] for n in LENGTHS]
+
+    def run(ids, mask=None):
+        out = knorm_generate(model, ids, mask, compression_ratio=0.5, score="kvzip", tokenizer=tokenizer,
+                             chat_template=False, generation_config=config)
+        return out, None
+
+    ids, mask = left_pad(prompts, pad_id=0)
+    batch = run(ids, mask)[0]
+    for row, prompt in enumerate(prompts):
+        alone = run(prompt[None])[0]
+        assert torch.equal(batch.sequences[row, ids.shape[1]:], alone.sequences[0, prompt.numel():])
+        for step_batch, step_alone in zip(batch.logits, alone.logits, strict=True):
+            torch.testing.assert_close(step_batch[row], step_alone[0], atol=ATOL, rtol=0)
+
+
+def test_padded_questions_after_padded_contexts():
+    """The kvpress protocol on a batch: contexts and questions of different lengths, both left-padded (the
+    questions' padding lands in the middle of each row), each row answered as alone; several questions too."""
+    model = knorm_model("qwen3")
+    contexts, questions = _prompts((19, 11, 15)), _prompts((3, 6, 1), seed=2)
+    others = _prompts((4, 2, 5), seed=3)
+    generate = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    context_ids, context_mask = left_pad(contexts, 0)
+    question_ids, question_mask = left_pad(questions, 0)
+    other_ids, other_mask = left_pad(others, 0)
+    cache = knorm_cache_for(model, compression_ratio=0.5, score="kv_diff")
+    batch = answer_questions(model, cache, context_ids, [question_ids, other_ids], context_mask=context_mask,
+                             question_masks=[question_mask, other_mask], **generate)
+    for row in range(3):
+        alone = answer_questions(model, knorm_cache_for(model, compression_ratio=0.5, score="kv_diff"),
+                                 contexts[row][None], [questions[row][None], others[row][None]], **generate)
+        assert all(torch.equal(b[row], a[0]) for b, a in zip(batch, alone, strict=True))
+
+
+def test_beam_search_on_a_padded_batch_equals_each_prompt_alone():
+    """Beam search on a padded batch: the rows are expanded to beams before the prompt (each beam a padded row of
+    its own) and reordered within a row after it (``reorder_cache``); every row's best beam is the one alone."""
+    model = knorm_model("llama")
+    config = _config(model, num_beams=3, output_logits=False)
+
+    def run(ids, mask=None):
+        return knorm_generate(model, ids, mask, compression_ratio=0.5, score="kv_diff", generation_config=config)
+
+    prompts = _prompts()
+    ids, mask = left_pad(prompts, pad_id=0)
+    batch = run(ids, mask)
+    for row, prompt in enumerate(prompts):
+        assert torch.equal(batch.sequences[row, ids.shape[1]:], run(prompt[None]).sequences[0, prompt.numel():])
+
+
+def test_the_live_mask():
+    live = torch.tensor([[False, True, True, True, True], [True, True, False, True, False]])
+    mask = live_mask(live, 2)  # two stored slots then a 2-token step
+    assert mask.shape == (2, 1, 2, 5)
+    assert mask[0, 0].tolist() == [[False, True, True, True, False], [False, True, True, True, True]]
+    assert mask[1, 0].tolist() == [[True, True, False, True, False], [True, True, False, True, False]]
+
+
+def test_padded_batches_are_refused_where_they_cannot_be_exact():
+    model = knorm_model("llama")
+    ids, mask = left_pad(_prompts(), pad_id=0)
+    generate = dict(max_new_tokens=2, pad_token_id=0)
+    with pytest.raises(ValueError, match="knorm_ragged"):  # Transformers' mask does not describe the rows
+        model.generate(input_ids=ids, attention_mask=mask, cache=KNormCache(0.5, config=model.config), **generate)
+    model.set_attn_implementation("knorm_ragged")  # what the error says: the name is registered by then
+    try:
+        model.generate(input_ids=ids, attention_mask=mask, cache=KNormCache(0.5, config=model.config), **generate)
+    finally:
+        model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="config=model.config"):
+        model.generate(input_ids=ids, attention_mask=mask, cache=KNormCache(0.5), **generate)
+    with pytest.raises(ValueError, match=r"head_budget='heads'\) got a padded batch"):
+        knorm_generate(model, ids, mask, compression_ratio=0.5, head_budget="heads", **generate)
+    with pytest.raises(ValueError, match="layer_budget='skip_first'"):
+        knorm_generate(model, ids, mask, compression_ratio=0.5, layer_budget="skip_first", **generate)
+    import hf_knorm
+
+    patched = hf_knorm.patch(knorm_model("llama"), normalization="x^3/16")
+    with pytest.raises(ValueError, match="patched with x\\^3/16"):  # knorm_ragged would drop the patch
+        knorm_generate(patched, ids, mask, compression_ratio=0.5, **generate)
+    right = torch.flip(mask, dims=[1])  # right padding: refused from the mask, and from the position ids
+    with pytest.raises(ValueError, match="left-padded"):
+        knorm_generate(model, ids, right, compression_ratio=0.5, **generate)
+    cache = KNormCache(0.5, config=model.config)
+    with ragged_attention_for(model, cache, padded=True), pytest.raises(ValueError, match="not left-padded"):
+        model.generate(input_ids=ids, attention_mask=right, **cache_kwargs(cache), **generate)
+
+
+def test_kvzip_on_a_padded_batch_refuses_sliding_window_layers():
+    model = knorm_model("gemma3_text")
+    ids, mask = left_pad(_prompts(), pad_id=0)
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        knorm_generate(model, ids, mask, compression_ratio=0.5, score="kvzip", tokenizer=word_tokenizer(),
+                       chat_template=False, max_new_tokens=2, pad_token_id=0)
+
+
+def test_a_model_that_hides_the_positions_from_the_cache_is_refused(monkeypatch):
+    """Transformers before 5.24 (and GPT-NeoX) call ``Cache.update`` without position ids: the cache cannot see the
+    padding, and knorm_generate raises instead of returning rows evicted as one block."""
+    import hf_knorm.eviction.cache as cache_module
+
+    model = knorm_model("llama")
+    ids, mask = left_pad(_prompts(), pad_id=0)
+    monkeypatch.setattr(cache_module, "update_position_ids", lambda kwargs: None)
+    with pytest.raises(ValueError, match="does not give the cache its position ids"):
+        knorm_generate(model, ids, mask, compression_ratio=0.5, max_new_tokens=2, pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    """The knorm-text-generation pipeline on a tiny Llama with the default model's tokenizer (its padding side is
+    right: the pipeline pads on the left itself)."""
+    import transformers as tf
+    from tiny_models import tiny_config
+
+    from hf_knorm.assets.default_model import default_model_dir
+
+    tokenizer = tf.AutoTokenizer.from_pretrained(default_model_dir())
+    config = tiny_config("llama")
+    config.update(dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    return tf.pipeline("knorm-text-generation", model=model, tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize("score", ["key_norm", "kv_diff", "kvzip"])
+def test_the_pipeline_on_a_list_of_contexts_equals_one_at_a_time(pipe, score):
+    from hf_knorm.assets.texts import SAMPLE_TEXT
+
+    words = SAMPLE_TEXT.split()
+    contexts = [" ".join(words[:n]) for n in (40, 22, 31)]
+    fixed = dict(compression_ratio=0.5, score=score, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    questions = ["How many steps?", "Who climbed the stairs of the old tower?"]
+    batched = pipe(contexts, question=questions, batch_size=3, **fixed)
+    assert batched == [pipe(context, question=questions, **fixed) for context in contexts]
+    one = "Which steps?"
+    assert pipe(contexts, question=one, batch_size=2, **fixed) == [pipe(context, question=one, **fixed)
+                                                                   for context in contexts]
+    inputs = [pipe.preprocess(context, question=one) for context in contexts]
+    outputs = pipe._forward({"prompt": [item["prompt"] for item in inputs]}, cache_options=fixed_cache(fixed),
+                            score_basis=None, generate_kwargs=dict(max_new_tokens=4, min_new_tokens=4))
+    for row, item in enumerate(inputs):  # each row's own stored count (its kept context, question and answer)
+        alone = pipe._forward(item, cache_options=fixed_cache(fixed), score_basis=None,
+                              generate_kwargs=dict(max_new_tokens=4, min_new_tokens=4))
+        assert outputs["stored_tokens"][row] == alone["stored_tokens"]
+        assert all(torch.equal(a, b) for a, b in zip(outputs["new_ids"][row], alone["new_ids"], strict=True))
+
+
+def fixed_cache(fixed: dict) -> dict:
+    return {name: fixed[name] for name in ("compression_ratio", "score")}
+
+
+def test_default_model_batch_equals_each_prompt_alone(default_model_and_tokenizer):
+    """SmolLM2-135M-Instruct, kv_diff at ratio 0.5: three prompts of 40-64 tokens in one left-padded batch."""
+    from hf_knorm.assets.texts import SAMPLE_TEXT
+
+    model, tokenizer = default_model_and_tokenizer
+    ids = tokenizer(SAMPLE_TEXT, return_tensors="pt")["input_ids"][0]
+    prompts = [ids[:64], ids[10:50], ids[5:57]]
+    config = _config(model)
+
+    def run(batch_ids, mask=None):
+        return knorm_generate(model, batch_ids, mask, compression_ratio=0.5, score="kv_diff",
+                              generation_config=config), None
+
+    batch_ids, mask = left_pad(prompts, pad_id=tokenizer.pad_token_id)
+    batch = run(batch_ids, mask)[0]
+    for row, prompt in enumerate(prompts):
+        alone = run(prompt[None])[0]
+        assert torch.equal(batch.sequences[row, batch_ids.shape[1]:], alone.sequences[0, prompt.numel():])
+        for step_batch, step_alone in zip(batch.logits, alone.logits, strict=True):
+            torch.testing.assert_close(step_batch[row], step_alone[0], atol=ATOL, rtol=0)
+
+
+# --- crop ------------------------------------------------------------------------------------------------------------
+def _step(model, cache, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, **cache_kwargs(cache), use_cache=True).logits
+
+
+@pytest.mark.parametrize("options", [dict(compression_ratio=0.5), dict(compression_ratio=0.5, score="kv_diff")])
+def test_crop_of_tokens_appended_after_compression_is_exact(options):
+    """A verification step of 4 draft tokens onto a compressed cache, 3 of them cropped: the cache is then the one
+    that got only the accepted token (same positions; states and next logits equal up to the fp32 noise of a
+    4-token forward against a 1-token one)."""
+    model = knorm_model("llama")
+    prompt, draft = _prompts((20,))[0][None], _prompts((4,), seed=5)[0][None]
+    drafted, accepted = KNormCache(config=model.config, **options), KNormCache(config=model.config, **options)
+    for cache in (drafted, accepted):
+        _step(model, cache, prompt)
+    _step(model, drafted, draft)
+    drafted.crop(-3)
+    _step(model, accepted, draft[:, :1])
+    assert drafted.get_seq_length() == accepted.get_seq_length() == 21
+    for mine, theirs in zip(drafted.layers, accepted.layers):  # the accepted token came in a 4-token forward
+        assert torch.equal(mine.positions, theirs.positions)
+        torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=0)
+        torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=0)
+    following = draft[:, 1:3]
+    torch.testing.assert_close(_step(model, drafted, following), _step(model, accepted, following), atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="negative number"):
+        drafted.crop(2)
+    with pytest.raises(ValueError, match="only the 3 tokens appended since its last eviction"):
+        drafted.crop(-4)  # would reach into the compressed prompt
+
+
+def test_crop_of_a_padded_batch_keeps_each_rows_count():
+    model = knorm_model("llama")
+    ids, mask = left_pad(_prompts(), pad_id=0)
+    cache = KNormCache(0.5, config=model.config)
+    draft = torch.randint(4, 100, (3, 4))
+    with ragged_attention_for(model, cache, padded=True), torch.no_grad():
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache), use_cache=True)
+        before = [layer.row_lengths.clone() for layer in cache.layers]
+        full = torch.cat([mask, torch.ones_like(draft)], dim=1)
+        model(input_ids=draft, attention_mask=full, position_ids=positions[:, -1:] + 1 + torch.arange(4),
+              **cache_kwargs(cache), use_cache=True)
+    cache.crop(-4)
+    assert all(torch.equal(layer.row_lengths, rows) for layer, rows in zip(cache.layers, before))
+    assert cache.get_seq_length() == ids.shape[1]
+
+
+def test_assisted_generate():
+    """Transformers' assisted generate runs the prompt and the first draft in one forward: with nothing evicted
+    (ratio 0) every crop is exact and the tokens are a DynamicCache's; a compressing cache refuses at its first crop,
+    naming why."""
+    model = knorm_model("llama")
+    prompt = _prompts((24,))[0][None]
+    ids = torch.cat([prompt, prompt[:, :8]], dim=1)  # repeats: prompt lookup drafts something
+    config = _config(model, max_new_tokens=8)
+    plain = model.generate(input_ids=ids, **cache_kwargs(DynamicCache()), generation_config=config)
+    assisted = model.generate(input_ids=ids, **cache_kwargs(KNormCache(config=model.config)),
+                              generation_config=config, prompt_lookup_num_tokens=3)
+    assert torch.equal(plain.sequences, assisted.sequences)
+    with pytest.raises(ValueError, match="compresses together"):
+        model.generate(input_ids=ids, **cache_kwargs(KNormCache(0.5, config=model.config)), generation_config=config,
+                       prompt_lookup_num_tokens=3)
