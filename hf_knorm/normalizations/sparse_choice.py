@@ -31,7 +31,18 @@ import torch
 
 from .prefix_kv_diff import REACH, prefix_kv_diff
 
-DEFAULT_SCORE = "key_norm"
+DEFAULT_SCORE = "prefix_kv_diff"
+"""The one default score (the parser's for ``+ sparse K`` without a score, ``hf-knorm convert``'s, the recurrent
+cache's): ``prefix_kv_diff``. Why: it is the score measured best for retrieval beyond the window
+(docs/results/conversion.md, 'The default conversion': at 4,000 tokens it keeps 6 of 8 passkeys on each of three
+seeds where ``value_over_key`` keeps 0, 0 and 2, and ``key_norm`` 1 of 8 at 64 pairs), and it ranks pairs by their
+directions in context, so the keys of a QK-norm model (Qwen3, Gemma3), which share one norm, do not all tie as they
+do under ``key_norm``. It needs a window of at least ``REACH + 1 = 3`` keys; a shorter window names another score."""
+
+LEGACY_DEFAULT_SCORE = "key_norm"
+"""What ``+ sparse K`` without a score meant before :data:`DEFAULT_SCORE` was ``prefix_kv_diff`` (the parser's
+default until then): a saved record without a ``score`` reads as this (:meth:`.windowed.Windowed.from_record`), so a
+model saved then means what it meant. The canonical name and the record have always spelled the score."""
 
 
 def _key_norm(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -72,7 +83,9 @@ def check_sparse_score(score: str, window: int | None = None) -> None:
     if score in PREFIX_SCORES:
         if window is not None and window <= REACH:
             raise ValueError(f"{score} is final {REACH} tokens after its token, so it needs a softmax window of at "
-                             f"least {REACH + 1} (the window's pairs are not ranked); got {window}.")
+                             f"least {REACH + 1} (the window's pairs are not ranked); got {window}"
+                             + (" (it is the default score: spell a per-token one, e.g. 'sparse K (key_norm)')."
+                                if score == DEFAULT_SCORE else "."))
         return
     if score in SPARSE_SCORES:
         return

@@ -67,7 +67,7 @@ def _prompts(batch=2, length=30, pad=3, seed=0):
     ("llama", "x/1 + softmax window 3 + sinks 1 + sparse 2"),
     ("qwen3", "x/sqrtN + softmax window 4 + sparse 3 (value_over_key)"),
     ("gpt2", "x^3/16 + softmax window 3 + sinks 2 + sparse 2"),
-    ("llama", "sigmoid(bias=learned) + softmax window 2 + sparse 4"),
+    ("llama", "sigmoid(bias=learned) + softmax window 2 + sparse 4 (key_norm)"),
     ("qwen3", "x/1 + softmax window 3 + sinks 1 + sparse 2 (prefix_kv_diff)"),
     ("llama", "x/1 + softmax window 3 + sinks 1 + sparse 2 (key_norm) + clusters 4"),  # clusters: fitted first
     ("qwen3", "x/1 + softmax window 3 + sinks 1 + sparse 2 (prefix_kv_diff) + clusters 3"),
@@ -121,18 +121,19 @@ def _decode(model, ids, mask, cache, sizes):
 
 @pytest.mark.parametrize("spelling", ["x/1 + softmax window 3 + sparse 2", "x/1 + softmax window 3 + sinks 2 + sparse 3",
                                       "x/sqrtN + softmax window 4 + sinks 1 + sparse 2 (value_over_key)",
-                                      "x/16 + softmax window 2 + sparse 1",
+                                      "x/16 + softmax window 2 + sparse 1 (key_norm)",
                                       "x/1 + softmax window 3 + sinks 1 + sparse 3 (prefix_kv_diff)"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 @pytest.mark.parametrize("rows", [256, 2])  # 2: the full forward and the prompt's chunks in blocks (sparse._chunked)
 def test_decoding_from_the_bounded_cache_equals_the_full_forward(model_type, spelling, rows, monkeypatch):
     """A left-padded prompt in two chunks (5 then 4 tokens), then 21 tokens one by one: pairs enter the cache, are
     displaced and join the state; every real row's logits are the full forward's. Qwen3's QK-norm gives every key
-    about one norm (key_norm would choose by rounding: sparse_choice.py), so it runs value_over_key instead.
-    ``prefix_kv_diff`` carries its running statistics from one call to the next (its tail of scores included)."""
+    about one norm (key_norm would choose by rounding: sparse_choice.py), so it runs value_over_key there instead.
+    ``prefix_kv_diff`` (the default score) carries its running statistics from one call to the next (its tail of
+    scores included)."""
     monkeypatch.setattr(sparse, "ROWS", rows)
-    if model_type == "qwen3" and "(" not in spelling:
-        spelling += " (value_over_key)"
+    if model_type == "qwen3":
+        spelling = spelling.replace("(key_norm)", "(value_over_key)")
     model = hf_knorm.patch(tiny_model(model_type), spelling)
     normalization = hf_knorm.parse_normalization(spelling)
     ids, mask = _prompts()
@@ -154,7 +155,7 @@ def test_decoding_from_the_bounded_cache_equals_the_full_forward(model_type, spe
 def test_the_cache_holds_the_pairs_the_reference_chooses():
     """After 30 tokens, each head's cache holds the K older keys of lowest norm among those the next query reads
     beyond its window (the reference's rule, on the keys a K/V cache kept from the same steps)."""
-    spelling = "x/1 + softmax window 3 + sinks 1 + sparse 3"
+    spelling = "x/1 + softmax window 3 + sinks 1 + sparse 3 (key_norm)"
     model = hf_knorm.patch(tiny_model("llama"), spelling)
     ids, mask = _prompts()
     sizes = (9,) + (1,) * 21
@@ -223,7 +224,7 @@ def test_a_polynomial_base_generates_with_the_kv_cache():
 
 
 def test_the_bounded_cache_does_not_grow_with_the_context():
-    model = hf_knorm.patch(tiny_model("llama"), "x/1 + softmax window 4 + sinks 2 + sparse 3")
+    model = hf_knorm.patch(tiny_model("llama"), "x/1 + softmax window 4 + sinks 2 + sparse 3 (key_norm)")
     ids, mask = _prompts(batch=1, length=10)
     sizes, pairs = [], []
     for new_tokens in (4, 40):
@@ -254,7 +255,7 @@ def test_a_prefix_scores_statistics_do_not_grow_with_the_context():
         assert int(cache.layers[0].score_statistics.seen) == 10 + new_tokens - 1  # the last token is not run
     kv_heads, head_dim, tail = 2, 16, 4 + 2
     statistics = (kv_heads * (2 * head_dim + 4 + tail) + 1) * 8 + tail + 8  # sums, moments, tail; count; valid; seen
-    without = hf_knorm.patch(tiny_model("llama"), "x/1 + softmax window 4 + sinks 2 + sparse 3")
+    without = hf_knorm.patch(tiny_model("llama"), "x/1 + softmax window 4 + sinks 2 + sparse 3 (key_norm)")
     out = without.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, min_new_tokens=4,
                            max_new_tokens=4, **GREEDY)
     assert sizes[0] == sizes[1] == output_cache(out).nbytes() + 2 * statistics
