@@ -26,9 +26,10 @@ pair ``c`` has an *exit position* ``e_c`` (:func:`exit_positions`): it is in the
 ``pos_c <= a_i - W < e_c`` and in the distant part of the rows with ``a_i - W >= e_c`` (``e_c = pos_c``: it never
 entered). The full forward builds its masks from these positions, and a bounded decoding cache
 (:class:`hf_knorm.recurrent.sparse_cache.SparseWindowStateLayer`) runs the same rule one pair at a time: its
-``W + S + K`` kept pairs and its state give the full forward's outputs, given the same scores (a decoded key is
-rounded differently from the full forward's: pairs whose scores tie up to rounding may be chosen differently,
-:data:`hf_knorm.normalizations.sparse_choice.SPARSE_SCORES` says when that happens).
+``W + S + K`` kept pairs and its state give the full forward's outputs, given the same ranks: a decoded key is
+rounded differently from the full forward's, so a per-token score is ranked at 8 significant bits and equal ranks go
+to the older pair (:func:`hf_knorm.normalizations.sparse_choice.ranked`): the ties of repeated tokens and QK-normed
+keys are decided by position, the same way in both.
 
 Paths. ``p = 1`` (a full forward, or a prompt given to the bounded cache): :func:`_chunked` runs the call as the
 bounded cache decodes it, ``ROWS`` queries at a time, each block on the sinks, the sparse cache, the window's keys
