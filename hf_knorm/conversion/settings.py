@@ -31,9 +31,9 @@ DEFAULT_SPARSE_SCORE = DEFAULT_SCORE
 highest ``kv_diff`` over each token's prefix (:mod:`hf_knorm.normalizations.prefix_kv_diff`), the configuration that
 retrieves beyond the window best of those measured (docs/results/conversion.md, 'The default conversion': at 4,000
 tokens it keeps the passkey where ``value_over_key``, the default before, does not): the one default score
-(:data:`hf_knorm.normalizations.sparse_choice.DEFAULT_SCORE`, also the parser's and the recurrent cache's). At the default 256-token
-training blocks it holds every older key, so the trained weights do not depend on the score, and the part beside it
-trains only under window dropout."""
+(:data:`hf_knorm.normalizations.sparse_choice.DEFAULT_SCORE`, also the parser's and the recurrent cache's). At the
+default 256-token training blocks it holds every older key, so the trained weights do not depend on the score, and the
+part beside it trains only under window dropout."""
 DEFAULT_CLUSTERS = 600
 """The clusters beside the default sparse cache (:mod:`hf_knorm.attention.distant_clusters`): the older pairs the
 cache leaves, weighted by softmax with it through 600 per-cluster mean pairs per layer and KV head, their codebooks

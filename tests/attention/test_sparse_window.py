@@ -12,8 +12,8 @@ import torch
 
 from hf_knorm.attention import sparse
 from hf_knorm.attention.masks import KeyPadding
-from hf_knorm.attention.reference import (reference_attention, reference_scores, reference_window_attention, sparse_split,
-                                         window_split)
+from hf_knorm.attention.reference import (reference_attention, reference_scores, reference_window_attention,
+                                         sparse_split, window_split)
 from hf_knorm.attention.sparse import NEVER, exit_positions, sparse_window_attention
 from hf_knorm.eviction.scores import KeyNorm, ValueOverKey
 from hf_knorm.normalizations import Softmax, parse_normalization

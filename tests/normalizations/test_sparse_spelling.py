@@ -36,7 +36,8 @@ def test_the_object_and_its_record():
 
 def test_a_window_set_again_keeps_the_sparse_cache():
     sparse = parse_normalization("x/1 + softmax window 4 + sparse 3")
-    assert with_window(sparse, 4, 2) == parse_normalization("x/1 + softmax window 4 + sinks 2 + sparse 3 (prefix_kv_diff)")
+    assert with_window(sparse, 4, 2) == parse_normalization(
+        "x/1 + softmax window 4 + sinks 2 + sparse 3 (prefix_kv_diff)")
     assert with_sparse(parse_normalization("x/1 + softmax window 4"), 3) == sparse
     assert with_sparse(sparse, 0) == parse_normalization("x/1 + softmax window 4")
 
