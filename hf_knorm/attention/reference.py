@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..normalizations import Normalization
-from ..normalizations.sparse_choice import PREFIX_SCORES, token_scores
+from ..normalizations.sparse_choice import PREFIX_SCORES, ranked, token_scores
 from .window import ROW_EPS
 
 
@@ -221,11 +221,12 @@ def sparse_split(older: torch.Tensor, score: torch.Tensor, sparse: int) -> torch
 
 
 def reference_scores(score: str, key: torch.Tensor, value: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
-    """A sparse cache's score of each pair ``(B, H_kv, kv)``: a per-token score as the implementation's, the prefix
-    ones by :func:`reference_prefix_kv_diff`."""
+    """A sparse cache's rank of each pair ``(B, H_kv, kv)``, as the implementation ranks it: a per-token score rounded
+    (:func:`~hf_knorm.normalizations.sparse_choice.ranked`), a prefix score by :func:`reference_prefix_kv_diff`;
+    ties go to the lower position (:func:`sparse_split`)."""
     if score in PREFIX_SCORES:
         return reference_prefix_kv_diff(key, value, key_valid)
-    return token_scores(score, key, value)
+    return ranked(token_scores(score, key, value))
 
 
 def reference_prefix_kv_diff(key: torch.Tensor, value: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:

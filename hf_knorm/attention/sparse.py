@@ -26,9 +26,10 @@ pair ``c`` has an *exit position* ``e_c`` (:func:`exit_positions`): it is in the
 ``pos_c <= a_i - W < e_c`` and in the distant part of the rows with ``a_i - W >= e_c`` (``e_c = pos_c``: it never
 entered). The full forward builds its masks from these positions, and a bounded decoding cache
 (:class:`hf_knorm.recurrent.sparse_cache.SparseWindowStateLayer`) runs the same rule one pair at a time: its
-``W + S + K`` kept pairs and its state give the full forward's outputs, given the same scores (a decoded key is
-rounded differently from the full forward's: pairs whose scores tie up to rounding may be chosen differently,
-:data:`hf_knorm.normalizations.sparse_choice.SPARSE_SCORES` says when that happens).
+``W + S + K`` kept pairs and its state give the full forward's outputs, given the same ranks: a decoded key is
+rounded differently from the full forward's, so a per-token score is ranked at 8 significant bits and equal ranks go
+to the older pair (:func:`hf_knorm.normalizations.sparse_choice.ranked`): the ties of repeated tokens and QK-normed
+keys are decided by position, the same way in both.
 
 Paths. ``p = 1`` (a full forward, or a prompt given to the bounded cache): :func:`_chunked` runs the call as the
 bounded cache decodes it, ``ROWS`` queries at a time, each block on the sinks, the sparse cache, the window's keys
@@ -65,7 +66,7 @@ from .linear_kernel import is_linear
 from .masks import KeyPadding, Mask
 from .paths import Path, causal_key_validity
 from .taps import SparseWindowStateHandover
-from .window import ROW_EPS, sink_keys, without_sinks
+from .window import check_causal, check_mix, row_scale, sink_keys, without_sinks
 
 ROWS = 256
 """Queries (and pairs, for the exit positions) per block: a block's scores are ``ROWS x N`` per head."""
@@ -328,9 +329,9 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
             part = base_weights @ values[:, :, None, sink_count:]
             if state is not None:
                 part = part + (q @ state[:, :, None].to(compute)) * scale
-            row_scale = _row_scale(base, allowed_base, count, compute)
-            base_weights, part = base_weights * row_scale, part * row_scale
-        factor = torch.rsqrt(part.pow(2).mean(dim=-1, keepdim=True) + ROW_EPS)  # 1 / RMS of each row
+            by_count = _row_scale(base, allowed_base, count, compute)
+            base_weights, part = base_weights * by_count, part * by_count
+        factor = row_scale(part)  # 1 / RMS of each row (B, H_kv, G, r, 1), then the mix (window.part_factor's rule)
         if factor_mix is not None:
             factor = factor * factor_mix
         output = soft @ values[:, :, None] + part * factor  # (B, H_kv, G, r, D_v)
@@ -514,9 +515,7 @@ def _check_call(normalization, query, key, mask, bias, dropout, causal, return_w
     name = normalization.name
     if not normalization.sparse or not normalization.window:
         raise ValueError(f"sparse_window_attention computes a window with a sparse cache, not {name}.")
-    if not causal or (isinstance(mask, KeyPadding) and not mask.causal):
-        raise ValueError(f"{name}: a softmax window and its sparse cache weight the keys before a query; this call is "
-                         "bidirectional (an encoder).")
+    check_causal(normalization, mask, causal)
     if sliding_window is not None:
         raise ValueError(f"{name}: this layer has its own sliding window of {sliding_window} positions, which leaves "
                          "the sparse cache's older pairs behind. Patch this model without the sparse cache.")
@@ -528,8 +527,7 @@ def _check_call(normalization, query, key, mask, bias, dropout, causal, return_w
     if dropout:
         raise ValueError(f"{name}: attention dropout with a sparse cache is not implemented; set the model's "
                          "attention_dropout to 0.")
-    if mix is not None and tuple(mix.shape) != (query.shape[1],):
-        raise ValueError(f"mix scales the base part per query head: shape ({query.shape[1]},), got {tuple(mix.shape)}.")
+    check_mix(mix, query)
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"{query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads.")
     if handover is None:

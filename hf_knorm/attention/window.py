@@ -174,9 +174,7 @@ def window_attention(
                            compiling=compiling, recording=frobenius_sq is not None, sliding_window=sliding_window)
         path = with_kernel(path, query, normalization.without_window, **kernels)
     check_state_window(handover, normalization)
-    if mix is not None and tuple(mix.shape) != (query.shape[1],):
-        raise ValueError(f"mix scales the polynomial part per query head: shape ({query.shape[1]},), got "
-                         f"{tuple(mix.shape)}.")
+    check_mix(mix, query)
     if handover is not None and not path.linear:
         raise ValueError(f"A recurrent state cache decodes with linear attention only, and this call cannot: "
                          f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")
@@ -226,9 +224,7 @@ def window_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mas
     if window <= 0 or normalization.is_softmax:
         raise ValueError(f"window_attention computes a polynomial normalization with a softmax window, not "
                          f"{normalization.name}.")
-    if not causal or (isinstance(mask, KeyPadding) and not mask.causal):
-        raise ValueError(f"{normalization.name}: a softmax window weights the keys before a query; this call is "
-                         "bidirectional (an encoder). Use the normalization without softmax_window on encoders.")
+    check_causal(normalization, mask, causal)
     if normalization.sinks and sliding_window is not None:
         raise ValueError(f"{normalization.name}: attention sinks are each sequence's first {normalization.sinks} "
                          f"tokens, and this layer has its own sliding window of {sliding_window} positions, which "
@@ -443,8 +439,8 @@ def _older_keys(query, key, value, key_valid, normalization, path, mix, handover
             older_valid = k.new_ones(batch, older, dtype=torch.bool) if key_valid is None else key_valid[:, :older]
             allowed = KeyPadding(older_valid, rows, causal=True).dense()
         output, _ = _quadratic(path, q, k, v, allowed, polynomial, trim_keys=rows > 1, **options)
-    output = output * row_scale(output)  # (B, rows, H_q, D): each row's RMS to 1
-    if mix is not None:
+    output = output * row_scale(output)  # (B, rows, H_q, D): each row's RMS to 1, then the mix (this order: the
+    if mix is not None:  # saved release-0 logits are bit for bit, tests/normalizations/test_release_0_checkpoints.py)
         output = output * mix.to(output.dtype)[None, None, :, None]
     return F.pad(output, (0, 0, 0, 0, start, 0))
 
@@ -464,6 +460,29 @@ def row_scale(output: torch.Tensor) -> torch.Tensor:
 
 ROW_EPS = 1e-12
 """Added to each row's mean square before the polynomial part's RMS normalization (:func:`row_scale`)."""
+
+
+def part_factor(part: torch.Tensor, mix: torch.Tensor | None) -> torch.Tensor:
+    """What the part beside the window is multiplied by, ``m_h / RMS(u_i)``: ``(B, q, H_q, 1)`` for a part ``u``
+    ``(B, q, H_q, D_v)`` and a mix ``(H_q,)`` (``None``: 1), for the paths that scale the weights too (the explicit
+    masks, :mod:`.window_off`); the band path applies the same two factors one after the other."""
+    factor = row_scale(part)
+    return factor if mix is None else factor * mix.to(part.dtype)[None, None, :, None]
+
+
+def check_mix(mix: torch.Tensor | None, query: torch.Tensor) -> None:
+    """Raise a ValueError unless ``mix`` is ``None`` or ``(H_q,)`` for ``query`` ``(B, H_q, q, D)``."""
+    if mix is not None and tuple(mix.shape) != (query.shape[1],):
+        raise ValueError(f"mix scales the part beside the window per query head: shape ({query.shape[1]},), got "
+                         f"{tuple(mix.shape)}.")
+
+
+def check_causal(normalization: Normalization, mask: Mask, causal: bool) -> None:
+    """Raise a ValueError for a bidirectional call: a softmax window (and its sinks, sparse cache, clusters) weights
+    the keys before a query."""
+    if not causal or (isinstance(mask, KeyPadding) and not mask.causal):
+        raise ValueError(f"{normalization.name}: a softmax window weights the keys before a query; this call is "
+                         "bidirectional (an encoder). Use the normalization without softmax_window on encoders.")
 
 
 def _explicit(query, key, value, mask, normalization, bias, return_weights, frobenius_sq, mix, paths, options):
@@ -488,9 +507,7 @@ def _explicit(query, key, value, mask, normalization, bias, return_weights, frob
     weighted = return_weights or frobenius_sq is not None  # the rows' scales apply to the weights: materialize them
     poly, poly_weights = _quadratic(paths.polynomial, query, key, value, older, polynomial,
                                     **dict(options, return_weights=weighted))
-    factor = row_scale(poly)  # (B, q, H_q, 1)
-    if mix is not None:
-        factor = factor * mix.to(poly.dtype)[None, None, :, None]
+    factor = part_factor(poly, mix)  # (B, q, H_q, 1)
     if weighted:
         poly_weights = poly_weights * factor.permute(0, 2, 1, 3)  # (B, H_q, q, kv)
         if frobenius_sq is not None:

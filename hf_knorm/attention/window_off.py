@@ -33,7 +33,7 @@ from .backends import run_linear, run_quadratic
 from .masks import Mask, kernel_mask
 from ..normalizations import Normalization
 from .paths import Path, linear_keys
-from .window import row_scale
+from .window import check_causal, check_mix, part_factor
 
 WINDOW_DROPPED = "hf_knorm_window_dropped"
 """The attribute of an attention module that drops its softmax window in training forwards (absent: not dropped)."""
@@ -89,12 +89,8 @@ def window_off_attention(
     """
     if not normalization.window:
         raise ValueError(f"Dropping the softmax window needs one; {normalization.name} has none.")
-    if not causal:
-        raise ValueError(f"{normalization.name}: a softmax window weights the keys before a query; this call is "
-                         "bidirectional (an encoder).")
-    if mix is not None and tuple(mix.shape) != (query.shape[1],):
-        raise ValueError(f"mix scales the part beside the window per query head: shape ({query.shape[1]},), got "
-                         f"{tuple(mix.shape)}.")
+    check_causal(normalization, mask, causal)
+    check_mix(mix, query)
     weighted = return_weights or frobenius_sq is not None  # the rows' scales apply to the weights: materialize them
     if weighted and path.linear:
         raise ValueError("The linear path materializes no weights: choose the path with return_weights=True.")
@@ -110,9 +106,7 @@ def window_off_attention(
         output, weights = run_quadratic(path, query, key, value, kernel_mask(mask, compiling), base, bias=bias,
                                         scaling=scaling, softcap=softcap, dropout=dropout, causal=causal,
                                         return_weights=weighted, trim_keys=not compiling, params=params)
-    factor = row_scale(output)  # (B, q, H_q, 1): each row's RMS to 1
-    if mix is not None:
-        factor = factor * mix.to(output.dtype)[None, None, :, None]
+    factor = part_factor(output, mix)  # (B, q, H_q, 1): each row's RMS to 1, times the mix
     output = output * factor
     if weighted:
         weights = weights * factor.permute(0, 2, 1, 3)  # (B, H_q, q, kv)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from ..normalizations import Normalization, parse_normalization, with_clusters, with_sparse, with_window
+from ..normalizations.sparse_choice import DEFAULT_SCORE
 from ..runs.precision import BF16_HELP, FP16_HELP
 from ..training.window_dropout import WINDOW_DROPOUT_SCHEDULES
 
@@ -25,13 +26,14 @@ DEFAULT_SOFTMAX_WINDOW = 64
 DEFAULT_ATTENTION_SINKS = 4
 """StreamingLLM's attention sinks (arXiv 2309.17453): each sequence's first 4 keys by softmax beside the window."""
 DEFAULT_SPARSE_CACHE = 256
-DEFAULT_SPARSE_SCORE = "prefix_kv_diff"
+DEFAULT_SPARSE_SCORE = DEFAULT_SCORE
 """The sparse global cache beside the window (LoLA, arXiv 2505.23666): the 256 older pairs per layer and KV head of
 highest ``kv_diff`` over each token's prefix (:mod:`hf_knorm.normalizations.prefix_kv_diff`), the configuration that
 retrieves beyond the window best of those measured (docs/results/conversion.md, 'The default conversion': at 4,000
-tokens it keeps the passkey where ``value_over_key``, the default before, does not). At the default 256-token
-training blocks it holds every older key, so the trained weights do not depend on the score, and the part beside it
-trains only under window dropout."""
+tokens it keeps the passkey where ``value_over_key``, the default before, does not): the one default score
+(:data:`hf_knorm.normalizations.sparse_choice.DEFAULT_SCORE`, also the parser's and the recurrent cache's). At the
+default 256-token training blocks it holds every older key, so the trained weights do not depend on the score, and the
+part beside it trains only under window dropout."""
 DEFAULT_CLUSTERS = 600
 """The clusters beside the default sparse cache (:mod:`hf_knorm.attention.distant_clusters`): the older pairs the
 cache leaves, weighted by softmax with it through 600 per-cluster mean pairs per layer and KV head, their codebooks

@@ -7,7 +7,7 @@ Xiao et al., arXiv 2309.17453). ``W = 0`` is ``base`` itself. The mix is a learn
 value per query head, starting at 1), in ``state_dict`` with the base family's own.
 
 With ``+ sparse K (score)`` a sparse global cache joins the softmax part: for each query and KV head, the ``K`` best
-keys older than the window (by a per-token ``score``, :mod:`.sparse_choice`) are weighted by softmax jointly with
+keys older than the window (by a ``score`` fixed per token, :mod:`.sparse_choice`) are weighted by softmax jointly with
 the window and the sinks, and only the remaining older keys by ``base`` (LoLA, arXiv 2505.23666;
 :mod:`hf_knorm.attention.sparse` computes it).
 
@@ -19,7 +19,10 @@ values per KV head, whatever the length.
 
 Spelling: ``x^3/16 + softmax window 64``, ``relu(x)^3/16 + softmax window 64 + sinks 4``,
 ``x/1 + softmax window 64 + sinks 4 + sparse 64 (key_norm)``,
-``x/1 + softmax window 64 + sinks 4 + sparse 64 (key_norm) + clusters 256``; it parses back to the same object.
+``x/1 + softmax window 64 + sinks 4 + sparse 64 (key_norm) + clusters 256``; it parses back to the same object. The
+name always spells the sparse cache's score; ``+ sparse K`` without one parses to
+:data:`.sparse_choice.DEFAULT_SCORE` (``prefix_kv_diff``), and a record without one reads as
+:data:`.sparse_choice.LEGACY_DEFAULT_SCORE` (``key_norm``, what it meant when it was written).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from .base import Normalization
 from .sink_softmax import SinkSoftmax
 from .softmax import Softmax
-from .sparse_choice import DEFAULT_SCORE, check_sparse_score
+from .sparse_choice import DEFAULT_SCORE, LEGACY_DEFAULT_SCORE, check_sparse_score
 
 WINDOW_PART = Softmax()
 """What weights the keys inside the window (and the sinks, the sparse cache's pairs, the clusters): softmax."""
@@ -45,8 +48,9 @@ CODEBOOK = "cluster_codebook"
 class Windowed(Normalization):
     """Attributes: ``base`` (what weights the older keys), ``window`` ``W >= 1``, ``sinks`` ``S >= 0``, ``sparse``
     ``K >= 0`` (the sparse global cache: older keys weighted by softmax with the window, 0 = none), ``score``
-    (how its keys are chosen, a name of :data:`.sparse_choice.SPARSE_SCORES`) and ``clusters`` ``C >= 0`` (the
-    remaining older keys summarized by ``C`` pseudo-pairs weighted by softmax too; needs the sparse cache; 0 = none)."""
+    (how its keys are chosen, a name of :data:`.sparse_choice.SPARSE_SCORES`; the default's without a cache) and
+    ``clusters`` ``C >= 0`` (the remaining older keys summarized by ``C`` pseudo-pairs weighted by softmax too; needs
+    the sparse cache; 0 = none)."""
 
     base: Normalization
     window: int
@@ -60,6 +64,8 @@ class Windowed(Normalization):
             raise ValueError(f"sparse is a number of key/value pairs, an integer >= 0 (0 = no sparse cache), got "
                              f"{self.sparse!r}.")
         check_sparse_score(self.score, self.window if self.sparse else None)
+        if not self.sparse:  # no cache, no score: one object per spelling, whichever score a record or call carried
+            object.__setattr__(self, "score", DEFAULT_SCORE)
         check_clusters(self.clusters, self.sparse)
 
     family = "windowed"
@@ -92,7 +98,7 @@ class Windowed(Normalization):
 
     def to_record(self) -> dict:
         record = {"family": self.family, "base": self.base.to_record(), "window": self.window, "sinks": self.sinks}
-        if self.sparse:  # absent: no sparse cache (records written before it read the same)
+        if self.sparse:  # absent: no sparse cache (records written before it read the same); the score always spelled
             record.update(sparse=self.sparse, score=self.score)
         if self.clusters:  # absent: none
             record.update(clusters=self.clusters)
@@ -103,7 +109,7 @@ class Windowed(Normalization):
         from .registry import from_record
 
         return cls(base=from_record(record["base"]), window=int(record["window"]), sinks=int(record.get("sinks", 0)),
-                   sparse=int(record.get("sparse", 0)), score=str(record.get("score", DEFAULT_SCORE)),
+                   sparse=int(record.get("sparse", 0)), score=str(record.get("score", LEGACY_DEFAULT_SCORE)),
                    clusters=int(record.get("clusters", 0)))
 
     @classmethod

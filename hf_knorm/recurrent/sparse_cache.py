@@ -17,6 +17,7 @@ and hands the layer over to the plugin's attention), and the attention also read
 
 from __future__ import annotations
 
+from ..normalizations.sparse_choice import DEFAULT_SCORE
 from .window_cache import WindowStateLayer
 
 __all__ = ["SparseWindowStateLayer"]
@@ -31,10 +32,11 @@ class SparseWindowStateLayer(WindowStateLayer):
         layer_idx: the decoder layer.
         window: ``W > 0``.
         sparse: ``K > 0``, the pairs the sparse cache holds per KV head.
-        score: the score choosing them (:data:`hf_knorm.normalizations.sparse_choice.SPARSE_SCORES`).
+        score: the score choosing them (:data:`hf_knorm.normalizations.sparse_choice.SPARSE_SCORES`; by default
+            :data:`~hf_knorm.normalizations.sparse_choice.DEFAULT_SCORE`, the parser's and the conversion's).
     """
 
-    def __init__(self, layer_idx: int, window: int, sparse: int, score: str = "key_norm"):
+    def __init__(self, layer_idx: int, window: int, sparse: int, score: str = DEFAULT_SCORE):
         if sparse <= 0:
             raise ValueError(f"A SparseWindowStateLayer keeps a sparse cache of K > 0 pairs, got {sparse}; a model "
                              "without one decodes with a WindowStateLayer.")

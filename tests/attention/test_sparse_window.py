@@ -12,11 +12,12 @@ import torch
 
 from hf_knorm.attention import sparse
 from hf_knorm.attention.masks import KeyPadding
-from hf_knorm.attention.reference import reference_attention, reference_window_attention, sparse_split, window_split
+from hf_knorm.attention.reference import (reference_attention, reference_scores, reference_window_attention,
+                                         sparse_split, window_split)
 from hf_knorm.attention.sparse import NEVER, exit_positions, sparse_window_attention
 from hf_knorm.eviction.scores import KeyNorm, ValueOverKey
 from hf_knorm.normalizations import Softmax, parse_normalization
-from hf_knorm.normalizations.sparse_choice import SPARSE_SCORES, token_scores
+from hf_knorm.normalizations.sparse_choice import SPARSE_SCORES, ranked, token_scores
 
 ATOL = 1e-10
 
@@ -115,9 +116,9 @@ CASES = [
     ("x/1 + softmax window 4 + sparse 3", "none", 6, None),
     ("x/1 + softmax window 4 + sinks 2 + sparse 3", "left", 6, None),
     ("x/sqrtN + softmax window 3 + sinks 1 + sparse 5 (value_over_key)", "holes", 2, None),
-    ("x/16 + softmax window 1 + sparse 1", "left", 6, None),
+    ("x/16 + softmax window 1 + sparse 1 (key_norm)", "left", 6, None),
     ("x^3/16 + softmax window 5 + sinks 2 + sparse 4", "holes", 6, None),
-    ("x^3/sqrtN + softmax window 2 + sparse 2", "left", 6, 3.0),
+    ("x^3/sqrtN + softmax window 2 + sparse 2 (key_norm)", "left", 6, 3.0),
     ("relu(x)^3/16 + softmax window 4 + sinks 1 + sparse 3", "left", 6, None),
     ("sigmoid(bias=learned) + softmax window 4 + sparse 3", "holes", 6, None),
     ("x/1 + softmax window 3 + sinks 1 + sparse 4 (prefix_kv_diff)", "holes", 6, None),
@@ -196,11 +197,11 @@ def test_each_row_reads_its_best_older_keys_in_the_softmax_part():
     _, key, value = (t.detach() for t in _inputs(batch=1, kv_heads=1, length=12))
     allowed = torch.ones(12, 12, dtype=torch.bool).tril()[None, None]
     _, older = window_split(allowed, 3, 1)
-    chosen = sparse_split(older, token_scores("key_norm", key, value), 2)[0, 0]
-    norms = key[0, 0].norm(dim=-1)
+    chosen = sparse_split(older, reference_scores("key_norm", key, value, None), 2)[0, 0]
+    norms = ranked(key[0, 0].norm(dim=-1))  # ranked at 8 bits, ties to the older key
     for i in range(12):
         candidates = list(range(1, i - 2))  # older than the window, not the sink
-        want = sorted(candidates, key=lambda j: norms[j].item())[:2]
+        want = sorted(candidates, key=lambda j: (norms[j].item(), j))[:2]
         assert torch.nonzero(chosen[i]).flatten().tolist() == sorted(want)
 
 

@@ -133,7 +133,7 @@ def test_fitting_is_deterministic_and_reads_the_keys_without_the_clusters():
 
 
 def test_set_clusters_and_set_sparse_cache_keep_the_learned_values_and_the_codebooks():
-    model = hf_knorm.patch(tiny_model("llama"), "x/1 + softmax window 3 + sinks 1 + sparse 2")
+    model = hf_knorm.patch(tiny_model("llama"), "x/1 + softmax window 3 + sinks 1 + sparse 2 (key_norm)")
     mixes = [torch.full((4,), 0.25 + layer) for layer in range(2)]
     set_window_mix(model, mixes)
     set_clusters(model, 4, _calibration())

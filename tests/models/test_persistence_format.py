@@ -67,3 +67,22 @@ def test_a_pre_layout_balanced_checkpoint_keeps_its_scales(tmp_path):
     assert len(scales) == layers and scales[0].shape == (kv_heads, head_dim)
     torch.testing.assert_close(torch.stack(scales), key_scale)
     torch.testing.assert_close(torch.stack(hf_knorm.balancing.balance.value_scales(loaded.config)), 1 / key_scale)
+
+
+def test_a_sparse_cache_saved_under_the_old_default_score_keeps_it(tmp_path):
+    """``+ sparse K`` without a score meant ``key_norm`` until the default became ``prefix_kv_diff``. A model saved then
+    spelled its score in the name and the record (patch writes the canonical name): it loads as ``key_norm``, with
+    its logits; a record without the score field reads as ``key_norm`` too, what it meant when written."""
+    spelled = "x/1 + softmax window 3 + sinks 1 + sparse 2 (key_norm)"
+    model = hf_knorm.patch(tiny_model("llama"), spelled).eval()
+    hf_knorm.save_pretrained(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    section = config["hf_knorm"]
+    assert section["normalization"] == spelled and section["normalization_record"]["score"] == "key_norm"
+    del section["normalization_record"]["score"]
+    (tmp_path / "config.json").write_text(json.dumps(config, indent=2))
+    loaded = hf_knorm.from_pretrained(tmp_path).eval()
+    assert hf_knorm.patched_normalization(loaded) == spelled
+    assert hf_knorm.parse_normalization(spelled.replace(" (key_norm)", "")).score == "prefix_kv_diff"  # today's default
+    inputs = tiny_inputs("llama", length=16)
+    assert torch.equal(_logits(loaded, inputs), _logits(model, inputs))

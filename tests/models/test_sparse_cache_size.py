@@ -13,6 +13,7 @@ from tiny_models import tiny_inputs, tiny_model
 import hf_knorm
 from hf_knorm.models.sparse_cache_size import set_sparse_cache
 from hf_knorm.models.window_mix import set_window_mix, window_mixes
+from hf_knorm.normalizations.sparse_choice import DEFAULT_SCORE
 
 SPELLING = "x/1 + softmax window 4 + sinks 1 + sparse 3 (key_norm)"
 
@@ -42,7 +43,8 @@ def test_a_resized_model_is_a_fresh_patch_with_its_learned_values():
     assert window_mixes(model) == mixes
     frozen = [p.requires_grad for name, p in model.named_parameters() if name.endswith("hf_knorm_window_mix")]
     assert frozen[0] is False and all(frozen[1:])
-    fresh = hf_knorm.patch(tiny_model("llama", dtype=torch.float64), "x/1 + softmax window 4 + sinks 1 + sparse 8")
+    fresh = hf_knorm.patch(tiny_model("llama", dtype=torch.float64),
+                           "x/1 + softmax window 4 + sinks 1 + sparse 8 (key_norm)")
     set_window_mix(fresh, mixes)
     resized = _logits(model)
     torch.testing.assert_close(resized, _logits(fresh), rtol=0, atol=0)
@@ -61,7 +63,7 @@ def test_the_score_is_kept_or_given_and_zero_is_the_window_and_sinks_alone(tmp_p
     set_sparse_cache(model, 0)
     assert hf_knorm.patched_normalization(model) == "x/1 + softmax window 4 + sinks 1"
     set_sparse_cache(model, 2)  # no cache before: the library's default score
-    assert hf_knorm.patched_normalization(model).endswith("sparse 2 (key_norm)")
+    assert hf_knorm.patched_normalization(model).endswith(f"sparse 2 ({DEFAULT_SCORE})")
 
     hf_knorm.save_pretrained(model, tmp_path / "model")
     loaded = hf_knorm.from_pretrained(tmp_path / "model").eval()

@@ -18,7 +18,7 @@ WRONG = [  # (spelling, the part named as typed, the suggestion)
     ("x^3/16 + window 64", "+ window 64", "x^3/16 + softmax window 64"),
     ("x^3/16 + softmax window sixty", "+ softmax window sixty", "x^3/16 + softmax window 64"),
     ("x^3/16 + softmax window 64 + sink 4", "+ sink 4", "x^3/16 + softmax window 64 + sinks 4"),
-    ("x/1 + sparse 64", "+ sparse 64", "x/1 + softmax window 64 + sparse 64 (key_norm)"),
+    ("x/1 + sparse 64", "+ sparse 64", "x/1 + softmax window 64 + sparse 64 (prefix_kv_diff)"),
     ("relu(x)^2/m", "relu(x)^2/m", "relu(x)^2/n"),
     ("softmax(sink=lots)", "softmax(sink=lots)", "softmax(sink=0)"),
     ("ssmax(scael=learned)", "ssmax(scael=learned)", "ssmax(scale=learned)"),
@@ -35,7 +35,7 @@ WRONG = [  # (spelling, the part named as typed, the suggestion)
     ("x^3/16 + sinks 4 + softmax window 64", "+ sinks 4", "x^3/16 + softmax window 64 + sinks 4"),
     ("x^3/16 + softmax window 4 + sinks -1", "+ sinks -1", "x^3/16 + softmax window 4 + sinks 1"),
     ("x/1 + softmax window 4 + softmax window 8", "+ softmax window 8", "x/1 + softmax window 4"),
-    ("x/1 + clusters 8", "+ clusters 8", "x/1 + softmax window 64 + sparse 64 (key_norm) + clusters 8"),
+    ("x/1 + clusters 8", "+ clusters 8", "x/1 + softmax window 64 + sparse 64 (prefix_kv_diff) + clusters 8"),
     ("sigmod + window 64", "sigmod", "sigmoid(bias=-log n) + softmax window 64"),
     ("x^3/16 + Window 64", "+ Window 64", "x^3/16 + softmax window 64"),  # the part as typed
 ]
@@ -130,7 +130,8 @@ def test_every_example_spelling_still_parses_to_its_name(spelling):
     ("x³/16 + softmax window64", Windowed(Polynomial(power=3, constant=16.0), 64)),
     ("x/1 + softmax window 64 + sparse 2(value_over_key) + clusters 8",
      Windowed(Polynomial(power=1, constant=1.0), 64, sparse=2, score="value_over_key", clusters=8)),
-    ("x/1 + softmax window 4 + sparse 3 ( key_norm )", Windowed(Polynomial(power=1, constant=1.0), 4, sparse=3)),
+    ("x/1 + softmax window 4 + sparse 3 ( key_norm )", Windowed(Polynomial(power=1, constant=1.0), 4, sparse=3,
+                                                                                score="key_norm")),
     ("x^3/16 + softmax window 0", Polynomial(power=3, constant=16.0)),
     ("x/1 + softmax window 4 + sparse 0", Windowed(Polynomial(power=1, constant=1.0), 4)),
 ])

@@ -23,12 +23,11 @@ from hf_knorm import RecurrentStateCache, attention_paths
 from hf_knorm.attention import sparse
 from hf_knorm.attention.interface import normalization_of
 from hf_knorm.attention.masks import explicit_bool_mask
-from hf_knorm.attention.reference import reference_window_attention, sparse_split, window_split
+from hf_knorm.attention.reference import reference_scores, reference_window_attention, sparse_split, window_split
 from hf_knorm.compat import cache_kwargs, output_cache
 from hf_knorm.models.cluster_codebook import fit_cluster_codebook, set_clusters
 from hf_knorm.models.parameters import add_parameters, hold_normalization
 from hf_knorm.models.window_mix import set_window_mix, window_mixes
-from hf_knorm.normalizations.sparse_choice import token_scores
 from hf_knorm.recurrent.sparse_cache import SparseWindowStateLayer
 from hf_knorm.recurrent.window_cache import WindowStateLayer
 
@@ -52,8 +51,7 @@ AttentionMaskInterface.register(REFERENCE, explicit_bool_mask)
 
 
 def _prompts(batch=2, length=30, pad=3, seed=0):
-    """Token ids without repeats in a row: a repeated token's keys tie in norm at the first layer (up to rounding,
-    which a decoded key and the full forward's differ by; sparse_choice.py), and these tests compare equal choices."""
+    """Token ids without repeats in a row (repeated text, whose ties are broken by position: test_sparse_ties.py)."""
     generator = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(125, generator=generator)[:length] + 3 for _ in range(batch)])
     mask = torch.ones_like(ids)
@@ -67,7 +65,7 @@ def _prompts(batch=2, length=30, pad=3, seed=0):
     ("llama", "x/1 + softmax window 3 + sinks 1 + sparse 2"),
     ("qwen3", "x/sqrtN + softmax window 4 + sparse 3 (value_over_key)"),
     ("gpt2", "x^3/16 + softmax window 3 + sinks 2 + sparse 2"),
-    ("llama", "sigmoid(bias=learned) + softmax window 2 + sparse 4"),
+    ("llama", "sigmoid(bias=learned) + softmax window 2 + sparse 4 (key_norm)"),
     ("qwen3", "x/1 + softmax window 3 + sinks 1 + sparse 2 (prefix_kv_diff)"),
     ("llama", "x/1 + softmax window 3 + sinks 1 + sparse 2 (key_norm) + clusters 4"),  # clusters: fitted first
     ("qwen3", "x/1 + softmax window 3 + sinks 1 + sparse 2 (prefix_kv_diff) + clusters 3"),
@@ -121,18 +119,19 @@ def _decode(model, ids, mask, cache, sizes):
 
 @pytest.mark.parametrize("spelling", ["x/1 + softmax window 3 + sparse 2", "x/1 + softmax window 3 + sinks 2 + sparse 3",
                                       "x/sqrtN + softmax window 4 + sinks 1 + sparse 2 (value_over_key)",
-                                      "x/16 + softmax window 2 + sparse 1",
+                                      "x/16 + softmax window 2 + sparse 1 (key_norm)",
                                       "x/1 + softmax window 3 + sinks 1 + sparse 3 (prefix_kv_diff)"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 @pytest.mark.parametrize("rows", [256, 2])  # 2: the full forward and the prompt's chunks in blocks (sparse._chunked)
 def test_decoding_from_the_bounded_cache_equals_the_full_forward(model_type, spelling, rows, monkeypatch):
     """A left-padded prompt in two chunks (5 then 4 tokens), then 21 tokens one by one: pairs enter the cache, are
-    displaced and join the state; every real row's logits are the full forward's. Qwen3's QK-norm gives every key
-    about one norm (key_norm would choose by rounding: sparse_choice.py), so it runs value_over_key instead.
-    ``prefix_kv_diff`` carries its running statistics from one call to the next (its tail of scores included)."""
+    displaced and join the state; every real row's logits are the full forward's. Qwen3's QK-norm gives every key one
+    norm: under key_norm every pair ties and the cache keeps the oldest, never turning over (test_sparse_ties.py), so
+    it runs value_over_key there. ``prefix_kv_diff`` (the default score) carries its running statistics from one call
+    to the next (its tail of scores included)."""
     monkeypatch.setattr(sparse, "ROWS", rows)
-    if model_type == "qwen3" and "(" not in spelling:
-        spelling += " (value_over_key)"
+    if model_type == "qwen3":
+        spelling = spelling.replace("(key_norm)", "(value_over_key)")
     model = hf_knorm.patch(tiny_model(model_type), spelling)
     normalization = hf_knorm.parse_normalization(spelling)
     ids, mask = _prompts()
@@ -154,7 +153,7 @@ def test_decoding_from_the_bounded_cache_equals_the_full_forward(model_type, spe
 def test_the_cache_holds_the_pairs_the_reference_chooses():
     """After 30 tokens, each head's cache holds the K older keys of lowest norm among those the next query reads
     beyond its window (the reference's rule, on the keys a K/V cache kept from the same steps)."""
-    spelling = "x/1 + softmax window 3 + sinks 1 + sparse 3"
+    spelling = "x/1 + softmax window 3 + sinks 1 + sparse 3 (key_norm)"
     model = hf_knorm.patch(tiny_model("llama"), spelling)
     ids, mask = _prompts()
     sizes = (9,) + (1,) * 21
@@ -166,7 +165,8 @@ def test_the_cache_holds_the_pairs_the_reference_chooses():
         keys, values = kv_layer.keys, kv_layer.values  # (B, H_kv, 30, D)
         allowed = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1).bool()[:, None, None, :30]
         _, older = window_split(allowed.expand(2, 1, 1, 30), 3 - 1, 1)  # the next query (31st) reads W - 1 of these
-        chosen = sparse_split(older.expand(2, 2, 1, 30), token_scores("key_norm", keys, values), 3)[:, :, 0]
+        ranks = reference_scores("key_norm", keys, values, mask.bool())
+        chosen = sparse_split(older.expand(2, 2, 1, 30), ranks, 3)[:, :, 0]
         pairs = layer.sparse_pairs
         for b in range(2):
             for h in range(2):
@@ -223,7 +223,7 @@ def test_a_polynomial_base_generates_with_the_kv_cache():
 
 
 def test_the_bounded_cache_does_not_grow_with_the_context():
-    model = hf_knorm.patch(tiny_model("llama"), "x/1 + softmax window 4 + sinks 2 + sparse 3")
+    model = hf_knorm.patch(tiny_model("llama"), "x/1 + softmax window 4 + sinks 2 + sparse 3 (key_norm)")
     ids, mask = _prompts(batch=1, length=10)
     sizes, pairs = [], []
     for new_tokens in (4, 40):
@@ -254,7 +254,7 @@ def test_a_prefix_scores_statistics_do_not_grow_with_the_context():
         assert int(cache.layers[0].score_statistics.seen) == 10 + new_tokens - 1  # the last token is not run
     kv_heads, head_dim, tail = 2, 16, 4 + 2
     statistics = (kv_heads * (2 * head_dim + 4 + tail) + 1) * 8 + tail + 8  # sums, moments, tail; count; valid; seen
-    without = hf_knorm.patch(tiny_model("llama"), "x/1 + softmax window 4 + sinks 2 + sparse 3")
+    without = hf_knorm.patch(tiny_model("llama"), "x/1 + softmax window 4 + sinks 2 + sparse 3 (key_norm)")
     out = without.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, min_new_tokens=4,
                            max_new_tokens=4, **GREEDY)
     assert sizes[0] == sizes[1] == output_cache(out).nbytes() + 2 * statistics
