@@ -9,7 +9,7 @@
   sigmoid, ``relu(x)^p/c``, even ``x^p/c``), fp32/bf16/fp16, with a softcap, no attention dropout, no returned
   weights, no norm recording, not traced by ``torch.compile``; flash-linear-attention's stick-breaking kernel
   (``fla_stick_breaking.py``) on CUDA for a family declaring ``Normalization.stick_break`` on the calls it computes
-  (causal, as many queries as keys, no padding or left padding, no softcap or bias, fp32/bf16/fp16, no attention
+  (causal, as many queries as keys, padded keys anywhere, no softcap or bias, fp32/bf16/fp16, no attention
   dropout, no returned weights, no norm recording, not traced; :func:`.fla_stick_breaking.layout_blocker`: what
   ``layout`` says of the call); the PyTorch chunked kernel (``kernel.py``) otherwise, and for every other family
   (softpick) and every family on the CPU but SDPA's.
@@ -68,7 +68,8 @@ from .sdpa import sdpa_attention, sdpa_blocker
 from .self_check import family_of, key_of, verdict
 from .taps import count_tap, taps_set
 
-KERNEL_CHOICES = {"quadratic": ("auto", "pytorch", "sdpa", "triton", "flex", "fla"), "linear": ("auto", "pytorch", "fla")}
+KERNEL_CHOICES = {"quadratic": ("auto", "pytorch", "sdpa", "triton", "flex", "fla"),
+                  "linear": ("auto", "pytorch", "fla")}
 KEY_PADDING_KERNELS = ("flex", "fla")
 """The quadratic kernels that read key padding as it is (:class:`~.masks.KeyPadding`, no ``N x N`` mask built)."""
 _AUTO = MappingProxyType({"quadratic": "auto", "linear": "auto"})

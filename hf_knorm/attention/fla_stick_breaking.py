@@ -12,10 +12,13 @@ stick-breaking family (:class:`~hf_knorm.normalizations.stick_breaking.StickBrea
 :class:`~hf_knorm.normalizations.routes.StickBreak` says a causal row counts its own key) exactly, on these calls:
 
 - causal, as many queries as keys (a prefill, a training step): no mask, or key padding / an explicit bool mask that is
-  causal with **left** padding (every padded key before the first real one of its item: a batched ``generate``'s
-  prompts). The real tokens of each item are packed into one sequence of ``cu_seqlens``; a padded query row attends no
-  key there, and its output is 0 as in the chunked kernel. Right or inner padding is refused: a padded query row after
-  a real key attends the real keys before it, which a packed call has no row for;
+  causal with padded keys anywhere (left padding: a batched ``generate``'s prompts; right padding: a training batch).
+  The real tokens of each item are packed into one sequence of ``cu_seqlens``: a real query attends the real keys at
+  or before it, which are the packed ones at or before it, so fla computes every real row. A padded query row attends
+  the real keys before it (none under left padding: its output is 0, as in the chunked kernel); the packed sequences
+  have no row for it, so the rows of padding after a real key (right or inner padding) are computed by the PyTorch
+  chunked kernel on those rows alone (``O(padded rows x keys)``; usually rows the loss ignores, computed all the same:
+  the logits at every position are the chunked kernel's);
 - no softcap, no additive bias, no learned values (the family has none), no attention dropout, no returned weights,
   no norm recording (the dispatcher, ``backends.py``, keeps those calls on the PyTorch chunked kernel);
 - fp32, bf16 or fp16 inputs, head dimension at most 256 (fla's limits). fla computes in fp32 with its operands' dtype
@@ -25,9 +28,11 @@ Everything else stays on the PyTorch chunked kernel (``kernel.py``): decoding (o
 takes as many keys as queries), a chunk of a prompt after a cache, sliding windows, packed sequences given as a mask.
 
 On a CPU fla's kernels run under Triton's interpreter (``TRITON_INTERPRET=1``) once its autotuner has one configuration
-(with several it benchmarks them through a GPU driver): the tests do that (``tests/attention/test_fla_stick_breaking.py``)
-in fp32, where the interpreter multiplies IEEE fp32 values. Under the interpreter with fla-core 0.6.0, fp64 inputs give
-wrong key and value gradients (measured: 3.7 and 32 against fp64 references of order 1), so this module refuses fp64.
+(with several it benchmarks them through a GPU driver): the tests do that
+(``tests/attention/test_fla_stick_breaking.py``) in fp32, where the interpreter multiplies IEEE fp32 values. Under the
+interpreter with fla-core 0.6.0, fp64 inputs give wrong key and value gradients (measured on 100 random tokens: largest
+absolute errors 3.7 and 32 against fla's fp64 reference, where fp32 inputs give 7e-7 and 2e-6), so this module
+refuses fp64.
 ``backends.py`` hands fla calls on a device only after it has passed its self-check there (``self_check.py``).
 """
 
@@ -39,7 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from ..extras import require
-from .masks import CallLayout, KeyPadding, Mask, read_once
+from .kernel import chunked_attention
+from .masks import CallLayout, KeyPadding, Mask
 from ..normalizations import Normalization
 from .paths import causal_key_validity
 
@@ -56,8 +62,8 @@ def fla_stickbreaking_kernel() -> Callable:
 
 
 def layout_blocker(layout: CallLayout | None, softcap: float | None = None) -> str:
-    """Why the kernel cannot compute a call of this layout (``""`` when it can; module docstring). Reads the mask's
-    values (eager mode only; compiled calls never reach a GPU kernel): once per forward for key padding."""
+    """Why the kernel cannot compute a call of this layout (``""`` when it can; module docstring). Reads an explicit
+    mask's values (eager mode only; compiled calls never reach a GPU kernel): once per forward."""
     if layout is None:
         return "the part of a softmax window (it computes whole calls only)"
     if softcap is not None:
@@ -73,7 +79,7 @@ def layout_blocker(layout: CallLayout | None, softcap: float | None = None) -> s
 
 
 def key_validity(mask: Mask, q_len: int, kv_len: int) -> tuple[str, torch.Tensor | None]:
-    """``(why not, key_valid)``: ``""`` and the ``(B, kv)`` bool validity of a causal mask with left padding
+    """``(why not, key_valid)``: ``""`` and the ``(B, kv)`` bool validity of a causal mask with padded keys
     (``None``: every key real, the implicit causal mask), or the reason the mask is not one."""
     if mask is None:
         return "", None
@@ -87,21 +93,7 @@ def key_validity(mask: Mask, q_len: int, kv_len: int) -> tuple[str, torch.Tensor
         causal, key_valid = causal_key_validity(mask, q_len, kv_len)
         if not causal:
             return "the mask is not causal with padded keys (a sliding window, packed sequences or a custom mask)", None
-        if key_valid is None:
-            return "", None
-    if isinstance(mask, KeyPadding) and mask.source is not None:
-        left = read_once(mask.source, ("left padded", mask.offset, kv_len), lambda: _left_padded(key_valid))
-    else:
-        left = _left_padded(key_valid)
-    if not left:
-        return ("right or inner padding (a padded query row after a real key attends the real keys before it, "
-                "which the packed sequences have no row for; left padding is computed)"), None
     return "", key_valid
-
-
-def _left_padded(key_valid: torch.Tensor) -> bool:
-    """Whether each item's padded keys all come before its first real key (reads the values)."""
-    return bool((key_valid[:, :-1] <= key_valid[:, 1:]).all())
 
 
 def fla_stick_breaking_attention(
@@ -123,13 +115,13 @@ def fla_stick_breaking_attention(
     Args:
         query: ``(B, H_q, T, D)``; key ``(B, H_kv, T, D)``; value ``(B, H_kv, T, D_v)``; ``H_q % H_kv == 0``.
         mask: ``None`` (the causal mask), :class:`~.masks.KeyPadding` or a bool ``(B or 1, 1, T, T)`` mask, causal
-            with left padding.
+            with padded keys.
         normalization: a family declaring :attr:`~hf_knorm.normalizations.Normalization.stick_break`.
         scaling: score scale (default ``D ** -0.5``); causal: must be true; bias, softcap: must be ``None``.
         kernel: a function with ``parallel_stickbreaking_attn``'s signature (default fla's own).
 
     Returns:
-        ``output (B, T, H_q, D_v)`` in the query dtype (0 on a padded query row).
+        ``output (B, T, H_q, D_v)`` in the query dtype (0 on a padded query row before every real key).
 
     Raises:
         ValueError: a call the kernel does not compute (the message says why).
@@ -166,4 +158,19 @@ def fla_stick_breaking_attention(
     output, _ = kernel(packed(query), packed(key), packed(value), scale=scaling, attend_current=form.own_key,
                        cu_seqlens=cu_seqlens)
     shape = (batch, q_len, q_heads, value.shape[-1])
-    return output.new_zeros(shape).index_put((items, positions), output[0]).to(query.dtype)
+    output = output.new_zeros(shape).index_put((items, positions), output[0])
+    return _padded_rows(output, query, key, value, key_valid, normalization, scaling).to(query.dtype)
+
+
+def _padded_rows(output, query, key, value, key_valid, normalization, scaling) -> torch.Tensor:
+    """``output`` with each padded query row that has a real key before it (right or inner padding) computed by the
+    chunked kernel over its item's keys (module docstring); the other rows as they are."""
+    attending = ~key_valid & (key_valid.cumsum(dim=-1) > 0)  # (B, T): padded rows after a real key
+    keys = torch.arange(key_valid.shape[-1], device=key_valid.device)
+    for item in attending.any(dim=-1).nonzero().flatten().tolist():
+        rows = attending[item].nonzero().flatten()
+        allowed = (key_valid[item][None, :] & (keys[None, :] <= rows[:, None]))[None, None]  # (1, 1, rows, T)
+        part, _ = chunked_attention(query[item:item + 1, :, rows], key[item:item + 1], value[item:item + 1], allowed,
+                                    normalization, scaling=scaling)
+        output = output.index_put((torch.full_like(rows, item), rows), part[0].to(output.dtype))
+    return output

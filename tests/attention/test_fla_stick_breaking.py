@@ -87,9 +87,19 @@ def _left_padding(length, padded=(0, 30)):
     return KeyPadding(key_valid, length, causal=True)
 
 
+def _right_and_inner_padding(length):
+    """Item 0: 12 padded keys on the right; item 1: 3 on the left and a hole of 5 at 20-24."""
+    key_valid = torch.ones(2, length, dtype=torch.bool, device=DEVICE)
+    key_valid[0, -12:] = False
+    key_valid[1, :3] = False
+    key_valid[1, 20:25] = False
+    return KeyPadding(key_valid, length, causal=True)
+
+
 MASKS = {
     "causal": lambda length: None,
     "left padding": _left_padding,
+    "right and inner padding": _right_and_inner_padding,
     "an item all padding": lambda length: _left_padding(length, padded=(length, 5)),
 }
 
@@ -97,7 +107,8 @@ MASKS = {
 @pytest.mark.parametrize("case", list(MASKS))
 def test_outputs_and_gradients_equal_the_chunked_kernel(interpreted, case):
     """70 tokens (a full and a ragged block of the forward's 64 rows, three of the backward's 32), GQA 2 over 1,
-    fp32, against the chunked kernel in fp64; padded query rows (no key) give 0 as there."""
+    fp32, against the chunked kernel in fp64: padded query rows before every real key give 0 as there, those after a
+    real key (right, inner padding) attend the real keys before them, as there."""
     length = 70
     mask = MASKS[case](length)
     inputs = _inputs(length)
@@ -115,10 +126,11 @@ def test_outputs_and_gradients_equal_the_chunked_kernel(interpreted, case):
         _close(grad, reference, f"d{name}")
 
 
-def test_an_explicit_left_padded_mask_reads_as_its_key_padding():
-    """The bool ``(B, 1, T, T)`` mask of left padding gives the kernel the same packed sequences as its key padding
+@pytest.mark.parametrize("padding", [_left_padding(12, padded=(0, 5)), _right_and_inner_padding(12)],
+                         ids=["left", "right and inner"])
+def test_an_explicit_padded_mask_reads_as_its_key_padding(padding):
+    """The bool ``(B, 1, T, T)`` mask of padded keys gives the kernel the same packed sequences as its key padding
     (``paths.causal_key_validity``), so the kernel runs of the test above hold for it."""
-    padding = _left_padding(12, padded=(0, 5))
     reason, key_valid = fla_stick_breaking.key_validity(padding.dense(), 12, 12)
     assert reason == "" and torch.equal(key_valid, padding.key_valid)
     assert fla_stick_breaking.key_validity(KeyPadding(padding.key_valid, 12, causal=True), 12, 12)[1] is not None
@@ -129,26 +141,12 @@ def _never(*args, **options):
     raise AssertionError("the kernel must not run on a refused call")
 
 
-def _right_padding(length):
-    key_valid = torch.ones(2, length, dtype=torch.bool)
-    key_valid[1, -3:] = False
-    return KeyPadding(key_valid, length, causal=True)
-
-
-def _inner_padding(length):
-    key_valid = torch.ones(2, length, dtype=torch.bool)
-    key_valid[1, 4:6] = False
-    return KeyPadding(key_valid, length, causal=True).dense()
-
-
 def _window(length):
     rows, keys = torch.arange(length)[:, None], torch.arange(length)[None, :]
     return ((keys <= rows) & (keys > rows - 4)).expand(2, 1, length, length)
 
 
 REFUSALS = [
-    (dict(mask=_right_padding), "right or inner padding"),
-    (dict(mask=_inner_padding), "right or inner padding"),
     (dict(mask=_window), "the mask is not causal with padded keys"),
     (dict(mask=lambda length: KeyPadding(torch.ones(2, length, dtype=torch.bool), length, causal=False)),
      "bidirectional attention"),
@@ -193,7 +191,7 @@ def _chosen(layout, spelling="stick-breaking", **options):
 
 
 def test_the_dispatcher_chooses_fla_for_the_calls_it_computes(stub_cuda, monkeypatch):
-    """With the self-check passed: a plain causal call and a left-padded one take fla; right padding, decoding, a
+    """With the self-check passed: a plain causal call and a padded one take fla; a sliding window, decoding, a
     window's part, dropout, returned weights, a softcap stay on the chunked kernel; forced, fla raises with the
     reason."""
     asked = []
@@ -201,9 +199,10 @@ def test_the_dispatcher_chooses_fla_for_the_calls_it_computes(stub_cuda, monkeyp
     plain = CallLayout(None, None, True, 9, 9)
     assert _chosen(plain).kernel == "fla"
     assert _chosen(CallLayout(_left_padding(9, (0, 3)), None, True, 9, 9)).kernel == "fla"
-    assert [key[0] for key in asked] == ["fla", "fla"]
+    assert _chosen(CallLayout(_right_and_inner_padding(9).dense(), None, True, 9, 9)).kernel == "fla"
+    assert [key[0] for key in asked] == ["fla"] * 3
     assert backends.automatic_order(STICK) == ["fla"]
-    refused = {"right padding": (CallLayout(_right_padding(9), None, True, 9, 9), {}),
+    refused = {"sliding window": (CallLayout(_window(9), None, True, 9, 9), {}),
                "decoding": (CallLayout(None, None, True, 1, 9), {}),
                "a window's part": (None, {}),
                "dropout": (plain, dict(dropout=0.1)),
@@ -213,9 +212,9 @@ def test_the_dispatcher_chooses_fla_for_the_calls_it_computes(stub_cuda, monkeyp
         assert _chosen(layout, **options).kernel == ""
     with backends.kernels(quadratic="fla"):
         assert _chosen(plain).kernel == "fla"
-        with pytest.raises(ValueError, match="forces flash-linear-attention, which cannot compute this call: right "
-                                             "or inner padding"):
-            _chosen(refused["right padding"][0])
+        with pytest.raises(ValueError, match="forces flash-linear-attention, which cannot compute this call: the "
+                                             "mask is not causal with padded keys"):
+            _chosen(refused["sliding window"][0])
         with pytest.raises(ValueError, match="it computes stick-breaking only: Normalization.stick_break"):
             _chosen(plain, "x^3/16")
     with backends.kernels(quadratic="pytorch"):
@@ -247,9 +246,9 @@ def test_the_self_check_passes_and_catches_a_broken_kernel(interpreted, stub_cud
 
 def test_a_patched_model_runs_fla_for_its_prefill_and_the_chunked_kernel_for_decoding(interpreted, stub_cuda,
                                                                                         monkeypatch):
-    """Through the plugin: a tiny Llama patched with stick-breaking, a left-padded batch: its logits and every
-    parameter's gradient, and greedy decoding (fla for the prefill, the chunked kernel for each decoded token), equal
-    to the PyTorch kernel's."""
+    """Through the plugin: a tiny Llama patched with stick-breaking, a batch with an item padded on the left and one
+    on the right: its logits and every parameter's gradient; greedy decoding of the left-padded batch (fla for the
+    prefill, the chunked kernel for each decoded token): equal to the PyTorch kernel's."""
     import hf_knorm
     from hf_knorm.attention.paths import attention_paths
     from tiny_models import assert_same_step, logits_and_grads, tiny_model
@@ -259,13 +258,15 @@ def test_a_patched_model_runs_fla_for_its_prefill_and_the_chunked_kernel_for_dec
     ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
-    inputs = dict(input_ids=ids, attention_mask=mask)
+    both = mask.clone()
+    both[0, -2:] = 0
     with attention_paths() as paths:
-        got = logits_and_grads(model, inputs)
+        got = logits_and_grads(model, dict(input_ids=ids, attention_mask=both))
     assert set(paths) == {"fla"}
     with hf_knorm.kernels(quadratic="pytorch"):
-        want = logits_and_grads(model, inputs)
+        want = logits_and_grads(model, dict(input_ids=ids, attention_mask=both))
     assert_same_step(got, want, logits_atol=1e-4 * want[0].abs().max().item(), grads_relative=1e-4)
+    inputs = dict(input_ids=ids, attention_mask=mask)
     with torch.no_grad(), attention_paths() as paths:
         generated = model.generate(**inputs, max_new_tokens=3, do_sample=False)
     assert set(paths) == {"fla", "quadratic"}
