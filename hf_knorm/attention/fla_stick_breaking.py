@@ -65,7 +65,7 @@ def layout_blocker(layout: CallLayout | None, softcap: float | None = None) -> s
     """Why the kernel cannot compute a call of this layout (``""`` when it can; module docstring). Reads an explicit
     mask's values (eager mode only; compiled calls never reach a GPU kernel): once per forward."""
     if layout is None:
-        return "the part of a softmax window (it computes whole calls only)"
+        return "a part of a composed call, such as a softmax window's (it computes whole calls only)"
     if softcap is not None:
         return "a softcap on the scores"
     if layout.bias is not None:
