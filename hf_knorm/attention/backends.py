@@ -9,10 +9,10 @@
   sigmoid, ``relu(x)^p/c``, even ``x^p/c``), fp32/bf16/fp16, with a softcap, no attention dropout, no returned
   weights, no norm recording, not traced by ``torch.compile``; flash-linear-attention's stick-breaking kernel
   (``fla_stick_breaking.py``) on CUDA for a family declaring ``Normalization.stick_break`` on the calls it computes
-  (causal, as many queries as keys, padded keys anywhere, no softcap or bias, fp32/bf16/fp16, no attention
-  dropout, no returned weights, no norm recording, not traced; :func:`.fla_stick_breaking.layout_blocker`: what
-  ``layout`` says of the call); the PyTorch chunked kernel (``kernel.py``) otherwise, and for every other family
-  (softpick) and every family on the CPU but SDPA's.
+  (causal, as many queries as keys, padded keys anywhere, no softcap or bias, bf16/fp16, fp32 where TF32 is asked
+  for, no attention dropout, no returned weights, no norm recording, not traced;
+  :func:`.fla_stick_breaking.layout_blocker`: what ``layout`` says of the call); the PyTorch chunked kernel
+  (``kernel.py``) otherwise, and for every other family (softpick) and every family on the CPU but SDPA's.
 
   The order the automatic choice tries (not measured yet: ``make device-check`` times each family against SDPA flash
   on a GPU, and the order is to be confirmed by it, issue 64): softmax itself on SDPA (its flash kernel), then
@@ -58,7 +58,7 @@ import torch
 
 from ..extras import require
 from .kernel import chunked_attention
-from .fla_stick_breaking import layout_blocker
+from .fla_stick_breaking import layout_blocker, precision_blocker
 from .flex import available as flex_available
 from .linear_kernel import linear_attention
 from .masks import CallLayout
@@ -230,7 +230,7 @@ def _gpu_kernel(kernel: str, path: Path, query: torch.Tensor, normalization: Nor
     kind = "linear" if path.linear else "quadratic"
     blocker = _blocker(kernel, query, normalization, **options)
     if not blocker and kernel == "fla" and not path.linear:
-        blocker = _fla_quadratic_blocker(normalization, layout, softcap, **options)
+        blocker = _fla_quadratic_blocker(normalization, layout, softcap, query.dtype, forced, **options)
     if blocker:
         if forced:
             raise ValueError(f"kernels({kind}={kernel!r}) forces {_NAMES[kernel]}, which cannot compute this "
@@ -286,10 +286,11 @@ def _blocker(kernel: str, query: torch.Tensor, normalization: Normalization, *, 
     return ""
 
 
-def _fla_quadratic_blocker(normalization: Normalization, layout: CallLayout | None, softcap: float | None, *,
-                            dropout: float, return_weights: bool, **_) -> str:
+def _fla_quadratic_blocker(normalization: Normalization, layout: CallLayout | None, softcap: float | None,
+                           dtype: torch.dtype, forced: bool, *, dropout: float, return_weights: bool, **_) -> str:
     """Why fla's stick-breaking kernel cannot compute a quadratic call (``""`` when it can): the family's capability,
-    then the call's layout (:func:`.fla_stick_breaking.layout_blocker`)."""
+    the call's layout (:func:`.fla_stick_breaking.layout_blocker`), fp32 without TF32 asked for
+    (:func:`.fla_stick_breaking.precision_blocker`)."""
     if "fla_stickbreaking" not in normalization.fast_paths:
         return (f"{normalization.name} (on the quadratic path it computes stick-breaking only: "
                 "Normalization.stick_break)")
@@ -297,7 +298,7 @@ def _fla_quadratic_blocker(normalization: Normalization, layout: CallLayout | No
         return "attention dropout"
     if return_weights:
         return "the attention weights were requested"
-    return layout_blocker(layout, softcap)
+    return layout_blocker(layout, softcap) or precision_blocker(dtype, forced)
 
 
 def _warn_once(key: tuple, message: str) -> None:

@@ -213,8 +213,8 @@ def stub_cuda(monkeypatch):
     monkeypatch.setattr(backends, "_importable", lambda module: True)
 
 
-def _chosen(layout, spelling="stick-breaking", **options):
-    query = torch.zeros(2, 4, layout.q_len if layout else 9, 16)
+def _chosen(layout, spelling="stick-breaking", dtype=torch.bfloat16, **options):
+    query = torch.zeros(2, 4, layout.q_len if layout else 9, 16, dtype=dtype)
     settings = dict(dropout=0.0, return_weights=False, recording=False, compiling=False, layout=layout)
     return backends.with_kernel(Path(linear=False), query, parse_normalization(spelling), **{**settings, **options})
 
@@ -250,6 +250,24 @@ def test_the_dispatcher_chooses_fla_for_the_calls_it_computes(stub_cuda, monkeyp
         assert _chosen(plain).kernel == ""
 
 
+def test_fp32_takes_fla_only_where_tf32_is_asked_for(stub_cuda, monkeypatch):
+    """fla's products take TF32 for fp32 inputs on a GPU: the automatic choice keeps fp32 calls on the chunked kernel
+    while PyTorch's fp32 matmuls are at "highest" precision (its default), and takes fla at "high" or when forced."""
+    monkeypatch.setattr(backends, "verdict", lambda *key: "")
+    plain = CallLayout(None, None, True, 9, 9)
+    precision = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert _chosen(plain, dtype=torch.float32).kernel == ""
+        assert _chosen(plain, dtype=torch.float16).kernel == "fla"
+        with backends.kernels(quadratic="fla"):
+            assert _chosen(plain, dtype=torch.float32).kernel == "fla"
+        torch.set_float32_matmul_precision("high")
+        assert _chosen(plain, dtype=torch.float32).kernel == "fla"
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
 def test_on_the_cpu_stick_breaking_stays_on_the_chunked_kernel(monkeypatch):
     monkeypatch.setattr(backends, "verdict", lambda *key: pytest.fail("no GPU kernel is checked on the CPU"))
     assert _chosen(CallLayout(None, None, True, 9, 9)).kernel == ""
@@ -283,6 +301,7 @@ def test_a_patched_model_runs_fla_for_its_prefill_and_the_chunked_kernel_for_dec
     from tiny_models import assert_same_step, logits_and_grads, tiny_model
 
     monkeypatch.setattr(backends, "verdict", lambda *key: "")
+    monkeypatch.setattr(backends, "precision_blocker", lambda dtype, forced: "")  # fp32, as where TF32 is asked for
     model = hf_knorm.patch(tiny_model("llama"), "stick-breaking").to(DEVICE)
     ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     mask = torch.ones_like(ids)
