@@ -164,12 +164,14 @@ def fla_stick_breaking_attention(
         return output.to(query.dtype)
     key_valid = key_valid.expand(batch, kv_len)
     items, positions = key_valid.nonzero(as_tuple=True)  # the real tokens, item by item, in order
+    shape = (batch, q_len, q_heads, value.shape[-1])
+    if not len(items):  # no real key at all: every row attends nothing
+        return query.new_zeros(shape)
     lengths = key_valid.sum(dim=-1)
     cu_seqlens = F.pad(lengths[lengths > 0].cumsum(0), (1, 0))  # (N + 1,) int64; items with no real token left out
     packed = lambda t: as_fla(t)[items, positions].unsqueeze(0)  # noqa: E731  (1, real tokens, H, D)
     output, _ = kernel(packed(query), packed(key), packed(value), scale=scaling, attend_current=form.own_key,
                        cu_seqlens=cu_seqlens)
-    shape = (batch, q_len, q_heads, value.shape[-1])
     output = output.new_zeros(shape).index_put((items, positions), output[0])
     return _padded_rows(output, query, key, value, key_valid, normalization, scaling).to(query.dtype)
 

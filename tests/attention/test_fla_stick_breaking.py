@@ -155,6 +155,14 @@ def test_bf16_inputs_are_within_the_self_checks_tolerance(interpreted, monkeypat
         _close(grad, reference, f"d{name}", limit)
 
 
+def test_a_batch_without_a_real_key_gives_zeros():
+    query, key, value = (t.cpu() for t in _inputs(9))
+    padding = KeyPadding(torch.zeros(2, 9, dtype=torch.bool), 9, causal=True)
+    got = fla_stick_breaking_attention(query, key, value, padding, STICK, kernel=_never)
+    want, _ = chunked_attention(query, key, value, padding.dense(), STICK)
+    assert torch.equal(got, torch.zeros(2, 9, 2, 16)) and torch.equal(want, got)
+
+
 @pytest.mark.parametrize("padding", [_left_padding(12, padded=(0, 5)), _right_and_inner_padding(12)],
                          ids=["left", "right and inner"])
 def test_an_explicit_padded_mask_reads_as_its_key_padding(padding):
