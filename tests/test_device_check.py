@@ -34,7 +34,7 @@ def test_every_kernel_passes_its_self_check(output):
     rows = [line for line in output.splitlines() if line.startswith("| kernel self-check")]
     triton = [row for row in rows if row.startswith("| kernel self-check, triton")]
     fla = [row for row in rows if row.startswith("| kernel self-check, fla")]
-    assert len(triton) == 6 and len(fla) == 2 and len(rows) == 8
+    assert len(triton) == 6 and len(fla) == 4 and len(rows) == 10
     if CUDA or os.environ.get("TRITON_INTERPRET") == "1":
         assert all(row.endswith("| pass |") for row in triton), "\n".join(triton)
     if CUDA:
@@ -110,3 +110,25 @@ def test_every_family_has_a_fused_row_and_an_error_row(output):
     errors = [line for line in output.splitlines() if line.startswith("| fused error")]
     assert len(errors) == 1 + len(representative_spellings()), "\n".join(errors)
     assert not any("FAIL" in line for line in output.splitlines() if line.startswith("| fused"))
+
+
+MODEL = re.compile(r"^\| model 4-layer Llama \(hidden (?P<hidden>\d+), \d+/\d+ heads, dim \d+\), \d+ tokens, \w+, "
+                   r"(?P<name>[^|]+?)(?: \(paths: training "
+                   r"(?P<training>\S+), generate (?P<generate>\S+)\))? \| training step (?P<step>\S+) ms .*generate "
+                   r"(?P<token>\S+) ms per token")
+
+
+def test_the_model_part_times_every_family_against_sdpa(output):
+    """Part 8 (issue 64): the 4-layer Llama-shaped model under SDPA, then patched with each family, a training step
+    and generate per token with their ratios, the paths that ran; on the CPU the tiny model."""
+    from hf_knorm.normalizations import representative_spellings
+
+    lines = [line for line in output.splitlines() if line.startswith("| model")]
+    rows = [MODEL.match(line) for line in lines]
+    assert all(rows) and len(rows) == 1 + len(representative_spellings()), "\n".join(lines)
+    assert rows[0]["name"].startswith("baseline SDPA") and rows[0]["training"] is None
+    assert [row["name"] for row in rows[1:]] == representative_spellings()
+    assert {row["hidden"] for row in rows} == {"2048" if CUDA else "64"}
+    for row in rows:
+        assert float(row["step"]) > 0 and float(row["token"]) >= 0, row.group(0)
+    assert all(row["training"] != "-" and row["generate"] != "-" for row in rows[1:]), "\n".join(lines)

@@ -8,8 +8,12 @@
   are a softmax over modified logits, whose weight has an element-wise logarithm (``Normalization.log_weights``:
   sigmoid, ``relu(x)^p/c``, even ``x^p/c``) or is a ratio of two such weights (``Normalization.log_weight_ratio``:
   softpick, in two passes), fp32/bf16/fp16, with a softcap, no attention dropout, no returned weights, no norm
-  recording, not traced by ``torch.compile``; the PyTorch chunked kernel (``kernel.py``) otherwise, and for every
-  other family (stick-breaking) and every family on the CPU but SDPA's. SDPA computes bf16/fp16 inputs on CUDA in
+  recording, not traced by ``torch.compile``; flash-linear-attention's stick-breaking kernel
+  (``fla_stick_breaking.py``) on CUDA for a family declaring ``Normalization.stick_break`` on the calls it computes
+  (causal, as many queries as keys, padded keys anywhere, no softcap or bias, bf16/fp16, fp32 where TF32 is asked
+  for, no attention dropout, no returned weights, no norm recording, not traced;
+  :func:`.fla_stick_breaking.layout_blocker`: what ``layout`` says of the call); the PyTorch chunked kernel
+  (``kernel.py``) otherwise, and every family on the CPU but SDPA's. SDPA computes bf16/fp16 inputs on CUDA in
   their dtype (its flash kernel), everything else in fp32 (``sdpa.sdpa_call``).
 
   The order the automatic choice tries (not measured yet: ``make device-check`` times each family against SDPA flash
@@ -17,7 +21,8 @@
   FlexAttention (a softcap, which SDPA has none of); SSMax and a sink softmax on FlexAttention first (it reads key
   padding without an ``N x N`` mask, where SDPA takes a dense mask and leaves its flash kernel), then SDPA (bf16
   operands on CUDA too); the element-wise families on the Triton kernel (measured: 1.08x SDPA flash at 16k for
-  ``x^3/16``; FlexAttention only when forced); sigmoid and softpick on FlexAttention.
+  ``x^3/16``; FlexAttention only when forced); sigmoid and softpick on FlexAttention; stick-breaking on fla's
+  stick-breaking kernel.
 - The linear path (``p = 1``): flash-linear-attention (``fla_linear.py``) on CUDA for the calls it computes
   (fp32/bf16/fp16, norms not recorded, not traced by ``torch.compile``); the PyTorch linear kernel
   (``linear_kernel.py``) otherwise.
@@ -30,7 +35,8 @@ PyTorch kernel computes its calls. SDPA needs no self-check: it is PyTorch's own
 which it computes the family's weights exactly (``tests/attention/test_sdpa.py``).
 
 :func:`kernels` overrides the automatic choice inside a ``with`` block: ``"pytorch"`` runs the PyTorch chunked and
-linear kernels only (no SDPA, no GPU kernel); ``"sdpa"``, ``"triton"``, ``"flex"`` / ``"fla"`` force one: the GPU
+linear kernels only (no SDPA, no GPU kernel); ``"sdpa"``, ``"triton"``, ``"flex"`` / ``"fla"`` force one
+(``quadratic="fla"``: fla's stick-breaking kernel; ``linear="fla"``: its linear-attention kernels): the GPU
 kernels fail at once, naming the extra to install, when its package is missing, and each raises with the reason on a
 call it cannot compute (another family, tensors not on CUDA, dropout, ...) and a GPU kernel when it fails its
 self-check. ``attention_paths()`` counts each call under the name of what ran: ``"sdpa"``, ``"triton"``, ``"flex"``,
@@ -55,15 +61,20 @@ import torch
 
 from ..extras import require
 from .kernel import chunked_attention
+from .fla_stick_breaking import layout_blocker, precision_blocker
 from .flex import available as flex_available
 from .linear_kernel import linear_attention
+from .masks import CallLayout
 from ..normalizations import Normalization
 from .paths import Path
 from .sdpa import sdpa_attention, sdpa_blocker
 from .self_check import family_of, key_of, verdict
 from .taps import count_tap, taps_set
 
-KERNEL_CHOICES = {"quadratic": ("auto", "pytorch", "sdpa", "triton", "flex"), "linear": ("auto", "pytorch", "fla")}
+KERNEL_CHOICES = {"quadratic": ("auto", "pytorch", "sdpa", "triton", "flex", "fla"),
+                  "linear": ("auto", "pytorch", "fla")}
+KEY_PADDING_KERNELS = ("flex", "fla")
+"""The quadratic kernels that read key padding as it is (:class:`~.masks.KeyPadding`, no ``N x N`` mask built)."""
 _AUTO = MappingProxyType({"quadratic": "auto", "linear": "auto"})
 _CHOSEN: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar("hf_knorm_kernels", default=_AUTO)
 """The kernel choices in force in this context (a thread, an asyncio task): :func:`kernels` sets them for its block."""
@@ -84,7 +95,7 @@ def kernels(quadratic: str | None = None, linear: str | None = None):
 
     Args:
         quadratic: ``"auto"`` (default), ``"pytorch"`` (the chunked kernel for every call), ``"sdpa"``,
-            ``"triton"`` or ``"flex"`` (FlexAttention, compiled, on CUDA).
+            ``"triton"``, ``"flex"`` (FlexAttention, compiled, on CUDA) or ``"fla"`` (fla's stick-breaking kernel).
         linear: ``"auto"`` (default), ``"pytorch"`` or ``"fla"``.
 
     Raises:
@@ -128,7 +139,7 @@ def _checked(quadratic: str | None, linear: str | None) -> Mapping[str, str]:
         if choice == "triton":
             require("triton", "The Triton kernel for x^p/c")
         if choice == "fla":
-            require("fla", "The flash-linear-attention path for x/1")
+            require("fla", f"flash-linear-attention ({'x/1' if path == 'linear' else 'stick-breaking'})")
         chosen[path] = choice
     return MappingProxyType(chosen)
 
@@ -140,10 +151,11 @@ def _importable(module: str) -> bool:
 
 def with_kernel(path: Path, query: torch.Tensor, normalization: Normalization, *, dropout: float,
                 return_weights: bool, recording: bool, compiling: bool, softcap: float | None = None,
-                sdpa: bool = True) -> Path:
+                sdpa: bool = True, layout: CallLayout | None = None) -> Path:
     """``path`` with its ``kernel`` named when SDPA or a GPU kernel computes the call (see the module docstring).
     ``sdpa``: a route for the whole call (SDPA, FlexAttention) may compute it (``False`` for the parts of a softmax
-    window, which ``window.py`` composes).
+    window, which ``window.py`` composes). ``layout``: the call's mask, bias, causality and lengths, which fla's
+    stick-breaking kernel reads (``None``: not known, and that kernel is not chosen).
 
     Raises:
         ValueError: a kernel forced by :func:`kernels` cannot compute this call (the message says why).
@@ -162,7 +174,8 @@ def with_kernel(path: Path, query: torch.Tensor, normalization: Normalization, *
                              "not.")
         return _log(replace(path, kernel="sdpa"), "a softmax over modified logits")
     if chosen != "auto":
-        return _gpu_kernel(chosen, path, query, normalization, forced=True, **options) or path
+        return _gpu_kernel(chosen, path, query, normalization, forced=True, layout=layout, softcap=softcap,
+                           **options) or path
     reasons = []
     for kernel in _order(path, normalization, sdpa):
         if kernel == "sdpa":
@@ -171,7 +184,8 @@ def with_kernel(path: Path, query: torch.Tensor, normalization: Normalization, *
                 return _log(replace(path, kernel="sdpa"), "a softmax over modified logits")
             reasons.append(f"SDPA does not compute it: {blocker}")
             continue
-        chosen_path = _gpu_kernel(kernel, path, query, normalization, forced=False, reasons=reasons, **options)
+        chosen_path = _gpu_kernel(kernel, path, query, normalization, forced=False, reasons=reasons, layout=layout,
+                                  softcap=softcap, **options)
         if chosen_path is not None:
             return chosen_path
     if compiling:  # traced code: no logging (a graph break)
@@ -183,7 +197,8 @@ def _order(path: Path, normalization: Normalization, whole_call: bool) -> list[s
     """The kernels the automatic choice tries, in order (see the module docstring): softmax itself on SDPA's flash
     kernel, then FlexAttention; SSMax and a sink softmax on FlexAttention (key padding without a dense mask) before
     SDPA; an element-wise weight on the Triton kernel; a weight with a logarithm only (sigmoid) or a ratio of two
-    (softpick) on FlexAttention. To be confirmed by the device measurement (``make device-check``, issue 64)."""
+    (softpick) on FlexAttention; stick-breaking on fla's kernel. To be confirmed by the device measurement
+    (``make device-check``, issue 64)."""
     if path.linear:
         return ["fla"]
     paths = normalization.fast_paths
@@ -191,6 +206,8 @@ def _order(path: Path, normalization: Normalization, whole_call: bool) -> list[s
         return ["triton"]
     if not whole_call:
         return []
+    if "fla_stickbreaking" in paths:
+        return ["fla"]
     form = normalization.softmax_logits
     if form is not None and form.is_plain:
         return ["sdpa", "flex"]
@@ -210,11 +227,14 @@ def _sdpa_blocker(normalization: Normalization, softcap, whole_call: bool, optio
 
 
 def _gpu_kernel(kernel: str, path: Path, query: torch.Tensor, normalization: Normalization, *, forced: bool,
-                reasons: list | None = None, **options) -> Path | None:
+                reasons: list | None = None, layout: CallLayout | None = None, softcap: float | None = None,
+                **options) -> Path | None:
     """``path`` computed by the GPU kernel ``kernel`` when it can compute the call and has passed its self-check;
     otherwise ``None`` with the reason appended to ``reasons`` (a forced kernel raises instead)."""
     kind = "linear" if path.linear else "quadratic"
     blocker = _blocker(kernel, query, normalization, **options)
+    if not blocker and kernel == "fla" and not path.linear:
+        blocker = _fla_quadratic_blocker(normalization, layout, softcap, query.dtype, forced, **options)
     if blocker:
         if forced:
             raise ValueError(f"kernels({kind}={kernel!r}) forces {_NAMES[kernel]}, which cannot compute this "
@@ -271,6 +291,21 @@ def _blocker(kernel: str, query: torch.Tensor, normalization: Normalization, *, 
     return ""
 
 
+def _fla_quadratic_blocker(normalization: Normalization, layout: CallLayout | None, softcap: float | None,
+                           dtype: torch.dtype, forced: bool, *, dropout: float, return_weights: bool, **_) -> str:
+    """Why fla's stick-breaking kernel cannot compute a quadratic call (``""`` when it can): the family's capability,
+    the call's layout (:func:`.fla_stick_breaking.layout_blocker`), fp32 without TF32 asked for
+    (:func:`.fla_stick_breaking.precision_blocker`)."""
+    if "fla_stickbreaking" not in normalization.fast_paths:
+        return (f"{normalization.name} (on the quadratic path it computes stick-breaking only: "
+                "Normalization.stick_break)")
+    if dropout:
+        return "attention dropout"
+    if return_weights:
+        return "the attention weights were requested"
+    return layout_blocker(layout, softcap) or precision_blocker(dtype, forced)
+
+
 def _warn_once(key: tuple, message: str) -> None:
     with _REPORTED_LOCK:
         if key in _REPORTED:
@@ -294,8 +329,9 @@ def _device_type(tensor: torch.Tensor) -> str:
 
 def run_quadratic(path: Path, query, key, value, allowed, normalization, **options):
     """The quadratic path's call: :func:`.kernel.chunked_attention`'s arguments and result ``(output, weights)``;
-    for FlexAttention ``allowed`` may be key padding (:class:`~.masks.KeyPadding`, read without an ``N x N`` mask),
-    the other kernels take the mask their caller made of it (:func:`.masks.kernel_mask`)."""
+    for FlexAttention and fla (:data:`KEY_PADDING_KERNELS`) ``allowed`` may be key padding
+    (:class:`~.masks.KeyPadding`, read without an ``N x N`` mask), the other kernels take the mask their caller made of
+    it (:func:`.masks.kernel_mask`)."""
     if path.kernel == "sdpa":
         if options.get("softcap") is not None or options.get("dropout") or options.get("return_weights") \
                 or options.get("frobenius_sq") is not None:
@@ -313,6 +349,15 @@ def run_quadratic(path: Path, query, key, value, allowed, normalization, **optio
         keep = ("bias", "scaling", "softcap", "causal", "params")
         return flex_route_attention(query, key, value, allowed, normalization,
                                     **{name: options[name] for name in keep if name in options}), None
+    if path.kernel == "fla":
+        if options.get("dropout") or options.get("return_weights") or options.get("frobenius_sq") is not None:
+            raise ValueError("fla's stick-breaking kernel computes no dropout, returned weights or norms (with_kernel "
+                             "keeps such calls on the PyTorch kernel).")
+        from .fla_stick_breaking import fla_stick_breaking_attention
+
+        keep = ("bias", "scaling", "softcap", "causal")
+        return fla_stick_breaking_attention(query, key, value, allowed, normalization,
+                                            **{name: options[name] for name in keep if name in options}), None
     if path.kernel != "triton":
         return chunked_attention(query, key, value, allowed, normalization, **options)
     from .triton_kernel import triton_attention  # imports triton: only when it runs

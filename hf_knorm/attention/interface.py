@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from ..compat import attentions_being_collected
-from .backends import run_linear, run_quadratic, with_kernel
+from .backends import KEY_PADDING_KERNELS, run_linear, run_quadratic, with_kernel
 from .compiled import compiled_attention
 from .full_precision import full_precision
-from .masks import KeyPadding, Mask, kernel_mask
+from .masks import CallLayout, KeyPadding, Mask, kernel_mask
 from ..normalizations import Normalization
 from .held import running_normalization
 from ..normalizations.base import PARAMETER_PREFIX
@@ -192,9 +192,10 @@ def _kernel_path(call: _Call) -> Path:
                            recording=call.frobenius_sq is not None, sliding_window=call.sliding_window)
     else:
         path = choose_path(normalization, q_len, kv_len, call.mask, call.bias, **choice)
+    layout = None if normalization.window else CallLayout(call.mask, call.bias, call.causal, q_len, kv_len)
     path = with_kernel(path, call.query, normalization.without_window, dropout=call.dropout,
                        return_weights=call.return_weights, recording=call.frobenius_sq is not None,
-                       compiling=call.compiling, softcap=call.softcap, sdpa=not normalization.window)
+                       compiling=call.compiling, softcap=call.softcap, sdpa=not normalization.window, layout=layout)
     if call.handover is not None and not path.linear:
         raise ValueError(f"A recurrent state cache decodes with linear attention only, and this call cannot: "
                          f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")
@@ -216,8 +217,8 @@ def _pure(call: _Call, path: Path):
         key, value = linear_keys(call.query, call.key, call.value, call.mask, call.causal)
         return _linear(call.query, key, value, path, call.normalization, call.scaling, call.handover,
                        call.frobenius_sq), None
-    # FlexAttention reads key padding as it is; the other kernels take the N x N form (masks.kernel_mask)
-    mask = call.mask if path.kernel == "flex" else kernel_mask(call.mask, call.compiling)
+    # FlexAttention and fla read key padding as it is; the other kernels take the N x N form (masks.kernel_mask)
+    mask = call.mask if path.kernel in KEY_PADDING_KERNELS else kernel_mask(call.mask, call.compiling)
     if call.compiling and not call.read_taps and call.dropout == 0.0 and not call.return_weights:
         return compiled_attention(call.query, call.key, call.value, mask, call.bias, call.normalization,
                                   scaling=call.scaling, softcap=call.softcap, causal=call.causal,

@@ -193,3 +193,16 @@ def attending_rows(mask: Mask, batch: int, heads: int, kv_len: int, dtype: torch
     if isinstance(mask, KeyPadding):
         return mask.attending_rows().to(dtype)[:, None].expand(batch, heads)
     return mask[..., :kv_len].any(dim=-1).sum(dim=-1).to(dtype).expand(batch, heads)
+
+
+@dataclass(frozen=True)
+class CallLayout:
+    """What a route for a whole call reads of the call besides its tensors (``backends.with_kernel``): ``mask`` as
+    :func:`.interface.read_mask` gives it (:data:`Mask`), ``bias`` an additive float bias or ``None``, ``causal``, and
+    the numbers of queries and keys."""
+
+    mask: Mask
+    bias: torch.Tensor | None
+    causal: bool
+    q_len: int
+    kv_len: int

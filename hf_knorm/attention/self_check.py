@@ -1,11 +1,12 @@
 """A GPU kernel proves itself on the device before it computes a call: checked against the PyTorch kernel, once.
 
 ``backends.py`` asks :func:`verdict` before it hands a call to the Triton kernel (``triton_kernel.py``), to
-flash-linear-attention (``fla_linear.py``) or to FlexAttention (``flex.py``, compiled by Inductor on CUDA). The first
-time a key comes up in a process, the kernel runs on small shapes on that device and is compared with the PyTorch kernel
-(``kernel.py``, ``linear_kernel.py``) computing in fp64 on the same device, from the same (rounded) inputs: outputs and
-the gradients of query, key and value. The verdict (``""`` = passed, otherwise why not) is kept per key, so each key is
-checked once per process; a lock makes a second thread wait for the first one's check rather than run its own.
+flash-linear-attention (``fla_linear.py``; its stick-breaking kernel, ``fla_stick_breaking.py``) or to FlexAttention
+(``flex.py``, compiled by Inductor on CUDA). The first time a key comes up in a process, the kernel runs on small
+shapes on that device and is compared with the PyTorch kernel (``kernel.py``, ``linear_kernel.py``) computing in fp64
+on the same device, from the same (rounded) inputs: outputs and the gradients of query, key and value. The verdict
+(``""`` = passed, otherwise why not) is kept per key, so each key is checked once per process; a lock makes a second
+thread wait for the first one's check rather than run its own.
 
 The key is what changes the code a kernel runs: the device (``cuda:0``, ``cuda:1`` may be different GPUs), the
 input dtype (bf16 multiplies bf16 operands, fp16 TF32 ones, fp32 IEEE ones in the Triton kernel), the kernel, the
@@ -24,7 +25,11 @@ state is left as it was), gradients on (also under ``torch.no_grad`` / ``inferen
   60-key cache, 40 padded keys in item 1) with a softcap, (c) an explicit sliding-window mask (50 keys) with an
   additive bias; the family's learned values (near their initial values) get their gradients compared too.
 - fla: (a) a prefill (70 queries after a 20-key cache, 10 padded keys in item 1; chunked kernel) returning its state,
-  with gradients, and (b) one decoded token from that state (recurrent kernel): output, state and count.
+  with gradients, and (b) one decoded token from that state (recurrent kernel): output, state and count. For a family
+  declaring ``stick_break``, its stick-breaking kernel: (a) the implicit causal mask (70 queries and keys: a full and a
+  ragged block of its 64 rows) and (b) key padding (30 padded keys on the left of item 1, 10 on the right of item 0:
+  packed sequences of ``cu_seqlens``, the padded rows after a real key on the chunked kernel), outputs and
+  gradients.
 
 Tolerance, relative to the largest value of the fp64 result: ``1e-4`` where the kernel multiplies fp32 operands in
 IEEE precision (Triton and FlexAttention, fp32 inputs); ``2e-2`` where it multiplies bf16 or TF32 operands (bf16 and fp16 inputs; fla
@@ -33,8 +38,9 @@ that raises (cannot be imported, fails to compile, cannot launch) fails its chec
 
 On a CPU under Triton's interpreter (``TRITON_INTERPRET=1``; the tests, through ``backends._device_type``) the
 Triton check runs as it does on a GPU, bf16 operands included (``triton_interpreter.py``); fla's kernels need a
-GPU and fail their check there, and so does FlexAttention's (torch refuses its backward on the CPU; its tests lift
-that refusal).
+GPU and fail their check there (their autotuner benchmarks through a GPU driver; the tests give fla's stick-breaking
+kernels one configuration, and run them under the interpreter), and so does FlexAttention's (torch refuses its
+backward on the CPU; its tests lift that refusal).
 """
 
 from __future__ import annotations
@@ -247,6 +253,8 @@ def _check_flex(device, dtype, normalization, head_dim) -> str:
 
 
 def _check_fla(device, dtype, normalization, head_dim) -> str:
+    if normalization.stick_break is not None:
+        return _check_fla_stick_breaking(device, dtype, normalization, head_dim)
     from . import fla_linear
 
     kernels = fla_linear.fla_kernels()  # imports fla: a failing import is the check's verdict
@@ -272,3 +280,26 @@ def _check_fla(device, dtype, normalization, head_dim) -> str:
         want, state, _ = linear_attention(*step_exact, None, normalization, initial_state=state, initial_count=count,
                                           return_state=True)
     return _compare(got, want, "case (b), output", limit) or _compare(got_state, state, "case (b), state", limit)
+
+
+def _check_fla_stick_breaking(device, dtype, normalization, head_dim) -> str:
+    from . import fla_stick_breaking
+
+    kernel = fla_stick_breaking.fla_stickbreaking_kernel()  # imports fla: a failing import is the check's verdict
+    limit = tolerance("fla", dtype)
+    # (a) the implicit causal mask: 70 queries and keys
+    leaves, exact = _inputs(device, dtype, 70, 70, head_dim, seed=9)
+    got = fla_stick_breaking.fla_stick_breaking_attention(*leaves, None, normalization, kernel=kernel)
+    want, _ = chunked_attention(*exact, None, normalization, causal=True)
+    failure = _outputs_and_gradients("a", got, want, leaves, exact, limit, seed=10)
+    if failure:
+        return failure
+    # (b) key padding: 30 padded keys on the left of item 1, 10 on the right of item 0 (packed sequences)
+    leaves, exact = _inputs(device, dtype, 70, 70, head_dim, seed=11)
+    key_valid = torch.ones(2, 70, dtype=torch.bool, device=device)
+    key_valid[1, :30] = False
+    key_valid[0, -10:] = False
+    padding = KeyPadding(key_valid, 70, causal=True)
+    got = fla_stick_breaking.fla_stick_breaking_attention(*leaves, padding, normalization, kernel=kernel)
+    want, _ = chunked_attention(*exact, padding.dense(), normalization, causal=True)
+    return _outputs_and_gradients("b", got, want, leaves, exact, limit, seed=12)

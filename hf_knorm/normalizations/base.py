@@ -19,7 +19,9 @@ additive bias) into weights ``w_ij``. Each family lives in its own file of this 
   (:attr:`Normalization.pointwise`, which the Triton kernel and, for ``s / c``, the linear-time kernels compute), or
   a non-negative weight with an element-wise logarithm (:attr:`Normalization.log_weights`, which FlexAttention
   computes with the softmax families), or a ratio of two such weights with a floor
-  (:attr:`Normalization.log_weight_ratio`: softpick, FlexAttention in two passes); the fast paths that compute it exactly (:attr:`Normalization.fast_paths`)
+  (:attr:`Normalization.log_weight_ratio`: softpick, FlexAttention in two passes), or stick-breaking
+  (:attr:`Normalization.stick_break`, which flash-linear-attention's stick-breaking kernel computes); the fast
+  paths that compute it exactly (:attr:`Normalization.fast_paths`)
   follow from them. The attention paths read these capabilities and never test a family's type.
 
 The registry (:mod:`.registry`) lists the families; adding one is a new file and one registry line.
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 if TYPE_CHECKING:
-    from .routes import LogWeight, LogWeightRatio, Pointwise, SoftmaxLogits
+    from .routes import LogWeight, LogWeightRatio, Pointwise, SoftmaxLogits, StickBreak
 
 PARAMETER_PREFIX = "hf_knorm_"
 """A learnable value ``name`` is the attention module's ``nn.Parameter`` ``hf_knorm_<name>``."""
@@ -81,6 +83,8 @@ class Normalization:
     log_weight_ratio: LogWeightRatio | None = None
     """How each weight is a ratio of two element-wise weights with a floor (:class:`.routes.LogWeightRatio`), or
     ``None``."""
+    stick_break: StickBreak | None = None
+    """How the weights break a stick along the row (:class:`.routes.StickBreak`), or ``None``."""
 
     is_softmax: ClassVar[bool] = False
     window: ClassVar[int] = 0
@@ -94,7 +98,8 @@ class Normalization:
         rows per chunk: any family), ``"sdpa"`` (a softmax over modified logits), ``"triton"`` (element-wise
         weights), ``"flex"`` (FlexAttention: a softmax over modified logits, a non-negative weight's logarithm, or a
         ratio of two such weights),
-        ``"linear"`` / ``"fla"`` (``s / c``: linear attention)."""
+        ``"linear"`` / ``"fla"`` (``s / c``: linear attention), ``"fla_stickbreaking"`` (flash-linear-attention's
+        stick-breaking kernel: :class:`.routes.StickBreak`)."""
         paths = ["chunked"]
         if self.softmax_logits is not None:
             paths.append("sdpa")
@@ -104,6 +109,8 @@ class Normalization:
             paths.append("triton")
             if self.pointwise.is_linear:
                 paths += ["linear", "fla"]
+        if self.stick_break is not None:
+            paths.append("fla_stickbreaking")
         return tuple(paths)
 
     @property

@@ -22,8 +22,12 @@ normalization what it is:
   ``m_i = max(0, max_k s_ik)`` (softpick). Two softmax passes that return their log-sum-exp compute it exactly
   (FlexAttention): ``a`` as the score modification gives ``out_A`` and ``lse_A`` (and the row's largest ``a``, from
   which ``m_i`` follows), ``b`` gives ``lse_B``, and ``sum_j w_ij v_j = out_A e^{lse_A} / (e^{lse_B} + eps e^{m})``.
+- :class:`StickBreak` (:attr:`~.base.Normalization.stick_break`): the weights break a stick from the row's most recent
+  key backwards, ``w_ij = sigma(s_ij) prod_{k > j} (1 - sigma(s_ik))``; flash-linear-attention's stick-breaking
+  kernel (``fla.ops.stickbreaking_attn``, :mod:`hf_knorm.attention.fla_stick_breaking`) computes it, carrying the
+  log of the stick left as it walks a row's keys from the nearest back.
 - :attr:`~.base.Normalization.row_normalizer`: what a family with none of these carries along a row (a running maximum
-  and a denominator, or the whole row: stick-breaking); the chunked kernel computes every family from whole rows.
+  and a denominator, or the whole row); the chunked kernel computes every family from whole rows.
 
 A family's routes (:attr:`~.base.Normalization.fast_paths`) follow from these: a new family with a GPU route is its
 file (declaring the capability) and its registry line.
@@ -296,3 +300,23 @@ class LogWeightRatio:
         bottom = torch.where(allowed, self.denominator(scores), minus_inf)
         shift = self.row_shift(top.amax(dim=-1, keepdim=True))
         return top.exp() / (bottom.exp().sum(dim=-1, keepdim=True) + self.eps * shift.exp())
+
+
+@dataclass(frozen=True)
+class StickBreak:
+    """Stick-breaking weights (Tan et al., arXiv 2410.17980): ``w_ij = beta_ij prod_{k in K_i, k > j} (1 - beta_ik)``,
+    ``beta = sigma(s)``, ``K_i`` the keys row ``i`` may attend (masked keys break nothing).
+
+    Attributes:
+        own_key: a causal row attends its own key (``k <= i``: Transformers' causal masks; fla's
+            ``attend_current=True``), else only the keys before it (``k < i``).
+    """
+
+    own_key: bool = True
+
+    def reference(self, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """The weights in log space on allowed pairs, 0 elsewhere (``scores`` ``(..., q, kv)``, ``allowed`` bool of
+        that shape): what the declaration must equal (the family's own weights; tested)."""
+        remaining = torch.where(allowed, F.logsigmoid(-scores), torch.zeros_like(scores))  # log(1 - beta)
+        later = remaining.flip(-1).cumsum(-1).flip(-1) - remaining
+        return torch.exp(F.logsigmoid(scores) + later) * allowed

@@ -9,6 +9,10 @@ order of the keys replaces a position encoding (the model's own RoPE stays: patc
 Transformers' masks have it); masked keys break nothing. Computed in log space: ``log w_ij = log sigma(s_ij) +
 sum_{k > j} log sigma(-s_ik)``, a reversed cumulative sum over the row (so a chunk needs whole rows, which the chunked
 kernel has).
+
+Its GPU route (:attr:`stick_break`, :class:`~.routes.StickBreak`): flash-linear-attention's Triton kernel
+(``fla.ops.stickbreaking_attn``, from the paper's authors' implementation) computes the same weights with
+``attend_current=True`` (a row's own key counted), on the calls :mod:`hf_knorm.attention.fla_stick_breaking` lists.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import Normalization, arguments, check_keys, masked, minus_inf_masked
+from .routes import StickBreak
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,7 @@ class StickBreaking(Normalization):
     source = "Tan et al., Stick-breaking attention, arXiv 2410.17980"
     examples = ("stick-breaking",)
     row_normalizer = "row"
+    stick_break = StickBreak(own_key=True)
 
     @property
     def name(self) -> str:

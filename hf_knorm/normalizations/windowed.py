@@ -80,7 +80,7 @@ class Windowed(Normalization):
     @property
     def fast_paths(self) -> tuple[str, ...]:
         # window.py composes the two parts: no whole-call softmax route
-        return tuple(path for path in self.base.fast_paths if path not in ("sdpa", "flex"))
+        return tuple(path for path in self.base.fast_paths if path not in ("sdpa", "flex", "fla_stickbreaking"))
 
     @property
     def name(self) -> str:

@@ -13,9 +13,9 @@ CUDA; 256 on the CPU), batch 1, causal, bf16 on CUDA (fp32 on the CPU):
   gradients): the first call's time, which holds the compile warm-up (Inductor compiling FlexAttention's kernels for
   the shape and family, Triton's JIT) and is reported apart; then the median of 3, forward and forward+backward, each
   as a ratio to SDPA in the same run, beside issue 64's target (at most 1.5x SDPA flash); and the peak memory (target:
-  at most SDPA's + 10%). The chunked kernel (stick-breaking: no fused route) is timed at the first length only
-  unless ``--chunked-all``: it takes 5-50x SDPA flash (docs/results/attention.md). Softmax runs SDPA in bf16 (its
-  flash kernel, through ``sdpa.py``); softpick runs FlexAttention's two passes (``flex.py``).
+  at most SDPA's + 10%). The chunked kernel (a family with no fused route) is timed at the first length only unless
+  ``--chunked-all``: it takes 5-50x SDPA flash (docs/results/attention.md). Softmax runs SDPA in bf16 (its flash
+  kernel, through ``sdpa.py``); softpick runs FlexAttention's two passes (``flex.py``); stick-breaking fla's kernel.
 - **error** (the SmolLM2 shape, the first length; on bf16 inputs): the family's fused output, and on CUDA its
   gradients of q, k, v, against the chunked kernel in fp64 on the same (rounded) inputs, as the largest error over
   the largest fp64 value; SDPA flash's own softmax error the same way; the ratio is FlashAttention's criterion
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from hf_knorm.attention import backends, flex
 from hf_knorm.attention.kernel import chunked_attention
-from hf_knorm.attention.masks import KeyPadding
+from hf_knorm.attention.masks import CallLayout, KeyPadding
 from hf_knorm.attention.paths import Path
 from hf_knorm.normalizations import parse_normalization, representative_spellings
 
@@ -86,25 +86,26 @@ def kernel_for(normalization, query) -> str:
     the CUDA order that runs on a CPU ("flex": its eager forward, where torch runs it there; "triton" is skipped),
     else what the CPU runs."""
     path = Path(linear=False)
+    length = query.shape[2]
+    options = dict(dropout=0.0, return_weights=False, recording=False, compiling=False,
+                   layout=CallLayout(None, None, True, length, length))
     if CUDA:
-        return backends.with_kernel(path, query, normalization, dropout=0.0, return_weights=False, recording=False,
-                                    compiling=False).name
+        return backends.with_kernel(path, query, normalization, **options).name
     order = backends.automatic_order(normalization)
     if order and (order[0] == "triton" or order[0] == "flex" and not flex.cpu_blocker(normalization)):
         return order[0]
-    return backends.with_kernel(path, query, normalization, dropout=0.0, return_weights=False, recording=False,
-                                compiling=False).name
+    return backends.with_kernel(path, query, normalization, **options).name
 
 
 def _attention(kernel: str, normalization, params):
     """``attention(q, k, v)`` through the kernel, as the attention entry calls it (a plain causal call: key padding
-    of real keys, which FlexAttention reads as it is and the others as their implicit causal mask)."""
+    of real keys, which FlexAttention and fla read as it is and the others as their implicit causal mask)."""
     path = Path(linear=False, kernel="" if kernel == "quadratic" else kernel)
 
     def attention(query, key, value):
         length = query.shape[2]
         padding = KeyPadding(torch.ones(1, length, dtype=torch.bool, device=query.device), length, causal=True)
-        mask = padding if kernel == "flex" else None
+        mask = padding if kernel in backends.KEY_PADDING_KERNELS else None
         return backends.run_quadratic(path, query, key, value, mask, normalization, causal=True, params=params)[0]
 
     return attention

@@ -19,6 +19,7 @@ import torch
 import hf_knorm
 from hf_knorm.attention import backends, self_check
 from hf_knorm.normalizations import parse_normalization
+from hf_knorm.attention.masks import CallLayout
 from hf_knorm.attention.paths import Path
 from hf_knorm.extras import MissingExtraError
 
@@ -59,9 +60,14 @@ def fla_on_the_cpu(monkeypatch):
     return naive_recurrent_linear_attn
 
 
+PLAIN_CAUSAL = CallLayout(None, None, True, 3, 3)
+"""A plain causal call of 3 queries and keys, no mask (what a whole-call route reads)."""
+
+
 def _name(path, spelling="x^3/16", dtype=torch.bfloat16, head_dim=4, **options):
     query = torch.zeros(1, 2, 3, head_dim, dtype=dtype)
-    return backends.with_kernel(path, query, parse_normalization(spelling), **{**PLAIN, **options}).name
+    return backends.with_kernel(path, query, parse_normalization(spelling),
+                                **{**PLAIN, "layout": PLAIN_CAUSAL, **options}).name
 
 
 def test_on_cuda_the_gpu_kernels_take_what_they_compute(proven):
@@ -116,7 +122,7 @@ FAMILY_KERNELS = [
     ("x^2/16", "triton", "quadratic"),
     ("x^3/16", "triton", "quadratic"),
     ("softpick", "flex", "quadratic"),
-    ("stick-breaking", "quadratic", "quadratic"),
+    ("stick-breaking", "fla", "quadratic"),
 ]
 
 
