@@ -349,17 +349,7 @@ def fused_rows(lengths: str | None, shapes: str | None) -> list[str]:
     command = [sys.executable, str(ROOT / "scripts" / "attention" / "bench_gpu_families.py")]
     command += ["--lengths", lengths] if lengths else []
     command += ["--shapes", shapes] if shapes else []
-    rows = []
-    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
-        for line in process.stdout:
-            if line.startswith("| fused"):
-                rows.append(line.rstrip("\n"))
-                print(rows[-1], flush=True)
-        errors = process.stderr.read()
-    if process.returncode:
-        rows.append(f"| fused families | FAIL: {' '.join(errors.strip().splitlines()[-2:])[-300:]} |")
-        print(rows[-1], flush=True)
-    return rows
+    return _script_rows(command, "fused", "fused families")
 
 
 def model_rows(budget_s: float | None) -> list[str]:
@@ -367,15 +357,21 @@ def model_rows(budget_s: float | None) -> list[str]:
     is a row saying so."""
     command = [sys.executable, str(ROOT / "scripts" / "attention" / "bench_gpu_model.py")]
     command += ["--budget-s", str(budget_s)] if budget_s is not None else []
+    return _script_rows(command, "model", "model")
+
+
+def _script_rows(command: list[str], prefix: str, label: str) -> list[str]:
+    """Run ``command``, keep (and print as they come) its stdout rows starting ``| prefix``; a failure is a row
+    ``| label | FAIL: ...`` with the end of its stderr."""
     rows = []
     with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
         for line in process.stdout:
-            if line.startswith("| model"):
+            if line.startswith(f"| {prefix}"):
                 rows.append(line.rstrip("\n"))
                 print(rows[-1], flush=True)
         errors = process.stderr.read()
     if process.returncode:
-        rows.append(f"| model | FAIL: {' '.join(errors.strip().splitlines()[-2:])[-300:]} |")
+        rows.append(f"| {label} | FAIL: {' '.join(errors.strip().splitlines()[-2:])[-300:]} |")
         print(rows[-1], flush=True)
     return rows
 

@@ -36,8 +36,9 @@ def _prompts(lengths=LENGTHS, seed=1):
 
 
 def _assert_rows_equal_alone(model, prompts, generate_one, generate_batch):
-    """``generate_batch(ids, mask)`` on the left-padded prompts against ``generate_one(ids)`` on each: tokens equal,
-    every step's logits within ATOL, kept positions of every KNorm layer equal (each row's real slots)."""
+    """``generate_batch(ids, mask)`` on the left-padded prompts against ``generate_one(ids)`` on each (each returns
+    ``(output, cache or None)``): tokens equal, every step's logits within ATOL, and with the caches the kept positions
+    of every KNorm layer equal (each row's real slots)."""
     ids, mask = left_pad(prompts, pad_id=0)
     batch, batch_cache = generate_batch(ids, mask)
     width = ids.shape[1]
@@ -46,7 +47,7 @@ def _assert_rows_equal_alone(model, prompts, generate_one, generate_batch):
         assert torch.equal(batch.sequences[row, width:], alone.sequences[0, prompt.numel():])
         for step_batch, step_alone in zip(batch.logits, alone.logits, strict=True):
             torch.testing.assert_close(step_batch[row], step_alone[0], atol=ATOL, rtol=0)
-        for index, layer in enumerate(alone_cache.layers):
+        for index, layer in enumerate(alone_cache.layers if alone_cache is not None else []):
             if getattr(layer, "row_lengths", 0) is None and hasattr(layer, "positions"):  # a KNorm layer
                 kept = batch_cache.kept_positions(index)[row]
                 real = kept[kept >= 0].reshape(kept.shape[0], -1)
@@ -66,14 +67,7 @@ def test_knorm_generate_on_a_padded_batch_equals_each_prompt_alone(model_type, o
         out = knorm_generate(model, ids, mask, compression_ratio=0.5, generation_config=config, **options)
         return out, None
 
-    prompts = _prompts()
-    ids, mask = left_pad(prompts, pad_id=0)
-    batch = run(ids, mask)[0]
-    for row, prompt in enumerate(prompts):
-        alone = run(prompt[None])[0]
-        assert torch.equal(batch.sequences[row, ids.shape[1]:], alone.sequences[0, prompt.numel():])
-        for step_batch, step_alone in zip(batch.logits, alone.logits, strict=True):
-            torch.testing.assert_close(step_batch[row], step_alone[0], atol=ATOL, rtol=0)
+    _assert_rows_equal_alone(model, _prompts(), run, run)
     assert model.config._attn_implementation == "sdpa"  # given back
 
 
@@ -114,13 +108,7 @@ def test_kvzip_on_a_padded_batch_reconstructs_each_row_alone(model_type):
                              chat_template=False, generation_config=config)
         return out, None
 
-    ids, mask = left_pad(prompts, pad_id=0)
-    batch = run(ids, mask)[0]
-    for row, prompt in enumerate(prompts):
-        alone = run(prompt[None])[0]
-        assert torch.equal(batch.sequences[row, ids.shape[1]:], alone.sequences[0, prompt.numel():])
-        for step_batch, step_alone in zip(batch.logits, alone.logits, strict=True):
-            torch.testing.assert_close(step_batch[row], step_alone[0], atol=ATOL, rtol=0)
+    _assert_rows_equal_alone(model, prompts, run, run)
 
 
 def test_padded_questions_after_padded_contexts():
