@@ -61,7 +61,7 @@ import torch
 
 from ..extras import require
 from .kernel import chunked_attention
-from .fla_stick_breaking import layout_blocker, precision_blocker
+from .fla_stick_breaking import layout_blocker
 from .flex import available as flex_available
 from .linear_kernel import linear_attention
 from .masks import CallLayout
@@ -235,6 +235,8 @@ def _gpu_kernel(kernel: str, path: Path, query: torch.Tensor, normalization: Nor
     blocker = _blocker(kernel, query, normalization, **options)
     if not blocker and kernel == "fla" and not path.linear:
         blocker = _fla_quadratic_blocker(normalization, layout, softcap, query.dtype, forced, **options)
+    elif not blocker and kernel == "fla":
+        blocker = tf32_blocker("linear", query.dtype, forced)
     if blocker:
         if forced:
             raise ValueError(f"kernels({kind}={kernel!r}) forces {_NAMES[kernel]}, which cannot compute this "
@@ -295,7 +297,7 @@ def _fla_quadratic_blocker(normalization: Normalization, layout: CallLayout | No
                            dtype: torch.dtype, forced: bool, *, dropout: float, return_weights: bool, **_) -> str:
     """Why fla's stick-breaking kernel cannot compute a quadratic call (``""`` when it can): the family's capability,
     the call's layout (:func:`.fla_stick_breaking.layout_blocker`), fp32 without TF32 asked for
-    (:func:`.fla_stick_breaking.precision_blocker`)."""
+    (:func:`tf32_blocker`)."""
     if "fla_stickbreaking" not in normalization.fast_paths:
         return (f"{normalization.name} (on the quadratic path it computes stick-breaking only: "
                 "Normalization.stick_break)")
@@ -303,7 +305,19 @@ def _fla_quadratic_blocker(normalization: Normalization, layout: CallLayout | No
         return "attention dropout"
     if return_weights:
         return "the attention weights were requested"
-    return layout_blocker(layout, softcap) or precision_blocker(dtype, forced)
+    return layout_blocker(layout, softcap) or tf32_blocker("quadratic", dtype, forced)
+
+
+def tf32_blocker(kind: str, dtype: torch.dtype, forced: bool) -> str:
+    """Why the automatic choice keeps an fp32 call off flash-linear-attention's kernels, on the ``kind`` path
+    (``""`` when it does not): their products take TF32 on a GPU (Triton's default for fp32 operands), and fp32 inputs
+    stay fp32 unless TF32 is asked for: ``torch.set_float32_matmul_precision("high")`` (or ``"medium"``), or the
+    kernel forced with ``kernels(kind="fla")``. Elsewhere the PyTorch kernel computes them in fp32 (cuBLAS leaves
+    TF32 off by default)."""
+    if dtype == torch.float32 and not forced and torch.get_float32_matmul_precision() == "highest":
+        return (f"fp32 inputs, and fla's products take TF32 on a GPU while fp32 matmuls are at 'highest' precision "
+                f"(torch.set_float32_matmul_precision('high') or kernels({kind}='fla') asks for TF32)")
+    return ""
 
 
 def _warn_once(key: tuple, message: str) -> None:

@@ -23,9 +23,9 @@ stick-breaking family (:class:`~hf_knorm.normalizations.stick_breaking.StickBrea
   no norm recording (the dispatcher, ``backends.py``, keeps those calls on the PyTorch chunked kernel);
 - fp32, bf16 or fp16 inputs, head dimension at most 256 (fla's limits). fla computes in fp32 with its operands' dtype
   in the products (bf16 operands with fp32 accumulation; Triton's default TF32 for fp32 inputs on a GPU). So the
-  automatic choice sends it fp32 calls only where TF32 is asked for (:func:`precision_blocker`:
-  ``torch.set_float32_matmul_precision("high")`` or ``"medium"``, or ``kernels(quadratic="fla")``); fp32 inputs
-  otherwise stay fp32 on the chunked kernel.
+  automatic choice sends it fp32 calls only where TF32 is asked for (``backends.tf32_blocker``, the rule of both fla
+  routes: ``torch.set_float32_matmul_precision("high")`` or ``"medium"``, or ``kernels(quadratic="fla")``); fp32
+  inputs otherwise stay fp32 on the chunked kernel.
 
 Everything else stays on the PyTorch chunked kernel (``kernel.py``): decoding (one query row against a cache: fla
 takes as many keys as queries), a chunk of a prompt after a cache, sliding windows, packed sequences given as a mask.
@@ -79,15 +79,6 @@ def layout_blocker(layout: CallLayout | None, softcap: float | None = None) -> s
         return (f"{layout.q_len} queries against {layout.kv_len} keys (it takes as many keys as queries: a prefill or "
                 "a training step; decoding and a prompt after a cache stay on the PyTorch kernel)")
     return key_validity(layout.mask, layout.q_len, layout.kv_len)[0]
-
-
-def precision_blocker(dtype: torch.dtype, forced: bool) -> str:
-    """Why the automatic choice keeps a call of ``dtype`` off the kernel (``""`` when it does not): fp32 inputs while
-    PyTorch's fp32 matmuls are at ``"highest"`` precision (no TF32 unless asked; a forced kernel is asked)."""
-    if dtype == torch.float32 and not forced and torch.get_float32_matmul_precision() == "highest":
-        return ("fp32 inputs, and fla's products take TF32 on a GPU while fp32 matmuls are at 'highest' precision "
-                "(torch.set_float32_matmul_precision('high') or kernels(quadratic='fla') asks for TF32)")
-    return ""
 
 
 def key_validity(mask: Mask, q_len: int, kv_len: int) -> tuple[str, torch.Tensor | None]:

@@ -70,13 +70,34 @@ def _name(path, spelling="x^3/16", dtype=torch.bfloat16, head_dim=4, **options):
                                 **{**PLAIN, "layout": PLAIN_CAUSAL, **options}).name
 
 
-def test_on_cuda_the_gpu_kernels_take_what_they_compute(proven):
+@pytest.fixture
+def tf32_asked():
+    """``torch.set_float32_matmul_precision("high")`` for the test: TF32 asked for, so fla takes fp32 calls."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+def test_on_cuda_the_gpu_kernels_take_what_they_compute(proven, tf32_asked):
     assert _name(QUADRATIC) == "triton"
     assert _name(QUADRATIC, dtype=torch.float16) == "triton"
     assert _name(LINEAR, "x/1") == "fla"
     assert _name(LINEAR, "x/sqrtN", dtype=torch.float32) == "fla"
     assert [(kernel, dtype) for kernel, _, dtype, *_ in proven] == [
         ("triton", torch.bfloat16), ("triton", torch.float16), ("fla", torch.bfloat16), ("fla", torch.float32)]
+
+
+def test_fp32_reaches_fla_only_where_tf32_is_asked_for(proven):
+    """fla's products take TF32 on a GPU: under the default 'highest' fp32 matmul precision an fp32 call stays on
+    the PyTorch kernel (fp32 stays fp32), on both paths; forced, fla takes it."""
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert _name(LINEAR, "x/1", dtype=torch.float32) == "linear"
+    assert _name(QUADRATIC, "stick-breaking", dtype=torch.float32) == "quadratic"
+    assert _name(LINEAR, "x/1", dtype=torch.bfloat16) == "fla"
+    with backends.kernels(linear="fla", quadratic="fla"):
+        assert _name(LINEAR, "x/1", dtype=torch.float32) == "fla"
+        assert _name(QUADRATIC, "stick-breaking", dtype=torch.float32) == "fla"
 
 
 @pytest.mark.parametrize("case", [dict(spelling="softmax", dropout=0.1), dict(dtype=torch.float64),
@@ -296,7 +317,7 @@ def test_a_triton_kernel_with_wrong_gradients_is_caught(on_cuda, monkeypatch):
         assert _name(QUADRATIC, dtype=torch.float32, head_dim=16) == "quadratic"
 
 
-def test_fla_proves_itself_and_a_broken_fla_is_caught(on_cuda, monkeypatch, fla_on_the_cpu):
+def test_fla_proves_itself_and_a_broken_fla_is_caught(on_cuda, monkeypatch, fla_on_the_cpu, tf32_asked):
     """fla's check with fla's plain reference as its kernels passes; a recurrent kernel that drops the state it
     continues from (decoding) fails case (b)."""
     assert _name(LINEAR, "x/sqrtN", dtype=torch.float32, head_dim=16) == "fla"
@@ -312,7 +333,8 @@ def test_fla_proves_itself_and_a_broken_fla_is_caught(on_cuda, monkeypatch, fla_
         assert _name(LINEAR, "x/16", dtype=torch.float32, head_dim=16) == "linear"
 
 
-def test_a_kernel_that_cannot_be_imported_or_run_is_reported_once_and_the_pytorch_kernel_runs(on_cuda, monkeypatch):
+def test_a_kernel_that_cannot_be_imported_or_run_is_reported_once_and_the_pytorch_kernel_runs(on_cuda, monkeypatch,
+                                                                                               tf32_asked):
     """fla installed, but its kernels' module fails to import; then importable, but its Triton finds no GPU driver
     (fla's real kernels on a CPU)."""
     monkeypatch.setitem(sys.modules, "fla.ops.linear_attn", None)

@@ -309,7 +309,7 @@ def test_a_patched_model_runs_fla_for_its_prefill_and_the_chunked_kernel_for_dec
     from tiny_models import assert_same_step, logits_and_grads, tiny_model
 
     monkeypatch.setattr(backends, "verdict", lambda *key: "")
-    monkeypatch.setattr(backends, "precision_blocker", lambda dtype, forced: "")  # fp32, as where TF32 is asked for
+    monkeypatch.setattr(backends, "tf32_blocker", lambda kind, dtype, forced: "")  # fp32, as where TF32 is asked for
     model = hf_knorm.patch(tiny_model("llama"), "stick-breaking").to(DEVICE)
     ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     mask = torch.ones_like(ids)

@@ -457,11 +457,13 @@ def test_a_decoded_token_reads_the_device_once_per_forward_not_per_layer(spellin
 def gpu_kernels(monkeypatch):
     """The CUDA choices of ``backends.py`` on the CPU (its device seam set to "cuda", the packages importable), with
     the Triton and flash-linear-attention entry points replaced by spies that note each call and compute it with the
-    PyTorch kernels (the same contract): which part of a windowed call reaches which GPU kernel, and with what."""
+    PyTorch kernels (the same contract): which part of a windowed call reaches which GPU kernel, and with what. The
+    tiny models are fp32: TF32 is asked for, as fla takes fp32 calls only then (``backends.tf32_blocker``)."""
     from hf_knorm.attention import backends, fla_linear, triton_kernel
     from hf_knorm.attention.kernel import chunked_attention
     from hf_knorm.attention.linear_kernel import linear_attention
 
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
     monkeypatch.setattr(backends, "_device_type", lambda tensor: "cuda")
     monkeypatch.setattr(backends, "_importable", lambda module: True)
     backends._CHOSEN.set({"quadratic": "auto", "linear": "auto"})
