@@ -1,20 +1,19 @@
-"""The largest softmax weight each cached key receives from a block of queries, without the ``m x n`` weight matrix.
+"""Softmax attention that also returns the largest weight each cached key receives, in one pass over the scores.
 
 KVzip (Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arXiv 2505.23416) scores
 a cached pair by the largest attention weight any query of a reconstruction pass gives it:
 
     score[b, g, j] = max over query rows i and query heads h of KV head g of  softmax_j'(s[b, h, i, j'])[j],
-    s[b, h, i, j] = scaling * <q[b, h, i], k[b, g, j]>,
+    s[b, h, i, j] = scaling * <q[b, h, i], k[b, g, j]>  (+ the attention mask),
 
-the softmax taken over the whole row (every key the query sees, causally). :func:`max_attention_weights` computes it
-in two passes over blocks of keys, in plain PyTorch, holding one ``(B, H_kv, group * m, block)`` tile at a time:
-
-1. each row's log-sum-exp ``lse_i`` (running maximum and rescaled sum, the online softmax of FlashAttention);
-2. for the keys to score, ``max_i exp(s_ij - lse_i)``, maximized block by block.
-
-So no attention weight comes from the model's attention implementation (SDPA, flash) and no ``N x N`` matrix is
-built. The plain reference that materializes the weights is
-:func:`hf_knorm.eviction.reference.reference_max_weights`.
+the softmax taken over the whole row (every key the query sees). The reconstruction needs the attention's output as
+well, so :func:`attention_with_max_weights` computes both from the same scores, in plain PyTorch, one block of query
+rows at a time: per block, one ``q k^T`` tile ``(B, H_kv, group * m_b, L_b)`` (the block's rows of every query head
+of a KV head's group, against the keys any of them sees), the mask, the softmax in fp32 (fp64 for fp64 inputs), the
+output rows ``weights @ V``, and the running maximum of the weights over the block's rows. No ``N x N`` matrix is
+held beyond one tile (:data:`TILE_ELEMENTS` scores), and no weight comes from the model's attention implementation.
+The plain references are :func:`hf_knorm.eviction.reference.reference_max_weights` (the weights materialized) and
+``torch.nn.functional.scaled_dot_product_attention`` (the output).
 """
 
 from __future__ import annotations
@@ -23,59 +22,87 @@ import math
 
 import torch
 
-__all__ = ["TILE_ELEMENTS", "max_attention_weights"]
+__all__ = ["TILE_ELEMENTS", "attention_with_max_weights"]
 
-TILE_ELEMENTS = 1 << 24  # scores held per tile (64 MiB in fp32); the key block is sized to stay under it
+TILE_ELEMENTS = 1 << 23  # scores held per tile (32 MiB in fp32); the block of query rows is sized to stay under it
 
 
-def max_attention_weights(query: torch.Tensor, key: torch.Tensor, scored: int, scaling: float | None = None,
-                          block: int | None = None) -> torch.Tensor:
-    """The largest softmax weight each of the first ``scored`` keys receives from any query of its KV head's group.
+def attention_with_max_weights(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               attention_mask: torch.Tensor | None, scored: int, scaling: float | None = None,
+                               is_causal: bool = True, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``query`` over ``key`` / ``value`` and the largest weight each of the first ``scored``
+    keys receives from any query row of its KV head's group.
 
     Args:
         query (torch.Tensor): (B, H_q, m, D) post-RoPE queries: the *last* ``m`` positions of the sequence whose keys
-            are ``key``; query ``i`` sees keys ``0 .. L - m + i`` (causal).
+            are ``key``.
         key (torch.Tensor): (B, H_kv, L, D) post-RoPE keys, ``L >= m``, not repeated for GQA (query head ``h`` reads
             KV head ``h // (H_q // H_kv)``, Transformers' ``repeat_kv`` order).
-        scored (int): How many leading keys to score, at most ``L - m`` (keys every query sees: the cached context).
+        value (torch.Tensor): (B, H_kv, L, D_v) values.
+        attention_mask (torch.Tensor, optional): (B or 1, 1, m, L) or longer in the last axis (cut to ``L``, as
+            Transformers' SDPA attention does): boolean (``True`` = attended, Transformers' ``sdpa_mask``) or
+            additive float. ``None``: causal with the queries at the end (query ``i`` sees keys ``0 .. L - m + i``)
+            when ``is_causal``, every key otherwise.
+        scored (int): How many leading keys to score, ``0 <= scored <= L``.
         scaling (float, optional): The logit scale; default ``1 / sqrt(D)`` (SDPA's).
-        block (int, optional): Keys per tile; default: as many as keep a tile under :data:`TILE_ELEMENTS` scores.
+        is_causal (bool): Whether the attention is causal (the module's flag; read only without a mask).
+        rows (int, optional): Query rows per tile; default: as many as keep a tile under :data:`TILE_ELEMENTS`.
 
     Returns:
-        torch.Tensor: (B, H_kv, scored), in fp32 (fp64 for fp64 inputs): the maximum over the group's query heads and
-        the ``m`` rows of each key's softmax weight.
+        tuple: the (B, H_q, m, D_v) output in ``query``'s dtype (what SDPA returns: a fully masked row gives zeros),
+        and the (B, H_kv, scored) largest weights, in fp32 (fp64 for fp64 inputs): the maximum over the group's query
+        heads and the ``m`` rows of each key's softmax weight (0 for a key no row sees).
     """
-    batch, query_heads, rows, dim = query.shape
+    batch, query_heads, length_q, dim = query.shape
     _, heads, length, _ = key.shape
     if query_heads % heads:
         raise ValueError(f"{query_heads} query heads do not share {heads} KV heads evenly.")
-    offset = length - rows  # keys before the queries' own
-    if offset < 0 or not 0 <= scored <= offset:
-        raise ValueError(f"max_attention_weights scores keys every query sees: need scored <= L - m, got "
-                         f"scored={scored}, L={length}, m={rows}.")
-    group = query_heads // heads
+    if length < length_q or not 0 <= scored <= length:
+        raise ValueError(f"attention_with_max_weights needs m <= L and 0 <= scored <= L, got m={length_q}, L={length}, "
+                         f"scored={scored}.")
+    if attention_mask is not None:
+        if attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or attention_mask.shape[-2] != length_q:
+            raise ValueError(f"attention_with_max_weights takes a (B or 1, 1, m, L) mask shared by the heads, got "
+                             f"{tuple(attention_mask.shape)} for m={length_q}.")
+        attention_mask = attention_mask[..., :length]
+    group, offset = query_heads // heads, length - length_q
     dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     scale = 1.0 / math.sqrt(dim) if scaling is None else float(scaling)
-    q = (query.to(dtype) * scale).reshape(batch, heads, group * rows, dim)  # rows of a KV head's group, head-major
-    if block is None:
-        block = max(1, TILE_ELEMENTS // max(1, batch * query_heads * rows))
-    row = torch.arange(rows, device=query.device).repeat(group)  # (group * m,) each flattened row's query index
+    keys, values = key.to(dtype), value.to(dtype)
+    if rows is None:
+        rows = max(1, TILE_ELEMENTS // max(1, batch * query_heads * length))
+    # the last key any row of a block [start, stop) can see: causal bound, or the boolean mask's last True column
+    visible = None
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        reach = attention_mask.any(dim=0).any(dim=0)  # (m, L) the keys any batch row sees from each query row
+        visible = torch.where(reach, torch.arange(1, length + 1, device=reach.device), 0).amax(-1).tolist()
 
-    peak = torch.full((batch, heads, group * rows), float("-inf"), dtype=dtype, device=query.device)
-    total = torch.zeros_like(peak)
-    for start in range(0, length, block):  # pass 1: lse_i over every key the row sees
-        logits = q @ key[:, :, start:start + block].to(dtype).transpose(-1, -2)  # (B, H_kv, group * m, block)
-        if start + logits.shape[-1] > offset:  # the queries' own keys: causal
-            columns = torch.arange(start, start + logits.shape[-1], device=query.device)
-            logits.masked_fill_(columns[None, :] > offset + row[:, None], float("-inf"))
-        new_peak = torch.maximum(peak, logits.amax(-1))
-        total = total * torch.exp(peak - new_peak) + logits.sub_(new_peak[..., None]).exp_().sum(-1)  # in place
-        peak = new_peak
-    lse = (peak + torch.log(total))[..., None]  # (B, H_kv, group * m, 1); key 0 is seen by every row: finite
-
-    out = torch.empty(batch, heads, scored, dtype=dtype, device=query.device)
-    for start in range(0, scored, block):  # pass 2: max_i exp(s_ij - lse_i) over the scored keys (no mask needed)
-        stop = min(scored, start + block)
-        logits = q @ key[:, :, start:stop].to(dtype).transpose(-1, -2)
-        out[..., start:stop] = logits.sub_(lse).amax(-2).exp()  # exp is monotone: one exp per key
-    return out
+    output = query.new_empty(batch, heads, group, length_q, value.shape[-1])
+    importance = torch.zeros(batch, heads, scored, dtype=dtype, device=query.device)
+    for start in range(0, length_q, rows):
+        stop = min(length_q, start + rows)
+        if visible is not None:
+            columns = max(1, *visible[start:stop])  # >= 1: a fully masked block still gives zeros
+        elif attention_mask is None and is_causal:
+            columns = offset + stop
+        else:
+            columns = length
+        q = (query[:, :, start:stop].to(dtype) * scale).reshape(batch, heads, group * (stop - start), dim)
+        logits = q @ keys[:, :, :columns].transpose(-1, -2)  # (B, H_kv, group * m_b, L_b), head-major rows
+        tile = logits.view(batch, heads, group, stop - start, columns)
+        if attention_mask is not None:
+            mask = attention_mask[:, :, None, start:stop, :columns]  # (B or 1, 1, 1, m_b, L_b)
+            if mask.dtype == torch.bool:
+                tile.masked_fill_(~mask, float("-inf"))
+            else:
+                tile.add_(mask.to(dtype))
+        elif is_causal:  # row i sees keys 0 .. offset + i
+            index = torch.arange(start, stop, device=query.device)
+            tile.masked_fill_(torch.arange(columns, device=query.device) > offset + index[:, None], float("-inf"))
+        peak = logits.amax(-1, keepdim=True).nan_to_num_(neginf=0.0)  # a fully masked row: 0, its exps all 0
+        weights = logits.sub_(peak).exp_()
+        weights.div_(weights.sum(-1, keepdim=True).clamp_min_(1.0))  # the peak's exp is 1: only fully masked rows clamp
+        output[:, :, :, start:stop] = (weights @ values[:, :, :columns]).view(batch, heads, group, stop - start, -1)
+        seen = min(scored, columns)
+        torch.maximum(importance[..., :seen], weights[..., :seen].amax(-2), out=importance[..., :seen])
+    return output.view(batch, query_heads, length_q, -1), importance

@@ -12,8 +12,9 @@ The protocol (the paper's, with the authors' prompts, github snu-mllab/KVzip ``m
   the user turn and assistant header, then the chunk itself (teacher-forced), each chunk's forward attending the full
   cached context plus its own tokens (causally) and nothing of the other chunks;
 - in every full-attention layer, each cached pair's importance is the largest softmax weight any reconstruction query of
-  its KV head's group gives it, over all chunks (:func:`hf_knorm.eviction.max_weight.max_attention_weights`, from the
-  post-RoPE queries and keys the attention receives, captured by the ``"knorm_capture"`` attention below);
+  its KV head's group gives it, over all chunks, computed with the layer's attention output in one pass over the
+  scores (:func:`hf_knorm.eviction.max_weight.attention_with_max_weights`, from the post-RoPE queries and keys the
+  attention receives, by the ``"knorm_capture"`` attention below);
 - the cache keeps the most important pairs per KV head (:meth:`hf_knorm.KNormCache.compress_prompts`: the same budgets,
   protections and schedules as every score).
 
@@ -23,8 +24,11 @@ here every row's softmax spans everything it attends and every chunk scores the 
 
 The reconstruction runs on a plain cache that reads the KNorm cache's stored prompt without copying it (sliding-window
 layers are copied shallowly) and is dropped after each chunk; the KNorm cache itself is untouched until
-``compress_prompts``. The attention during the reconstruction is Transformers' SDPA (``sdpa_attention_forward``): it
-needs softmax attention, so models patched with another normalization and softcapped attention (Gemma 2) are refused.
+``compress_prompts``. During the reconstruction the scored layers attend through
+:func:`~hf_knorm.eviction.max_weight.attention_with_max_weights` (its output equals Transformers' SDPA attention's, to
+rounding), the other layers (sliding windows) through Transformers' SDPA (``sdpa_attention_forward``): it needs softmax
+attention, so models patched with another normalization, softcapped attention (Gemma 2) and attention sinks are
+refused.
 """
 
 from __future__ import annotations
@@ -32,9 +36,8 @@ from __future__ import annotations
 import contextvars
 import copy
 import inspect
-from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -44,7 +47,7 @@ from transformers.masking_utils import sdpa_mask
 from ..compat import cache_kwargs
 from .registered_attention import register_attention
 from .cache import KNormCache, KNormLayer
-from .max_weight import max_attention_weights
+from .max_weight import attention_with_max_weights
 
 __all__ = ["CAPTURE_ATTENTION", "FIRST_PROMPT", "NEXT_PROMPT", "ReconstructionPrompt", "capture_attention",
            "compress_by_reconstruction", "reconstruction_chunks", "reconstruction_importance", "reconstruction_prompt"]
@@ -53,7 +56,22 @@ CAPTURE_ATTENTION = "knorm_capture"
 FIRST_PROMPT = "Repeat the previous context exactly."
 NEXT_PROMPT = "Repeat the part of the previous context exactly, starting with"
 
-_COLLECTOR: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("hf_knorm_capture", default=None)
+
+@dataclass
+class _Scoring:
+    """What the ``"knorm_capture"`` attention scores during a reconstruction: ``scored`` maps a layer index to its
+    prompt length (the leading keys to score); ``importance`` gathers, per layer, the (B, H_kv, n) running maximum
+    over the reconstruction's attention calls."""
+
+    scored: dict[int, int]
+    importance: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def add(self, index: int, weights: torch.Tensor) -> None:
+        held = self.importance.get(index)
+        self.importance[index] = weights if held is None else torch.maximum(held, weights)
+
+
+_SCORING: contextvars.ContextVar[_Scoring | None] = contextvars.ContextVar("hf_knorm_capture", default=None)
 
 
 @dataclass(frozen=True)
@@ -129,30 +147,49 @@ def reconstruction_chunks(context_ids: torch.Tensor, prompt: ReconstructionPromp
 
 
 def capture_attention(module, query, key, value, attention_mask, **kwargs):
-    """Transformers' SDPA attention that first hands the (B, H_q, q, D) query and (B, H_kv, kv, D) key it receives
-    (post-RoPE, the cache's keys included) to the active collector (:func:`_collecting`)."""
+    """Transformers' attention interface during a reconstruction (:func:`_scoring`).
+
+    A scored layer's (B, H_q, m, D) query, (B, H_kv, L, D) key and value (post-RoPE, the cache's keys included) go
+    through :func:`~hf_knorm.eviction.max_weight.attention_with_max_weights`: its output is returned as SDPA's
+    would be, (B, m, H_q, D_v), and the largest weights of the layer's prompt keys are added to the active
+    :class:`_Scoring`. Other layers (sliding windows, or no reconstruction active) run Transformers' SDPA attention.
+    """
     if kwargs.get("softcap") is not None:
         raise ValueError("score='kvzip' computes softmax weights without logit softcapping; this model (Gemma 2?) "
                          "softcaps its attention. Use another score.")
-    collector = _COLLECTOR.get()
-    if collector is not None:
-        collector(module, query, key, kwargs.get("scaling", getattr(module, "scaling", None)))
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    scoring = _SCORING.get()
+    index = getattr(module, "layer_idx", None)
+    if scoring is None or index not in scoring.scored:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None:
+        raise ValueError("score='kvzip' computes plain softmax weights; this model adds attention sinks or a position "
+                         "bias to its attention. Use another score.")
+    if kwargs.get("dropout", 0.0):
+        raise ValueError("score='kvzip' runs the reconstruction without attention dropout: put the model in eval().")
+    is_causal = kwargs.get("is_causal")
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if attention_mask is None and is_causal and 1 < query.shape[2] < key.shape[2]:  # SDPA would align it top-left
+        raise ValueError("score='kvzip' got a causal attention call with more keys than queries and no mask; "
+                         "Transformers builds one for the reconstruction's cache (is the model's mask custom?).")
+    output, weights = attention_with_max_weights(query, key, value, attention_mask, scoring.scored[index],
+                                                 kwargs.get("scaling", getattr(module, "scaling", None)), is_causal)
+    scoring.add(index, weights)
+    return output.transpose(1, 2).contiguous(), None
 
 
 @contextmanager
-def _collecting(model, collector: Callable):
-    """Run ``model`` with the ``"knorm_capture"`` attention and ``collector`` active while the block runs; the model's
+def _scoring(model, scoring: _Scoring):
+    """Run ``model`` with the ``"knorm_capture"`` attention scoring into ``scoring`` while the block runs; the model's
     own attention is given back afterwards, even on error."""
     original = model.config._attn_implementation
-    token = _COLLECTOR.set(collector)
+    token = _SCORING.set(scoring)
     register_attention(CAPTURE_ATTENTION, capture_attention, sdpa_mask, "KVzip's reconstruction (score='kvzip')")
     model.set_attn_implementation(CAPTURE_ATTENTION)
     try:
         yield
     finally:
         model.set_attn_implementation(original)
-        _COLLECTOR.reset(token)
+        _SCORING.reset(token)
 
 
 def _reading_cache(cache: KNormCache) -> Cache:
@@ -200,24 +237,16 @@ def reconstruction_importance(model, cache: KNormCache, chunks: list[torch.Tenso
 def _importance(model, reading: Cache, scored: dict[int, int], chunks: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """Run the reconstruction ``chunks`` on copies of ``reading`` (a plain cache holding the prompt) and return, per
     layer index of ``scored`` (-> its prompt length), the (B, H_kv, n) largest weight each cached pair receives."""
-    importance: dict[int, torch.Tensor] = {}
-
-    def collect(module, query, key, scaling):
-        index = module.layer_idx
-        if index not in scored:  # a sliding-window layer: kept whole, not scored
-            return
-        weights = max_attention_weights(query, key, scored[index], scaling)
-        importance[index] = weights if index not in importance else torch.maximum(importance[index], weights)
-
+    scoring = _Scoring(scored)
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    with _collecting(model, collect):
+    with _scoring(model, scoring):
         for ids in chunks:
             model(input_ids=ids, **cache_kwargs(_copied(reading)), use_cache=True, **extra)
-    missing = sorted(set(scored) - set(importance))
+    missing = sorted(set(scored) - set(scoring.importance))
     if missing:
         raise ValueError(f"The reconstruction saw no attention call of layer(s) {missing}: the model does not attend "
                          "through Transformers' attention interface.")
-    return importance
+    return scoring.importance
 
 
 def _copied(reading: Cache) -> Cache:

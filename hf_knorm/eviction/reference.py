@@ -200,12 +200,15 @@ def reference_generate(model, input_ids: torch.Tensor, ratio: float, max_new_tok
     return torch.stack(tokens, dim=1), logits, kept
 
 
-def reference_max_weights(query: torch.Tensor, key: torch.Tensor, scored: int, scaling: float | None = None):
-    """:func:`hf_knorm.eviction.max_weight.max_attention_weights` by materializing every weight, in fp64.
+def reference_max_weights(query: torch.Tensor, key: torch.Tensor, scored: int, scaling: float | None = None,
+                          attention_mask: torch.Tensor | None = None):
+    """The importance of :func:`hf_knorm.eviction.max_weight.attention_with_max_weights` by materializing every weight,
+    in fp64.
 
-    The (B, H_q, m, L) logits ``scaling * q k^T`` (KV head ``h // group`` for query head ``h``), causal for the last
-    ``m`` keys, a softmax over each row, the first ``scored`` columns, the maximum over rows and the group's heads.
-    Returns (B, H_kv, scored) fp64.
+    The (B, H_q, m, L) logits ``scaling * q k^T`` (KV head ``h // group`` for query head ``h``), masked by the
+    boolean (B or 1, 1, m, L) ``attention_mask`` (``True`` = attended; default: causal for the last ``m`` keys), a
+    softmax over each row (a fully masked row: zeros), the first ``scored`` columns, the maximum over rows and the
+    group's heads. Returns (B, H_kv, scored) fp64.
     """
     batch, query_heads, rows, dim = query.shape
     heads, length = key.shape[1], key.shape[2]
@@ -213,8 +216,9 @@ def reference_max_weights(query: torch.Tensor, key: torch.Tensor, scored: int, s
     scaling = dim ** -0.5 if scaling is None else scaling
     keys = key.double().repeat_interleave(group, dim=1)  # (B, H_q, L, D)
     logits = scaling * query.double() @ keys.transpose(-1, -2)
-    visible = torch.ones(rows, length, dtype=torch.bool, device=query.device).tril(diagonal=length - rows)
-    weights = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)[..., :scored]
+    if attention_mask is None:
+        attention_mask = torch.ones(rows, length, dtype=torch.bool, device=query.device).tril(diagonal=length - rows)
+    weights = logits.masked_fill(~attention_mask, float("-inf")).softmax(dim=-1).nan_to_num(0.0)[..., :scored]
     return weights.reshape(batch, heads, group, rows, scored).amax(dim=(2, 3))
 
 

@@ -7,10 +7,11 @@ hits every entry), through:
 - ``uncompressed``: one forward into a ``DynamicCache`` (the baseline);
 - ``kv_diff``: one forward into ``KNormCache(r, score="kv_diff")`` (the recommended state-only score, for scale);
 - ``kvzip``: one forward into ``KNormCache(r, score="kvzip")`` then
-  ``hf_knorm.eviction.reconstruction.compress_by_reconstruction`` (the reconstruction forwards, the max-weight
-  kernel, the eviction): what the pipeline runs before the question;
-- ``kvzip reconstruction``: the reconstruction's forwards and kernel alone (``reconstruction_importance``), to split
-  the cost; ``of which kernel``: the time spent in ``max_attention_weights`` during it.
+  ``hf_knorm.eviction.reconstruction.compress_by_reconstruction`` (the reconstruction forwards with their
+  scored attention, the eviction): what the pipeline runs before the question;
+- ``kvzip reconstruction``: the reconstruction's forwards alone (``reconstruction_importance``), to split the cost;
+  ``of which scored attention``: the time spent in ``attention_with_max_weights`` during it (the scored layers'
+  attention output and importance in one pass over the scores; it replaces their SDPA call).
 
 Medians over rounds; each entry as a multiple of the median uncompressed prefill of the same run.
 
@@ -37,7 +38,7 @@ from hf_knorm.eviction.reconstruction import (compress_by_reconstruction, recons
                                               reconstruction_importance, reconstruction_prompt)
 
 ENTRIES = ("uncompressed", "kv_diff", "kvzip", "kvzip reconstruction")
-KERNEL = "of which kernel"
+KERNEL = "of which scored attention"
 
 
 def _sync(device: str) -> None:
@@ -48,13 +49,13 @@ def _sync(device: str) -> None:
 @torch.no_grad()
 def run_entry(model, tokenizer, ids: torch.Tensor, entry: str, ratio: float, device: str, kernel=None) -> float:
     """Seconds of one ``entry`` (module docstring) on the (1, n) context ``ids``; for ``"kvzip reconstruction"``
-    the seconds spent in the max-weight kernel are appended to ``kernel``."""
+    the seconds spent in the scored layers' one-pass attention are appended to ``kernel``."""
     if entry == "kvzip reconstruction":  # prefill outside the clock, then the reconstruction alone
         cache = KNormCache(ratio, score="kvzip", config=model.config)
         model(input_ids=ids, **cache_kwargs(cache), use_cache=True)
         chunks = reconstruction_chunks(ids, reconstruction_prompt(tokenizer), cache.settings.score.chunk_size,
                                        cache.settings.score.tail)
-        spent, original = [], reconstruction.max_attention_weights
+        spent, original = [], reconstruction.attention_with_max_weights
 
         def timed(*args, **kwargs):
             _sync(device)
@@ -64,7 +65,7 @@ def run_entry(model, tokenizer, ids: torch.Tensor, entry: str, ratio: float, dev
             spent.append(time.perf_counter() - began)
             return out
 
-        reconstruction.max_attention_weights = timed
+        reconstruction.attention_with_max_weights = timed
         try:
             _sync(device)
             began = time.perf_counter()
@@ -72,7 +73,7 @@ def run_entry(model, tokenizer, ids: torch.Tensor, entry: str, ratio: float, dev
             _sync(device)
             elapsed = time.perf_counter() - began
         finally:
-            reconstruction.max_attention_weights = original
+            reconstruction.attention_with_max_weights = original
         if kernel is not None:
             kernel.append(sum(spent))
         return elapsed

@@ -15,11 +15,11 @@ from transformers import DynamicCache, pipeline
 from hf_knorm.compat import cache_kwargs
 from hf_knorm.eviction.budgets import head_adaptive_keep
 from hf_knorm.eviction.cache import KNormCache, KNormLayer, kept_count
-from hf_knorm.eviction.max_weight import max_attention_weights
+from hf_knorm.eviction.max_weight import attention_with_max_weights
 from hf_knorm.eviction.pipeline import answer_after_context, encode_prompt, generate_after, knorm_generate
-from hf_knorm.eviction.reconstruction import (FIRST_PROMPT, NEXT_PROMPT, compress_by_reconstruction,
-                                              reconstruction_chunks, reconstruction_importance,
-                                              reconstruction_prompt)
+from hf_knorm.eviction.reconstruction import (FIRST_PROMPT, NEXT_PROMPT, _scoring, _Scoring,
+                                              compress_by_reconstruction, reconstruction_chunks,
+                                              reconstruction_importance, reconstruction_prompt)
 from hf_knorm.eviction.reference import reference_kvzip_importance, reference_max_weights
 from hf_knorm.eviction.scores import KVzip, resolve_score, score_spelling
 
@@ -45,31 +45,81 @@ def context_ids(batch: int = 2, length: int = CONTEXT, seed: int = 0) -> torch.T
 
 
 # --- the kernel -------------------------------------------------------------------------------------------------------
+def sdpa_reference(query, key, value, mask, scaling=None):
+    """PyTorch's SDPA on the keys and values repeated for the group (Transformers' ``repeat_kv`` order)."""
+    group = query.shape[1] // key.shape[1]
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1), attn_mask=mask, scale=scaling)
+
+
+def qkv(group: int, rows: int = 9, length: int = 23, dtype=torch.float64, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    query = 2 * torch.randn(2, 2 * group, rows, 8, generator=generator, dtype=dtype)
+    key = 2 * torch.randn(2, 2, length, 8, generator=generator, dtype=dtype)
+    return query, key, torch.randn(2, 2, length, 6, generator=generator, dtype=dtype)  # D_v != D
+
+
+def causal(rows: int, length: int, batch: int = 2) -> torch.Tensor:
+    """Transformers' sdpa_mask for ``rows`` queries after ``length - rows`` cached keys: (B, 1, m, L) bool."""
+    return torch.ones(rows, length, dtype=torch.bool).tril(diagonal=length - rows).expand(batch, 1, rows, length)
+
+
 @pytest.mark.parametrize("group", [1, 2, 3])
-@pytest.mark.parametrize("block", [1, 4, 7, None])
-def test_max_weights_equal_the_materialized_softmax(group, block):
-    generator = torch.Generator().manual_seed(group)
-    heads, rows, length, dim = 2, 9, 23, 8
-    query = 2 * torch.randn(2, heads * group, rows, dim, generator=generator, dtype=torch.float64)
-    key = 2 * torch.randn(2, heads, length, dim, generator=generator, dtype=torch.float64)
-    for scored, scaling in ((length - rows, None), (5, 0.7)):
-        got = max_attention_weights(query, key, scored, scaling, block=block)
-        want = reference_max_weights(query, key, scored, scaling)
-        assert got.dtype == torch.float64 and got.shape == (2, heads, scored)
+@pytest.mark.parametrize("rows", [1, 4, 7, None])
+def test_fused_attention_equals_sdpa_and_the_materialized_softmax(group, rows):
+    query, key, value = qkv(group)
+    mask = causal(9, 23)
+    padded = mask.clone()
+    padded[1, :, :, :3] = False  # row 1 left-padded by 3 keys
+    for scored, scaling, attention_mask in ((14, None, mask), (5, 0.7, mask), (23, None, mask), (14, None, padded)):
+        out, importance = attention_with_max_weights(query, key, value, attention_mask, scored, scaling, rows=rows)
+        assert out.dtype == importance.dtype == torch.float64
+        assert out.shape == (2, 2 * group, 9, 6) and importance.shape == (2, 2, scored)
+        torch.testing.assert_close(out, sdpa_reference(query, key, value, attention_mask, scaling), atol=1e-12,
+                                   rtol=1e-10)
+        torch.testing.assert_close(importance, reference_max_weights(query, key, scored, scaling, attention_mask),
+                                   atol=1e-13, rtol=1e-12)
+    assert float(importance[1, :, :3].abs().max()) == 0  # padding: seen by no row
+    # no mask: causal with the queries at the end, as the mask above; the additive form of the mask gives the same
+    additive = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~padded, torch.finfo(torch.float64).min)
+    for same, other in (((mask, None), (mask, mask)), ((padded, None), (additive, None))):
+        want = attention_with_max_weights(query, key, value, same[0], 14, rows=rows)
+        got = attention_with_max_weights(query, key, value, other[0], 14, rows=rows)
         torch.testing.assert_close(got, want, atol=1e-13, rtol=1e-12)
+    # not causal: every key
+    out, importance = attention_with_max_weights(query, key, value, None, 23, is_causal=False, rows=rows)
+    torch.testing.assert_close(out, sdpa_reference(query, key, value, None), atol=1e-12, rtol=1e-10)
+    every = torch.ones(1, 1, 9, 23, dtype=torch.bool)
+    torch.testing.assert_close(importance, reference_max_weights(query, key, 23, None, every), atol=1e-13, rtol=1e-12)
     # the rows see their own keys causally: with the last query attending one huge own key, its weights vanish
     key[:, :, -1] = 50 * query[:, ::group, -1]
-    assert float(max_attention_weights(query, key, length - rows, block=block)[..., 0].min()) > 0
+    assert float(attention_with_max_weights(query, key, value, mask, 14, rows=rows)[1][..., 0].min()) > 0
 
 
-def test_max_weights_in_fp32_and_refusals():
-    query, key = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 10, 8)
-    torch.testing.assert_close(max_attention_weights(query.bfloat16(), key.bfloat16(), 7).double(),
-                               reference_max_weights(query.bfloat16(), key.bfloat16(), 7), atol=1e-6, rtol=1e-5)
-    with pytest.raises(ValueError, match="scored <= L - m"):
-        max_attention_weights(query, key, 8)
+def test_fused_attention_in_fp32_and_bf16_fully_masked_rows_and_refusals():
+    query, key, value = qkv(2, dtype=torch.float32)
+    mask = causal(9, 23)
+    out, importance = attention_with_max_weights(query, key, value, mask, 14)
+    assert out.dtype == importance.dtype == torch.float32
+    torch.testing.assert_close(out, sdpa_reference(query, key, value, mask), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(importance.double(), reference_max_weights(query, key, 14), atol=1e-6, rtol=1e-5)
+    low = [t.bfloat16() for t in (query, key, value)]
+    out, importance = attention_with_max_weights(*low, mask, 14)  # fp32 softmax; the output rounded to bf16 once
+    assert out.dtype == torch.bfloat16 and importance.dtype == torch.float32
+    exact = sdpa_reference(*[t.double() for t in low], mask)
+    torch.testing.assert_close(out.double(), exact, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(importance.double(), reference_max_weights(*low[:2], 14), atol=1e-6, rtol=1e-5)
+    hidden = mask.clone()
+    hidden[0, :, 2] = False  # a fully masked row gives zeros, as SDPA does
+    out, importance = attention_with_max_weights(query, key, value, hidden, 14)
+    torch.testing.assert_close(out, sdpa_reference(query, key, value, hidden), atol=1e-5, rtol=1e-5)
+    assert float(out[0, :, 2].abs().max()) == 0
+    with pytest.raises(ValueError, match="scored <= L"):
+        attention_with_max_weights(query, key, value, mask, 24)
     with pytest.raises(ValueError, match="evenly"):
-        max_attention_weights(torch.randn(1, 3, 3, 8), key, 7)
+        attention_with_max_weights(torch.randn(2, 3, 9, 8), key, value, mask, 14)
+    with pytest.raises(ValueError, match="shared by the heads"):
+        attention_with_max_weights(query, key, value, mask.expand(2, 4, 9, 23), 14)
 
 
 # --- the reconstruction's inputs --------------------------------------------------------------------------------------
@@ -125,6 +175,55 @@ def test_importance_and_kept_set_equal_the_eager_weights_reference(model_type):
         ranked = reference[index].sort(dim=-1, descending=True, stable=True)
         assert float((ranked.values[..., keep - 1] - ranked.values[..., keep]).min()) > 1e-5  # no near-tie at the cut
         assert torch.equal(cache.kept_positions(index), ranked.indices[..., :keep].sort(dim=-1).values)
+
+
+def reconstruction_logits(model, ids, chunk, scored=None):
+    """The logits of one reconstruction forward of ``chunk`` after ``ids`` prefilled into a plain cache: under the
+    model's own attention, or (``scored``: layer index -> prompt length) under the scoring ``knorm_capture`` attention,
+    with the importance it gathered."""
+    cache = model(input_ids=ids, **cache_kwargs(DynamicCache()), use_cache=True).past_key_values
+    if scored is None:
+        return model(input_ids=chunk, **cache_kwargs(cache), use_cache=True).logits, None
+    scoring = _Scoring(scored)
+    with _scoring(model, scoring):
+        logits = model(input_ids=chunk, **cache_kwargs(cache), use_cache=True).logits
+    return logits, scoring.importance
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3_text"])
+def test_the_scoring_attention_gives_the_sdpa_forward(model_type):
+    """The reconstruction's forward through the one-pass attention (scored layers) and Transformers' SDPA (gemma3's
+    sliding layer) gives the logits of the model under SDPA: fp64, 1e-10."""
+    model = fp64_model(model_type)
+    ids = context_ids()
+    (chunk,) = reconstruction_chunks(ids, reconstruction_prompt(word_tokenizer()), chunk_size=64, tail=3)
+    cache = KNormCache(0.5, score="kvzip", config=model.config)
+    model(input_ids=ids, **cache_kwargs(cache), use_cache=True)
+    scored = {layer.layer_idx: CONTEXT for layer in cache.layers if isinstance(layer, KNormLayer)}
+    want, _ = reconstruction_logits(model, ids, chunk)
+    got, importance = reconstruction_logits(model, ids, chunk, scored)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    assert sorted(importance) == sorted(scored) and model.config._attn_implementation == "sdpa"
+
+
+def test_the_scoring_attention_on_the_default_model(default_model_and_tokenizer):
+    """SmolLM2-135M-Instruct in fp32, a 1-chunk reconstruction of the sample text in its chat template: the logits of
+    the forward equal SDPA's to 1e-4 (fp32 rounding through 30 layers), the importance equals the eager attention's
+    weights to 1e-6."""
+    from hf_knorm.assets.texts import SAMPLE_TEXT
+
+    model, tokenizer = default_model_and_tokenizer
+    ids = encode_prompt(tokenizer, SAMPLE_TEXT, "?")[0]
+    (chunk,) = reconstruction_chunks(ids, reconstruction_prompt(tokenizer), chunk_size=2048, tail=8)
+    scored = dict.fromkeys(range(model.config.num_hidden_layers), ids.shape[1])
+    want, _ = reconstruction_logits(model, ids, chunk)
+    got, importance = reconstruction_logits(model, ids, chunk, scored)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    reference = reference_kvzip_importance(eager, ids, [chunk])
+    for index in scored:
+        torch.testing.assert_close(importance[index].double(), reference[index], atol=1e-6, rtol=1e-4)
 
 
 def test_batch_rows_are_scored_independently():
