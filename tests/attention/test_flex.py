@@ -235,14 +235,6 @@ def test_the_self_check_key_is_what_the_compiled_code_depends_on():
     assert key("softpick(eps=0.01)") == key("softpick")  # eps: a number the score_mod does not read
 
 
-@pytest.fixture
-def stub_cuda(monkeypatch):
-    monkeypatch.setattr(self_check, "_VERDICTS", {})
-    monkeypatch.setattr(backends, "_REPORTED", set())
-    monkeypatch.setattr(backends, "_device_type", lambda tensor: "cuda")
-    monkeypatch.setattr(backends, "_importable", lambda module: True)
-
-
 def test_softpicks_self_check_passes_on_the_cpu(cpu_backward, cpu_max_scores):
     """The self-check the dispatcher runs before softpick's first FlexAttention call (its real code: causal, key
     padding with a softcap, a sliding window with a bias; outputs and gradients against the chunked kernel in fp64),

@@ -248,6 +248,36 @@ def test_bf16_on_the_cuda_route_within_twice_sdpas_own_bf16_error(spelling, case
         assert error <= 2 * unit, f"{what}: {error:.3g}, SDPA's own {unit:.3g}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("spelling", FAMILIES)
+def test_the_cuda_route_under_autocast_computes_what_it_computes_without(spelling, dtype, monkeypatch):
+    """bf16 autocast (the CPU's, the device seam set to CUDA) changes nothing on the route: bf16 inputs are computed
+    in bf16 and fp32 inputs in fp32 (their output fp32: no bf16 product), outputs and the gradients of q, k, v and the
+    learned values equal to the same call without autocast; fp32 inputs within fp32 rounding of the fp64 reference."""
+    monkeypatch.setattr(sdpa, "_device_type", lambda tensor: "cuda")
+    normalization = parse_normalization(spelling)
+    allowed = _causal(2, 13, 13, pad=5)
+    exact = _tensors(2, 4, 2, 13, 13, dim=16, seed=4)
+    exact_params = _params(normalization, 4)
+    upstream = torch.randn(2, 13, 4, 16, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+    def run(autocast: bool):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in exact]
+        params = {name: value.detach().float().requires_grad_() for name, value in exact_params.items()}
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = sdpa_attention(*leaves, allowed, normalization, causal=True, params=params)
+            grads = torch.autograd.grad((out.double() * upstream).sum(), [*leaves, *params.values()])
+        return [out, *grads]
+
+    plain, autocast = run(False), run(True)
+    assert autocast[0].dtype == dtype
+    for got, want in zip(autocast, plain, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if dtype == torch.float32:
+        want, _ = reference_attention(*exact, allowed, normalization, causal=True, params=exact_params)
+        assert _error(autocast[0], want) <= 1e-5
+
+
 def _own_sdpa(q, k, v, allowed, is_causal):
     """SDPA's own softmax in bf16, ``(B, q, H, D)``: the criterion's unit."""
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=is_causal,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from tiny_models import tiny_model
+from tiny_models import tiny_config, tiny_model
 
 from hf_knorm.compat import cache_kwargs
 
@@ -50,3 +50,19 @@ def word_text(length: int, seed: int = 0) -> str:
     """``length`` words of :func:`word_tokenizer`, drawn reproducibly."""
     ids = torch.randint(4, 128, (length,), generator=torch.Generator().manual_seed(seed))
     return " ".join(f"w{i}" for i in ids.tolist())
+
+
+def tiny_pipeline():
+    """The knorm-text-generation pipeline on a tiny random Llama with the default model's tokenizer (its padding side
+    is right: the pipeline pads on the left itself)."""
+    import transformers as tf
+
+    from hf_knorm.assets.default_model import default_model_dir
+
+    tokenizer = tf.AutoTokenizer.from_pretrained(default_model_dir())
+    config = tiny_config("llama")
+    config.update(dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    return tf.pipeline("knorm-text-generation", model=model, tokenizer=tokenizer)

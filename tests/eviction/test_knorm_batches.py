@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from knorm_helpers import NO_EOS, knorm_model, word_text, word_tokenizer
+from knorm_helpers import NO_EOS, knorm_model, tiny_pipeline, word_text, word_tokenizer
 from transformers import DynamicCache
 
 from hf_knorm.compat import cache_kwargs
@@ -206,20 +206,7 @@ def test_a_model_that_hides_the_positions_from_the_cache_is_refused(monkeypatch)
 
 @pytest.fixture(scope="module")
 def pipe():
-    """The knorm-text-generation pipeline on a tiny Llama with the default model's tokenizer (its padding side is
-    right: the pipeline pads on the left itself)."""
-    import transformers as tf
-    from tiny_models import tiny_config
-
-    from hf_knorm.assets.default_model import default_model_dir
-
-    tokenizer = tf.AutoTokenizer.from_pretrained(default_model_dir())
-    config = tiny_config("llama")
-    config.update(dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config).eval()
-    return tf.pipeline("knorm-text-generation", model=model, tokenizer=tokenizer)
+    return tiny_pipeline()
 
 
 @pytest.mark.parametrize("score", ["key_norm", "kv_diff", "kvzip"])

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from tiny_models import tiny_config
+from knorm_helpers import tiny_pipeline
 
-from hf_knorm.assets.default_model import default_model_dir
 from hf_knorm.assets.texts import SAMPLE_TEXT
 from hf_knorm.compat import cache_kwargs
 from hf_knorm.eviction.pipeline import split_prompt
@@ -20,13 +19,7 @@ FIXED = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False)  # no early en
 
 @pytest.fixture(scope="module")
 def pipe():
-    tokenizer = tf.AutoTokenizer.from_pretrained(default_model_dir())
-    config = tiny_config("llama")
-    config.update(dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config).eval()
-    return tf.pipeline("knorm-text-generation", model=model, tokenizer=tokenizer)
+    return tiny_pipeline()
 
 
 def test_uncompressed_answer_equals_plain_generate(pipe):
