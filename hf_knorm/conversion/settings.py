@@ -106,6 +106,9 @@ class ConvertSettings:
         "help": "softmax over C cluster means of the pairs the cache leaves too (default: the spelling's, or "
                 f"{DEFAULT_CLUSTERS} beside a cache it does not give; 0: none)",
         "group": NORMALIZATION, "metavar": "C"})
+    cluster_tokens: int | None = field(default=None, metadata={
+        "help": "tokens of the essays the cluster codebooks are fitted on (default: max(2048, 8 C))",
+        "group": NORMALIZATION, "metavar": "N"})
     fold_constant: bool = field(default=True, metadata={
         "help": "train x^p/c as x^p/1, then fold c^(1/p) into q", "group": NORMALIZATION})
     out: str = field(default="outputs/convert", metadata={

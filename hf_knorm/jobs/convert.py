@@ -100,6 +100,12 @@ def check_settings(settings: ConvertSettings) -> Normalization:
         raise ValueError("--teacher-top-k caches the teacher for the KL, and --distill-weight 0 has no KL: drop either.")
     if settings.recovery != "none" and settings.next_token_weight == 0 and settings.distill_weight == 0:
         raise ValueError("Recovery with next_token_weight 0 and distill_weight 0 has no loss: raise either.")
+    if settings.cluster_tokens is not None and not target.clusters:
+        raise ValueError(f"--cluster-tokens sizes the fit of the cluster codebooks, and {target.name} has no clusters: "
+                         "drop it, or give --clusters C.")
+    if settings.cluster_tokens is not None and settings.cluster_tokens < target.clusters:
+        raise ValueError(f"cluster_tokens must be at least the number of clusters ({target.clusters}: one key per "
+                         f"direction), not {settings.cluster_tokens}.")
     check_window_dropout(settings.window_dropout, settings.window_dropout_schedule)
     if settings.window_dropout and not target.window:
         raise ValueError(f"--window-dropout {settings.window_dropout} drops the softmax window on some recovery "
@@ -303,7 +309,7 @@ def run_convert(settings: ConvertSettings) -> dict:
     if trained != normalization:
         fold_constant(model, target)  # the same function under x^p/c (twin.py)
     if clustered.clusters:  # fitted on the trained model's keys (conversion/clusters.py); every figure below has them
-        add_clusters(model, tokenizer, clustered.clusters, seed=settings.seed)
+        add_clusters(model, tokenizer, clustered.clusters, seed=settings.seed, tokens=settings.cluster_tokens)
         normalization = clustered.name
 
     model.eval()

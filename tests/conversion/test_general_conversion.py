@@ -33,6 +33,10 @@ def chat_tokenizer():
     return tokenizer
 
 
+SHORT_MEASURES = dict(beyond_window_block=300, retrieval_lengths=(300,), cluster_tokens=600)
+"""The measures after training, shortened: 300-token blocks and contexts, clusters fitted on 600 tokens."""
+
+
 @pytest.fixture(scope="module")
 def chat_lm_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("chat_lm")
@@ -192,7 +196,7 @@ def test_a_general_conversion_records_every_domain_the_probe_and_its_mixture(cha
         model=str(chat_lm_dir), out=str(out), teacher_tokens=300, eval_domains=("plays", "conversation"),
         block_size=32, batch_size=2, eval_tokens=64, eval_steps=2, transfer_steps=2, recovery_steps=2,
         logging_steps=1, save_steps=2, warmup_steps=0, report_to=("none",), recovery_trainable="no-embeddings",
-        pack_teacher_samples=False)
+        pack_teacher_samples=False, **SHORT_MEASURES)
     summary = run_convert(settings)
     record = json.loads((out / RESULT_FILE).read_text())
     evaluation = record["evaluation"]
@@ -253,7 +257,7 @@ def test_a_mixed_precision_conversion_trains_under_autocast_and_saves_an_fp32_mo
     summary = run_convert(ConvertSettings(
         model=str(chat_lm_dir), out=str(out), dataset="paul-graham", eval_domains=("essays",), probe=False,
         block_size=32, batch_size=2, eval_tokens=64, eval_steps=2, transfer_steps=2, recovery_steps=2, max_blocks=16,
-        logging_steps=1, save_steps=2, warmup_steps=0, report_to=("none",), **{precision: True}))
+        logging_steps=1, save_steps=2, warmup_steps=0, report_to=("none",), **SHORT_MEASURES, **{precision: True}))
     losses = [entry["loss"] for entry in json.loads((out / "recovery" / "checkpoint-2" / "trainer_state.json")
                                                      .read_text())["log_history"] if "loss" in entry]
     assert losses and all(map(lambda value: value == value and abs(value) < 1e4, losses))  # finite

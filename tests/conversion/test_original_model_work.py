@@ -25,7 +25,8 @@ from hf_knorm.data import heldout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(eval_domains=("essays",), block_size=32, batch_size=1, eval_tokens=64, eval_steps=1, transfer_steps=1,
-             recovery_steps=1, logging_steps=1, save_steps=1, warmup_steps=0, report_to=("none",))
+             recovery_steps=1, logging_steps=1, save_steps=1, warmup_steps=0, report_to=("none",),
+             beyond_window_block=300, retrieval_lengths=(300,), cluster_tokens=600)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,8 @@ def test_two_processes_sample_evaluate_and_probe_the_original_once(chat_lm_dir, 
     flags = ["convert", "--model", str(chat_lm_dir), "--out", str(tmp_path / "run"), "--eval-domains", "essays",
              "--block-size", "32", "--batch-size", "1", "--eval-tokens", "64", "--eval-steps", "1",
              "--transfer-steps", "1", "--recovery-steps", "1", "--logging-steps", "1", "--save-steps", "1",
-             "--warmup-steps", "0", "--report-to", "none"]
+             "--warmup-steps", "0", "--report-to", "none", "--beyond-window-block", "300", "--retrieval-lengths", "300",
+             "--cluster-tokens", "600"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(Path(__file__).resolve().parent / "convert_processes_run.py"), *flags]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -288,8 +288,8 @@ def test_a_run_resumes_with_the_sparse_score_it_started_with(tiny_lm_dir, texts,
 
 def test_clusters_are_fitted_after_training_saved_and_ablated_with_the_distant_part(tiny_lm_dir, texts, tmp_path):
     """``--clusters 4``: both stages train without them (``trained_as``), their codebooks are fitted on the trained
-    model's keys (the essays' first tokens) and saved; every figure of the record is the clustered model's, and the
-    window alone is the model with its mix at 0 and its clusters off."""
+    model's keys (the essays' first ``--cluster-tokens``) and saved; every figure of the record is the clustered
+    model's, and the window alone is the model with its mix at 0 and its clusters off."""
     from hf_knorm.conversion.beyond_window import beyond_window_blocks, beyond_window_perplexities
     from hf_knorm.conversion.clusters import add_clusters
     from hf_knorm.conversion.settings import DEFAULT_NORMALIZATION
@@ -298,7 +298,7 @@ def test_clusters_are_fitted_after_training_saved_and_ablated_with_the_distant_p
     out = tmp_path / "clustered"
     run_convert(_settings(tiny_lm_dir, texts, out, normalization=DEFAULT_NORMALIZATION, sparse_cache=4, clusters=4,
                           softmax_window=8, eval_domains=("essays",), eval_tokens=512, retrieval_lengths=(400,),
-                          beyond_window_block=768))
+                          beyond_window_block=768, cluster_tokens=600))
     record = json.loads((out / RESULT_FILE).read_text())
     assert record["normalization"] == "x/1 + softmax window 8 + sinks 4 + sparse 4 (prefix_kv_diff) + clusters 4"
     assert record["trained_as"] == "x/1 + softmax window 8 + sinks 4 + sparse 4 (prefix_kv_diff)"
@@ -306,9 +306,12 @@ def test_clusters_are_fitted_after_training_saved_and_ablated_with_the_distant_p
     assert hf_knorm.patched_normalization(reloaded) == record["normalization"]
     codebooks = [value.clone() for name, value in reloaded.named_parameters() if name.endswith("cluster_codebook")]
     tokenizer = hf_knorm.models.persistence.load_model(str(out))[1]
-    add_clusters(reloaded, tokenizer, 4)  # fitted again on the same keys (the clusters off): the same codebooks
-    assert all(torch.equal(a, b) for a, b in zip(codebooks, (value for name, value in reloaded.named_parameters()
-                                                              if name.endswith("cluster_codebook"))))
+    refitted = lambda: [value for name, value in reloaded.named_parameters() if name.endswith("cluster_codebook")]
+    add_clusters(reloaded, tokenizer, 4, tokens=600)  # fitted again on the same keys (the clusters off): the same
+    assert all(torch.equal(a, b) for a, b in zip(codebooks, refitted()))
+    add_clusters(reloaded, tokenizer, 4)  # the default's 2,048 tokens: other codebooks (the flag was read)
+    assert not all(torch.equal(a, b) for a, b in zip(codebooks, refitted()))
+    add_clusters(reloaded, tokenizer, 4, tokens=600)
     essays = record["beyond_window"]["domains"]["essays"]
     assert record["beyond_window"]["window_only_is_converted"] is False
     blocks = beyond_window_blocks(["essays"], tokenizer, 512, 768)
@@ -329,3 +332,21 @@ def test_clusters_are_fitted_after_training_saved_and_ablated_with_the_distant_p
                                (dict(normalization=record["normalization"], clusters=8), "already has 4 clusters")]:
         with pytest.raises(ValueError, match=message):
             ConvertSettings(**overrides).target()
+
+
+def test_cluster_tokens_size_the_codebooks_fit_and_bad_values_are_refused(tiny_lm_dir, texts, tmp_path):
+    from hf_knorm.conversion.clusters import calibration_ids
+    from hf_knorm.jobs.convert import check_settings
+    from hf_knorm.models.persistence import load_model
+
+    tokenizer = load_model(str(tiny_lm_dir))[1]
+    assert [len(ids) for ids in calibration_ids(tokenizer, 8, 1500)] == [1024, 476]
+    assert [len(ids) for ids in calibration_ids(tokenizer, 300)] == [1024, 1024, 352]  # max(2048, 8 C) = 2,400
+    with pytest.raises(ValueError, match="at least 8 calibration tokens"):
+        calibration_ids(tokenizer, 8, 7)
+    base = _settings(tiny_lm_dir, texts, tmp_path / "run", sparse_cache=4, clusters=8, softmax_window=8)
+    with pytest.raises(ValueError, match=r"at least the number of clusters \(8"):
+        check_settings(replace(base, cluster_tokens=7))
+    with pytest.raises(ValueError, match="has no clusters"):
+        check_settings(replace(base, clusters=0, cluster_tokens=512))
+    assert check_settings(replace(base, cluster_tokens=8)).clusters == 8

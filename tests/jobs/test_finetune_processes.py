@@ -82,7 +82,8 @@ def test_a_conversion_in_two_processes_trains_like_one_and_is_saved_once(tmp_pat
     common = ["--model", str(model), "--dataset", "paul-graham", "--eval-domains", "essays", "--no-probe",
               "--block-size", "32", "--batch-size", "2", "--eval-tokens", "64", "--eval-steps", "3",
               "--transfer-steps", "2", "--recovery-steps", "3", "--logging-steps", "1", "--save-steps", "3",
-              "--warmup-steps", "0", "--max-blocks", "24", "--report-to", "none"]
+              "--warmup-steps", "0", "--max-blocks", "24", "--report-to", "none",
+              "--beyond-window-block", "300", "--retrieval-lengths", "300", "--cluster-tokens", "600"]  # short measures
 
     def convert(out, *flags, processes=1):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))

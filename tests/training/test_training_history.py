@@ -97,7 +97,12 @@ def test_twelve_runs_have_twelve_distinct_styles_and_a_legend_in_rows(tmp_path, 
     assert len({line.get_color() for line in lines}) == 12
     assert [line.get_linestyle() for line in lines] == styles
     legend = figures[0].legends[0]
-    assert len(legend.get_texts()) == 12 and legend._ncols == LEGEND_COLUMNS
+    assert len(legend.get_texts()) == 12 and legend._ncols == 3  # two panels (7.2 inches) hold three entries a row
+    renderer = figures[0]._get_renderer()  # the renderer savefig drew with
+    assert legend.get_window_extent(renderer).width <= figures[0].bbox.width  # the legend is not cut at the edges
+    wide = [(f"run {number}", [1, 2], [[1.0, 2.0]] * 4) for number in range(12)]  # four panels a row
+    hf_knorm.plots.plot_layer_curves(wide, tmp_path / "wide.png")
+    assert figures[1].legends[0]._ncols == LEGEND_COLUMNS
 
 
 def test_the_figure_marks_where_a_run_went_nonfinite(tmp_path, monkeypatch):

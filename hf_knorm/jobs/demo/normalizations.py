@@ -20,16 +20,18 @@ from ...normalizations import parse_normalization
 PROMPTS = ("The capital of France is", "Water freezes at a temperature of", "The opposite of hot is")
 
 
-def evaluate_normalization(model, tokenizer, normalization: str | None, new_tokens: int = 4) -> dict:
+def evaluate_normalization(model, tokenizer, normalization: str | None, new_tokens: int = 4,
+                           cluster_tokens: int | None = None) -> dict:
     """Greedy continuations of :data:`PROMPTS` and perplexity on the sample text; ``None`` = the model's own attention.
-    A normalization with clusters gets its codebooks fitted on the patched model's keys, as a conversion fits them."""
+    A normalization with clusters gets its codebooks fitted on the patched model's keys, as a conversion fits them
+    (on ``cluster_tokens`` tokens; ``None``: the conversion's default)."""
     if normalization is not None:
         patch(model, normalization)
         clusters = parse_normalization(normalization).clusters
         if clusters:
             from ...conversion.clusters import add_clusters
 
-            add_clusters(model, tokenizer, clusters)
+            add_clusters(model, tokenizer, clusters, tokens=cluster_tokens)
     try:
         started = time.perf_counter()
         with torch.no_grad():

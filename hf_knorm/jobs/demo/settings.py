@@ -56,6 +56,9 @@ class DemoSettings:
         "help": "step 4: the older pairs the sparse cache leaves, weighted by softmax with it through C per-cluster "
                 f"mean pairs (hf-knorm convert --clusters; default: {DEFAULT_CLUSTERS} beside the default sparse "
                 "cache; 0: none)", "metavar": "C"})
+    cluster_tokens: int | None = field(default=None, metadata={
+        "help": "step 4: tokens the cluster codebooks are fitted on (hf-knorm convert --cluster-tokens; default: "
+                "max(2048, 8 C))", "metavar": "N"})
     beyond_window: bool = field(default=True, metadata={
         "help": "step 4: also measure beyond the window (1,024-token blocks from position 256, passkey retrieval at "
                 "1,000 tokens, the window alone), as hf-knorm convert does"})
@@ -70,6 +73,12 @@ class DemoSettings:
         if self.niah_score == "key_norm":
             raise ValueError("niah_score is shown beside the paper's key_norm, which step 3 always runs: choose "
                              "another score (e.g. kv_diff).")
+        clusters = DEFAULT_CLUSTERS if self.clusters is None else self.clusters
+        if self.cluster_tokens is not None and not clusters:
+            raise ValueError("cluster_tokens sizes the fit of the cluster codebooks, and clusters is 0: drop it.")
+        if self.cluster_tokens is not None and self.cluster_tokens < clusters:
+            raise ValueError(f"cluster_tokens must be at least the number of clusters ({clusters}: one key per "
+                             f"direction), not {self.cluster_tokens}.")
         if not 0 < self.niah_ratio < 1:
             raise ValueError(f"niah_ratio must be in (0, 1) (the fraction of the context evicted), got "
                              f"{self.niah_ratio!r}.")
@@ -80,7 +89,7 @@ class DemoSettings:
         return cls(normalizations=("softmax", "x^3/16"), decoding_lengths=(32, 128), calibration_tokens=256, niah_lengths=(300,),
                    niah_depths=(0.5,), transfer_steps=4, recovery_steps=4, train_block_size=64, train_batch_size=2,
                    teacher_tokens=256, eval_tokens=128, eval_steps=2, logging_steps=2, probe=False,
-                   softmax_window=16, clusters=8, beyond_window=False)
+                   softmax_window=16, clusters=8, cluster_tokens=256, beyond_window=False)
 
     def conversion(self, model: str, out: str):
         """The :class:`~hf_knorm.conversion.settings.ConvertSettings` of step 4."""
@@ -89,10 +98,12 @@ class DemoSettings:
         if self.full_conversion:
             return ConvertSettings(model=model, out=out, normalization=self.train_normalization, probe=self.probe,
                                    softmax_window=self.softmax_window, sparse_cache=self.sparse_cache,
-                                   clusters=self.clusters, beyond_window=self.beyond_window)
+                                   clusters=self.clusters, cluster_tokens=self.cluster_tokens,
+                                   beyond_window=self.beyond_window)
         return ConvertSettings(
             model=model, out=out, normalization=self.train_normalization, softmax_window=self.softmax_window,
-            sparse_cache=self.sparse_cache, clusters=self.clusters, beyond_window=self.beyond_window,
+            sparse_cache=self.sparse_cache, clusters=self.clusters, cluster_tokens=self.cluster_tokens,
+            beyond_window=self.beyond_window,
             retrieval_lengths=(1000,),
             transfer_steps=self.transfer_steps, recovery_steps=self.recovery_steps, block_size=self.train_block_size, batch_size=self.train_batch_size,
             teacher_tokens=self.teacher_tokens, eval_tokens=self.eval_tokens, eval_steps=self.eval_steps,

@@ -156,7 +156,8 @@ def conversion_step(model, tokenizer, model_name: str, settings: DemoSettings, o
     summary = run_convert(conversion)
     normalization = summary["normalization"]
     converted = from_pretrained(out_dir)
-    answers = [evaluate_normalization(model, tokenizer, None), evaluate_normalization(model, tokenizer, normalization),
+    answers = [evaluate_normalization(model, tokenizer, None),
+               evaluate_normalization(model, tokenizer, normalization, cluster_tokens=settings.cluster_tokens),
                evaluate_normalization(converted, tokenizer, None)]
     answers[1]["normalization"] = f"{normalization}, patched only"
     answers[2]["normalization"] = f"{normalization}, converted"
