@@ -66,7 +66,8 @@ from .linear_kernel import is_linear
 from .masks import KeyPadding, Mask
 from .paths import Path, causal_key_validity
 from .taps import SparseWindowStateHandover
-from .window import check_causal, check_mix, row_scale, sink_keys, without_sinks
+from .window import (check_causal, check_mix, part_factor, sink_columns, sink_keys, window_columns,
+                     without_sinks)
 
 ROWS = 256
 """Queries (and pairs, for the exit positions) per block: a block's scores are ``ROWS x N`` per head."""
@@ -273,8 +274,6 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
     if sinks is not None:
         keys = torch.cat([sinks.keys.expand(batch, -1, -1, -1), pairs.keys], dim=2)
         values = torch.cat([sinks.values.expand(batch, -1, -1, -1), pairs.values], dim=2)
-        sink_position = (sinks.position + first).expand(batch, -1)
-        sink_valid = sinks.valid.expand(batch, -1)
     else:
         keys, values = pairs.keys, pairs.values
     keys = keys.to(compute)
@@ -283,7 +282,6 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
     state, count = (None, None) if handover is None else handover.read()
     scale = dim ** -0.5 if scaling is None else scaling
     group_params = {name: value.to(compute).view(kv_heads, groups, 1, 1) for name, value in (params or {}).items()}
-    factor_mix = None if mix is None else mix.to(compute).view(1, kv_heads, groups, 1, 1)
     is_call_key = torch.arange(pairs.position.shape[-1], device=device) >= pairs.prior  # (M,)
     last_newest_older = first + kv_len - 1 - normalization.window  # the last row's a_i - W
     clusters = None  # the clusters' pseudo-pairs, where some cluster holds a pair for some row (else all weights 0)
@@ -298,16 +296,16 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
     for start in range(0, q_len, ROWS):
         stop = min(q_len, start + ROWS)
         q = query[:, :, start:stop].to(compute).view(batch, kv_heads, groups, stop - start, dim)
-        row_position = first + kv_len - q_len + torch.arange(start, stop, device=device)  # a_i
-        newest_older = (row_position - normalization.window)[None, None, :, None]  # a_i - W, (1, 1, r, 1)
+        row_position = first + kv_len - q_len + torch.arange(start, stop, device=device)[:, None]  # a_i, (r, 1)
+        newest_older = row_position - normalization.window  # a_i - W
         p = pairs.position[:, :, None, :]
         in_sparse = pairs.filled[:, :, None, :] & (p <= newest_older) & (exits[:, :, None, :] > newest_older)
         in_base = pairs.filled[:, :, None, :] & (exits[:, :, None, :] <= newest_older)  # (B, H_kv, r, M)
-        in_window = (is_call_key & pairs.valid)[:, None, None, :] & (p > newest_older) \
-            & (p <= row_position[None, None, :, None])
+        in_window = (is_call_key & pairs.valid)[:, None, None, :] & window_columns(p, row_position,
+                                                                                   normalization.window)
         soft_allowed = in_sparse | in_window
-        if sinks is not None:
-            older_sinks = sink_valid[:, None, None, :] & (sink_position[:, None, None, :] <= newest_older)
+        if sinks is not None:  # the sinks' positions are the call's key indices
+            older_sinks = sink_columns(sinks, batch, row_position - first, normalization.window)
             soft_allowed = torch.cat([older_sinks.expand(-1, kv_heads, -1, -1), soft_allowed], dim=-1)
         scores = q @ keys[:, :, None].transpose(-1, -2) * scale  # (B, H_kv, G, r, S' + M)
         if softcap is not None:
@@ -331,9 +329,7 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
                 part = part + (q @ state[:, :, None].to(compute)) * scale
             by_count = _row_scale(base, allowed_base, count, compute)
             base_weights, part = base_weights * by_count, part * by_count
-        factor = row_scale(part)  # 1 / RMS of each row (B, H_kv, G, r, 1), then the mix (window.part_factor's rule)
-        if factor_mix is not None:
-            factor = factor * factor_mix
+        factor = part_factor(part, mix, (1, kv_heads, groups, 1, 1))  # (B, H_kv, G, r, 1)
         output = soft @ values[:, :, None] + part * factor  # (B, H_kv, G, r, D_v)
         if clusters is not None:
             output = output + clustered

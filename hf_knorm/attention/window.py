@@ -179,13 +179,12 @@ def window_attention(
         raise ValueError(f"A recurrent state cache decodes with linear attention only, and this call cannot: "
                          f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")
     options = dict(scaling=scaling, softcap=softcap, dropout=dropout, op=op, compiling=compiling, params=params)
-    paths = _Paths(path, SOFTMAX_PATH)  # no GPU kernel computes softmax; a forced one serves the polynomial part
     dtype = query.dtype  # the parts are computed and added in fp32 (fp64 for fp64 inputs), as the kernels compute
     compute = torch.promote_types(dtype, torch.float32)
     query, key, value = query.to(compute), key.to(compute), value.to(compute)
     if _explicit_route(mask, bias, return_weights, frobenius_sq is not None):
         output, weights = _explicit(query, key, value, mask, normalization, bias, return_weights, frobenius_sq, mix,
-                                    paths, options)
+                                    path, options)
         return output.to(dtype), weights
     if mask is None:
         key, value = linear_keys(query, key, value, None, causal=True)
@@ -200,9 +199,8 @@ def window_attention(
         sinks = sink_keys(key, value, key_valid, normalization.sinks, query.shape[2], handover,
                           source=None if mask is None else mask.source)
         older_valid = without_sinks(key_valid, sinks, key.shape[0], key.shape[2])
-    output = _softmax_band(query, key, value, key_valid, normalization.window, sinks, frobenius_sq, paths.softmax,
-                           options)
-    polynomial = _older_keys(query, older_key, older_value, older_valid, normalization, paths.polynomial, mix,
+    output = _softmax_band(query, key, value, key_valid, normalization.window, sinks, frobenius_sq, options)
+    polynomial = _older_keys(query, older_key, older_value, older_valid, normalization, path, mix,
                              handover, options)
     if polynomial is not None:
         output = output + polynomial
@@ -341,6 +339,19 @@ def sink_keys(key: torch.Tensor, value: torch.Tensor, key_valid: torch.Tensor | 
     return chosen._replace(position=chosen.position - first)
 
 
+def window_columns(key_position: torch.Tensor, row_position: torch.Tensor, window: int) -> torch.Tensor:
+    """Whether each key is in each row's window, ``a_i - W < j <= a_i`` (positions broadcast against each other): the
+    window's mask of every path (the band's, the explicit masks', :mod:`.sparse`'s rows)."""
+    return (key_position > row_position - window) & (key_position <= row_position)
+
+
+def sink_columns(sinks: Sinks, batch: int, row_position: torch.Tensor, window: int) -> torch.Tensor:
+    """``(B, ..., r, S')`` for rows at ``row_position`` ``(..., r, 1)`` (the sinks' coordinates): the sinks each row
+    weights beside its window, the real ones older than it (a younger sink is in the window already)."""
+    position, valid = sinks.position.expand(batch, -1), sinks.valid.expand(batch, -1)
+    return valid[:, None, None, :] & (position[:, None, None, :] <= row_position - window)
+
+
 def _concatenated(kept: Sinks, step: Sinks) -> Sinks:
     batch = max(step.valid.shape[0], kept.valid.shape[0])
     return Sinks(torch.cat([kept.keys, step.keys], dim=2), torch.cat([kept.values, step.values], dim=2),
@@ -359,7 +370,7 @@ def without_sinks(key_valid: torch.Tensor | None, sinks: Sinks | None, batch: in
     return valid.expand(batch, kv_len) & ~is_sink
 
 
-def _softmax_band(query, key, value, key_valid, window, sinks, frobenius_sq, path, options) -> torch.Tensor:
+def _softmax_band(query, key, value, key_valid, window, sinks, frobenius_sq, options) -> torch.Tensor:
     """The softmax part under a bottom-right causal mask: ``(B, q, H_q, D_v)``.
 
     One call of the chunked kernel on the queries cut into blocks of ``rows``, each block a batch entry with the
@@ -381,15 +392,14 @@ def _softmax_band(query, key, value, key_valid, window, sinks, frobenius_sq, pat
             .permute(0, 2, 1, 4, 3).reshape(batch * blocks, kv_heads, span, -1) for tensor in (key, value))
     q = (F.pad(query, (0, 0, 0, back)).view(batch, q_heads, blocks, rows, dim)
          .transpose(1, 2).reshape(batch * blocks, q_heads, rows, dim))
-    positions = torch.arange(span, device=query.device)
-    row_positions = torch.arange(rows, device=query.device)[:, None]
-    band = (positions >= row_positions) & (positions < row_positions + window)  # (rows, span)
+    row_positions = torch.arange(rows, device=query.device)[:, None] + window - 1  # in the span's coordinates
+    band = window_columns(torch.arange(span, device=query.device), row_positions, window)  # (rows, span)
     real_rows = (torch.arange(blocks * rows, device=query.device) < q_len).view(blocks, rows, 1)
     allowed = (band & real_rows)[None] & valid[:, :, None, :]  # (B, T, rows, span)
     if sinks is not None:
         k, v, allowed, span = _with_sinks(key, value, k, v, allowed, sinks, window, kv_len - q_len, real_rows)
     block_sq = None if frobenius_sq is None else frobenius_sq.new_zeros(batch * blocks, *frobenius_sq.shape[1:])
-    output, _ = _quadratic(path, q, k, v, allowed.reshape(batch * blocks, 1, rows, span), SOFTMAX,
+    output, _ = _quadratic(SOFTMAX_PATH, q, k, v, allowed.reshape(batch * blocks, 1, rows, span), SOFTMAX,
                            frobenius_sq=block_sq, trim_keys=rows > 1, **options)
     if block_sq is not None:
         frobenius_sq += block_sq.view(batch, blocks, *frobenius_sq.shape[1:]).sum(dim=1)
@@ -405,8 +415,7 @@ def _with_sinks(key, value, k, v, allowed, sinks, window, offset, real_rows):
     k_sink, v_sink = (tensor[:, None].expand(-1, blocks, -1, -1, -1).reshape(batch * blocks, kv_heads, count, -1)
                       for tensor in (sinks.keys, sinks.values))
     position = offset + torch.arange(blocks * rows, device=key.device).view(1, blocks, rows, 1)
-    older = sinks.position.expand(batch, -1)[:, None, None, :] <= position - window  # (B, T, rows, S): not in the band
-    sink_allowed = older & sinks.valid.expand(batch, -1)[:, None, None, :] & real_rows[None]
+    sink_allowed = sink_columns(sinks, batch, position, window) & real_rows[None]  # (B, T, rows, S)
     allowed = torch.cat([sink_allowed, allowed], dim=-1)
     return torch.cat([k_sink, k], dim=2), torch.cat([v_sink, v], dim=2), allowed, allowed.shape[-1]
 
@@ -462,12 +471,12 @@ ROW_EPS = 1e-12
 """Added to each row's mean square before the polynomial part's RMS normalization (:func:`row_scale`)."""
 
 
-def part_factor(part: torch.Tensor, mix: torch.Tensor | None) -> torch.Tensor:
-    """What the part beside the window is multiplied by, ``m_h / RMS(u_i)``: ``(B, q, H_q, 1)`` for a part ``u``
-    ``(B, q, H_q, D_v)`` and a mix ``(H_q,)`` (``None``: 1), for the paths that scale the weights too (the explicit
-    masks, :mod:`.window_off`); the band path applies the same two factors one after the other."""
+def part_factor(part: torch.Tensor, mix: torch.Tensor | None, shape: tuple[int, ...] = (1, 1, -1, 1)) -> torch.Tensor:
+    """What the part beside the window is multiplied by, ``m_h / RMS(u_i)``: ``(..., 1)`` for a part ``u``
+    ``(..., D_v)`` (``(B, q, H_q, D_v)`` here, ``(B, H_kv, G, r, D_v)`` in :mod:`.sparse`) and a mix ``(H_q,)``
+    (``None``: 1) viewed as ``shape`` against it. The band path applies the same two factors one after the other."""
     factor = row_scale(part)
-    return factor if mix is None else factor * mix.to(part.dtype)[None, None, :, None]
+    return factor if mix is None else factor * mix.to(part.dtype).view(shape)
 
 
 def check_mix(mix: torch.Tensor | None, query: torch.Tensor) -> None:
@@ -485,7 +494,7 @@ def check_causal(normalization: Normalization, mask: Mask, causal: bool) -> None
                          "bidirectional (an encoder). Use the normalization without softmax_window on encoders.")
 
 
-def _explicit(query, key, value, mask, normalization, bias, return_weights, frobenius_sq, mix, paths, options):
+def _explicit(query, key, value, mask, normalization, bias, return_weights, frobenius_sq, mix, path, options):
     """Both parts with the chunked kernel on explicit masks (see the module docstring)."""
     if mask is None:
         key, value = linear_keys(query, key, value, None, causal=True)
@@ -498,30 +507,27 @@ def _explicit(query, key, value, mask, normalization, bias, return_weights, frob
     # the first S keys each row may attend: its sequence's first S tokens, as every row here attends its sequence from
     # its start (a layer with its own sliding window refuses sinks: window_path)
     sinks = allowed & (allowed.cumsum(dim=-1) <= normalization.sinks)
-    in_window = allowed & ((positions > last - normalization.window) | sinks)
-    older = allowed & ~in_window
-    polynomial = normalization.without_window
+    in_window = allowed & (window_columns(positions, last, normalization.window) | sinks)
     options = dict(options, return_weights=return_weights, bias=bias)
-    soft, soft_weights = _quadratic(paths.softmax, query, key, value, in_window, SOFTMAX, frobenius_sq=frobenius_sq,
+    soft, soft_weights = _quadratic(SOFTMAX_PATH, query, key, value, in_window, SOFTMAX, frobenius_sq=frobenius_sq,
                                     **options)
     weighted = return_weights or frobenius_sq is not None  # the rows' scales apply to the weights: materialize them
-    poly, poly_weights = _quadratic(paths.polynomial, query, key, value, older, polynomial,
-                                    **dict(options, return_weights=weighted))
-    factor = part_factor(poly, mix)  # (B, q, H_q, 1)
-    if weighted:
-        poly_weights = poly_weights * factor.permute(0, 2, 1, 3)  # (B, H_q, q, kv)
+    poly, poly_weights = scaled_part(*_quadratic(path, query, key, value, allowed & ~in_window,
+                                                 normalization.without_window, **dict(options, return_weights=weighted)),
+                                     mix, frobenius_sq)
+    return soft + poly, (soft_weights + poly_weights if return_weights else None)
+
+
+def scaled_part(part: torch.Tensor, weights: torch.Tensor | None, mix: torch.Tensor | None,
+                frobenius_sq: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The part beside the window ``(B, q, H_q, D_v)`` times :func:`part_factor`, and its weights ``(B, H_q, q, kv)``
+    (or ``None``) scaled alike, their squares added to ``frobenius_sq`` (the explicit masks, :mod:`.window_off`)."""
+    factor = part_factor(part, mix)  # (B, q, H_q, 1)
+    if weights is not None:
+        weights = weights * factor.permute(0, 2, 1, 3)
         if frobenius_sq is not None:
-            frobenius_sq += poly_weights.detach().to(frobenius_sq.dtype).square().sum(dim=(-2, -1)).view_as(
-                frobenius_sq)
-    return soft + poly * factor, (soft_weights + poly_weights if return_weights else None)
-
-
-class _Paths(NamedTuple):
-    """The kernels of a call's two parts: the polynomial part's path (what ``attention_paths()`` counts) and the
-    softmax part's (:data:`SOFTMAX_PATH`)."""
-
-    polynomial: Path
-    softmax: Path
+            frobenius_sq += weights.detach().to(frobenius_sq.dtype).square().sum(dim=(-2, -1)).view_as(frobenius_sq)
+    return part * factor, weights
 
 
 def _quadratic(path, query, key, value, allowed, normalization, *, scaling, softcap, dropout, op, compiling,

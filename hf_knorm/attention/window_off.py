@@ -33,7 +33,7 @@ from .backends import run_linear, run_quadratic
 from .masks import Mask, kernel_mask
 from ..normalizations import Normalization
 from .paths import Path, linear_keys
-from .window import check_causal, check_mix, part_factor
+from .window import check_causal, check_mix, scaled_part
 
 WINDOW_DROPPED = "hf_knorm_window_dropped"
 """The attribute of an attention module that drops its softmax window in training forwards (absent: not dropped)."""
@@ -106,10 +106,5 @@ def window_off_attention(
         output, weights = run_quadratic(path, query, key, value, kernel_mask(mask, compiling), base, bias=bias,
                                         scaling=scaling, softcap=softcap, dropout=dropout, causal=causal,
                                         return_weights=weighted, trim_keys=not compiling, params=params)
-    factor = part_factor(output, mix)  # (B, q, H_q, 1): each row's RMS to 1, times the mix
-    output = output * factor
-    if weighted:
-        weights = weights * factor.permute(0, 2, 1, 3)  # (B, H_q, q, kv)
-        if frobenius_sq is not None:
-            frobenius_sq += weights.detach().to(frobenius_sq.dtype).square().sum(dim=(-2, -1)).view_as(frobenius_sq)
+    output, weights = scaled_part(output, weights, mix, frobenius_sq)  # each row's RMS to 1, times the mix
     return output.to(dtype), (weights if return_weights else None)
