@@ -65,9 +65,7 @@ from .distant_clusters import ClusterRows, add_leaving, assignments, check_codeb
 from .linear_kernel import is_linear
 from .masks import KeyPadding, Mask
 from .paths import Path, causal_key_validity
-from .taps import SparseWindowStateHandover
-from .window import (check_causal, check_mix, part_factor, sink_columns, sink_keys, window_columns,
-                     without_sinks)
+from .window import part_factor, sink_columns, sink_keys, window_attention, window_columns, without_sinks
 
 ROWS = 256
 """Queries (and pairs, for the exit positions) per block: a block's scores are ``ROWS x N`` per head."""
@@ -93,83 +91,55 @@ class SparsePairs(NamedTuple):
     filled: torch.Tensor
 
 
-def sparse_path(normalization: Normalization, q_len: int, kv_len: int, handover, *, softcap: float | None = None,
-                return_weights: bool = False, recording: bool = False) -> Path:
+def sparse_path(normalization: Normalization, q_len: int, kv_len: int, has_state: bool, *,
+                softcap: float | None = None, return_weights: bool = False, recording: bool = False) -> Path:
     """What ``attention_paths()`` counts for a call with a sparse cache: ``"sparse"``; linear in the length where
     :func:`in_blocks` (``p = 1``: a full forward, or a step from a state), else masked attention over every row at
     once, quadratic, which is a fallback for ``p = 1`` (warned on long inputs, an error under ``linear="require"``)."""
-    if in_blocks(normalization, q_len, kv_len, handover, softcap, return_weights, recording) or q_len <= ROWS:
+    if in_blocks(normalization, q_len, kv_len, has_state, softcap, return_weights, recording) or q_len <= ROWS:
         return Path(linear=True, kernel="sparse")
     return Path(linear=False, kernel="sparse", fallback=is_linear(normalization.without_window),
                 reason="a sparse cache beside the window with a softcap, returned weights, recorded norms, another "
                        "base family than p = 1, or queries after uncached keys: masked attention, quadratic")
 
 
-def in_blocks(normalization: Normalization, q_len: int, kv_len: int, handover, softcap, return_weights: bool,
+def in_blocks(normalization: Normalization, q_len: int, kv_len: int, has_state: bool, softcap, return_weights: bool,
               recording: bool) -> bool:
     """Whether a call runs in blocks of :data:`ROWS` queries carrying a state (:func:`_chunked`): a ``p = 1`` base,
     more than ``ROWS`` queries, every key of the sequences in the call or a state handed over, no softcap, no
     returned weights or recorded norms (their rows are normalized one by one over every key)."""
-    return (q_len > ROWS and (handover is not None or q_len == kv_len) and softcap is None and not return_weights
+    return (q_len > ROWS and (has_state or q_len == kv_len) and softcap is None and not return_weights
             and not recording and is_linear(normalization.without_window))
 
 
-def sparse_window_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: Mask,
-    normalization: Normalization,
-    *,
-    bias: torch.Tensor | None = None,
-    scaling: float | None = None,
-    softcap: float | None = None,
-    dropout: float = 0.0,
-    causal: bool = True,
-    return_weights: bool = False,
-    frobenius_sq: torch.Tensor | None = None,
-    mix: torch.Tensor | None = None,
-    params: dict[str, torch.Tensor] | None = None,
-    handover=None,
-    sliding_window: int | None = None,
-    codebook: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention with a softmax window, sinks and a sparse cache beside ``normalization.without_window``, and the
-    clusters of :mod:`.distant_clusters` when the normalization has them.
-
-    Args:
-        query: ``(B, H_q, q, D)``; key, value ``(B, H_kv, kv, D)``, not repeated for GQA.
-        mask: as :func:`.interface.read_mask` gives it (key padding, an exactly causal bool mask, or ``None``).
-        normalization: a :class:`~hf_knorm.normalizations.Windowed` with ``sparse > 0``.
-        bias, dropout, sliding_window: refused unless ``None`` / 0 (see the module docstring).
-        scaling, softcap: as the kernels take them.
-        causal: the call is causal (required).
-        return_weights: also return the ``(B, H_q, q, kv)`` weights of both parts (not with a state).
-        frobenius_sq: optional ``(B, H_kv, G)`` accumulator of each head's squared Frobenius norm (the call's keys).
-        mix: ``(H_q,)`` factors of the base part, or ``None`` (1).
-        params: the base family's learnable values, ``(H_q,)`` each.
-        handover: a :class:`hf_knorm.recurrent.sparse_cache.SparseWindowStateLayer` handed over by the cache
-            (``p = 1`` only), or ``None``: the call holds every key of its sequences.
-        codebook: ``(H_kv, C, D)`` the layer's cluster codebook, with ``+ clusters C`` (required then).
-
-    Returns:
-        ``(output (B, q, H_q, D_v) in the query dtype, weights or None)``.
+def sparse_window_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Mask,
+                            normalization: Normalization, **options) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`.window.window_attention` (its arguments) for a normalization with a sparse cache.
 
     Raises:
-        ValueError: a call the definition does not cover (see the module docstring), or a state with a base family
-            that is not ``p = 1``.
+        ValueError: ``normalization`` has no sparse cache, or as :func:`.window.window_attention`.
     """
-    _check_call(normalization, query, key, mask, bias, dropout, causal, return_weights, mix, handover, softcap,
-                sliding_window)
+    if not normalization.sparse or not normalization.window:
+        raise ValueError(f"sparse_window_attention computes a window with a sparse cache, not {normalization.name}.")
+    return window_attention(query, key, value, mask, normalization, **options)
+
+
+def sparse_attention(query, key, value, mask, normalization, *, scaling, softcap, return_weights, frobenius_sq, mix,
+                     params, handover, codebook) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`.window.window_attention` for ``sparse > 0`` once the call is checked: in blocks carrying a state
+    (:func:`_chunked`) where :func:`in_blocks`, else every row on dense masks (:func:`_attend`)."""
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"{query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads.")
     if normalization.clusters:
         check_codebook(codebook, normalization.clusters, key.shape[1], key.shape[-1], normalization.name)
-    key_valid = _key_valid(mask, query, key, handover)
+    key_valid = _key_valid(mask, query, key)
     q_len = query.shape[2]
     if mask is None and handover is None and q_len > 1:  # sdpa's top-left causal mask: as many keys as queries
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     options = dict(scaling=scaling, softcap=softcap, return_weights=return_weights, frobenius_sq=frobenius_sq,
                    mix=mix, params=params, codebook=codebook if normalization.clusters else None)
-    if in_blocks(normalization, q_len, key.shape[2], handover, softcap, return_weights, frobenius_sq is not None):
+    if in_blocks(normalization, q_len, key.shape[2], handover is not None, softcap, return_weights,
+                 frobenius_sq is not None):
         return _chunked(query, key, value, key_valid, normalization, options, handover), None
     source = mask.source if isinstance(mask, KeyPadding) else None
     return _attend(query, key, value, key_valid, source, normalization, handover, **options)
@@ -493,7 +463,7 @@ def _call_weights(soft, weighted, sinks, sink_count, kv_len) -> torch.Tensor:
     return weights
 
 
-def _key_valid(mask, query, key, handover) -> torch.Tensor | None:
+def _key_valid(mask, query, key) -> torch.Tensor | None:
     if mask is None:
         return None
     if isinstance(mask, KeyPadding):
@@ -506,41 +476,5 @@ def _key_valid(mask, query, key, handover) -> torch.Tensor | None:
     return key_valid
 
 
-def _check_call(normalization, query, key, mask, bias, dropout, causal, return_weights, mix, handover, softcap,
-                sliding_window) -> None:
-    name = normalization.name
-    if not normalization.sparse or not normalization.window:
-        raise ValueError(f"sparse_window_attention computes a window with a sparse cache, not {name}.")
-    check_causal(normalization, mask, causal)
-    if sliding_window is not None:
-        raise ValueError(f"{name}: this layer has its own sliding window of {sliding_window} positions, which leaves "
-                         "the sparse cache's older pairs behind. Patch this model without the sparse cache.")
-    if bias is not None:
-        raise ValueError(f"{name}: an additive attention bias with a sparse cache is not supported.")
-    if normalization.clusters and softcap is not None:
-        raise ValueError(f"{name}: a softcap bends each score, so a cluster's mean key no longer gives its pairs' mean "
-                         "score; clusters are not supported with a softcap (Gemma 2). Patch without clusters.")
-    if dropout:
-        raise ValueError(f"{name}: attention dropout with a sparse cache is not implemented; set the model's "
-                         "attention_dropout to 0.")
-    check_mix(mix, query)
-    if query.shape[1] % key.shape[1]:
-        raise ValueError(f"{query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads.")
-    if handover is None:
-        return
-    if not is_linear(normalization.without_window):
-        raise ValueError(f"{name}: a recurrent state continues a p = 1 base part only; decode this model with a "
-                         "normal cache (cache=DynamicCache()).")
-    if getattr(handover, "sparse", 0) != normalization.sparse or not isinstance(handover, SparseWindowStateHandover):
-        raise ValueError(f"The recurrent cache keeps a sparse cache of {getattr(handover, 'sparse', 0)} pairs and the "
-                         f"model runs {name}: build it from the model's config "
-                         "(RecurrentStateCache(config=model.config)).")
-    if return_weights:
-        raise ValueError(f"{name}: the attention weights cannot be returned while decoding from a recurrent state "
-                         "(the distant pairs are summed into it). Generate with a normal cache.")
-    if softcap is not None:
-        raise ValueError(f"{name}: a softcap makes the base part non-linear in the keys, so a recurrent state cannot "
-                         "continue it. Generate with a normal cache.")
-
-
-__all__ = ["NEVER", "ROWS", "SparsePairs", "exit_positions", "exits_at_once", "in_blocks", "sparse_path", "sparse_window_attention"]
+__all__ = ["NEVER", "ROWS", "SparsePairs", "exit_positions", "exits_at_once", "in_blocks", "sparse_attention",
+           "sparse_path", "sparse_window_attention"]

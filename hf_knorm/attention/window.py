@@ -102,7 +102,8 @@ from .linear_kernel import is_linear
 from .masks import KeyPadding, Mask, read_once
 from ..normalizations import Normalization
 from ..normalizations.windowed import WINDOW_PART
-from .paths import Path, choose_path, linear_keys
+from .paths import Path, check_state_path, choose_path, linear_keys
+from .taps import SparseWindowStateHandover
 
 BAND_ROWS = 32
 """Queries per block of the softmax part (at least ``W``, at most ``q``; read at call time): a block's scores are
@@ -128,56 +129,58 @@ def window_attention(
     return_weights: bool = False,
     frobenius_sq: torch.Tensor | None = None,
     mix: torch.Tensor | None = None,
+    params: dict[str, torch.Tensor] | None = None,
     handover=None,
+    codebook: torch.Tensor | None = None,
     path: Path | None = None,
     sliding_window: int | None = None,
     op: bool = False,
     compiling: bool = False,
-    params: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention with a softmax window of ``normalization.window`` keys beside ``normalization.without_window``.
+    """The composition: ``normalization.without_window`` beside a softmax window of ``normalization.window`` keys, its
+    sinks, and its sparse cache and clusters if any (``sparse > 0``: :mod:`.sparse` computes it).
 
     Args:
         query: ``(B, H_q, q, D)``; key, value ``(B, H_kv, kv, D)``, not repeated for GQA.
         mask: as :func:`.interface.read_mask` gives it: :class:`~.masks.KeyPadding`, a bool ``(B or 1, 1 or H_q, q,
             kv)`` mask, or ``None`` (with ``causal``: sdpa's top-left causal mask, keys cut to ``q`` when ``q > 1``).
-        normalization: a polynomial normalization with ``window > 0``.
-        bias: an additive float mask of the explicit mask's shape, or ``None``.
-        scaling, softcap, dropout: as the kernels take them (dropout on both parts' weights).
+        normalization: a normalization with ``window > 0`` (not softmax).
+        bias: an additive float mask of the explicit mask's shape, or ``None`` (not with a sparse cache).
+        scaling, softcap, dropout: as the kernels take them (dropout on both parts' weights; not with a sparse cache).
         causal: the call is causal (required).
         return_weights: also return the ``(B, H_q, q, kv)`` weights of both parts (materialized).
         frobenius_sq: optional ``(B, H_kv, G)`` accumulator of each head's squared Frobenius norm (the parts attend
-            disjoint keys: their squares add; the polynomial part's counts ``m_h^2`` times).
-        mix: ``(H_q,)`` factors of the polynomial part, or ``None`` (1).
-        handover: a recurrent state handed over by a window cache layer (``read() -> (state, count)`` of the keys
-            older than the ``kv`` keys of this call, ``write(state, count)``, ``window``), or ``None``.
-        path: the polynomial part's path with its kernel named, as the attention function chose and counted it
-            (:func:`window_path`, then :func:`.backends.with_kernel` on ``normalization.without_window``); ``None``:
-            chosen here, from the same arguments.
+            disjoint keys: their squares add; the base part's counts ``m_h^2`` times).
+        mix: ``(H_q,)`` factors of the base part, or ``None`` (1).
+        params: the base family's learnable values, ``(H_q,)`` each.
+        handover: a recurrent state handed over by a window cache layer (:class:`~.taps.WindowStateHandover`, with a
+            sparse cache :class:`~.taps.SparseWindowStateHandover`), or ``None``.
+        codebook: ``(H_kv, C, D)`` the layer's cluster codebook, with ``+ clusters C`` (required then).
+        path: the path as the attention function chose and counted it (:func:`window_call_path`); ``None``: chosen
+            here, from the same arguments.
         sliding_window: the layer's own sliding window (Transformers' ``sliding_window`` keyword), or ``None``.
         op: run the quadratic parts through the custom op (``compiled.py``: compiled code with no tap).
         compiling: traced by ``torch.compile``: nothing reads tensor values (the chunked kernel keeps every key).
-        params: the base family's learnable values, ``(H_q,)`` each (the mix is ``mix``).
 
     Returns:
         ``(output (B, q, H_q, D_v) in the query dtype, weights or None)``.
 
     Raises:
-        ValueError: no window, softmax, a bidirectional call, sinks on a layer with its own sliding window, a mix of
-            another shape, or a state that the call cannot continue.
+        ValueError: a call the composition does not define (:func:`window_path`), a mix of another shape, or a state
+            that the call cannot continue.
     """
-    kernels = dict(dropout=dropout, return_weights=return_weights, recording=frobenius_sq is not None,
-                   compiling=compiling)
     if path is None:
-        path = window_path(normalization, query.shape[2], key.shape[2], mask, bias, causal=causal, softcap=softcap,
-                           dropout=dropout, return_weights=return_weights, has_state=handover is not None,
-                           compiling=compiling, recording=frobenius_sq is not None, sliding_window=sliding_window)
-        path = with_kernel(path, query, normalization.without_window, **kernels)
+        path = window_call_path(query, key.shape[2], mask, bias, normalization, causal=causal, softcap=softcap,
+                                dropout=dropout, return_weights=return_weights, recording=frobenius_sq is not None,
+                                has_state=handover is not None, compiling=compiling, sliding_window=sliding_window)
     check_state_window(handover, normalization)
     check_mix(mix, query)
-    if handover is not None and not path.linear:
-        raise ValueError(f"A recurrent state cache decodes with linear attention only, and this call cannot: "
-                         f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")
+    if normalization.sparse:
+        from .sparse import sparse_attention  # sparse.py builds on this module's window and sinks
+
+        return sparse_attention(query, key, value, mask, normalization, scaling=scaling, softcap=softcap,
+                                return_weights=return_weights, frobenius_sq=frobenius_sq, mix=mix, params=params,
+                                handover=handover, codebook=codebook)
     options = dict(scaling=scaling, softcap=softcap, dropout=dropout, op=op, compiling=compiling, params=params)
     dtype = query.dtype  # the parts are computed and added in fp32 (fp64 for fp64 inputs), as the kernels compute
     compute = torch.promote_types(dtype, torch.float32)
@@ -210,25 +213,21 @@ def window_attention(
 def window_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mask, bias: torch.Tensor | None, *,
                 causal: bool, softcap: float | None, dropout: float, return_weights: bool, has_state: bool,
                 compiling: bool = False, recording: bool = False, sliding_window: int | None = None) -> Path:
-    """The path of a call with a softmax window, as :func:`.paths.choose_path` gives it for the pure normalization
-    (same arguments): the polynomial part's path, the softmax part being linear in ``N`` on either. Which kernel
-    computes it is :func:`.backends.with_kernel`'s choice for ``normalization.without_window``.
+    """The path of a call of :func:`window_attention` (the arguments of :func:`.paths.choose_path`, which gives the
+    base part's for ``sparse = 0``, the softmax part being linear in ``N`` on either; with a sparse cache
+    :func:`.sparse.sparse_path`), once the call is checked.
 
     Raises:
-        ValueError: ``normalization`` has no window or is softmax, the call is bidirectional, or it has sinks and the
-            layer its own ``sliding_window``.
+        ValueError: ``normalization`` has no window or is softmax, the call is bidirectional, it has sinks or a sparse
+            cache and the layer its own ``sliding_window``, or a sparse cache meets what it does not compute (a bias,
+            dropout, clusters under a softcap; with a state: a base that is not ``p = 1``, returned weights, a softcap).
     """
-    window = normalization.window
-    if window <= 0 or normalization.is_softmax:
-        raise ValueError(f"window_attention computes a polynomial normalization with a softmax window, not "
-                         f"{normalization.name}.")
-    check_causal(normalization, mask, causal)
-    if normalization.sinks and sliding_window is not None:
-        raise ValueError(f"{normalization.name}: attention sinks are each sequence's first {normalization.sinks} "
-                         f"tokens, and this layer has its own sliding window of {sliding_window} positions, which "
-                         "leaves them behind (as its cache does). Patch this model without attention_sinks "
-                         "(attention_sinks=0; hf-knorm convert --attention-sinks 0: the softmax window alone), or use "
-                         "a model without sliding-window layers.")
+    _check_call(normalization, mask, causal, sliding_window, bias, dropout, softcap, return_weights, has_state)
+    if normalization.sparse:
+        from .sparse import sparse_path  # sparse.py builds on this module's window and sinks
+
+        return sparse_path(normalization, q_len, kv_len, has_state, softcap=softcap, return_weights=return_weights,
+                           recording=recording)
     polynomial = normalization.without_window
     if _explicit_route(mask, bias, return_weights, recording):
         reason = ("the attention weights were requested" if return_weights
@@ -238,21 +237,73 @@ def window_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mas
         return Path(linear=False, reason=reason, fallback=is_linear(polynomial))
     if mask is None and q_len > 1:
         kv_len = q_len  # sdpa's top-left causal mask: the keys are cut to the queries (linear_keys)
-    rows, older = _older_shape(q_len, kv_len, window)
+    rows, older = _older_shape(q_len, kv_len, normalization.window)
     older_mask = None if mask is None else mask.first(older, rows)
     return choose_path(polynomial, rows, older, older_mask, None, causal=True, softcap=softcap, dropout=dropout,
                        return_weights=False, has_state=has_state, compiling=compiling)
 
 
-def check_state_window(handover, normalization: Normalization) -> None:
-    """Raise unless a handed-over recurrent state (or ``None``) was kept for ``normalization``'s window.
+def window_call_path(query: torch.Tensor, kv_len: int, mask: Mask, bias: torch.Tensor | None,
+                     normalization: Normalization, *, causal: bool, softcap: float | None, dropout: float,
+                     return_weights: bool, recording: bool, has_state: bool, compiling: bool,
+                     sliding_window: int | None) -> Path:
+    """:func:`window_path` with the base part's kernel named (:func:`.backends.with_kernel`; the sparse paths and the
+    softmax part run the PyTorch kernels, :data:`SOFTMAX_PATH`): what the attention function counts and hands over.
 
-    A state layer says its window by a ``window`` attribute (none: a pure state, window 0), and its sparse cache by
-    ``sparse`` (none: 0)."""
+    Raises:
+        ValueError: as :func:`window_path`, or a state handed over to a call that is not linear.
+    """
+    path = window_path(normalization, query.shape[2], kv_len, mask, bias, causal=causal, softcap=softcap,
+                       dropout=dropout, return_weights=return_weights, has_state=has_state, compiling=compiling,
+                       recording=recording, sliding_window=sliding_window)
+    if not normalization.sparse:
+        path = with_kernel(path, query, normalization.without_window, dropout=dropout, return_weights=return_weights,
+                           recording=recording, compiling=compiling, softcap=softcap, sdpa=False)
+    check_state_path(path, has_state)
+    return path
+
+
+def _check_call(normalization, mask, causal, sliding_window, bias, dropout, softcap, return_weights, has_state):
+    name = normalization.name
+    if normalization.window <= 0 or normalization.is_softmax:
+        raise ValueError(f"window_attention computes a polynomial normalization with a softmax window, not {name}.")
+    check_causal(normalization, mask, causal)
+    if normalization.sinks and sliding_window is not None:
+        raise ValueError(f"{name}: attention sinks are each sequence's first {normalization.sinks} tokens, and this "
+                         f"layer has its own sliding window of {sliding_window} positions, which leaves them behind (as "
+                         "its cache does). Patch this model without attention_sinks (attention_sinks=0; hf-knorm "
+                         "convert --attention-sinks 0: the softmax window alone), or use a model without "
+                         "sliding-window layers.")
+    if not normalization.sparse:
+        return
+    refusals = [
+        (sliding_window is not None, f"this layer has its own sliding window of {sliding_window} positions, which "
+         "leaves the sparse cache's older pairs behind. Patch this model without the sparse cache."),
+        (bias is not None, "an additive attention bias with a sparse cache is not supported."),
+        (normalization.clusters and softcap is not None, "a softcap bends each score, so a cluster's mean key no "
+         "longer gives its pairs' mean score; clusters are not supported with a softcap (Gemma 2). Patch without "
+         "clusters."),
+        (dropout, "attention dropout with a sparse cache is not implemented; set the model's attention_dropout to 0."),
+        (has_state and not is_linear(normalization.without_window), "a recurrent state continues a p = 1 base part "
+         "only; decode this model with a normal cache (cache=DynamicCache())."),
+        (has_state and return_weights, "the attention weights cannot be returned while decoding from a recurrent "
+         "state (the distant pairs are summed into it). Generate with a normal cache."),
+        (has_state and softcap is not None, "a softcap makes the base part non-linear in the keys, so a recurrent "
+         "state cannot continue it. Generate with a normal cache."),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ValueError(f"{name}: {why}")
+
+
+def check_state_window(handover, normalization: Normalization) -> None:
+    """Raise unless a handed-over recurrent state (or ``None``) was kept for ``normalization``'s window, sinks and
+    sparse cache (a state layer's ``window`` and ``sparse`` attributes; none: 0)."""
     if handover is None:
         return
     kept, sparse = getattr(handover, "window", 0), getattr(handover, "sparse", 0)
-    if kept != normalization.window or sparse != normalization.sparse:
+    if kept != normalization.window or sparse != normalization.sparse or (
+            sparse and not isinstance(handover, SparseWindowStateHandover)):
         cache = f" and a sparse cache of {sparse} pairs" if sparse else ""
         raise ValueError(f"The recurrent cache was built for a softmax window of {kept} keys{cache} and the model "
                          f"runs {normalization.name}: build it from the model's config "
