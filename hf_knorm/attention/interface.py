@@ -1,26 +1,22 @@
-"""The plugin's attention function, as Transformers' ``AttentionInterface`` calls it.
+"""The plugin's attention function, as Transformers' ``AttentionInterface`` calls it (registered as ``"hf_knorm"``,
+``registration.py``).
 
-Registered under the name ``"hf_knorm"`` (``registration.py``). Each attention module holds its typed normalization
-(``held.py``: parsed once, when the model is patched or built from a patched config; never parsed per call), so two
-models in one process can use different normalizations, and a mode set for a while (``held.running_as``) is a
-context variable, not a write to a shared config. The math is in
-``kernel.py`` (any normalization, quadratic time) and ``linear_kernel.py`` (``p = 1``, linear time; ``paths.py``
-chooses; ``backends.py`` runs softmax, SSMax and a sink softmax on PyTorch's SDPA, ``sdpa.py``, and on CUDA the
-polynomials as Triton and flash-linear-attention kernels, and the softmax-over-logits and log-weight families through
-FlexAttention, ``flex.py``), composed by ``window.py``
-for a normalization with a softmax window; this module adapts Transformers' arguments to them (mask forms, kwargs,
-output recording), reports to an active norm recorder or K/V transform, and continues the recurrent state a cache
-hands over (``taps.py``).
+Each attention module holds its typed normalization (``held.py``: parsed once, at ``patch`` or when a patched config
+is built; never per call), and a mode set for a while (``held.running_as``) is a context variable, not a write to a
+shared config. This module adapts Transformers' arguments (mask forms, kwargs, output recording), reports to an
+active norm recorder or K/V transform, takes the recurrent state a cache hands over (``taps.py``), and chooses the
+call's route once from the held normalization and the call (:data:`ROUTES`): a pure normalization on ``paths.py``'s
+and ``backends.py``'s kernels, or the composition of ``window.py`` (window, sinks, sparse cache, clusters), or that
+composition with its window dropped (``window_off.py``). The chosen path is counted and checked here, once.
 
-Masks arrive in two forms (``masks.py``): key padding ``(B, kv)`` for a plain causal call, so that the linear path
-never sees an ``N x N`` tensor, and the explicit bool mask otherwise; ``read_mask`` turns either into what the paths
-take, and only the quadratic kernel builds the ``N x N`` form from key padding (``masks.kernel_mask``).
+Masks arrive as key padding ``(B, kv)`` for a plain causal call (the linear path never sees an ``N x N`` tensor) or
+as the explicit mask otherwise (``masks.py``); :func:`read_mask` turns either into what the paths take.
 
 Under ``torch.compile`` the function has no graph break. The taps are read only while one is set (``taps.taps_set``).
 The linear path is traced as it is (its choice needs no data when the mask is key padding). Otherwise, with no tap
-set and no dropout or returned weights (training and inference), the call is one custom op running the eager kernels
-(``compiled.py``); with a tap, the kernels are traced with their data-dependent shortcuts left out (which keys a
-chunk attends). Either way the results are the eager ones (``tests/attention/test_compile.py``).
+set and no dropout or returned weights, the call is one custom op running the eager kernels (``compiled.py``); with a
+tap, the kernels are traced without their data-dependent shortcuts. Either way the results are the eager ones
+(``tests/attention/test_compile.py``).
 """
 
 from __future__ import annotations
@@ -198,8 +194,8 @@ def _pure(call: _Call, path: Path):
     kernel."""
     if path.linear:
         key, value = linear_keys(call.query, call.key, call.value, call.mask, call.causal)
-        return _linear(call.query, key, value, path, call.normalization, call.scaling, call.handover,
-                       call.frobenius_sq), None
+        return run_linear(path, call.query, key, value, path.key_valid, call.normalization, call.handover,
+                          scaling=call.scaling, frobenius_sq=call.frobenius_sq), None
     # FlexAttention and fla read key padding as it is; the other kernels take the N x N form (masks.kernel_mask)
     mask = call.mask if path.kernel in KEY_PADDING_KERNELS else kernel_mask(call.mask, call.compiling)
     if call.compiling and not call.read_taps and call.dropout == 0.0 and not call.return_weights:
@@ -216,19 +212,6 @@ ROUTES = (
     (lambda call: True, _kernel_path, _pure),
 )
 """The route table: ``(applies, path, compute)`` per route, the first that applies computes the call."""
-
-
-def _linear(query, key, value, path, normalization, scaling, handover, frobenius_sq) -> torch.Tensor:
-    """The linear path; with a recurrent state handed over, it continues from that state and writes the new one."""
-    if handover is None:
-        return run_linear(path, query, key, value, path.key_valid, normalization, scaling=scaling,
-                          frobenius_sq=frobenius_sq)
-    state, count = handover.read()
-    output, state, count = run_linear(path, query, key, value, path.key_valid, normalization, scaling=scaling,
-                                      initial_state=state, initial_count=count, frobenius_sq=frobenius_sq,
-                                      return_state=True)
-    handover.write(state, count)
-    return output
 
 
 def _attentions_requested(kwargs: dict) -> bool:

@@ -1,51 +1,40 @@
-"""A sparse global cache beside the softmax window: ``base + softmax window W + sinks S + sparse K (score)``.
+"""The sparse global cache of the composition (:mod:`.window`): ``base + softmax window W + sinks S + sparse K
+(score)``, and the clusters of :mod:`.distant_clusters` beside it.
 
-Why. A hybrid with a softmax window finds nothing older than its window (BENCHMARKS.md: 0 of 16 passkeys at 1k-2k
-tokens on the converted default model); LoLA (McDermott et al., arXiv 2505.23666) keeps a small sparse global cache of
-exact key/value pairs beside the window and the linear state, and lifts RULER passkey retrieval at 4k from 0.6% to
-97.4% with no training.
+Why. A window finds nothing older than itself (BENCHMARKS.md: 0 of 16 passkeys at 1k-2k tokens on the converted
+default model); LoLA (McDermott et al., arXiv 2505.23666) keeps a small sparse global cache of exact key/value pairs
+beside the window and the linear state, and lifts RULER passkey retrieval at 4k from 0.6% to 97.4% with no training.
 
-Definition (ours; the plain reference is :func:`.reference.reference_window_attention`). As
-:mod:`.window` defines the window and the sinks, with one change: for query ``i`` (at position ``a_i``) and KV head
-``h``, the keys older than its window (``j <= a_i - W``, real, not sinks) are ranked by a score ``r_hj``
-(:mod:`hf_knorm.normalizations.sparse_choice`: fixed before the token leaves the window, higher first, ties to the
-older key; a score relative to the token's prefix carries its running statistics from one call to the next); the
-first ``K`` of them, ``sparse_h(i)``, are weighted by softmax **jointly** with the window and the sinks, and only the
-others by the base family (RMS-normalized per row, scaled by the per-head mix ``m_h``)::
+Definition (ours; the reference is :func:`.reference.reference_window_attention`). The window and the sinks as
+:mod:`.window` defines them; for query ``i`` and KV head ``h``, the keys older than its window are ranked by a score
+``r_hj`` (:mod:`hf_knorm.normalizations.sparse_choice`: fixed before the token leaves the window, higher first, ties
+to the older key); the first ``K`` of them, ``sparse_h(i)``, are weighted by softmax **jointly** with the window and
+the sinks, and only the others by the base family (RMS-normalized per row, times the mix ``m_h``)::
 
     o_i = sum_{j in window(i) + sinks + sparse_h(i)} softmax(s_i)_j v_j  +  m_h * u_i / RMS(u_i),
     u_i = sum_{j older, not in sparse_h(i)} w(s_ij) v_j
 
-For ``p = 1`` (``x/c``) ``u_i`` is ``q_i^T S / c`` with ``S`` the sum of ``k_j v_j^T`` over those remaining pairs: the
-linear state.
+For ``p = 1`` ``u_i`` is ``q_i^T S / c`` with ``S`` the sum of ``k_j v_j^T`` over those pairs: the linear state.
 
-The online rule. Since ``r_hj`` does not change, the best ``K`` of the older keys of query ``i + 1`` are the best of
-those of query ``i`` and the one key that left the window: a pair leaving the window enters the cache if it beats
-the weakest (which is displaced) and otherwise goes to the distant part; a displaced pair never comes back. So every
-pair ``c`` has an *exit position* ``e_c`` (:func:`exit_positions`): it is in the sparse cache of the rows with
-``pos_c <= a_i - W < e_c`` and in the distant part of the rows with ``a_i - W >= e_c`` (``e_c = pos_c``: it never
+The online rule. As ``r_hj`` does not change, the best ``K`` older keys of query ``i + 1`` are the best of those of
+query ``i`` and the key that left the window: a pair leaving the window enters the cache if it beats the weakest
+(which is displaced) and otherwise goes to the distant part; a displaced pair never comes back. So every pair ``c``
+has an *exit position* ``e_c`` (:func:`exit_positions`): it is in the sparse cache of the rows with
+``pos_c <= a_i - W < e_c`` and in the distant part of those with ``a_i - W >= e_c`` (``e_c = pos_c``: it never
 entered). The full forward builds its masks from these positions, and a bounded decoding cache
-(:class:`hf_knorm.recurrent.sparse_cache.SparseWindowStateLayer`) runs the same rule one pair at a time: its
-``W + S + K`` kept pairs and its state give the full forward's outputs, given the same ranks: a decoded key is
-rounded differently from the full forward's, so a per-token score is ranked at 8 significant bits and equal ranks go
-to the older pair (:func:`hf_knorm.normalizations.sparse_choice.ranked`): the ties of repeated tokens and QK-normed
-keys are decided by position, the same way in both.
+(:class:`hf_knorm.recurrent.sparse_cache.SparseWindowStateLayer`) runs the same rule one pair at a time, from its
+``W + S + K`` pairs and its state, given the same ranks (a per-token score is ranked at 8 significant bits, ties to
+the older pair: :func:`hf_knorm.normalizations.sparse_choice.ranked`).
 
-Paths. ``p = 1`` (a full forward, or a prompt given to the bounded cache): :func:`_chunked` runs the call as the
-bounded cache decodes it, ``ROWS`` queries at a time, each block on the sinks, the sparse cache, the window's keys
-before it and its own (dense masks of ``ROWS x (S + K + W + ROWS)``), the other older pairs carried in the state:
-time ``O(N * (ROWS + W + S + K) * D + N * D * D_v)``, memory linear in ``N`` (one layer of the default model's
-shape, ``W = K = 64``, one CPU thread: 0.26 s at 2k tokens, 0.35 s at 4k). Every other call (another base family, a
-softcap, returned weights or recorded norms, queries after keys of an uncached prefix: a ``DynamicCache``) computes
-every row on dense masks in blocks of ``ROWS`` rows against every key (memory ``O(ROWS * N)`` per head, time
-``O(N^2 * D)``, as the quadratic kernel; 1.2 s at 2k on the same layer), and the exit positions in chunks of
-``ROWS`` pairs with the cache's ``K`` carried (``O(N * (K + ROWS))`` comparisons per KV head, also per token decoded
-with a ``DynamicCache``). Under autograd the blocks' tensors are kept for the backward. A decoded token against the
-bounded cache costs ``O((W + S + K) * D + D * D_v)``.
-
-Clusters (``+ clusters C``, :mod:`.distant_clusters`): the pairs of each row's distant part also form ``C``
-pseudo-pairs weighted by softmax with the rest, from per-cluster sums that the state carries beside ``S``
-(:class:`.distant_clusters.ClusterState`): the same paths, each block's rows with ``C`` more columns.
+Paths. ``p = 1`` (a full forward, or a prompt given to the bounded cache): :func:`_chunked`, as the bounded cache
+decodes, ``ROWS`` queries at a time on the sinks, the sparse cache, the window's keys before them and their own, the
+other older pairs in the state: time ``O(N * (ROWS + W + S + K) * D + N * D * D_v)``, memory linear in ``N`` (one
+layer of the default model's shape, ``W = K = 64``, one CPU thread: 0.26 s at 2k tokens, 0.35 s at 4k). Every other
+call (another base family, a softcap, returned weights or recorded norms, queries after an uncached prefix: a
+``DynamicCache``) computes every row on dense masks in blocks of ``ROWS`` rows against every key (:func:`_attend`:
+memory ``O(ROWS * N)`` per head, time ``O(N^2 * D)``; 1.2 s at 2k on the same layer), the exit positions in chunks of
+``ROWS`` pairs with the cache carried (``O(N * (K + ROWS))`` comparisons per KV head). A decoded token against the
+bounded cache costs ``O((W + S + K) * D + D * D_v)``. With clusters each block's rows have ``C`` more columns.
 
 Masks. Key padding (left-padded batches) and bottom-right causal calls, as a model's forward and its cache give them;
 an explicit 4-D mask that is exactly causal with padded keys is read as such. Anything else (a model's own sliding
@@ -55,7 +44,8 @@ No attention dropout.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -153,15 +143,10 @@ def _chunked(query, key, value, key_valid, normalization, options, handover=None
     ``N``. Returns ``(B, q, H_q, D_v)``."""
     q_len, kv_len = query.shape[2], key.shape[2]
     offset = kv_len - q_len  # the key index of query 0
-    carry = _Carry(normalization.window, normalization.sparse)
-    before = 0  # the tokens before the call's key 0
+    carry, before = _Carry(), 0  # before: the tokens before the call's key 0
     if handover is not None:
         before = handover.cumulative_length - kv_len
-        carry.state, carry.count = handover.read()
-        carry.sinks, carry.sinks_complete, carry.sparse_pairs = (handover.sinks, handover.sinks_complete,
-                                                                 handover.sparse_pairs)
-        carry.score_statistics = handover.score_statistics
-        carry.cluster_state = handover.cluster_state
+        carry = _Carry(0, *handover.read(), *(getattr(handover, name) for name in _Carry.KEPT))
     outputs = []
     for start in range(0, q_len, ROWS):
         stop = min(q_len, start + ROWS)
@@ -180,16 +165,20 @@ def _chunked(query, key, value, key_valid, normalization, options, handover=None
     return torch.cat(outputs, dim=1)
 
 
+@dataclass
 class _Carry:
-    """What :func:`_chunked` carries from one chunk to the next, as a decoding layer keeps it
+    """What :func:`_chunked` carries from one chunk to the next, with the members a decoding layer has
     (:class:`~.taps.SparseWindowStateHandover`; the window's keys are sliced from the call's, not kept)."""
 
-    key = None
-
-    def __init__(self, window: int, sparse: int):
-        self.window, self.sparse, self.cumulative_length = window, sparse, 0
-        self.sinks, self.sinks_complete, self.sparse_pairs, self.state, self.count = None, False, None, None, None
-        self.score_statistics, self.cluster_state = None, None
+    KEPT: ClassVar = ("sinks", "sinks_complete", "sparse_pairs", "score_statistics", "cluster_state")
+    cumulative_length: int = 0
+    state: Any = None
+    count: Any = None
+    sinks: Any = None
+    sinks_complete: bool = False
+    sparse_pairs: Any = None
+    score_statistics: Any = None
+    cluster_state: Any = None
 
     def read(self):
         return self.state, self.count

@@ -1,92 +1,54 @@
-"""A softmax window beside the polynomial attention: ``x^p/c + softmax window W``, its fast paths composed of the
-existing kernels.
+"""The composition around any family, ``base + softmax window W + sinks S`` (``+ sparse K + clusters C``:
+:mod:`.sparse`, :mod:`.distant_clusters`): one function, :func:`window_attention`, whose ``sparse = 0`` case is
+computed here. The plain reference is :func:`.reference.reference_window_attention`; why, and what it measured:
+docs/normalizations.md, "A softmax window beside any family" (LoLCATs, arXiv 2410.10254; Liger, arXiv 2503.01496;
+sinks: StreamingLLM, arXiv 2309.17453; the row normalization: TransNormer's NormAttention, arXiv 2210.10340).
 
-Why. Converting a softmax model to a pure polynomial (or linear) attention loses what the model does locally; the
-conversions that work keep a short softmax window: LoLCATs (Zhang et al., arXiv 2410.10254) a 64-token sliding window
-of softmax beside linear attention, Liger (arXiv 2503.01496) ``0.5 x window(64) + 0.5 x gated linear attention``
-without a denominator; without the window, LoLCATs' MMLU stays at chance (its Table 6).
+Definition (ours). Query ``i`` sits at position ``a_i`` (under a causal mask its own, the last key it may attend);
+``s_ij`` is the model's score (scaling, softcap and any additive mask included); ``w`` the base family's weights
+(``x^p/c``: ``s^p / c_i``):
 
-Definition (ours; the reference is :func:`.reference.reference_window_attention`). Query ``i`` sits at position
-``a_i``; under a causal mask that is its own position, the last key it may attend. With ``s_ij`` the model's score
-(scaling, softcap and any additive mask included, as for every normalization):
+    o_i = sum_{j in window(i)} softmax_window(s_i)_j v_j  +  m_h * u_i / RMS(u_i),    u_i = sum_{j older} w(s_ij) v_j
 
-    o_i = sum_{j in window(i)} softmax_window(s_i)_j v_j  +  m_h * u_i / RMS(u_i),
-    u_i = sum_{j older} (s_ij^p / c_i) v_j
-
-- ``window(i)``: the keys ``i`` may attend with ``a_i - W < j <= a_i`` (its own key and the ``W - 1`` before it),
-  and with ``+ sinks S`` its sequence's first ``S`` real tokens, by position: they do not move with the query
-  (StreamingLLM's attention sinks, Xiao et al., arXiv 2309.17453; a softmax model parks much of many heads' weight
-  there, and the
-  default model's window of 64 alone, untrained, is 5-23x the original's perplexity beyond the window, 1.3-1.8x
-  with 4 sinks: ``research/2026-12/window_sinks.py``); softmax is normalized over them alone, so this part is a convex
-  combination of the window's values (Liger's window branch; not LoLCATs' joint denominator, which needs
-  non-negative polynomial weights: ``x^3`` keeps the sign of the score, and a denominator could vanish). Measured on
-  the original's own attention (``research/2026-12/distant_part_ceiling.py``, docs/research/2026-12-conversion.md,
-  "Why the polynomial part is decoration"), this is what limits the part: weights that ignore the sign of the score
-  (``|s|^p``, ``s^p``) explain a few percent of what softmax puts beyond the window, ``max(s, 0)^p`` under the joint
-  denominator most of it.
-- older keys: ``j <= a_i - W``, allowed and not sinks. They get the paper's unnormalized weight ``s^p / c``
-  (Liger's linear branch has no denominator either). ``c`` is the paper's constant; ``c = sqrtN`` counts the keys
-  this part reads, ``c_i = sqrt(number of older keys of row i)``: ``u_i`` is the paper's attention over the keys
-  older than the window, and the same rule holds in a prefill and in decoding.
-- ``u_i / RMS(u_i)``: the part's row (per head, RMS over the head dimension) brought to unit size, as TransNormer's
-  NormAttention bounds a denominator-free attention (arXiv 2210.10340; SUPRA and DiJiang do the same). Without it the
-  part grows with the number of older keys: a short conversion of the default model at 256-token blocks was
-  10^5-10^6 times the original's perplexity at 1,024 tokens (docs/research/2026-12-conversion.md,
-  'Conversion with a softmax window'). So the paper's normalization gives the part its direction; ``c`` (and
-  ``sqrtN``'s row count) cancel in it, and ``|m_h|`` is its size at every length. A row with no older key stays 0.
-- ``m_h``: a per-query-head mix of the polynomial part, ``(H_q,)``, 1 when not given (what ``hf_knorm.patch`` runs
-  for a model that has none). It is an argument of :func:`window_attention` and of the reference; a model's mix is
-  saved in its config (``window_mix``, one list per layer, read by :func:`mix_of`): ``hf-knorm convert`` solves it
-  in closed form (:mod:`hf_knorm.conversion.transfer`), and ``m_h = 0`` switches the polynomial part off (the
-  window-only ablation, :func:`hf_knorm.models.window_mix.distant_part_off`).
-- ``W = 0`` is not a window: the pure normalization, computed by the existing paths bit for bit.
-- Masks. Key padding and bottom-right causal calls (every plain causal forward, prefill and decoding, with or without
-  a cache): positions are key indices, query ``i`` at ``kv - q + i``. An explicit mask (a model's own sliding window,
-  packed sequences, a static cache, a user's mask): ``a_i`` is the last key row ``i`` may attend, which is where the
-  query is whatever the layout; the two parts split what the mask allows, so a model's own sliding window ``W_m``
-  bounds both (``W_m <= W``: no older key, pure softmax). A padded query (its own key is padding) has no position: its
-  output is finite and read by nothing, and the paths may anchor it differently (every real query agrees exactly).
+- ``window(i)``: the keys ``a_i - W < j <= a_i`` and, with ``+ sinks S``, its sequence's first ``S`` real tokens, by
+  position (they do not move with the query). Softmax over them alone: a convex combination of their values
+  (Liger's window branch; not LoLCATs' joint denominator, which a sign-keeping ``x^3`` could make vanish).
+- older: ``j <= a_i - W``, allowed, not a sink. ``c = sqrtN`` counts them (``c_i = sqrt`` of their number), the same
+  rule in a prefill and in decoding.
+- ``u_i / RMS(u_i)`` (per row and head, over the head dimension: :func:`row_scale`): without it the part grows with
+  the number of older keys; with it ``c`` cancels and ``|m_h|`` is the part's size at every length. A row with no
+  older key stays 0. ``m_h``: the per-query-head mix ``(H_q,)``, 1 when not given, a learnable parameter of a patched
+  model (``m_h = 0``: the window alone, :func:`hf_knorm.models.window_mix.distant_part_off`).
+- ``W = 0`` is not a window: the pure normalization on its own paths, bit for bit. Causal only: a bidirectional call
+  has no "older" and raises.
+- Masks. Key padding and bottom-right causal calls (every plain causal forward, with or without a cache): query ``i``
+  at key ``kv - q + i``. An explicit mask (a model's own sliding window, packed sequences, a static cache, a user's
+  mask): ``a_i`` is the last key row ``i`` may attend, and the two parts split what the mask allows (a model's own
+  window ``W_m <= W`` leaves no older key). A padded query has no position: its output is finite and read by nothing
+  (every real query agrees exactly between the paths).
 - Sinks and masks. Key padding: each sequence's first ``S`` real keys (:func:`sink_keys`; a recurrent cache keeps
-  them, :mod:`hf_knorm.recurrent.window_cache`). An explicit mask: the first ``S`` keys each row may attend, which
-  are its sequence's first tokens when every row attends its sequence from the start (causal, padding, packed
-  sequences, a static cache). A layer with its own sliding window (the ``sliding_window`` Transformers passes:
-  Mistral, Gemma's local layers) does not: its rows leave their sequence's first tokens behind, and so does its
-  cache, so the sinks are refused there (patch without sinks, or use a model without sliding-window layers);
-  :func:`.reference.window_split` refuses such a mask by itself.
-- Causal only: for a bidirectional call there is no "older", and the window raises.
+  them). An explicit mask: the first ``S`` keys each row may attend, its sequence's first tokens when every row
+  attends its sequence from its start. A layer with its own sliding window leaves them behind, and so does its
+  cache: the sinks are refused there (:func:`.reference.window_split` refuses such a mask too).
 
-Fast paths (memory linear in ``N`` for a fixed ``W``):
+Paths (memory linear in ``N`` for a fixed ``W``):
 
-- The softmax part, key padding or none: one call of the chunked kernel (:mod:`.kernel`) with softmax, the queries
-  cut into blocks of ``rows = max(BAND_ROWS, W)``, each block a batch entry with the ``S`` sinks' keys and the
-  ``rows + W - 1`` keys its band covers and the same small band mask: ``O(N * (rows + W + S) * D)`` time,
-  ``O(N * (rows + W + S))`` memory.
-- The polynomial part: the same attention as the pure normalization on the keys delayed by ``W``: queries
-  ``i >= W - (kv - q)`` on keys ``0 .. kv - W - 1``, bottom-right causal (query ``i`` then sees exactly the keys
-  ``j <= a_i - W``), the key padding cut to those keys. So any ``p`` runs the chunked kernel as today, and ``p = 1``
-  the linear kernel (:mod:`.linear_kernel`): the hybrid runs in ``O(N * W * D + N * D^2)``, and decoding continues a
-  recurrent state of the keys older than the window (:mod:`hf_knorm.recurrent.window_cache` keeps the ``W`` last
-  keys and values, and the ``S`` sinks, beside it). The sinks: a call without key padding or a recurrent state
-  slices its first ``S`` keys (:func:`leading_sinks`) and gives this part the keys after them, unmasked; otherwise
-  they are searched for (:func:`sink_keys`) and masked out of this part like padding.
-- An explicit mask, or the attention weights requested: both parts with the chunked kernel on the explicit masks
-  ``allowed & window`` and ``allowed & older`` (the kernel skips the keys a chunk does not attend); quadratic, as
-  every explicit mask is. For ``p = 1`` that is a fallback from the linear path (warned on long inputs, an error
-  under ``linear="require"``).
+- Key padding or none: the softmax part is one call of the chunked kernel on blocks of ``max(BAND_ROWS, W)`` queries
+  and the keys their band covers, the sinks before them (:func:`_softmax_band`, ``O(N * (rows + W + S) * D)``); the
+  base part is the pure normalization on the keys delayed by ``W`` (:func:`_older_keys`): any ``p`` on the chunked
+  kernel, ``p = 1`` on the linear one (``O(N * W * D + N * D^2)``; decoding continues the state of the keys older than
+  the window, :mod:`hf_knorm.recurrent.window_cache`). An unpadded call slices its sinks off (:func:`leading_sinks`);
+  otherwise they are searched for and masked out of the base part like padding.
+- An explicit mask, returned weights or recorded norms: both parts on the explicit masks ``allowed & window`` and
+  ``allowed & older`` (:func:`_explicit`), quadratic; for ``p = 1`` a fallback from the linear path (warned on long
+  inputs, an error under ``linear="require"``).
 
-Kernels. The polynomial part takes the kernel choice of a plain call of the pure normalization
-(:func:`.backends.with_kernel`: on CUDA the Triton kernel for the quadratic path, flash-linear-attention for the linear
-one, decoding included: it continues the recurrent state; ``kernels(...)`` forces or refuses them as for the pure
-normalization). The softmax part runs on the PyTorch chunked kernel (:data:`SOFTMAX_PATH`): no GPU kernel of the
-plugin computes softmax, so a forced kernel is not asked to (it would refuse softmax). The attention function chooses the path once per call and hands it over (``path``).
-``attention_paths()`` counts one entry per call, the polynomial part's kernel: ``"linear"`` (or ``"fla"``) when the
-``p = 1`` hybrid runs in linear time, ``"quadratic"`` (or ``"triton"``) otherwise.
-
-Host reads. Whether a call's keys are all real is read once per forward (:attr:`.masks.KeyPadding.all_real`, shared
-by the layers), and so is whether a recurrent cache's sinks are complete; a single query row (decoding) lets the
-kernels skip no key, so they do not read the mask's key ranges: a decoded token reads the device once or twice per
-forward, not per layer.
+Kernels. The base part takes the kernel of a plain call of the pure normalization (:func:`.backends.with_kernel`: on
+CUDA Triton for the quadratic path, flash-linear-attention for the linear one, decoding included); the softmax part
+runs the PyTorch chunked kernel (:data:`SOFTMAX_PATH`: no GPU kernel of the plugin computes softmax, so a forced one
+serves the base part). ``attention_paths()`` counts one entry per call, the base part's kernel (``"sparse"`` with a
+sparse cache). Host reads: whether the keys are all real (:attr:`.masks.KeyPadding.all_real`) and whether a recurrent
+cache's sinks are complete are read once per forward, not per layer.
 """
 
 from __future__ import annotations
@@ -485,13 +447,8 @@ def _older_keys(query, key, value, key_valid, normalization, path, mix, handover
     q, k, v = query[:, :, start:], key[:, :, :older], value[:, :, :older]
     # the path's key validity, or the keys without the sinks (the path was chosen on the mask, sinks or not)
     linear_valid = (None if key_valid is None else key_valid[:, :older]) if normalization.sinks else path.key_valid
-    if path.linear and handover is not None:
-        state, count = handover.read()
-        output, state, count = run_linear(path, q, k, v, linear_valid, polynomial, scaling=options["scaling"],
-                                          initial_state=state, initial_count=count, return_state=True)
-        handover.write(state, count)
-    elif path.linear:
-        output = run_linear(path, q, k, v, linear_valid, polynomial, scaling=options["scaling"])
+    if path.linear:  # continuing the state handed over, if any
+        output = run_linear(path, q, k, v, linear_valid, polynomial, handover, scaling=options["scaling"])
     else:
         if key_valid is None and rows in (1, older):  # the kernel's implicit causal mask is this one
             allowed = None
@@ -506,15 +463,10 @@ def _older_keys(query, key, value, key_valid, normalization, path, mix, handover
 
 
 def row_scale(output: torch.Tensor) -> torch.Tensor:
-    """``1 / RMS`` of each output row of the polynomial part over its last axis (the head dimension): ``(..., 1)``.
-
-    The part has no denominator, so its size grows with the number of older keys it sums; TransNormer's
-    NormAttention (Qin et al., arXiv 2210.10340) bounds a denominator-free attention by an RMS norm of its output,
-    and so does this, per row and head, before the mix: the part's direction is the paper's ``sum_j s_ij^p v_j``
-    (``c``, and ``sqrtN``'s row count, cancel), its size is ``|m_h|`` at every length. A row with no older key stays
-    0. ``ROW_EPS`` is added to the mean square: rows of RMS well above ``1e-6`` are normalized exactly, and no
-    gradient is infinite (without it, a padded row with a denormal mean square made the x^3/16 conversion's
-    gradients NaN at recovery step ~125)."""
+    """``1 / RMS`` of each output row of the base part over its last axis (the head dimension): ``(..., 1)``.
+    ``ROW_EPS`` is added to the mean square: rows of RMS well above ``1e-6`` are normalized exactly, and no gradient is
+    infinite (without it, a padded row with a denormal mean square made the x^3/16 conversion's gradients NaN at
+    recovery step ~125)."""
     return torch.rsqrt(output.pow(2).mean(dim=-1, keepdim=True) + ROW_EPS)
 
 
