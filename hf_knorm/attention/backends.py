@@ -384,15 +384,8 @@ def run_quadratic(path: Path, query, key, value, allowed, normalization, **optio
                             **{name: options[name] for name in keep if name in options}), None
 
 
-def run_linear(path: Path, query, key, value, key_valid, normalization, handover=None, **options):
-    """The linear path's call: :func:`.linear_kernel.linear_attention`'s arguments and result. With ``handover`` (a
-    recurrent state, :class:`.taps.StateHandover`) it continues that state and writes the new one back."""
-    if handover is not None:
-        state, count = handover.read()
-        output, state, count = run_linear(path, query, key, value, key_valid, normalization, initial_state=state,
-                                          initial_count=count, return_state=True, **options)
-        handover.write(state, count)
-        return output
+def run_linear(path: Path, query, key, value, key_valid, normalization, **options):
+    """The linear path's call: :func:`.linear_kernel.linear_attention`'s arguments and result."""
     if path.kernel != "fla":
         return linear_attention(query, key, value, key_valid, normalization, **options)
     from .fla_linear import fla_linear_attention

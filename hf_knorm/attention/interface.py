@@ -36,8 +36,9 @@ from ..normalizations.base import PARAMETER_PREFIX
 from ..normalizations.windowed import CODEBOOK, MIX
 from .paths import Path, check_linear_policy, check_state_path, choose_path, linear_keys, linear_policy_of, note_path
 from .taps import current_kv_transform, current_recorder, take_state_for, taps_set
-from .window import check_state_window, window_attention, window_call_path
+from .window import window_attention, window_call_path
 from .window_off import window_is_dropped, window_off_attention
+from .window_parts import check_state_window
 
 ATTENTION_NAME = "hf_knorm"
 
@@ -194,8 +195,8 @@ def _pure(call: _Call, path: Path):
     kernel."""
     if path.linear:
         key, value = linear_keys(call.query, call.key, call.value, call.mask, call.causal)
-        return run_linear(path, call.query, key, value, path.key_valid, call.normalization, call.handover,
-                          scaling=call.scaling, frobenius_sq=call.frobenius_sq), None
+        return _linear(call.query, key, value, path, call.normalization, call.scaling, call.handover,
+                       call.frobenius_sq), None
     # FlexAttention and fla read key padding as it is; the other kernels take the N x N form (masks.kernel_mask)
     mask = call.mask if path.kernel in KEY_PADDING_KERNELS else kernel_mask(call.mask, call.compiling)
     if call.compiling and not call.read_taps and call.dropout == 0.0 and not call.return_weights:
@@ -212,6 +213,19 @@ ROUTES = (
     (lambda call: True, _kernel_path, _pure),
 )
 """The route table: ``(applies, path, compute)`` per route, the first that applies computes the call."""
+
+
+def _linear(query, key, value, path, normalization, scaling, handover, frobenius_sq) -> torch.Tensor:
+    """The linear path; with a recurrent state handed over, it continues from that state and writes the new one."""
+    if handover is None:
+        return run_linear(path, query, key, value, path.key_valid, normalization, scaling=scaling,
+                          frobenius_sq=frobenius_sq)
+    state, count = handover.read()
+    output, state, count = run_linear(path, query, key, value, path.key_valid, normalization, scaling=scaling,
+                                      initial_state=state, initial_count=count, frobenius_sq=frobenius_sq,
+                                      return_state=True)
+    handover.write(state, count)
+    return output
 
 
 def _attentions_requested(kwargs: dict) -> bool:

@@ -31,7 +31,7 @@ from .backends import run_linear, run_quadratic
 from .masks import Mask, kernel_mask
 from ..normalizations import Normalization
 from .paths import Path, linear_keys
-from .window import check_causal, check_mix, scaled_part
+from .window_parts import check_causal, check_mix, scaled_part
 
 WINDOW_DROPPED = "hf_knorm_window_dropped"
 """The attribute of an attention module that drops its softmax window in training forwards (absent: not dropped)."""
