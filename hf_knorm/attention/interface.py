@@ -1,26 +1,22 @@
-"""The plugin's attention function, as Transformers' ``AttentionInterface`` calls it.
+"""The plugin's attention function, as Transformers' ``AttentionInterface`` calls it (registered as ``"hf_knorm"``,
+``registration.py``).
 
-Registered under the name ``"hf_knorm"`` (``registration.py``). Each attention module holds its typed normalization
-(``held.py``: parsed once, when the model is patched or built from a patched config; never parsed per call), so two
-models in one process can use different normalizations, and a mode set for a while (``held.running_as``) is a
-context variable, not a write to a shared config. The math is in
-``kernel.py`` (any normalization, quadratic time) and ``linear_kernel.py`` (``p = 1``, linear time; ``paths.py``
-chooses; ``backends.py`` runs softmax, SSMax and a sink softmax on PyTorch's SDPA, ``sdpa.py``, and on CUDA the
-polynomials as Triton and flash-linear-attention kernels, and the softmax-over-logits and log-weight families through
-FlexAttention, ``flex.py``), composed by ``window.py``
-for a normalization with a softmax window; this module adapts Transformers' arguments to them (mask forms, kwargs,
-output recording), reports to an active norm recorder or K/V transform, and continues the recurrent state a cache
-hands over (``taps.py``).
+Each attention module holds its typed normalization (``held.py``: parsed once, at ``patch`` or when a patched config
+is built; never per call), and a mode set for a while (``held.running_as``) is a context variable, not a write to a
+shared config. This module adapts Transformers' arguments (mask forms, kwargs, output recording), reports to an
+active norm recorder or K/V transform, takes the recurrent state a cache hands over (``taps.py``), and chooses the
+call's route once from the held normalization and the call (:data:`ROUTES`): a pure normalization on ``paths.py``'s
+and ``backends.py``'s kernels, or the composition of ``window.py`` (window, sinks, sparse cache, clusters), or that
+composition with its window dropped (``window_off.py``). The chosen path is counted and checked here, once.
 
-Masks arrive in two forms (``masks.py``): key padding ``(B, kv)`` for a plain causal call, so that the linear path
-never sees an ``N x N`` tensor, and the explicit bool mask otherwise; ``read_mask`` turns either into what the paths
-take, and only the quadratic kernel builds the ``N x N`` form from key padding (``masks.kernel_mask``).
+Masks arrive as key padding ``(B, kv)`` for a plain causal call (the linear path never sees an ``N x N`` tensor) or
+as the explicit mask otherwise (``masks.py``); :func:`read_mask` turns either into what the paths take.
 
 Under ``torch.compile`` the function has no graph break. The taps are read only while one is set (``taps.taps_set``).
 The linear path is traced as it is (its choice needs no data when the mask is key padding). Otherwise, with no tap
-set and no dropout or returned weights (training and inference), the call is one custom op running the eager kernels
-(``compiled.py``); with a tap, the kernels are traced with their data-dependent shortcuts left out (which keys a
-chunk attends). Either way the results are the eager ones (``tests/attention/test_compile.py``).
+set and no dropout or returned weights, the call is one custom op running the eager kernels (``compiled.py``); with a
+tap, the kernels are traced without their data-dependent shortcuts. Either way the results are the eager ones
+(``tests/attention/test_compile.py``).
 """
 
 from __future__ import annotations
@@ -38,11 +34,11 @@ from ..normalizations import Normalization
 from .held import running_normalization
 from ..normalizations.base import PARAMETER_PREFIX
 from ..normalizations.windowed import CODEBOOK, MIX
-from .paths import Path, check_linear_policy, choose_path, linear_keys, linear_policy_of, note_path
+from .paths import Path, check_linear_policy, check_state_path, choose_path, linear_keys, linear_policy_of, note_path
 from .taps import current_kv_transform, current_recorder, take_state_for, taps_set
-from .sparse import sparse_path, sparse_window_attention
-from .window import check_state_window, window_attention, window_path
+from .window import window_attention, window_call_path
 from .window_off import window_is_dropped, window_off_attention
+from .window_parts import check_state_window
 
 ATTENTION_NAME = "hf_knorm"
 
@@ -137,29 +133,29 @@ class _Call:
                     causal=self.causal, return_weights=self.return_weights, frobenius_sq=self.frobenius_sq,
                     params=self.params)
 
+    def path(self, normalization: Normalization, return_weights: bool, **options) -> Path:
+        """:func:`.paths.choose_path` for ``normalization`` on this call, with its kernel named
+        (:func:`.backends.with_kernel`; ``options``: its ``layout``)."""
+        choice = dict(causal=self.causal, softcap=self.softcap, dropout=self.dropout, compiling=self.compiling)
+        path = choose_path(normalization, self.query.shape[2], self.key.shape[2], self.mask, self.bias,
+                           return_weights=return_weights, has_state=self.handover is not None, **choice)
+        return with_kernel(path, self.query, normalization, dropout=self.dropout, return_weights=return_weights,
+                           recording=self.frobenius_sq is not None, compiling=self.compiling, softcap=self.softcap,
+                           **options)
+
 
 # --- the routes: which applies (the first that does), the path it counts, and the computation ---------------------
 
 
-def _window_dropped(call: _Call) -> bool:
-    return bool(call.normalization.window) and window_is_dropped(call.module)
-
-
 def _window_off_path(call: _Call) -> Path:
     """A windowed layer's training forward with its window dropped (:mod:`.window_off`, window dropout): the base
-    family's path chosen and counted as for the pure normalization (quadratic where norms are recorded: the rows'
-    scales apply to the weights)."""
+    family's path as for the pure normalization (quadratic where norms are recorded: the rows' scales apply to the
+    weights)."""
     if call.handover is not None:
         raise ValueError(f"{call.normalization.name}: its softmax window is dropped (window dropout, a training "
                          "switch) and a recurrent cache was handed over: train without a cache (use_cache=False), or "
                          "leave hf_knorm.models.window_mix.window_dropped before decoding.")
-    base = call.normalization.without_window
-    weighted = call.return_weights or call.frobenius_sq is not None
-    path = choose_path(base, call.query.shape[2], call.key.shape[2], call.mask, call.bias, causal=call.causal,
-                       softcap=call.softcap, dropout=call.dropout, return_weights=weighted, has_state=False,
-                       compiling=call.compiling)
-    return with_kernel(path, call.query, base, dropout=call.dropout, return_weights=weighted,
-                       recording=call.frobenius_sq is not None, compiling=call.compiling, softcap=call.softcap)
+    return call.path(call.normalization.without_window, call.return_weights or call.frobenius_sq is not None)
 
 
 def _window_off(call: _Call, path: Path):
@@ -167,47 +163,31 @@ def _window_off(call: _Call, path: Path):
                                 mix=call.params.get(MIX), compiling=call.compiling, **call.kernel_options)
 
 
-def _sparse_path(call: _Call) -> Path:
-    """A sparse cache beside the window (:mod:`.sparse`): in blocks with a state, or masked rows."""
-    return sparse_path(call.normalization, call.query.shape[2], call.key.shape[2], call.handover, softcap=call.softcap,
-                       return_weights=call.return_weights, recording=call.frobenius_sq is not None)
-
-
-def _sparse(call: _Call, path: Path):
-    return sparse_window_attention(
-        call.query, call.key, call.value, call.mask, call.normalization, mix=call.params.get(MIX),
-        handover=call.handover, sliding_window=call.sliding_window,
-        codebook=call.module._parameters.get(PARAMETER_PREFIX + CODEBOOK), **call.kernel_options)
-
-
-def _kernel_path(call: _Call) -> Path:
-    """The path of a pure normalization, or of a softmax window's base part (:mod:`.window`, chosen once here and
-    handed to it), with the kernel that computes it (:func:`.backends.with_kernel`)."""
-    normalization = call.normalization
-    choice = dict(causal=call.causal, softcap=call.softcap, dropout=call.dropout, return_weights=call.return_weights,
-                  has_state=call.handover is not None, compiling=call.compiling)
-    q_len, kv_len = call.query.shape[2], call.key.shape[2]
-    if normalization.window:
-        path = window_path(normalization, q_len, kv_len, call.mask, call.bias, **choice,
-                           recording=call.frobenius_sq is not None, sliding_window=call.sliding_window)
-    else:
-        path = choose_path(normalization, q_len, kv_len, call.mask, call.bias, **choice)
-    layout = None if normalization.window else CallLayout(call.mask, call.bias, call.causal, q_len, kv_len)
-    path = with_kernel(path, call.query, normalization.without_window, dropout=call.dropout,
-                       return_weights=call.return_weights, recording=call.frobenius_sq is not None,
-                       compiling=call.compiling, softcap=call.softcap, sdpa=not normalization.window, layout=layout)
-    if call.handover is not None and not path.linear:
-        raise ValueError(f"A recurrent state cache decodes with linear attention only, and this call cannot: "
-                         f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")
-    return path
+def _window_path(call: _Call) -> Path:
+    """The composition's path (:func:`.window.window_call_path`), chosen once here and handed to it."""
+    return window_call_path(call.query, call.key.shape[2], call.mask, call.bias, call.normalization,
+                            causal=call.causal, softcap=call.softcap, dropout=call.dropout,
+                            return_weights=call.return_weights, recording=call.frobenius_sq is not None,
+                            has_state=call.handover is not None, compiling=call.compiling,
+                            sliding_window=call.sliding_window)
 
 
 def _window(call: _Call, path: Path):
-    """A softmax window beside the base part (:mod:`.window`), the base part on ``path``."""
+    """The composition (:mod:`.window`): the window, its sinks, a sparse cache and clusters beside the base part."""
     return window_attention(call.query, call.key, call.value, call.mask, call.normalization,
                             mix=call.params.get(MIX), handover=call.handover, path=path,
+                            codebook=call.module._parameters.get(PARAMETER_PREFIX + CODEBOOK),
                             sliding_window=call.sliding_window, op=call.compiling and not call.read_taps,
                             compiling=call.compiling, **call.kernel_options)
+
+
+def _kernel_path(call: _Call) -> Path:
+    """The path of a pure normalization with the kernel that computes it (SDPA and FlexAttention may compute the
+    whole call: they read its layout)."""
+    layout = CallLayout(call.mask, call.bias, call.causal, call.query.shape[2], call.key.shape[2])
+    path = call.path(call.normalization, call.return_weights, layout=layout)
+    check_state_path(path, call.handover is not None)
+    return path
 
 
 def _pure(call: _Call, path: Path):
@@ -228,9 +208,8 @@ def _pure(call: _Call, path: Path):
 
 
 ROUTES = (
-    (_window_dropped, _window_off_path, _window_off),
-    (lambda call: bool(call.normalization.sparse), _sparse_path, _sparse),
-    (lambda call: bool(call.normalization.window), _kernel_path, _window),
+    (lambda call: bool(call.normalization.window) and window_is_dropped(call.module), _window_off_path, _window_off),
+    (lambda call: bool(call.normalization.window), _window_path, _window),
     (lambda call: True, _kernel_path, _pure),
 )
 """The route table: ``(applies, path, compute)`` per route, the first that applies computes the call."""

@@ -108,6 +108,13 @@ def choose_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mas
     return Path(linear=True, key_valid=key_valid)
 
 
+def check_state_path(path: Path, has_state: bool) -> None:
+    """Raise unless a call continuing a recurrent state (``has_state``) takes a linear path."""
+    if has_state and not path.linear:
+        raise ValueError(f"A recurrent state cache decodes with linear attention only, and this call cannot: "
+                         f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")
+
+
 def linear_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None,
                 causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values the linear path reads: with no mask and ``causal``, a top-left causal mask over as many

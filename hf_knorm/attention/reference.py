@@ -16,7 +16,7 @@ import torch
 
 from ..normalizations import Normalization
 from ..normalizations.sparse_choice import PREFIX_SCORES, ranked, token_scores
-from .window import ROW_EPS
+from .window_parts import ROW_EPS
 
 
 def reference_attention(
@@ -139,7 +139,7 @@ def reference_window_attention(
     else:
         poly = base.weights(scores, older, per_head(params, compute))
     part = poly @ v  # (B, H_q, q, D): the polynomial part before its row normalization
-    factor = torch.rsqrt(part.pow(2).mean(dim=-1, keepdim=True) + ROW_EPS)  # 1 / RMS of each row (window.row_scale)
+    factor = torch.rsqrt(part.pow(2).mean(dim=-1, keepdim=True) + ROW_EPS)  # 1 / RMS of each row (window_parts.row_scale)
     if mix is not None:
         factor = factor * mix.to(compute)[None, :, None, None]
     weights = soft + shares + poly * factor

@@ -1,51 +1,40 @@
-"""A sparse global cache beside the softmax window: ``base + softmax window W + sinks S + sparse K (score)``.
+"""The sparse global cache of the composition (:mod:`.window`): ``base + softmax window W + sinks S + sparse K
+(score)``, and the clusters of :mod:`.distant_clusters` beside it.
 
-Why. A hybrid with a softmax window finds nothing older than its window (BENCHMARKS.md: 0 of 16 passkeys at 1k-2k
-tokens on the converted default model); LoLA (McDermott et al., arXiv 2505.23666) keeps a small sparse global cache of
-exact key/value pairs beside the window and the linear state, and lifts RULER passkey retrieval at 4k from 0.6% to
-97.4% with no training.
+Why. A window finds nothing older than itself (BENCHMARKS.md: 0 of 16 passkeys at 1k-2k tokens on the converted
+default model); LoLA (McDermott et al., arXiv 2505.23666) keeps a small sparse global cache of exact key/value pairs
+beside the window and the linear state, and lifts RULER passkey retrieval at 4k from 0.6% to 97.4% with no training.
 
-Definition (ours; the plain reference is :func:`.reference.reference_window_attention`). As
-:mod:`.window` defines the window and the sinks, with one change: for query ``i`` (at position ``a_i``) and KV head
-``h``, the keys older than its window (``j <= a_i - W``, real, not sinks) are ranked by a score ``r_hj``
-(:mod:`hf_knorm.normalizations.sparse_choice`: fixed before the token leaves the window, higher first, ties to the
-older key; a score relative to the token's prefix carries its running statistics from one call to the next); the
-first ``K`` of them, ``sparse_h(i)``, are weighted by softmax **jointly** with the window and the sinks, and only the
-others by the base family (RMS-normalized per row, scaled by the per-head mix ``m_h``)::
+Definition (ours; the reference is :func:`.reference.reference_window_attention`). The window and the sinks as
+:mod:`.window` defines them; for query ``i`` and KV head ``h``, the keys older than its window are ranked by a score
+``r_hj`` (:mod:`hf_knorm.normalizations.sparse_choice`: fixed before the token leaves the window, higher first, ties
+to the older key); the first ``K`` of them, ``sparse_h(i)``, are weighted by softmax **jointly** with the window and
+the sinks, and only the others by the base family (RMS-normalized per row, times the mix ``m_h``)::
 
     o_i = sum_{j in window(i) + sinks + sparse_h(i)} softmax(s_i)_j v_j  +  m_h * u_i / RMS(u_i),
     u_i = sum_{j older, not in sparse_h(i)} w(s_ij) v_j
 
-For ``p = 1`` (``x/c``) ``u_i`` is ``q_i^T S / c`` with ``S`` the sum of ``k_j v_j^T`` over those remaining pairs: the
-linear state.
+For ``p = 1`` ``u_i`` is ``q_i^T S / c`` with ``S`` the sum of ``k_j v_j^T`` over those pairs: the linear state.
 
-The online rule. Since ``r_hj`` does not change, the best ``K`` of the older keys of query ``i + 1`` are the best of
-those of query ``i`` and the one key that left the window: a pair leaving the window enters the cache if it beats
-the weakest (which is displaced) and otherwise goes to the distant part; a displaced pair never comes back. So every
-pair ``c`` has an *exit position* ``e_c`` (:func:`exit_positions`): it is in the sparse cache of the rows with
-``pos_c <= a_i - W < e_c`` and in the distant part of the rows with ``a_i - W >= e_c`` (``e_c = pos_c``: it never
+The online rule. As ``r_hj`` does not change, the best ``K`` older keys of query ``i + 1`` are the best of those of
+query ``i`` and the key that left the window: a pair leaving the window enters the cache if it beats the weakest
+(which is displaced) and otherwise goes to the distant part; a displaced pair never comes back. So every pair ``c``
+has an *exit position* ``e_c`` (:func:`exit_positions`): it is in the sparse cache of the rows with
+``pos_c <= a_i - W < e_c`` and in the distant part of those with ``a_i - W >= e_c`` (``e_c = pos_c``: it never
 entered). The full forward builds its masks from these positions, and a bounded decoding cache
-(:class:`hf_knorm.recurrent.sparse_cache.SparseWindowStateLayer`) runs the same rule one pair at a time: its
-``W + S + K`` kept pairs and its state give the full forward's outputs, given the same ranks: a decoded key is
-rounded differently from the full forward's, so a per-token score is ranked at 8 significant bits and equal ranks go
-to the older pair (:func:`hf_knorm.normalizations.sparse_choice.ranked`): the ties of repeated tokens and QK-normed
-keys are decided by position, the same way in both.
+(:class:`hf_knorm.recurrent.sparse_cache.SparseWindowStateLayer`) runs the same rule one pair at a time, from its
+``W + S + K`` pairs and its state, given the same ranks (a per-token score is ranked at 8 significant bits, ties to
+the older pair: :func:`hf_knorm.normalizations.sparse_choice.ranked`).
 
-Paths. ``p = 1`` (a full forward, or a prompt given to the bounded cache): :func:`_chunked` runs the call as the
-bounded cache decodes it, ``ROWS`` queries at a time, each block on the sinks, the sparse cache, the window's keys
-before it and its own (dense masks of ``ROWS x (S + K + W + ROWS)``), the other older pairs carried in the state:
-time ``O(N * (ROWS + W + S + K) * D + N * D * D_v)``, memory linear in ``N`` (one layer of the default model's
-shape, ``W = K = 64``, one CPU thread: 0.26 s at 2k tokens, 0.35 s at 4k). Every other call (another base family, a
-softcap, returned weights or recorded norms, queries after keys of an uncached prefix: a ``DynamicCache``) computes
-every row on dense masks in blocks of ``ROWS`` rows against every key (memory ``O(ROWS * N)`` per head, time
-``O(N^2 * D)``, as the quadratic kernel; 1.2 s at 2k on the same layer), and the exit positions in chunks of
-``ROWS`` pairs with the cache's ``K`` carried (``O(N * (K + ROWS))`` comparisons per KV head, also per token decoded
-with a ``DynamicCache``). Under autograd the blocks' tensors are kept for the backward. A decoded token against the
-bounded cache costs ``O((W + S + K) * D + D * D_v)``.
-
-Clusters (``+ clusters C``, :mod:`.distant_clusters`): the pairs of each row's distant part also form ``C``
-pseudo-pairs weighted by softmax with the rest, from per-cluster sums that the state carries beside ``S``
-(:class:`.distant_clusters.ClusterState`): the same paths, each block's rows with ``C`` more columns.
+Paths. ``p = 1`` (a full forward, or a prompt given to the bounded cache): :func:`_chunked`, as the bounded cache
+decodes, ``ROWS`` queries at a time on the sinks, the sparse cache, the window's keys before them and their own, the
+other older pairs in the state: time ``O(N * (ROWS + W + S + K) * D + N * D * D_v)``, memory linear in ``N`` (one
+layer of the default model's shape, ``W = K = 64``, one CPU thread: 0.26 s at 2k tokens, 0.35 s at 4k). Every other
+call (another base family, a softcap, returned weights or recorded norms, queries after an uncached prefix: a
+``DynamicCache``) computes every row on dense masks in blocks of ``ROWS`` rows against every key (:func:`_attend`:
+memory ``O(ROWS * N)`` per head, time ``O(N^2 * D)``; 1.2 s at 2k on the same layer), the exit positions in chunks of
+``ROWS`` pairs with the cache carried (``O(N * (K + ROWS))`` comparisons per KV head). A decoded token against the
+bounded cache costs ``O((W + S + K) * D + D * D_v)``. With clusters each block's rows have ``C`` more columns.
 
 Masks. Key padding (left-padded batches) and bottom-right causal calls, as a model's forward and its cache give them;
 an explicit 4-D mask that is exactly causal with padded keys is read as such. Anything else (a model's own sliding
@@ -55,7 +44,8 @@ No attention dropout.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -65,8 +55,8 @@ from .distant_clusters import ClusterRows, add_leaving, assignments, check_codeb
 from .linear_kernel import is_linear
 from .masks import KeyPadding, Mask
 from .paths import Path, causal_key_validity
-from .taps import SparseWindowStateHandover
-from .window import check_causal, check_mix, row_scale, sink_keys, without_sinks
+from .window_parts import (check_call, check_mix, check_state_window, part_factor, sink_columns, sink_keys,
+                           window_columns, without_sinks)
 
 ROWS = 256
 """Queries (and pairs, for the exit positions) per block: a block's scores are ``ROWS x N`` per head."""
@@ -92,83 +82,68 @@ class SparsePairs(NamedTuple):
     filled: torch.Tensor
 
 
-def sparse_path(normalization: Normalization, q_len: int, kv_len: int, handover, *, softcap: float | None = None,
-                return_weights: bool = False, recording: bool = False) -> Path:
+def sparse_path(normalization: Normalization, q_len: int, kv_len: int, has_state: bool, *,
+                softcap: float | None = None, return_weights: bool = False, recording: bool = False) -> Path:
     """What ``attention_paths()`` counts for a call with a sparse cache: ``"sparse"``; linear in the length where
     :func:`in_blocks` (``p = 1``: a full forward, or a step from a state), else masked attention over every row at
     once, quadratic, which is a fallback for ``p = 1`` (warned on long inputs, an error under ``linear="require"``)."""
-    if in_blocks(normalization, q_len, kv_len, handover, softcap, return_weights, recording) or q_len <= ROWS:
+    if in_blocks(normalization, q_len, kv_len, has_state, softcap, return_weights, recording) or q_len <= ROWS:
         return Path(linear=True, kernel="sparse")
     return Path(linear=False, kernel="sparse", fallback=is_linear(normalization.without_window),
                 reason="a sparse cache beside the window with a softcap, returned weights, recorded norms, another "
                        "base family than p = 1, or queries after uncached keys: masked attention, quadratic")
 
 
-def in_blocks(normalization: Normalization, q_len: int, kv_len: int, handover, softcap, return_weights: bool,
+def in_blocks(normalization: Normalization, q_len: int, kv_len: int, has_state: bool, softcap, return_weights: bool,
               recording: bool) -> bool:
     """Whether a call runs in blocks of :data:`ROWS` queries carrying a state (:func:`_chunked`): a ``p = 1`` base,
     more than ``ROWS`` queries, every key of the sequences in the call or a state handed over, no softcap, no
     returned weights or recorded norms (their rows are normalized one by one over every key)."""
-    return (q_len > ROWS and (handover is not None or q_len == kv_len) and softcap is None and not return_weights
+    return (q_len > ROWS and (has_state or q_len == kv_len) and softcap is None and not return_weights
             and not recording and is_linear(normalization.without_window))
 
 
-def sparse_window_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: Mask,
-    normalization: Normalization,
-    *,
-    bias: torch.Tensor | None = None,
-    scaling: float | None = None,
-    softcap: float | None = None,
-    dropout: float = 0.0,
-    causal: bool = True,
-    return_weights: bool = False,
-    frobenius_sq: torch.Tensor | None = None,
-    mix: torch.Tensor | None = None,
-    params: dict[str, torch.Tensor] | None = None,
-    handover=None,
-    sliding_window: int | None = None,
-    codebook: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention with a softmax window, sinks and a sparse cache beside ``normalization.without_window``, and the
-    clusters of :mod:`.distant_clusters` when the normalization has them.
-
-    Args:
-        query: ``(B, H_q, q, D)``; key, value ``(B, H_kv, kv, D)``, not repeated for GQA.
-        mask: as :func:`.interface.read_mask` gives it (key padding, an exactly causal bool mask, or ``None``).
-        normalization: a :class:`~hf_knorm.normalizations.Windowed` with ``sparse > 0``.
-        bias, dropout, sliding_window: refused unless ``None`` / 0 (see the module docstring).
-        scaling, softcap: as the kernels take them.
-        causal: the call is causal (required).
-        return_weights: also return the ``(B, H_q, q, kv)`` weights of both parts (not with a state).
-        frobenius_sq: optional ``(B, H_kv, G)`` accumulator of each head's squared Frobenius norm (the call's keys).
-        mix: ``(H_q,)`` factors of the base part, or ``None`` (1).
-        params: the base family's learnable values, ``(H_q,)`` each.
-        handover: a :class:`hf_knorm.recurrent.sparse_cache.SparseWindowStateLayer` handed over by the cache
-            (``p = 1`` only), or ``None``: the call holds every key of its sequences.
-        codebook: ``(H_kv, C, D)`` the layer's cluster codebook, with ``+ clusters C`` (required then).
-
-    Returns:
-        ``(output (B, q, H_q, D_v) in the query dtype, weights or None)``.
+def sparse_window_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Mask,
+                            normalization: Normalization, *, bias: torch.Tensor | None = None,
+                            scaling: float | None = None, softcap: float | None = None, dropout: float = 0.0,
+                            causal: bool = True, return_weights: bool = False,
+                            frobenius_sq: torch.Tensor | None = None, mix: torch.Tensor | None = None,
+                            params: dict[str, torch.Tensor] | None = None, handover=None,
+                            sliding_window: int | None = None,
+                            codebook: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`.window.window_attention` (its arguments and result) for a normalization with a sparse cache.
 
     Raises:
-        ValueError: a call the definition does not cover (see the module docstring), or a state with a base family
-            that is not ``p = 1``.
+        ValueError: ``normalization`` has no sparse cache, or a call :func:`.window_parts.check_call` refuses, a mix of
+            another shape or a state kept for another normalization.
     """
-    _check_call(normalization, query, key, mask, bias, dropout, causal, return_weights, mix, handover, softcap,
-                sliding_window)
+    if not normalization.sparse or not normalization.window:
+        raise ValueError(f"sparse_window_attention computes a window with a sparse cache, not {normalization.name}.")
+    check_call(normalization, mask, causal=causal, sliding_window=sliding_window, bias=bias, dropout=dropout,
+               softcap=softcap, return_weights=return_weights, has_state=handover is not None)
+    check_state_window(handover, normalization)
+    check_mix(mix, query)
+    return sparse_attention(query, key, value, mask, normalization, scaling=scaling, softcap=softcap,
+                            return_weights=return_weights, frobenius_sq=frobenius_sq, mix=mix, params=params,
+                            handover=handover, codebook=codebook)
+
+
+def sparse_attention(query, key, value, mask, normalization, *, scaling, softcap, return_weights, frobenius_sq, mix,
+                     params, handover, codebook) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`.window.window_attention` for ``sparse > 0`` once the call is checked: in blocks carrying a state
+    (:func:`_chunked`) where :func:`in_blocks`, else every row on dense masks (:func:`_attend`)."""
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"{query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads.")
     if normalization.clusters:
         check_codebook(codebook, normalization.clusters, key.shape[1], key.shape[-1], normalization.name)
-    key_valid = _key_valid(mask, query, key, handover)
+    key_valid = _key_valid(mask, query, key)
     q_len = query.shape[2]
     if mask is None and handover is None and q_len > 1:  # sdpa's top-left causal mask: as many keys as queries
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     options = dict(scaling=scaling, softcap=softcap, return_weights=return_weights, frobenius_sq=frobenius_sq,
                    mix=mix, params=params, codebook=codebook if normalization.clusters else None)
-    if in_blocks(normalization, q_len, key.shape[2], handover, softcap, return_weights, frobenius_sq is not None):
+    if in_blocks(normalization, q_len, key.shape[2], handover is not None, softcap, return_weights,
+                 frobenius_sq is not None):
         return _chunked(query, key, value, key_valid, normalization, options, handover), None
     source = mask.source if isinstance(mask, KeyPadding) else None
     return _attend(query, key, value, key_valid, source, normalization, handover, **options)
@@ -182,15 +157,10 @@ def _chunked(query, key, value, key_valid, normalization, options, handover=None
     ``N``. Returns ``(B, q, H_q, D_v)``."""
     q_len, kv_len = query.shape[2], key.shape[2]
     offset = kv_len - q_len  # the key index of query 0
-    carry = _Carry(normalization.window, normalization.sparse)
-    before = 0  # the tokens before the call's key 0
+    carry, before = _Carry(), 0  # before: the tokens before the call's key 0
     if handover is not None:
         before = handover.cumulative_length - kv_len
-        carry.state, carry.count = handover.read()
-        carry.sinks, carry.sinks_complete, carry.sparse_pairs = (handover.sinks, handover.sinks_complete,
-                                                                 handover.sparse_pairs)
-        carry.score_statistics = handover.score_statistics
-        carry.cluster_state = handover.cluster_state
+        carry = _Carry(0, *handover.read(), *(getattr(handover, name) for name in _Carry.KEPT))
     outputs = []
     for start in range(0, q_len, ROWS):
         stop = min(q_len, start + ROWS)
@@ -209,16 +179,20 @@ def _chunked(query, key, value, key_valid, normalization, options, handover=None
     return torch.cat(outputs, dim=1)
 
 
+@dataclass
 class _Carry:
-    """What :func:`_chunked` carries from one chunk to the next, as a decoding layer keeps it
+    """What :func:`_chunked` carries from one chunk to the next, with the members a decoding layer has
     (:class:`~.taps.SparseWindowStateHandover`; the window's keys are sliced from the call's, not kept)."""
 
-    key = None
-
-    def __init__(self, window: int, sparse: int):
-        self.window, self.sparse, self.cumulative_length = window, sparse, 0
-        self.sinks, self.sinks_complete, self.sparse_pairs, self.state, self.count = None, False, None, None, None
-        self.score_statistics, self.cluster_state = None, None
+    KEPT: ClassVar = ("sinks", "sinks_complete", "sparse_pairs", "score_statistics", "cluster_state")
+    cumulative_length: int = 0
+    state: Any = None
+    count: Any = None
+    sinks: Any = None
+    sinks_complete: bool = False
+    sparse_pairs: Any = None
+    score_statistics: Any = None
+    cluster_state: Any = None
 
     def read(self):
         return self.state, self.count
@@ -273,8 +247,6 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
     if sinks is not None:
         keys = torch.cat([sinks.keys.expand(batch, -1, -1, -1), pairs.keys], dim=2)
         values = torch.cat([sinks.values.expand(batch, -1, -1, -1), pairs.values], dim=2)
-        sink_position = (sinks.position + first).expand(batch, -1)
-        sink_valid = sinks.valid.expand(batch, -1)
     else:
         keys, values = pairs.keys, pairs.values
     keys = keys.to(compute)
@@ -283,7 +255,6 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
     state, count = (None, None) if handover is None else handover.read()
     scale = dim ** -0.5 if scaling is None else scaling
     group_params = {name: value.to(compute).view(kv_heads, groups, 1, 1) for name, value in (params or {}).items()}
-    factor_mix = None if mix is None else mix.to(compute).view(1, kv_heads, groups, 1, 1)
     is_call_key = torch.arange(pairs.position.shape[-1], device=device) >= pairs.prior  # (M,)
     last_newest_older = first + kv_len - 1 - normalization.window  # the last row's a_i - W
     clusters = None  # the clusters' pseudo-pairs, where some cluster holds a pair for some row (else all weights 0)
@@ -298,16 +269,16 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
     for start in range(0, q_len, ROWS):
         stop = min(q_len, start + ROWS)
         q = query[:, :, start:stop].to(compute).view(batch, kv_heads, groups, stop - start, dim)
-        row_position = first + kv_len - q_len + torch.arange(start, stop, device=device)  # a_i
-        newest_older = (row_position - normalization.window)[None, None, :, None]  # a_i - W, (1, 1, r, 1)
+        row_position = first + kv_len - q_len + torch.arange(start, stop, device=device)[:, None]  # a_i, (r, 1)
+        newest_older = row_position - normalization.window  # a_i - W
         p = pairs.position[:, :, None, :]
         in_sparse = pairs.filled[:, :, None, :] & (p <= newest_older) & (exits[:, :, None, :] > newest_older)
         in_base = pairs.filled[:, :, None, :] & (exits[:, :, None, :] <= newest_older)  # (B, H_kv, r, M)
-        in_window = (is_call_key & pairs.valid)[:, None, None, :] & (p > newest_older) \
-            & (p <= row_position[None, None, :, None])
+        in_window = (is_call_key & pairs.valid)[:, None, None, :] & window_columns(p, row_position,
+                                                                                   normalization.window)
         soft_allowed = in_sparse | in_window
-        if sinks is not None:
-            older_sinks = sink_valid[:, None, None, :] & (sink_position[:, None, None, :] <= newest_older)
+        if sinks is not None:  # the sinks' positions are the call's key indices
+            older_sinks = sink_columns(sinks, batch, row_position - first, normalization.window)
             soft_allowed = torch.cat([older_sinks.expand(-1, kv_heads, -1, -1), soft_allowed], dim=-1)
         scores = q @ keys[:, :, None].transpose(-1, -2) * scale  # (B, H_kv, G, r, S' + M)
         if softcap is not None:
@@ -331,9 +302,7 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
                 part = part + (q @ state[:, :, None].to(compute)) * scale
             by_count = _row_scale(base, allowed_base, count, compute)
             base_weights, part = base_weights * by_count, part * by_count
-        factor = row_scale(part)  # 1 / RMS of each row (B, H_kv, G, r, 1), then the mix (window.part_factor's rule)
-        if factor_mix is not None:
-            factor = factor * factor_mix
+        factor = part_factor(part, mix, (1, kv_heads, groups, 1, 1))  # (B, H_kv, G, r, 1)
         output = soft @ values[:, :, None] + part * factor  # (B, H_kv, G, r, D_v)
         if clusters is not None:
             output = output + clustered
@@ -497,7 +466,7 @@ def _call_weights(soft, weighted, sinks, sink_count, kv_len) -> torch.Tensor:
     return weights
 
 
-def _key_valid(mask, query, key, handover) -> torch.Tensor | None:
+def _key_valid(mask, query, key) -> torch.Tensor | None:
     if mask is None:
         return None
     if isinstance(mask, KeyPadding):
@@ -510,41 +479,5 @@ def _key_valid(mask, query, key, handover) -> torch.Tensor | None:
     return key_valid
 
 
-def _check_call(normalization, query, key, mask, bias, dropout, causal, return_weights, mix, handover, softcap,
-                sliding_window) -> None:
-    name = normalization.name
-    if not normalization.sparse or not normalization.window:
-        raise ValueError(f"sparse_window_attention computes a window with a sparse cache, not {name}.")
-    check_causal(normalization, mask, causal)
-    if sliding_window is not None:
-        raise ValueError(f"{name}: this layer has its own sliding window of {sliding_window} positions, which leaves "
-                         "the sparse cache's older pairs behind. Patch this model without the sparse cache.")
-    if bias is not None:
-        raise ValueError(f"{name}: an additive attention bias with a sparse cache is not supported.")
-    if normalization.clusters and softcap is not None:
-        raise ValueError(f"{name}: a softcap bends each score, so a cluster's mean key no longer gives its pairs' mean "
-                         "score; clusters are not supported with a softcap (Gemma 2). Patch without clusters.")
-    if dropout:
-        raise ValueError(f"{name}: attention dropout with a sparse cache is not implemented; set the model's "
-                         "attention_dropout to 0.")
-    check_mix(mix, query)
-    if query.shape[1] % key.shape[1]:
-        raise ValueError(f"{query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads.")
-    if handover is None:
-        return
-    if not is_linear(normalization.without_window):
-        raise ValueError(f"{name}: a recurrent state continues a p = 1 base part only; decode this model with a "
-                         "normal cache (cache=DynamicCache()).")
-    if getattr(handover, "sparse", 0) != normalization.sparse or not isinstance(handover, SparseWindowStateHandover):
-        raise ValueError(f"The recurrent cache keeps a sparse cache of {getattr(handover, 'sparse', 0)} pairs and the "
-                         f"model runs {name}: build it from the model's config "
-                         "(RecurrentStateCache(config=model.config)).")
-    if return_weights:
-        raise ValueError(f"{name}: the attention weights cannot be returned while decoding from a recurrent state "
-                         "(the distant pairs are summed into it). Generate with a normal cache.")
-    if softcap is not None:
-        raise ValueError(f"{name}: a softcap makes the base part non-linear in the keys, so a recurrent state cannot "
-                         "continue it. Generate with a normal cache.")
-
-
-__all__ = ["NEVER", "ROWS", "SparsePairs", "exit_positions", "exits_at_once", "in_blocks", "sparse_path", "sparse_window_attention"]
+__all__ = ["NEVER", "ROWS", "SparsePairs", "exit_positions", "exits_at_once", "in_blocks", "sparse_attention",
+           "sparse_path", "sparse_window_attention"]

@@ -155,12 +155,12 @@ class StateHandover(Protocol):
 class WindowStateHandover(StateHandover, Protocol):
     """A recurrent layer that also keeps a softmax window (and the attention sinks) beside its state
     (:class:`hf_knorm.recurrent.window_cache.WindowStateLayer`; ``window > 0``): the members
-    :func:`hf_knorm.attention.window.sink_keys` reads besides those of :class:`StateHandover`.
+    :func:`hf_knorm.attention.window_parts.sink_keys` reads besides those of :class:`StateHandover`.
 
     Attributes:
         cumulative_length: every token the layer has seen, the call's included (padded ones too): the absolute
             position of the call's last key plus one.
-        sinks: the attention sinks kept from earlier calls (:class:`hf_knorm.attention.window.Sinks`: keys, values
+        sinks: the attention sinks kept from earlier calls (:class:`hf_knorm.attention.window_parts.Sinks`: keys, values
             ``(B, H_kv, S', D)``, absolute positions and validity ``(B or 1, S')``), or ``None``.
         sinks_complete: every sequence holds its ``S`` sinks already: no later key is one (no search needed).
     """
@@ -170,7 +170,7 @@ class WindowStateHandover(StateHandover, Protocol):
     sinks_complete: bool
 
     def keep_sinks(self, sinks: Any, complete: bool = False) -> None:
-        """Keep the call's sinks (a :class:`hf_knorm.attention.window.Sinks`, absolute positions) for the next
+        """Keep the call's sinks (a :class:`hf_knorm.attention.window_parts.Sinks`, absolute positions) for the next
         calls; ``complete``: every sequence has its ``S``."""
         ...
 

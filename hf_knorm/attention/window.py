@@ -1,97 +1,57 @@
-"""A softmax window beside the polynomial attention: ``x^p/c + softmax window W``, its fast paths composed of the
-existing kernels.
+"""The composition around any family, ``base + softmax window W + sinks S`` (``+ sparse K + clusters C``:
+:mod:`.sparse`, :mod:`.distant_clusters`): one function, :func:`window_attention`, whose ``sparse = 0`` case is
+computed here. The plain reference is :func:`.reference.reference_window_attention`; why, and what it measured:
+docs/normalizations.md, "A softmax window beside any family" (LoLCATs, arXiv 2410.10254; Liger, arXiv 2503.01496;
+sinks: StreamingLLM, arXiv 2309.17453; the row normalization: TransNormer's NormAttention, arXiv 2210.10340).
 
-Why. Converting a softmax model to a pure polynomial (or linear) attention loses what the model does locally; the
-conversions that work keep a short softmax window: LoLCATs (Zhang et al., arXiv 2410.10254) a 64-token sliding window
-of softmax beside linear attention, Liger (arXiv 2503.01496) ``0.5 x window(64) + 0.5 x gated linear attention``
-without a denominator; without the window, LoLCATs' MMLU stays at chance (its Table 6).
+Definition (ours). Query ``i`` sits at position ``a_i`` (under a causal mask its own, the last key it may attend);
+``s_ij`` is the model's score (scaling, softcap and any additive mask included); ``w`` the base family's weights
+(``x^p/c``: ``s^p / c_i``):
 
-Definition (ours; the reference is :func:`.reference.reference_window_attention`). Query ``i`` sits at position
-``a_i``; under a causal mask that is its own position, the last key it may attend. With ``s_ij`` the model's score
-(scaling, softcap and any additive mask included, as for every normalization):
+    o_i = sum_{j in window(i)} softmax_window(s_i)_j v_j  +  m_h * u_i / RMS(u_i),    u_i = sum_{j older} w(s_ij) v_j
 
-    o_i = sum_{j in window(i)} softmax_window(s_i)_j v_j  +  m_h * u_i / RMS(u_i),
-    u_i = sum_{j older} (s_ij^p / c_i) v_j
-
-- ``window(i)``: the keys ``i`` may attend with ``a_i - W < j <= a_i`` (its own key and the ``W - 1`` before it),
-  and with ``+ sinks S`` its sequence's first ``S`` real tokens, by position: they do not move with the query
-  (StreamingLLM's attention sinks, Xiao et al., arXiv 2309.17453; a softmax model parks much of many heads' weight
-  there, and the
-  default model's window of 64 alone, untrained, is 5-23x the original's perplexity beyond the window, 1.3-1.8x
-  with 4 sinks: ``research/2026-12/window_sinks.py``); softmax is normalized over them alone, so this part is a convex
-  combination of the window's values (Liger's window branch; not LoLCATs' joint denominator, which needs
-  non-negative polynomial weights: ``x^3`` keeps the sign of the score, and a denominator could vanish). Measured on
-  the original's own attention (``research/2026-12/distant_part_ceiling.py``, docs/research/2026-12-conversion.md,
-  "Why the polynomial part is decoration"), this is what limits the part: weights that ignore the sign of the score
-  (``|s|^p``, ``s^p``) explain a few percent of what softmax puts beyond the window, ``max(s, 0)^p`` under the joint
-  denominator most of it.
-- older keys: ``j <= a_i - W``, allowed and not sinks. They get the paper's unnormalized weight ``s^p / c``
-  (Liger's linear branch has no denominator either). ``c`` is the paper's constant; ``c = sqrtN`` counts the keys
-  this part reads, ``c_i = sqrt(number of older keys of row i)``: ``u_i`` is the paper's attention over the keys
-  older than the window, and the same rule holds in a prefill and in decoding.
-- ``u_i / RMS(u_i)``: the part's row (per head, RMS over the head dimension) brought to unit size, as TransNormer's
-  NormAttention bounds a denominator-free attention (arXiv 2210.10340; SUPRA and DiJiang do the same). Without it the
-  part grows with the number of older keys: a short conversion of the default model at 256-token blocks was
-  10^5-10^6 times the original's perplexity at 1,024 tokens (docs/research/2026-12-conversion.md,
-  'Conversion with a softmax window'). So the paper's normalization gives the part its direction; ``c`` (and
-  ``sqrtN``'s row count) cancel in it, and ``|m_h|`` is its size at every length. A row with no older key stays 0.
-- ``m_h``: a per-query-head mix of the polynomial part, ``(H_q,)``, 1 when not given (what ``hf_knorm.patch`` runs
-  for a model that has none). It is an argument of :func:`window_attention` and of the reference; a model's mix is
-  saved in its config (``window_mix``, one list per layer, read by :func:`mix_of`): ``hf-knorm convert`` solves it
-  in closed form (:mod:`hf_knorm.conversion.transfer`), and ``m_h = 0`` switches the polynomial part off (the
-  window-only ablation, :func:`hf_knorm.models.window_mix.distant_part_off`).
-- ``W = 0`` is not a window: the pure normalization, computed by the existing paths bit for bit.
-- Masks. Key padding and bottom-right causal calls (every plain causal forward, prefill and decoding, with or without
-  a cache): positions are key indices, query ``i`` at ``kv - q + i``. An explicit mask (a model's own sliding window,
-  packed sequences, a static cache, a user's mask): ``a_i`` is the last key row ``i`` may attend, which is where the
-  query is whatever the layout; the two parts split what the mask allows, so a model's own sliding window ``W_m``
-  bounds both (``W_m <= W``: no older key, pure softmax). A padded query (its own key is padding) has no position: its
-  output is finite and read by nothing, and the paths may anchor it differently (every real query agrees exactly).
+- ``window(i)``: the keys ``a_i - W < j <= a_i`` and, with ``+ sinks S``, its sequence's first ``S`` real tokens, by
+  position (they do not move with the query). Softmax over them alone: a convex combination of their values
+  (Liger's window branch; not LoLCATs' joint denominator, which a sign-keeping ``x^3`` could make vanish).
+- older: ``j <= a_i - W``, allowed, not a sink. ``c = sqrtN`` counts them (``c_i = sqrt`` of their number), the same
+  rule in a prefill and in decoding.
+- ``u_i / RMS(u_i)`` (per row and head, over the head dimension: :func:`row_scale`): without it the part grows with
+  the number of older keys; with it ``c`` cancels and ``|m_h|`` is the part's size at every length. A row with no
+  older key stays 0. ``m_h``: the per-query-head mix ``(H_q,)``, 1 when not given, a learnable parameter of a patched
+  model (``m_h = 0``: the window alone, :func:`hf_knorm.models.window_mix.distant_part_off`).
+- ``W = 0`` is not a window: the pure normalization on its own paths, bit for bit. Causal only: a bidirectional call
+  has no "older" and raises.
+- Masks. Key padding and bottom-right causal calls (every plain causal forward, with or without a cache): query ``i``
+  at key ``kv - q + i``. An explicit mask (a model's own sliding window, packed sequences, a static cache, a user's
+  mask): ``a_i`` is the last key row ``i`` may attend, and the two parts split what the mask allows (a model's own
+  window ``W_m <= W`` leaves no older key). A padded query has no position: its output is finite and read by nothing
+  (every real query agrees exactly between the paths).
 - Sinks and masks. Key padding: each sequence's first ``S`` real keys (:func:`sink_keys`; a recurrent cache keeps
-  them, :mod:`hf_knorm.recurrent.window_cache`). An explicit mask: the first ``S`` keys each row may attend, which
-  are its sequence's first tokens when every row attends its sequence from the start (causal, padding, packed
-  sequences, a static cache). A layer with its own sliding window (the ``sliding_window`` Transformers passes:
-  Mistral, Gemma's local layers) does not: its rows leave their sequence's first tokens behind, and so does its
-  cache, so the sinks are refused there (patch without sinks, or use a model without sliding-window layers);
-  :func:`.reference.window_split` refuses such a mask by itself.
-- Causal only: for a bidirectional call there is no "older", and the window raises.
+  them). An explicit mask: the first ``S`` keys each row may attend, its sequence's first tokens when every row
+  attends its sequence from its start. A layer with its own sliding window leaves them behind, and so does its
+  cache: the sinks are refused there (:func:`.reference.window_split` refuses such a mask too).
 
-Fast paths (memory linear in ``N`` for a fixed ``W``):
+Paths (memory linear in ``N`` for a fixed ``W``):
 
-- The softmax part, key padding or none: one call of the chunked kernel (:mod:`.kernel`) with softmax, the queries
-  cut into blocks of ``rows = max(BAND_ROWS, W)``, each block a batch entry with the ``S`` sinks' keys and the
-  ``rows + W - 1`` keys its band covers and the same small band mask: ``O(N * (rows + W + S) * D)`` time,
-  ``O(N * (rows + W + S))`` memory.
-- The polynomial part: the same attention as the pure normalization on the keys delayed by ``W``: queries
-  ``i >= W - (kv - q)`` on keys ``0 .. kv - W - 1``, bottom-right causal (query ``i`` then sees exactly the keys
-  ``j <= a_i - W``), the key padding cut to those keys. So any ``p`` runs the chunked kernel as today, and ``p = 1``
-  the linear kernel (:mod:`.linear_kernel`): the hybrid runs in ``O(N * W * D + N * D^2)``, and decoding continues a
-  recurrent state of the keys older than the window (:mod:`hf_knorm.recurrent.window_cache` keeps the ``W`` last
-  keys and values, and the ``S`` sinks, beside it). The sinks: a call without key padding or a recurrent state
-  slices its first ``S`` keys (:func:`leading_sinks`) and gives this part the keys after them, unmasked; otherwise
-  they are searched for (:func:`sink_keys`) and masked out of this part like padding.
-- An explicit mask, or the attention weights requested: both parts with the chunked kernel on the explicit masks
-  ``allowed & window`` and ``allowed & older`` (the kernel skips the keys a chunk does not attend); quadratic, as
-  every explicit mask is. For ``p = 1`` that is a fallback from the linear path (warned on long inputs, an error
-  under ``linear="require"``).
+- Key padding or none: the softmax part is one call of the chunked kernel on blocks of ``max(BAND_ROWS, W)`` queries
+  and the keys their band covers, the sinks before them (:func:`_softmax_band`, ``O(N * (rows + W + S) * D)``); the
+  base part is the pure normalization on the keys delayed by ``W`` (:func:`_older_keys`): any ``p`` on the chunked
+  kernel, ``p = 1`` on the linear one (``O(N * W * D + N * D^2)``; decoding continues the state of the keys older than
+  the window, :mod:`hf_knorm.recurrent.window_cache`). An unpadded call slices its sinks off (:func:`leading_sinks`);
+  otherwise they are searched for and masked out of the base part like padding.
+- An explicit mask, returned weights or recorded norms: both parts on the explicit masks ``allowed & window`` and
+  ``allowed & older`` (:func:`_explicit`), quadratic; for ``p = 1`` a fallback from the linear path (warned on long
+  inputs, an error under ``linear="require"``).
 
-Kernels. The polynomial part takes the kernel choice of a plain call of the pure normalization
-(:func:`.backends.with_kernel`: on CUDA the Triton kernel for the quadratic path, flash-linear-attention for the linear
-one, decoding included: it continues the recurrent state; ``kernels(...)`` forces or refuses them as for the pure
-normalization). The softmax part runs on the PyTorch chunked kernel (:data:`SOFTMAX_PATH`): no GPU kernel of the
-plugin computes softmax, so a forced kernel is not asked to (it would refuse softmax). The attention function chooses the path once per call and hands it over (``path``).
-``attention_paths()`` counts one entry per call, the polynomial part's kernel: ``"linear"`` (or ``"fla"``) when the
-``p = 1`` hybrid runs in linear time, ``"quadratic"`` (or ``"triton"``) otherwise.
-
-Host reads. Whether a call's keys are all real is read once per forward (:attr:`.masks.KeyPadding.all_real`, shared
-by the layers), and so is whether a recurrent cache's sinks are complete; a single query row (decoding) lets the
-kernels skip no key, so they do not read the mask's key ranges: a decoded token reads the device once or twice per
-forward, not per layer.
+Kernels. The base part takes the kernel of a plain call of the pure normalization (:func:`.backends.with_kernel`: on
+CUDA Triton for the quadratic path, flash-linear-attention for the linear one, decoding included); the softmax part
+runs the PyTorch chunked kernel (:data:`SOFTMAX_PATH`: no GPU kernel of the plugin computes softmax, so a forced one
+serves the base part). ``attention_paths()`` counts one entry per call, the base part's kernel (``"sparse"`` with a
+sparse cache). Host reads: whether the keys are all real (:attr:`.masks.KeyPadding.all_real`) and whether a recurrent
+cache's sinks are complete are read once per forward, not per layer.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -99,10 +59,16 @@ import torch.nn.functional as F
 from .backends import run_linear, run_quadratic, with_kernel
 from .compiled import compiled_attention
 from .linear_kernel import is_linear
-from .masks import KeyPadding, Mask, read_once
+from .masks import KeyPadding, Mask
 from ..normalizations import Normalization
 from ..normalizations.windowed import WINDOW_PART
-from .paths import Path, choose_path, linear_keys
+from .paths import Path, check_state_path, choose_path, linear_keys
+from .sparse import sparse_attention, sparse_path
+from .window_parts import (ROW_EPS, check_call, check_mix, check_state_window, leading_sinks, row_scale, scaled_part,
+                           sink_columns, sink_keys, window_columns, without_sinks)
+
+__all__ = ["BAND_ROWS", "ROW_EPS", "SOFTMAX_PATH", "leading_sinks", "row_scale", "sink_keys", "window_attention",
+           "window_call_path", "window_path"]
 
 BAND_ROWS = 32
 """Queries per block of the softmax part (at least ``W``, at most ``q``; read at call time): a block's scores are
@@ -128,64 +94,63 @@ def window_attention(
     return_weights: bool = False,
     frobenius_sq: torch.Tensor | None = None,
     mix: torch.Tensor | None = None,
+    params: dict[str, torch.Tensor] | None = None,
     handover=None,
+    codebook: torch.Tensor | None = None,
     path: Path | None = None,
     sliding_window: int | None = None,
     op: bool = False,
     compiling: bool = False,
-    params: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention with a softmax window of ``normalization.window`` keys beside ``normalization.without_window``.
+    """The composition: ``normalization.without_window`` beside a softmax window of ``normalization.window`` keys, its
+    sinks, and its sparse cache and clusters if any (``sparse > 0``: :mod:`.sparse` computes it).
 
     Args:
         query: ``(B, H_q, q, D)``; key, value ``(B, H_kv, kv, D)``, not repeated for GQA.
         mask: as :func:`.interface.read_mask` gives it: :class:`~.masks.KeyPadding`, a bool ``(B or 1, 1 or H_q, q,
             kv)`` mask, or ``None`` (with ``causal``: sdpa's top-left causal mask, keys cut to ``q`` when ``q > 1``).
-        normalization: a polynomial normalization with ``window > 0``.
-        bias: an additive float mask of the explicit mask's shape, or ``None``.
-        scaling, softcap, dropout: as the kernels take them (dropout on both parts' weights).
+        normalization: a normalization with ``window > 0`` (not softmax).
+        bias: an additive float mask of the explicit mask's shape, or ``None`` (not with a sparse cache).
+        scaling, softcap, dropout: as the kernels take them (dropout on both parts' weights; not with a sparse cache).
         causal: the call is causal (required).
         return_weights: also return the ``(B, H_q, q, kv)`` weights of both parts (materialized).
         frobenius_sq: optional ``(B, H_kv, G)`` accumulator of each head's squared Frobenius norm (the parts attend
-            disjoint keys: their squares add; the polynomial part's counts ``m_h^2`` times).
-        mix: ``(H_q,)`` factors of the polynomial part, or ``None`` (1).
-        handover: a recurrent state handed over by a window cache layer (``read() -> (state, count)`` of the keys
-            older than the ``kv`` keys of this call, ``write(state, count)``, ``window``), or ``None``.
-        path: the polynomial part's path with its kernel named, as the attention function chose and counted it
-            (:func:`window_path`, then :func:`.backends.with_kernel` on ``normalization.without_window``); ``None``:
-            chosen here, from the same arguments.
+            disjoint keys: their squares add; the base part's counts ``m_h^2`` times).
+        mix: ``(H_q,)`` factors of the base part, or ``None`` (1).
+        params: the base family's learnable values, ``(H_q,)`` each.
+        handover: a recurrent state handed over by a window cache layer (:class:`~.taps.WindowStateHandover`, with a
+            sparse cache :class:`~.taps.SparseWindowStateHandover`), or ``None``.
+        codebook: ``(H_kv, C, D)`` the layer's cluster codebook, with ``+ clusters C`` (required then).
+        path: the path as the attention function chose and counted it (:func:`window_call_path`); ``None``: chosen
+            here, from the same arguments.
         sliding_window: the layer's own sliding window (Transformers' ``sliding_window`` keyword), or ``None``.
         op: run the quadratic parts through the custom op (``compiled.py``: compiled code with no tap).
         compiling: traced by ``torch.compile``: nothing reads tensor values (the chunked kernel keeps every key).
-        params: the base family's learnable values, ``(H_q,)`` each (the mix is ``mix``).
 
     Returns:
         ``(output (B, q, H_q, D_v) in the query dtype, weights or None)``.
 
     Raises:
-        ValueError: no window, softmax, a bidirectional call, sinks on a layer with its own sliding window, a mix of
-            another shape, or a state that the call cannot continue.
+        ValueError: a call the composition does not define (:func:`window_path`), a mix of another shape, or a state
+            that the call cannot continue.
     """
-    kernels = dict(dropout=dropout, return_weights=return_weights, recording=frobenius_sq is not None,
-                   compiling=compiling)
     if path is None:
-        path = window_path(normalization, query.shape[2], key.shape[2], mask, bias, causal=causal, softcap=softcap,
-                           dropout=dropout, return_weights=return_weights, has_state=handover is not None,
-                           compiling=compiling, recording=frobenius_sq is not None, sliding_window=sliding_window)
-        path = with_kernel(path, query, normalization.without_window, **kernels)
+        path = window_call_path(query, key.shape[2], mask, bias, normalization, causal=causal, softcap=softcap,
+                                dropout=dropout, return_weights=return_weights, recording=frobenius_sq is not None,
+                                has_state=handover is not None, compiling=compiling, sliding_window=sliding_window)
     check_state_window(handover, normalization)
     check_mix(mix, query)
-    if handover is not None and not path.linear:
-        raise ValueError(f"A recurrent state cache decodes with linear attention only, and this call cannot: "
-                         f"{path.reason}. Generate with a normal cache (pass cache=DynamicCache()).")
+    if normalization.sparse:
+        return sparse_attention(query, key, value, mask, normalization, scaling=scaling, softcap=softcap,
+                                return_weights=return_weights, frobenius_sq=frobenius_sq, mix=mix, params=params,
+                                handover=handover, codebook=codebook)
     options = dict(scaling=scaling, softcap=softcap, dropout=dropout, op=op, compiling=compiling, params=params)
-    paths = _Paths(path, SOFTMAX_PATH)  # no GPU kernel computes softmax; a forced one serves the polynomial part
     dtype = query.dtype  # the parts are computed and added in fp32 (fp64 for fp64 inputs), as the kernels compute
     compute = torch.promote_types(dtype, torch.float32)
     query, key, value = query.to(compute), key.to(compute), value.to(compute)
     if _explicit_route(mask, bias, return_weights, frobenius_sq is not None):
         output, weights = _explicit(query, key, value, mask, normalization, bias, return_weights, frobenius_sq, mix,
-                                    paths, options)
+                                    path, options)
         return output.to(dtype), weights
     if mask is None:
         key, value = linear_keys(query, key, value, None, causal=True)
@@ -200,9 +165,8 @@ def window_attention(
         sinks = sink_keys(key, value, key_valid, normalization.sinks, query.shape[2], handover,
                           source=None if mask is None else mask.source)
         older_valid = without_sinks(key_valid, sinks, key.shape[0], key.shape[2])
-    output = _softmax_band(query, key, value, key_valid, normalization.window, sinks, frobenius_sq, paths.softmax,
-                           options)
-    polynomial = _older_keys(query, older_key, older_value, older_valid, normalization, paths.polynomial, mix,
+    output = _softmax_band(query, key, value, key_valid, normalization.window, sinks, frobenius_sq, options)
+    polynomial = _older_keys(query, older_key, older_value, older_valid, normalization, path, mix,
                              handover, options)
     if polynomial is not None:
         output = output + polynomial
@@ -212,25 +176,20 @@ def window_attention(
 def window_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mask, bias: torch.Tensor | None, *,
                 causal: bool, softcap: float | None, dropout: float, return_weights: bool, has_state: bool,
                 compiling: bool = False, recording: bool = False, sliding_window: int | None = None) -> Path:
-    """The path of a call with a softmax window, as :func:`.paths.choose_path` gives it for the pure normalization
-    (same arguments): the polynomial part's path, the softmax part being linear in ``N`` on either. Which kernel
-    computes it is :func:`.backends.with_kernel`'s choice for ``normalization.without_window``.
+    """The path of a call of :func:`window_attention` (the arguments of :func:`.paths.choose_path`, which gives the
+    base part's for ``sparse = 0``, the softmax part being linear in ``N`` on either; with a sparse cache
+    :func:`.sparse.sparse_path`), once the call is checked.
 
     Raises:
-        ValueError: ``normalization`` has no window or is softmax, the call is bidirectional, or it has sinks and the
-            layer its own ``sliding_window``.
+        ValueError: ``normalization`` has no window or is softmax, the call is bidirectional, it has sinks or a sparse
+            cache and the layer its own ``sliding_window``, or a sparse cache meets what it does not compute (a bias,
+            dropout, clusters under a softcap; with a state: a base that is not ``p = 1``, returned weights, a softcap).
     """
-    window = normalization.window
-    if window <= 0 or normalization.is_softmax:
-        raise ValueError(f"window_attention computes a polynomial normalization with a softmax window, not "
-                         f"{normalization.name}.")
-    check_causal(normalization, mask, causal)
-    if normalization.sinks and sliding_window is not None:
-        raise ValueError(f"{normalization.name}: attention sinks are each sequence's first {normalization.sinks} "
-                         f"tokens, and this layer has its own sliding window of {sliding_window} positions, which "
-                         "leaves them behind (as its cache does). Patch this model without attention_sinks "
-                         "(attention_sinks=0; hf-knorm convert --attention-sinks 0: the softmax window alone), or use "
-                         "a model without sliding-window layers.")
+    check_call(normalization, mask, causal=causal, sliding_window=sliding_window, bias=bias, dropout=dropout,
+               softcap=softcap, return_weights=return_weights, has_state=has_state)
+    if normalization.sparse:
+        return sparse_path(normalization, q_len, kv_len, has_state, softcap=softcap, return_weights=return_weights,
+                           recording=recording)
     polynomial = normalization.without_window
     if _explicit_route(mask, bias, return_weights, recording):
         reason = ("the attention weights were requested" if return_weights
@@ -240,25 +199,30 @@ def window_path(normalization: Normalization, q_len: int, kv_len: int, mask: Mas
         return Path(linear=False, reason=reason, fallback=is_linear(polynomial))
     if mask is None and q_len > 1:
         kv_len = q_len  # sdpa's top-left causal mask: the keys are cut to the queries (linear_keys)
-    rows, older = _older_shape(q_len, kv_len, window)
+    rows, older = _older_shape(q_len, kv_len, normalization.window)
     older_mask = None if mask is None else mask.first(older, rows)
     return choose_path(polynomial, rows, older, older_mask, None, causal=True, softcap=softcap, dropout=dropout,
                        return_weights=False, has_state=has_state, compiling=compiling)
 
 
-def check_state_window(handover, normalization: Normalization) -> None:
-    """Raise unless a handed-over recurrent state (or ``None``) was kept for ``normalization``'s window.
+def window_call_path(query: torch.Tensor, kv_len: int, mask: Mask, bias: torch.Tensor | None,
+                     normalization: Normalization, *, causal: bool, softcap: float | None, dropout: float,
+                     return_weights: bool, recording: bool, has_state: bool, compiling: bool,
+                     sliding_window: int | None) -> Path:
+    """:func:`window_path` with the base part's kernel named (:func:`.backends.with_kernel`; the sparse paths and the
+    softmax part run the PyTorch kernels, :data:`SOFTMAX_PATH`): what the attention function counts and hands over.
 
-    A state layer says its window by a ``window`` attribute (none: a pure state, window 0), and its sparse cache by
-    ``sparse`` (none: 0)."""
-    if handover is None:
-        return
-    kept, sparse = getattr(handover, "window", 0), getattr(handover, "sparse", 0)
-    if kept != normalization.window or sparse != normalization.sparse:
-        cache = f" and a sparse cache of {sparse} pairs" if sparse else ""
-        raise ValueError(f"The recurrent cache was built for a softmax window of {kept} keys{cache} and the model "
-                         f"runs {normalization.name}: build it from the model's config "
-                         f"(RecurrentStateCache(config=model.config)).")
+    Raises:
+        ValueError: as :func:`window_path`, or a state handed over to a call that is not linear.
+    """
+    path = window_path(normalization, query.shape[2], kv_len, mask, bias, causal=causal, softcap=softcap,
+                       dropout=dropout, return_weights=return_weights, has_state=has_state, compiling=compiling,
+                       recording=recording, sliding_window=sliding_window)
+    if not normalization.sparse:
+        path = with_kernel(path, query, normalization.without_window, dropout=dropout, return_weights=return_weights,
+                           recording=recording, compiling=compiling, softcap=softcap, sdpa=False)
+    check_state_path(path, has_state)
+    return path
 
 
 def _explicit_route(mask: Mask, bias, return_weights: bool, recording: bool) -> bool:
@@ -272,94 +236,7 @@ def _older_shape(q_len: int, kv_len: int, window: int) -> tuple[int, int]:
     return min(q_len, older), older
 
 
-class Sinks(NamedTuple):
-    """The attention sinks of one call: each sequence's first ``S`` real keys (StreamingLLM, arXiv 2309.17453).
-
-    Attributes:
-        keys, values: ``(B, H_kv, S', D)``, ``S' <= S`` (fewer while a sequence has fewer keys).
-        position: ``(B or 1, S')`` long: each sink's index among the call's keys; negative for a sink that a recurrent
-            cache kept from before the call's keys (older than every query's window).
-        valid: ``(B or 1, S')`` bool: False where a sequence has fewer than ``S'`` real keys.
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    position: torch.Tensor
-    valid: torch.Tensor
-
-
-def leading_sinks(key: torch.Tensor, value: torch.Tensor, sinks: int) -> Sinks:
-    """The :class:`Sinks` of a call whose first keys are its sequences' first real ones (no padding, no recurrent
-    state): the first ``min(S, kv)`` keys and values, by slicing. The polynomial part then reads the keys after them
-    (a contiguous range, no mask), which :func:`sink_keys` and :func:`without_sinks` give for any padding."""
-    count = min(sinks, key.shape[2])
-    position = torch.arange(count, device=key.device)[None]
-    return Sinks(key[:, :, :count], value[:, :, :count], position, torch.ones_like(position, dtype=torch.bool))
-
-
-def sink_keys(key: torch.Tensor, value: torch.Tensor, key_valid: torch.Tensor | None, sinks: int, q_len: int,
-              handover=None, source: torch.Tensor | None = None) -> Sinks | None:
-    """The :class:`Sinks` of a bottom-right causal call with ``key``, ``value`` ``(B, H_kv, kv, D)`` (``None``: no
-    key yet).
-
-    Without ``handover`` the call holds every key of its sequences: the sinks are the first ``S`` real ones. With a
-    recurrent window layer (:mod:`hf_knorm.recurrent.window_cache`: its ``sinks``, ``keep_sinks`` and
-    ``cumulative_length``) the call holds the last kept keys and the step's ``q_len`` new ones: the sinks are the first
-    ``S`` real keys among the layer's kept sinks and the new keys, and are kept for the next step; once every
-    sequence has its ``S`` (read eagerly), the kept ones are returned without a search. ``source``: the mask tensor
-    the call's ``key_valid`` was cut from (:class:`~.masks.KeyPadding`), shared by every layer of the forward: whether
-    the sinks are complete is read once per forward (every layer of a cache has seen the same keys' validity)."""
-    kv_len = key.shape[2]
-    if kv_len == 0:
-        return None
-    positions = torch.arange(kv_len, device=key.device)
-    valid = key.new_ones(1, kv_len, dtype=torch.bool) if key_valid is None else key_valid
-    if handover is None:
-        candidates = Sinks(key, value, positions[None], valid)
-    else:  # the kept sinks (absolute positions) and the step's keys, the only ones not seen before
-        first = handover.cumulative_length - kv_len  # the absolute position of the call's key 0
-        if handover.sinks_complete:  # every sequence holds its S sinks: no later key is one
-            return handover.sinks._replace(position=handover.sinks.position - first)
-        new = slice(kv_len - q_len, kv_len)
-        step = Sinks(key[:, :, new], value[:, :, new], positions[None, new] + first, valid[:, new])
-        candidates = step if handover.sinks is None else _concatenated(handover.sinks, step)
-    batch = max(candidates.position.shape[0], candidates.valid.shape[0])
-    position, valid = candidates.position.expand(batch, -1), candidates.valid.expand(batch, -1)
-    order = torch.where(valid, position, position + 2 * (position.amax() + 1))  # real keys first, in order
-    index = order.topk(min(sinks, order.shape[1]), dim=-1, largest=False, sorted=True).indices  # (B, S')
-    gather = lambda tensor: tensor.gather(  # noqa: E731
-        2, index.expand(tensor.shape[0], -1)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[-1]))
-    chosen = Sinks(gather(candidates.keys), gather(candidates.values), position.gather(1, index),
-                   valid.gather(1, index))
-    if handover is None:
-        return chosen
-    complete = chosen.position.shape[-1] == sinks and not torch.compiler.is_compiling()
-    if complete:
-        read = lambda: bool(chosen.valid.all())  # noqa: E731
-        complete = read() if source is None else read_once(source, ("sinks complete", handover.cumulative_length), read)
-    handover.keep_sinks(chosen, complete)
-    return chosen._replace(position=chosen.position - first)
-
-
-def _concatenated(kept: Sinks, step: Sinks) -> Sinks:
-    batch = max(step.valid.shape[0], kept.valid.shape[0])
-    return Sinks(torch.cat([kept.keys, step.keys], dim=2), torch.cat([kept.values, step.values], dim=2),
-                 torch.cat([kept.position.expand(batch, -1), step.position.expand(batch, -1)], dim=1),
-                 torch.cat([kept.valid.expand(batch, -1), step.valid.expand(batch, -1)], dim=1))
-
-
-def without_sinks(key_valid: torch.Tensor | None, sinks: Sinks | None, batch: int, kv_len: int) -> torch.Tensor | None:
-    """``key_valid`` ``(B or 1, kv)`` (``None``: every key real) with the call's sinks (:func:`sink_keys`) marked
-    not valid, ``(B, kv)``: the keys the polynomial part reads. Unchanged without sinks."""
-    if sinks is None:
-        return key_valid
-    valid = sinks.valid.new_ones(1, kv_len) if key_valid is None else key_valid
-    positions = torch.arange(kv_len, device=valid.device)
-    is_sink = ((positions[None, :, None] == sinks.position[:, None, :]) & sinks.valid[:, None, :]).any(dim=-1)
-    return valid.expand(batch, kv_len) & ~is_sink
-
-
-def _softmax_band(query, key, value, key_valid, window, sinks, frobenius_sq, path, options) -> torch.Tensor:
+def _softmax_band(query, key, value, key_valid, window, sinks, frobenius_sq, options) -> torch.Tensor:
     """The softmax part under a bottom-right causal mask: ``(B, q, H_q, D_v)``.
 
     One call of the chunked kernel on the queries cut into blocks of ``rows``, each block a batch entry with the
@@ -381,15 +258,14 @@ def _softmax_band(query, key, value, key_valid, window, sinks, frobenius_sq, pat
             .permute(0, 2, 1, 4, 3).reshape(batch * blocks, kv_heads, span, -1) for tensor in (key, value))
     q = (F.pad(query, (0, 0, 0, back)).view(batch, q_heads, blocks, rows, dim)
          .transpose(1, 2).reshape(batch * blocks, q_heads, rows, dim))
-    positions = torch.arange(span, device=query.device)
-    row_positions = torch.arange(rows, device=query.device)[:, None]
-    band = (positions >= row_positions) & (positions < row_positions + window)  # (rows, span)
+    row_positions = torch.arange(rows, device=query.device)[:, None] + window - 1  # in the span's coordinates
+    band = window_columns(torch.arange(span, device=query.device), row_positions, window)  # (rows, span)
     real_rows = (torch.arange(blocks * rows, device=query.device) < q_len).view(blocks, rows, 1)
     allowed = (band & real_rows)[None] & valid[:, :, None, :]  # (B, T, rows, span)
     if sinks is not None:
         k, v, allowed, span = _with_sinks(key, value, k, v, allowed, sinks, window, kv_len - q_len, real_rows)
     block_sq = None if frobenius_sq is None else frobenius_sq.new_zeros(batch * blocks, *frobenius_sq.shape[1:])
-    output, _ = _quadratic(path, q, k, v, allowed.reshape(batch * blocks, 1, rows, span), SOFTMAX,
+    output, _ = _quadratic(SOFTMAX_PATH, q, k, v, allowed.reshape(batch * blocks, 1, rows, span), SOFTMAX,
                            frobenius_sq=block_sq, trim_keys=rows > 1, **options)
     if block_sq is not None:
         frobenius_sq += block_sq.view(batch, blocks, *frobenius_sq.shape[1:]).sum(dim=1)
@@ -405,8 +281,7 @@ def _with_sinks(key, value, k, v, allowed, sinks, window, offset, real_rows):
     k_sink, v_sink = (tensor[:, None].expand(-1, blocks, -1, -1, -1).reshape(batch * blocks, kv_heads, count, -1)
                       for tensor in (sinks.keys, sinks.values))
     position = offset + torch.arange(blocks * rows, device=key.device).view(1, blocks, rows, 1)
-    older = sinks.position.expand(batch, -1)[:, None, None, :] <= position - window  # (B, T, rows, S): not in the band
-    sink_allowed = older & sinks.valid.expand(batch, -1)[:, None, None, :] & real_rows[None]
+    sink_allowed = sink_columns(sinks, batch, position, window) & real_rows[None]  # (B, T, rows, S)
     allowed = torch.cat([sink_allowed, allowed], dim=-1)
     return torch.cat([k_sink, k], dim=2), torch.cat([v_sink, v], dim=2), allowed, allowed.shape[-1]
 
@@ -445,47 +320,7 @@ def _older_keys(query, key, value, key_valid, normalization, path, mix, handover
     return F.pad(output, (0, 0, 0, 0, start, 0))
 
 
-def row_scale(output: torch.Tensor) -> torch.Tensor:
-    """``1 / RMS`` of each output row of the polynomial part over its last axis (the head dimension): ``(..., 1)``.
-
-    The part has no denominator, so its size grows with the number of older keys it sums; TransNormer's
-    NormAttention (Qin et al., arXiv 2210.10340) bounds a denominator-free attention by an RMS norm of its output,
-    and so does this, per row and head, before the mix: the part's direction is the paper's ``sum_j s_ij^p v_j``
-    (``c``, and ``sqrtN``'s row count, cancel), its size is ``|m_h|`` at every length. A row with no older key stays
-    0. ``ROW_EPS`` is added to the mean square: rows of RMS well above ``1e-6`` are normalized exactly, and no
-    gradient is infinite (without it, a padded row with a denormal mean square made the x^3/16 conversion's
-    gradients NaN at recovery step ~125)."""
-    return torch.rsqrt(output.pow(2).mean(dim=-1, keepdim=True) + ROW_EPS)
-
-
-ROW_EPS = 1e-12
-"""Added to each row's mean square before the polynomial part's RMS normalization (:func:`row_scale`)."""
-
-
-def part_factor(part: torch.Tensor, mix: torch.Tensor | None) -> torch.Tensor:
-    """What the part beside the window is multiplied by, ``m_h / RMS(u_i)``: ``(B, q, H_q, 1)`` for a part ``u``
-    ``(B, q, H_q, D_v)`` and a mix ``(H_q,)`` (``None``: 1), for the paths that scale the weights too (the explicit
-    masks, :mod:`.window_off`); the band path applies the same two factors one after the other."""
-    factor = row_scale(part)
-    return factor if mix is None else factor * mix.to(part.dtype)[None, None, :, None]
-
-
-def check_mix(mix: torch.Tensor | None, query: torch.Tensor) -> None:
-    """Raise a ValueError unless ``mix`` is ``None`` or ``(H_q,)`` for ``query`` ``(B, H_q, q, D)``."""
-    if mix is not None and tuple(mix.shape) != (query.shape[1],):
-        raise ValueError(f"mix scales the part beside the window per query head: shape ({query.shape[1]},), got "
-                         f"{tuple(mix.shape)}.")
-
-
-def check_causal(normalization: Normalization, mask: Mask, causal: bool) -> None:
-    """Raise a ValueError for a bidirectional call: a softmax window (and its sinks, sparse cache, clusters) weights
-    the keys before a query."""
-    if not causal or (isinstance(mask, KeyPadding) and not mask.causal):
-        raise ValueError(f"{normalization.name}: a softmax window weights the keys before a query; this call is "
-                         "bidirectional (an encoder). Use the normalization without softmax_window on encoders.")
-
-
-def _explicit(query, key, value, mask, normalization, bias, return_weights, frobenius_sq, mix, paths, options):
+def _explicit(query, key, value, mask, normalization, bias, return_weights, frobenius_sq, mix, path, options):
     """Both parts with the chunked kernel on explicit masks (see the module docstring)."""
     if mask is None:
         key, value = linear_keys(query, key, value, None, causal=True)
@@ -498,30 +333,15 @@ def _explicit(query, key, value, mask, normalization, bias, return_weights, frob
     # the first S keys each row may attend: its sequence's first S tokens, as every row here attends its sequence from
     # its start (a layer with its own sliding window refuses sinks: window_path)
     sinks = allowed & (allowed.cumsum(dim=-1) <= normalization.sinks)
-    in_window = allowed & ((positions > last - normalization.window) | sinks)
-    older = allowed & ~in_window
-    polynomial = normalization.without_window
+    in_window = allowed & (window_columns(positions, last, normalization.window) | sinks)
     options = dict(options, return_weights=return_weights, bias=bias)
-    soft, soft_weights = _quadratic(paths.softmax, query, key, value, in_window, SOFTMAX, frobenius_sq=frobenius_sq,
+    soft, soft_weights = _quadratic(SOFTMAX_PATH, query, key, value, in_window, SOFTMAX, frobenius_sq=frobenius_sq,
                                     **options)
     weighted = return_weights or frobenius_sq is not None  # the rows' scales apply to the weights: materialize them
-    poly, poly_weights = _quadratic(paths.polynomial, query, key, value, older, polynomial,
-                                    **dict(options, return_weights=weighted))
-    factor = part_factor(poly, mix)  # (B, q, H_q, 1)
-    if weighted:
-        poly_weights = poly_weights * factor.permute(0, 2, 1, 3)  # (B, H_q, q, kv)
-        if frobenius_sq is not None:
-            frobenius_sq += poly_weights.detach().to(frobenius_sq.dtype).square().sum(dim=(-2, -1)).view_as(
-                frobenius_sq)
-    return soft + poly * factor, (soft_weights + poly_weights if return_weights else None)
-
-
-class _Paths(NamedTuple):
-    """The kernels of a call's two parts: the polynomial part's path (what ``attention_paths()`` counts) and the
-    softmax part's (:data:`SOFTMAX_PATH`)."""
-
-    polynomial: Path
-    softmax: Path
+    poly, poly_weights = scaled_part(*_quadratic(path, query, key, value, allowed & ~in_window,
+                                                 normalization.without_window, **dict(options, return_weights=weighted)),
+                                     mix, frobenius_sq)
+    return soft + poly, (soft_weights + poly_weights if return_weights else None)
 
 
 def _quadratic(path, query, key, value, allowed, normalization, *, scaling, softcap, dropout, op, compiling,

@@ -7,18 +7,16 @@ switches the window off on some training steps, so that the other branch must ca
 :mod:`hf_knorm.training.window_dropout` decides the steps; this module computes a layer on such a step.
 
 Definition (ours). With the window dropped, the whole softmax part is off (the window, the sinks and a sparse cache),
-and the base family weights **every key the mask allows**, the recent ones included, through the row normalization
-and the mix of the part beside the window (:mod:`.window`):
+and the base family weights **every key the mask allows**, through the row normalization and the mix of the part
+beside the window (:mod:`.window`), as it would be with a window of no key:
 
     o_i = m_h * u_i / RMS(u_i),    u_i = sum_{j allowed} w_ij v_j    (w: the base family's weights)
 
-that is, the part beside the window as it would be with a window of no key. Why all keys: with only the older keys,
-a query would see nothing of its own last ``W`` tokens on a dropped step (the first ``W`` queries nothing at all),
-a training signal about lost local context rather than about the distant part; over all keys the layer is the base
-family's own attention, which the paper's linear-only conversions train. Why the sinks too: with them kept, a softmax
-over the first ``S`` tokens alone would stand beside the base family, a path that carries no context and that the
-model could again lean on. The base family's weights on the recent keys are trained on such steps although the
-window covers those keys at inference: the price of keeping every query's context.
+All keys, because with only the older ones a query would see nothing of its own last ``W`` tokens on a dropped step
+(a signal about lost local context, not about the distant part); over all keys the layer is the base family's own
+attention, which the paper's linear-only conversions train. No sinks either: a softmax over the first ``S`` tokens
+alone would be another path that carries no context and that the model could lean on. The price: the base family's
+weights on the recent keys are trained on such steps although the window covers them at inference.
 
 The drop is read from the attention module (:data:`WINDOW_DROPPED`, set by
 :func:`hf_knorm.models.window_mix.window_dropped`) and applies only while the module is training: evaluation and
@@ -33,7 +31,7 @@ from .backends import run_linear, run_quadratic
 from .masks import Mask, kernel_mask
 from ..normalizations import Normalization
 from .paths import Path, linear_keys
-from .window import check_causal, check_mix, part_factor
+from .window_parts import check_causal, check_mix, scaled_part
 
 WINDOW_DROPPED = "hf_knorm_window_dropped"
 """The attribute of an attention module that drops its softmax window in training forwards (absent: not dropped)."""
@@ -44,45 +42,17 @@ def window_is_dropped(module: torch.nn.Module) -> bool:
     return bool(module.training and getattr(module, WINDOW_DROPPED, False))
 
 
-def window_off_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: Mask,
-    normalization: Normalization,
-    path: Path,
-    *,
-    bias: torch.Tensor | None = None,
-    scaling: float | None = None,
-    softcap: float | None = None,
-    dropout: float = 0.0,
-    causal: bool = True,
-    return_weights: bool = False,
-    frobenius_sq: torch.Tensor | None = None,
-    mix: torch.Tensor | None = None,
-    params: dict[str, torch.Tensor] | None = None,
-    compiling: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A layer with a softmax window, its window dropped (see the module docstring).
-
-    Args:
-        query: ``(B, H_q, q, D)``; key, value ``(B, H_kv, kv, D)``, not repeated for GQA.
-        mask: as :func:`.interface.read_mask` gives it (``None``: sdpa's top-left causal mask, as for every
-            normalization).
-        normalization: a normalization with a softmax window; its ``without_window`` weights every allowed key.
-        path: the base family's path for this call (:func:`.paths.choose_path` and :func:`.backends.with_kernel` on
-            ``normalization.without_window``, with ``return_weights`` true when norms are recorded: the rows' scales
-            apply to the weights).
-        bias, scaling, softcap, dropout: as the kernels take them (dropout on the base family's weights).
-        causal: the call is causal (required, as for the window).
-        return_weights: also return the ``(B, H_q, q, kv)`` weights, the rows' scales and the mix included.
-        frobenius_sq: optional ``(B, H_kv, G)`` accumulator of each head's squared Frobenius norm.
-        mix: ``(H_q,)`` factors, or ``None`` (1).
-        params: the base family's learnable values, ``(H_q,)`` each.
-        compiling: traced by ``torch.compile``.
-
-    Returns:
-        ``(output (B, q, H_q, D_v) in the query dtype, weights or None)``.
+def window_off_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Mask,
+                         normalization: Normalization, path: Path, *, bias: torch.Tensor | None = None,
+                         scaling: float | None = None, softcap: float | None = None, dropout: float = 0.0,
+                         causal: bool = True, return_weights: bool = False, frobenius_sq: torch.Tensor | None = None,
+                         mix: torch.Tensor | None = None, params: dict[str, torch.Tensor] | None = None,
+                         compiling: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer with a softmax window, its window dropped (see the module docstring). The arguments and the result are
+    :func:`.window.window_attention`'s (``return_weights``: the rows' scales and the mix included), and ``path`` the
+    base family's path for this call (:func:`.paths.choose_path` and :func:`.backends.with_kernel` on
+    ``normalization.without_window``, with ``return_weights`` true when norms are recorded: the rows' scales apply to
+    the weights).
 
     Raises:
         ValueError: no window, a bidirectional call, a mix of another shape, or a linear path asked for weights.
@@ -106,10 +76,5 @@ def window_off_attention(
         output, weights = run_quadratic(path, query, key, value, kernel_mask(mask, compiling), base, bias=bias,
                                         scaling=scaling, softcap=softcap, dropout=dropout, causal=causal,
                                         return_weights=weighted, trim_keys=not compiling, params=params)
-    factor = part_factor(output, mix)  # (B, q, H_q, 1): each row's RMS to 1, times the mix
-    output = output * factor
-    if weighted:
-        weights = weights * factor.permute(0, 2, 1, 3)  # (B, H_q, q, kv)
-        if frobenius_sq is not None:
-            frobenius_sq += weights.detach().to(frobenius_sq.dtype).square().sum(dim=(-2, -1)).view_as(frobenius_sq)
+    output, weights = scaled_part(output, weights, mix, frobenius_sq)  # each row's RMS to 1, times the mix
     return output.to(dtype), (weights if return_weights else None)

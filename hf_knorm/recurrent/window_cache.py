@@ -48,7 +48,7 @@ class WindowStateLayer(RecurrentStateLayer):
         super().__init__(layer_idx)
         self.window = window
         self.value: torch.Tensor | None = None  # the value tensor of the step being handed over
-        self.sinks = None  # the attention sinks kept (hf_knorm.attention.window.Sinks, absolute positions), if any
+        self.sinks = None  # the attention sinks kept (hf_knorm.attention.window_parts.Sinks, absolute positions), if any
         self.sinks_complete = False  # every sequence holds its S sinks: later keys are never sinks
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

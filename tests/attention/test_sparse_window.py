@@ -242,3 +242,22 @@ def test_calls_the_definition_does_not_cover_are_refused():
         call(mix=torch.ones(3, dtype=torch.float64))
     with pytest.raises(ValueError, match="not x/1 \\+ softmax window 3"):
         sparse_window_attention(query, key, value, None, parse_normalization("x/1 + softmax window 3"))
+
+
+def test_window_attention_is_the_one_composition_and_computes_the_sparse_cache():
+    """``window_attention`` with ``sparse > 0`` is the sparse cache's computation (``sparse = 0`` its special case),
+    and ``window_path`` counts it as the attention function does (``"sparse"``)."""
+    from hf_knorm.attention.window import window_attention, window_path
+
+    normalization = parse_normalization("x/1 + softmax window 4 + sinks 2 + sparse 3")
+    query, key, value = (t.detach() for t in _inputs())
+    mask = KeyPadding(_valid("left", 2, 37), 37, causal=True)
+    got, _ = window_attention(query, key, value, mask, normalization)
+    want, _ = sparse_window_attention(query, key, value, mask, normalization)
+    assert torch.equal(got, want)
+    reference, _ = reference_window_attention(query, key, value, mask.dense(), normalization)
+    rows = _valid("left", 2, 37)[:, :, None, None]
+    torch.testing.assert_close(got * rows, reference * rows, rtol=0, atol=ATOL)
+    path = window_path(normalization, 37, 37, mask, None, causal=True, softcap=None, dropout=0.0,
+                       return_weights=False, has_state=False)
+    assert path.name == "sparse" and path.linear

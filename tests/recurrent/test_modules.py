@@ -23,7 +23,7 @@ RECURRENT = sorted(f"hf_knorm.recurrent.{path.stem}" for path in (PACKAGE / "rec
                    if path.stem != "__init__")
 HANDOVER_MODULES = ["hf_knorm.attention.taps"] + RECURRENT
 READERS = {"interface.py": StateHandover, "window.py": WindowStateHandover, "taps.py": StateHandover,
-           "sparse.py": SparseWindowStateHandover}
+           "sparse.py": SparseWindowStateHandover, "window_parts.py": WindowStateHandover}
 """The attention modules that read a handed-over layer, and the protocol that must declare what each reads (the window
 reads a windowed layer's members; the interface and the taps only what every layer has)."""
 
