@@ -35,6 +35,7 @@ from transformers import DynamicCache
 
 from ..compat import cache_kwargs, output_cache
 from ..eviction.pipeline import answer_after_context, encode_prompt, generate_after, knorm_cache_for
+from ..eviction.reconstruction import reconstruction_scores
 
 CITIES = ("Paris", "Tokyo", "Nairobi", "Lima", "Oslo", "Cairo", "Sydney", "Toronto", "Mumbai", "Madrid", "Seoul",
           "Dublin", "Lisbon", "Santiago", "Hanoi", "Vienna", "Prague", "Manila", "Bogota", "Helsinki")
@@ -179,19 +180,30 @@ def answer_cell(model, tokenizer, sample: dict, variants: list[Variant], max_new
 
     A ``kvpress`` variant runs :func:`hf_knorm.eviction.pipeline.answer_after_context`, the ``knorm-text-generation``
     pipeline's own protocol, on that shared prefill; its cache is :func:`~hf_knorm.eviction.pipeline.knorm_cache_for` with exactly the
-    variant's options (a model's recorded KNorm defaults are not applied: every row names its options).
+    variant's options (a model's recorded KNorm defaults are not applied: every row names its options). KVzip's
+    reconstruction (``score="kvzip"``) runs once per sample and options but the ratio, which it does not depend on.
     """
     context_ids, question_ids = encode_prompt(tokenizer, sample["context"], sample["question"], sample["answer_prefix"])
     context_ids, question_ids = context_ids.to(model.device), question_ids.to(model.device)
     full = output_cache(model(input_ids=context_ids, **cache_kwargs(DynamicCache()), use_cache=True))
     ids = torch.cat([context_ids, question_ids], dim=1)  # (1, n_context + n_question)
     generate = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    answers, with_question = {}, None
+    answers, with_question, reconstructed = {}, None, {}
     for variant in variants:
         cache = knorm_cache_for(model, score_basis=variant.score_basis, recorded_defaults=False, **variant.options)
         if variant.protocol == "kvpress":
+            importance = None
+            if cache.settings.deferred:  # KVzip: reconstructed once for every ratio of the same options
+                options = repr(sorted((name, value) for name, value in variant.options.items()
+                                      if name != "compression_ratio"))
+                if options not in reconstructed:
+                    scored = knorm_cache_for(model, score_basis=variant.score_basis, recorded_defaults=False,
+                                             **variant.options)
+                    scored.prefill_from(full)
+                    reconstructed[options] = reconstruction_scores(model, scored, context_ids, tokenizer)
+                importance = reconstructed[options]
             new = answer_after_context(model, cache, context_ids, question_ids, prefilled=full, tokenizer=tokenizer,
-                                       **generate)[0]
+                                       importance=importance, **generate)[0]
         elif variant.protocol == "authors":
             if with_question is None:  # question on the uncompressed pass; its last logits give the first token
                 step_cache = DynamicCache([(layer.keys, layer.values) for layer in full.layers])

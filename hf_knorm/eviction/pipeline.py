@@ -173,7 +173,7 @@ def generate_after(model, cache: KNormCache, context_ids: torch.Tensor, new_ids:
 @torch.no_grad()
 def answer_after_context(model, cache: KNormCache, context_ids: torch.Tensor, question_ids: torch.Tensor, *,
                          prefilled=None, tokenizer=None, chat_template: bool | None = None,
-                         **generate_kwargs) -> torch.Tensor:
+                         importance: dict[int, torch.Tensor] | None = None, **generate_kwargs) -> torch.Tensor:
     """The kvpress protocol, once: the context is compressed into ``cache``, the question appended uncompressed on top
     of it, and the answer decoded. The ``knorm-text-generation`` pipeline and the needle benchmark both run this.
 
@@ -188,13 +188,15 @@ def answer_after_context(model, cache: KNormCache, context_ids: torch.Tensor, qu
         tokenizer, chat_template: For ``score="kvzip"``: the context is then scored by the reconstruction pass
             (:func:`hf_knorm.eviction.reconstruction.compress_by_reconstruction`) before the question; ignored by
             the other scores.
+        importance (dict, optional): For ``score="kvzip"``, the context's reconstruction importance already computed
+            (:func:`answer_questions`).
         **generate_kwargs: ``model.generate`` arguments (``max_new_tokens``, ``do_sample``, ``pad_token_id``, ...).
 
     Returns:
         torch.Tensor: (B, new) the answer's token ids.
     """
     return answer_questions(model, cache, context_ids, [question_ids], prefilled=prefilled, tokenizer=tokenizer,
-                            chat_template=chat_template, **generate_kwargs)[0]
+                            chat_template=chat_template, importance=importance, **generate_kwargs)[0]
 
 
 def _check_tokenizer(tokenizer) -> None:
@@ -216,7 +218,7 @@ def fork_cache(cache: KNormCache) -> KNormCache:
 def answer_questions(model, cache: KNormCache, context_ids: torch.Tensor, questions: list[torch.Tensor], *,
                      prefilled=None, tokenizer=None, chat_template: bool | None = None,
                      context_mask: torch.Tensor | None = None, question_masks: list[torch.Tensor | None] | None = None,
-                     **generate_kwargs) -> list[torch.Tensor]:
+                     importance: dict[int, torch.Tensor] | None = None, **generate_kwargs) -> list[torch.Tensor]:
     """Compress once, ask many: the context is prefilled and compressed into ``cache`` once (scores included), then
     each question is appended to a copy of the compressed cache (:func:`fork_cache`; the last question to ``cache``
     itself) and answered. For a query-agnostic score this gives every question the answer of
@@ -227,6 +229,10 @@ def answer_questions(model, cache: KNormCache, context_ids: torch.Tensor, questi
         context_mask (torch.Tensor, optional): (B, n), 0 on the left padding of a batch of contexts of different
             lengths (each row is compressed as its context alone, :mod:`hf_knorm.eviction.rows`).
         question_masks (list of torch.Tensor, optional): per question (B, m_i), 0 on its left padding.
+        importance (dict, optional): For ``score="kvzip"``: this context's reconstruction importance, already
+            computed (:func:`hf_knorm.eviction.reconstruction.reconstruction_scores` on the same prefill, the same
+            settings but the compression ratio, which it does not depend on): the cache is compressed by it, not
+            scored again. A benchmark of several ratios reconstructs each context once.
         Others: as :func:`answer_after_context`.
 
     Returns:
@@ -234,7 +240,10 @@ def answer_questions(model, cache: KNormCache, context_ids: torch.Tensor, questi
     """
     if not questions:
         raise ValueError("answer_questions needs at least one question.")
-    if cache.settings.deferred:
+    if importance is not None and not cache.settings.deferred:
+        raise ValueError(f"importance= is a reconstruction score's (score='kvzip'); this cache's score "
+                         f"{cache.settings.score.name!r} compresses at the prefill.")
+    if cache.settings.deferred and importance is None:
         _check_tokenizer(tokenizer)
     question_masks = question_masks or [None] * len(questions)
     padded = has_padding(context_mask) or any(has_padding(mask) for mask in question_masks)
@@ -250,7 +259,9 @@ def answer_questions(model, cache: KNormCache, context_ids: torch.Tensor, questi
             cache.prefill_from(prefilled)
         if has_padding(context_mask):
             _check_cache_saw_padding(cache)
-        if cache.settings.deferred:
+        if cache.settings.deferred and importance is not None:
+            cache.compress_prompts({index: scores.clone() for index, scores in importance.items()})
+        elif cache.settings.deferred:
             compress_by_reconstruction(model, cache, context_ids, tokenizer, chat_template)
         answers = []
         for index, (question_ids, question_mask) in enumerate(zip(questions, question_masks)):

@@ -50,7 +50,8 @@ from .cache import KNormCache, KNormLayer
 from .max_weight import attention_with_max_weights
 
 __all__ = ["CAPTURE_ATTENTION", "FIRST_PROMPT", "NEXT_PROMPT", "ReconstructionPrompt", "capture_attention",
-           "compress_by_reconstruction", "reconstruction_chunks", "reconstruction_importance", "reconstruction_prompt"]
+           "compress_by_reconstruction", "reconstruction_chunks", "reconstruction_importance", "reconstruction_prompt",
+           "reconstruction_scores"]
 
 CAPTURE_ATTENTION = "knorm_capture"
 FIRST_PROMPT = "Repeat the previous context exactly."
@@ -285,7 +286,21 @@ def _row_importance(model, cache: KNormCache, context_ids: torch.Tensor, prompt:
 
 def compress_by_reconstruction(model, cache: KNormCache, context_ids: torch.Tensor, tokenizer,
                                chat_template: bool | None = None) -> dict[int, torch.Tensor]:
-    """Score ``cache``'s prefilled context by KVzip's reconstruction and compress it (module docstring).
+    """Score ``cache``'s prefilled context by KVzip's reconstruction (:func:`reconstruction_scores`) and compress it.
+
+    Returns:
+        dict: the importance per KNorm layer, after ``cache`` is compressed by it. It does not depend on the
+        compression ratio: another cache of the same settings but its ratio, prefilled with the same context, is
+        compressed by it without a second reconstruction (``cache.compress_prompts(importance)``).
+    """
+    importance = reconstruction_scores(model, cache, context_ids, tokenizer, chat_template)
+    cache.compress_prompts(importance)
+    return importance
+
+
+def reconstruction_scores(model, cache: KNormCache, context_ids: torch.Tensor, tokenizer,
+                          chat_template: bool | None = None) -> dict[int, torch.Tensor]:
+    """Score ``cache``'s prefilled context by KVzip's reconstruction (module docstring), leaving it uncompressed.
 
     Args:
         model (PreTrainedModel): The decoder the context was prefilled with (softmax attention).
@@ -296,11 +311,12 @@ def compress_by_reconstruction(model, cache: KNormCache, context_ids: torch.Tens
         chat_template (bool, optional): Wrap the prompt in the tokenizer's chat template (default: when it has one).
 
     Returns:
-        dict: the importance per KNorm layer (:func:`reconstruction_importance`), after ``cache`` is compressed.
+        dict: the importance per KNorm layer (:func:`reconstruction_importance`); ``cache`` still holds the whole
+        context.
     """
     score = cache.settings.score
     if not cache.settings.deferred:
-        raise ValueError(f"compress_by_reconstruction is for score='kvzip'; this cache's score is {score.name!r}.")
+        raise ValueError(f"The reconstruction score is for score='kvzip'; this cache's score is {score.name!r}.")
     if tokenizer is None:
         raise ValueError("score='kvzip' needs the tokenizer (its reconstruction prompt is text): pass tokenizer=.")
     prompt = reconstruction_prompt(tokenizer, chat_template)
@@ -313,7 +329,6 @@ def compress_by_reconstruction(model, cache: KNormCache, context_ids: torch.Tens
     else:
         chunks = reconstruction_chunks(context_ids, prompt, score.chunk_size, score.tail)
         importance = reconstruction_importance(model, cache, chunks)
-    cache.compress_prompts(importance)
     return importance
 
 

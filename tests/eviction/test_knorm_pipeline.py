@@ -48,14 +48,23 @@ def test_pipeline_task_answers_from_the_compressed_context(tiny):
 
 
 @pytest.mark.compat
-def test_needle_cells_give_the_pipeline_answers(tiny):
+def test_needle_cells_give_the_pipeline_answers(tiny, monkeypatch):
+    """Every row equals the pipeline's answer; KVzip's rows of one score at two ratios reconstruct the context once
+    (the pipeline reconstructs it for each call)."""
     model, tokenizer = tiny
     sample = dict(context=word_text(PROMPT, seed=2), question=word_text(2, seed=3), answer_prefix=" w5", expected="0")
     variants = [needle.Variant("r=0"), needle.Variant("r=0.9", {"compression_ratio": 0.9}),
                 needle.Variant("kv_diff", {"compression_ratio": 0.5, "score": "kv_diff", "sink_tokens": 2}),
                 needle.Variant("layer 0 kept", {"compression_ratio": 0.75, "layer_ratios": {0: 0.0}}),
-                needle.Variant("kvzip", {"compression_ratio": 0.75, "score": "kvzip+chunk_size8"})]
+                needle.Variant("kvzip", {"compression_ratio": 0.75, "score": "kvzip+chunk_size8"}),
+                needle.Variant("kvzip 0.25", {"compression_ratio": 0.25, "score": "kvzip+chunk_size8"}),
+                needle.Variant("kvzip sinks", {"compression_ratio": 0.75, "score": "kvzip+chunk_size8",
+                                               "sink_tokens": 2})]
+    reconstructions = []
+    scores = needle.reconstruction_scores
+    monkeypatch.setattr(needle, "reconstruction_scores", lambda *args: reconstructions.append(1) or scores(*args))
     answers = needle.answer_cell(model, tokenizer, sample, variants, max_new_tokens=NEW)
+    assert len(reconstructions) == 2  # one per options but the ratio: kvzip, kvzip + sinks
     pipe = pipeline("knorm-text-generation", model=model, tokenizer=tokenizer)
     for variant in variants:
         answer = pipe(sample["context"], question=sample["question"], answer_prefix=sample["answer_prefix"],
@@ -89,3 +98,14 @@ def test_several_questions_are_answered_from_one_compressed_context(tiny, option
     assert len({answer["answer"] for answer in one_by_one}) > 1  # the questions matter: the equality is not vacuous
     with pytest.raises(ValueError, match="question"):
         pipe(context, question=[questions[0], ""], **GENERATE)
+
+
+def test_importance_given_to_a_cache_that_scores_at_the_prefill_is_refused(tiny):
+    from hf_knorm.eviction.pipeline import answer_after_context, knorm_cache_for
+
+    model, tokenizer = tiny
+    context_ids, question_ids = encode_prompt(tokenizer, word_text(PROMPT, seed=4), word_text(2, seed=5))
+    cache = knorm_cache_for(model, compression_ratio=0.5, score="kv_diff", recorded_defaults=False)
+    with pytest.raises(ValueError, match="importance= is a reconstruction score's"):
+        answer_after_context(model, cache, context_ids, question_ids, importance={0: torch.zeros(1, 2, PROMPT)},
+                             **GENERATE)
