@@ -103,7 +103,8 @@ def perplexity(model: nn.Module, tokenizer, texts: list[str] | str, window: int 
 
 @torch.no_grad()
 def perplexity_after_compression(model: nn.Module, windows: list[torch.Tensor], context: int,
-                                 variants: dict[str, dict], progress: bool = True) -> dict[str, PerplexityResult]:
+                                 variants: dict[str, dict], progress: bool = True,
+                                 tokenizer=None) -> dict[str, PerplexityResult]:
     """Teacher-forced perplexity of each window's continuation read through a compressed KV cache of its beginning.
 
     Per window (``(n,)`` ids, ``n > context + 1``): the first ``context`` tokens are prefilled **once** into a full
@@ -116,6 +117,9 @@ def perplexity_after_compression(model: nn.Module, windows: list[torch.Tensor], 
 
     Args:
         variants (dict): Row name -> :class:`~hf_knorm.KNormCache` options (``compression_ratio``, ``score``, ...).
+        tokenizer: Needed by ``score="kvzip"`` (its reconstruction prompt is text): each window's context is then
+            reconstructed once per options but the ratio (:func:`hf_knorm.eviction.reconstruction.reconstruction_scores`)
+            and every ratio's cache compressed by that importance.
 
     Returns:
         dict: Row name -> :class:`PerplexityResult` over all windows.
@@ -124,6 +128,7 @@ def perplexity_after_compression(model: nn.Module, windows: list[torch.Tensor], 
 
     from ..eviction.cache import KNormCache
     from ..eviction.ragged import ragged_attention_for
+    from ..eviction.reconstruction import reconstruction_scores
 
     device = next(model.parameters()).device
     totals = {name: [0.0, 0] for name in variants}
@@ -133,8 +138,17 @@ def perplexity_after_compression(model: nn.Module, windows: list[torch.Tensor], 
         ids = ids.to(device)[None]  # (1, n)
         full = output_cache(model(input_ids=ids[:, :context], **cache_kwargs(DynamicCache()), use_cache=True))
         continuation = ids[:, context:]  # (1, m)
+        reconstructed = {}  # KVzip's importance of this window's context, per options but the ratio
         for name, options in variants.items():
             cache = KNormCache.from_dynamic_cache(full, config=model.config, **options)
+            if cache.awaits_importance():
+                if tokenizer is None:
+                    raise ValueError(f"{name}: score='kvzip' reconstructs the context from its text; pass tokenizer=.")
+                shared = repr(sorted((key, value) for key, value in options.items() if key != "compression_ratio"))
+                if shared not in reconstructed:
+                    scored = KNormCache.from_dynamic_cache(full, config=model.config, **options)
+                    reconstructed[shared] = reconstruction_scores(model, scored, ids[:, :context], tokenizer)
+                cache.compress_prompts({index: scores.clone() for index, scores in reconstructed[shared].items()})
             with ragged_attention_for(model, cache):  # head_budget="heads": the attention that masks per head
                 if cache.is_uniform():
                     logits = model(input_ids=continuation, **cache_kwargs(cache), use_cache=True).logits  # (1, m, V)

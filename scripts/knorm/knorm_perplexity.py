@@ -40,7 +40,8 @@ def main() -> None:
     windows = token_windows(tokenizer, "\n\n".join(paul_graham_essays()), window=args.context + args.continuation,
                             max_tokens=(args.context + args.continuation) * args.windows)
     began = time.time()
-    results = perplexity_after_compression(model, windows, args.context, {v.name: v.options for v in variants})
+    results = perplexity_after_compression(model, windows, args.context, {v.name: v.options for v in variants},
+                                           tokenizer=tokenizer)
     base = results["r=0"].perplexity
     lines = [f"Perplexity of {results['r=0'].tokens} continuation tokens ({len(windows)} windows of {args.context} "
              f"context + {args.continuation}); uncompressed: {base:.2f}", "",

@@ -413,3 +413,33 @@ def test_spelling_and_refusals():
     with pytest.raises(ValueError, match="softcap"):
         compress_by_reconstruction(gemma2, cache, ids, word_tokenizer())
     assert gemma2.config._attn_implementation == "eager"  # given back after the error
+
+
+def test_perplexity_through_a_kvzip_cache_reconstructs_each_context_once(monkeypatch):
+    """``perplexity_after_compression`` with KVzip rows: each ratio's loss equals a KVzip cache prefilled,
+    compressed by its own reconstruction and read teacher-forced; the reconstruction runs once per window."""
+    from hf_knorm.evaluation.perplexity import perplexity_after_compression
+    from hf_knorm.eviction import reconstruction
+
+    model, tokenizer = knorm_model("llama"), word_tokenizer()
+    windows = [tokenizer(word_text(30, seed=seed), return_tensors="pt")["input_ids"][0] for seed in (11, 12)]
+    context, score = 20, "kvzip+chunk_size8"
+    variants = {f"r={ratio}": {"compression_ratio": ratio, "score": score} for ratio in (0.25, 0.5)}
+    calls = []
+    scores = reconstruction.reconstruction_scores
+    monkeypatch.setattr(reconstruction, "reconstruction_scores", lambda *args: calls.append(1) or scores(*args))
+    results = perplexity_after_compression(model, windows, context, variants, progress=False, tokenizer=tokenizer)
+    assert len(calls) == len(windows)
+    for name, options in variants.items():
+        total = 0.0
+        with torch.no_grad():
+            for ids in windows:
+                cache = KNormCache(options["compression_ratio"], score=score, config=model.config)
+                model(input_ids=ids[None, :context], **cache_kwargs(cache), use_cache=True)
+                reconstruction.compress_by_reconstruction(model, cache, ids[None, :context], tokenizer)
+                logits = model(input_ids=ids[None, context:], **cache_kwargs(cache), use_cache=True).logits[0, :-1]
+                total += torch.nn.functional.cross_entropy(logits, ids[context + 1:], reduction="sum").item()
+        assert results[name].nll == pytest.approx(total / results[name].tokens, rel=1e-5), name
+    assert results["r=0.25"].nll != pytest.approx(results["r=0.5"].nll, rel=1e-6)  # each ratio its own cache
+    with pytest.raises(ValueError, match="pass tokenizer="):
+        perplexity_after_compression(model, windows, context, variants, progress=False)
