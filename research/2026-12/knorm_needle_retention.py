@@ -21,6 +21,7 @@ import hf_knorm
 from hf_knorm.evaluation.needle import haystack, make_sample, parse_score_spec
 from hf_knorm.eviction.cache import KNormCache
 from hf_knorm.eviction.pipeline import split_prompt
+from hf_knorm.eviction.reconstruction import compress_by_reconstruction
 
 
 @torch.no_grad()
@@ -50,6 +51,8 @@ def main() -> None:
     for spec in (entry.strip() for entry in args.scores.split(",") if entry.strip()):
         for ratio in (float(r) for r in args.ratios.split(",")):
             cache = KNormCache.from_dynamic_cache(full, compression_ratio=ratio, **parse_score_spec(spec))
+            if cache.awaits_importance():  # kvzip: scored by the context's reconstruction, after the prefill
+                compress_by_reconstruction(model, cache, torch.tensor([encoded["input_ids"]]), tokenizer)
             heads_all, fractions = [], []
             for layer in range(len(cache.layers)):
                 positions = cache.kept_positions(layer)[0]  # (H_kv, kept)
@@ -58,6 +61,9 @@ def main() -> None:
                 fractions.append(round(float(kept.float().mean()), 2))
             print(f"{spec} r={ratio:g}: heads keeping all digits, per layer: {heads_all}")
             print(f"{spec} r={ratio:g}: fraction of digit tokens kept, per layer: {fractions}")
+            first = [round(float(torch.stack([(cache.kept_positions(layer)[0] == p).any(-1) for p in range(4)],
+                                             -1).float().mean()), 2) for layer in range(len(cache.layers))]
+            print(f"{spec} r={ratio:g}: fraction of the first 4 tokens kept, per layer: {first}")
             summary.append(f"| {spec} | {ratio:g} | {sum(h > 0 for h in heads_all)} of {len(heads_all)} | "
                            f"{sum(heads_all)} of {kept.shape[0] * len(heads_all)} | "
                            f"{sum(fractions) / len(fractions):.2f} |")
