@@ -35,7 +35,7 @@ from transformers import DynamicCache
 
 from ..compat import cache_kwargs, output_cache
 from ..eviction.pipeline import answer_after_context, encode_prompt, generate_after, knorm_cache_for
-from ..eviction.reconstruction import reconstruction_scores
+from ..eviction.reconstruction import reconstruction_scores, shared_scoring
 
 CITIES = ("Paris", "Tokyo", "Nairobi", "Lima", "Oslo", "Cairo", "Sydney", "Toronto", "Mumbai", "Madrid", "Seoul",
           "Dublin", "Lisbon", "Santiago", "Hanoi", "Vienna", "Prague", "Manila", "Bogota", "Helsinki")
@@ -194,8 +194,7 @@ def answer_cell(model, tokenizer, sample: dict, variants: list[Variant], max_new
         if variant.protocol == "kvpress":
             importance = None
             if cache.settings.deferred:  # KVzip: reconstructed once for every ratio of the same options
-                options = repr(sorted((name, value) for name, value in variant.options.items()
-                                      if name != "compression_ratio"))
+                options = shared_scoring(variant.options)
                 if options not in reconstructed:
                     scored = knorm_cache_for(model, score_basis=variant.score_basis, recorded_defaults=False,
                                              **variant.options)

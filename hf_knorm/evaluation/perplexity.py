@@ -128,7 +128,7 @@ def perplexity_after_compression(model: nn.Module, windows: list[torch.Tensor], 
 
     from ..eviction.cache import KNormCache
     from ..eviction.ragged import ragged_attention_for
-    from ..eviction.reconstruction import reconstruction_scores
+    from ..eviction.reconstruction import reconstruction_scores, shared_scoring
 
     device = next(model.parameters()).device
     totals = {name: [0.0, 0] for name in variants}
@@ -144,7 +144,7 @@ def perplexity_after_compression(model: nn.Module, windows: list[torch.Tensor], 
             if cache.awaits_importance():
                 if tokenizer is None:
                     raise ValueError(f"{name}: score='kvzip' reconstructs the context from its text; pass tokenizer=.")
-                shared = repr(sorted((key, value) for key, value in options.items() if key != "compression_ratio"))
+                shared = shared_scoring(options)
                 if shared not in reconstructed:
                     scored = KNormCache.from_dynamic_cache(full, config=model.config, **options)
                     reconstructed[shared] = reconstruction_scores(model, scored, ids[:, :context], tokenizer)

@@ -51,7 +51,7 @@ from .max_weight import attention_with_max_weights
 
 __all__ = ["CAPTURE_ATTENTION", "FIRST_PROMPT", "NEXT_PROMPT", "ReconstructionPrompt", "capture_attention",
            "compress_by_reconstruction", "reconstruction_chunks", "reconstruction_importance", "reconstruction_prompt",
-           "reconstruction_scores"]
+           "reconstruction_scores", "shared_scoring"]
 
 CAPTURE_ATTENTION = "knorm_capture"
 FIRST_PROMPT = "Repeat the previous context exactly."
@@ -296,6 +296,13 @@ def compress_by_reconstruction(model, cache: KNormCache, context_ids: torch.Tens
     importance = reconstruction_scores(model, cache, context_ids, tokenizer, chat_template)
     cache.compress_prompts(importance)
     return importance
+
+
+def shared_scoring(options: dict) -> str:
+    """A key of a cache's options but its compression ratio: caches with equal keys, prefilled with one context, get
+    the same reconstruction importance (it does not depend on the ratio), so a benchmark of several ratios computes it
+    once per key (:func:`reconstruction_scores`)."""
+    return repr(sorted((name, value) for name, value in options.items() if name != "compression_ratio"))
 
 
 def reconstruction_scores(model, cache: KNormCache, context_ids: torch.Tensor, tokenizer,
