@@ -1,4 +1,4 @@
-"""torch.compile of a model with a softmax window: no graph break (``fullgraph=True``, inductor), the eager values.
+"""torch.compile of a model with a softmax window: no graph break (``fullgraph=True``), the eager values.
 
 The softmax part's blocks and the quadratic polynomial part run through the custom op, the ``p = 1`` part is traced
 (the linear kernel). Tolerances as tests/attention/test_compile.py (fp32): logits within 1e-5 absolute of eager; each
@@ -25,14 +25,19 @@ def fresh_dynamo():
 
 
 # with_mix: a conversion's mix, saved in the config, read in the graph; every route runs with one, the band route
-# also without (each case compiles a forward and a backward: the slowest tests of the suite, so no more of them)
-@pytest.mark.parametrize(("model_type", "spelling", "window", "length", "path", "with_mix"), [
-    ("llama", "x/1", 8, 140, "linear", False),  # key padding: the linear kernel traced, the band blocks through the op
-    ("llama", "x/1", 8, 140, "linear", True),
-    ("mistral", "x^3/16", 3, 12, "quadratic", True),  # the model's own sliding window: explicit masks through the op
-    ("llama", "x/1 + softmax window 8 + sinks 2", 8, 140, "linear", True),  # the sinks found in the graph
+# also without. Each inductor case compiles a forward and a backward (20-60 s: the slowest tests of the suite), so
+# inductor compiles the band route with sinks, which holds the band route's kernels and the traced linear kernel; the
+# other cases run aot_eager (Dynamo's capture, AOTAutograd's forward and backward, no code generation), the custom op
+# they call compiled by inductor in tests/attention/test_compile.py.
+@pytest.mark.parametrize(("model_type", "spelling", "window", "length", "path", "with_mix", "backend"), [
+    # key padding: the linear kernel traced, the band blocks through the op
+    ("llama", "x/1", 8, 140, "linear", False, "aot_eager"),
+    ("llama", "x/1", 8, 140, "linear", True, "aot_eager"),
+    # the model's own sliding window: explicit masks through the op
+    ("mistral", "x^3/16", 3, 12, "quadratic", True, "aot_eager"),
+    ("llama", "x/1 + softmax window 8 + sinks 2", 8, 140, "linear", True, "inductor"),  # the sinks found in the graph
 ])
-def test_a_compiled_windowed_model_matches_eager(model_type, spelling, window, length, path, with_mix):
+def test_a_compiled_windowed_model_matches_eager(model_type, spelling, window, length, path, with_mix, backend):
     model = hf_knorm.patch(tiny_model(model_type).train(), spelling, softmax_window=window)
     if with_mix:
         from hf_knorm.models.window_mix import set_window_mix
@@ -45,6 +50,6 @@ def test_a_compiled_windowed_model_matches_eager(model_type, spelling, window, l
         eager_logits, eager_grads = logits_and_grads(model, inputs)
     assert dict(taken) == {path: model.config.num_hidden_layers}
     assert not taps_set()
-    compiled = torch.compile(model, backend="inductor", fullgraph=True)  # a graph break is an error
+    compiled = torch.compile(model, backend=backend, fullgraph=True)  # a graph break is an error
     assert_same_step(logits_and_grads(compiled, inputs), (eager_logits, eager_grads), logits_atol=1e-5,
                      grads_relative=1e-4)

@@ -1,6 +1,8 @@
 """NormLoggerCallback in a Trainer with ``torch_compile=True``: the callback's recorder is a tap, so the compiled model
 runs the custom op between logging steps and recompiles with the tap reads on them; the losses and the logged norms
-are those of the eager run (same seed, same data)."""
+are those of the eager run (same seed, same data). The Trainer compiles with ``aot_eager`` (Dynamo's recompilations,
+AOTAutograd's forward and backward, no code generation: inductor compiles the same op in
+tests/attention/test_compile.py)."""
 
 import pytest
 import torch
@@ -12,7 +14,8 @@ from hf_knorm.training.callback import NormLoggerCallback
 
 def _train(out, compiled: bool):
     torch._dynamo.reset()
-    trainer = tf.Trainer(model=lm("x^3/16"), args=args(out, max_steps=4, logging_steps=2, torch_compile=compiled),
+    compiling = dict(torch_compile=True, torch_compile_backend="aot_eager") if compiled else {}
+    trainer = tf.Trainer(model=lm("x^3/16"), args=args(out, max_steps=4, logging_steps=2, **compiling),
                          train_dataset=lm_data(), callbacks=[NormLoggerCallback()])
     trainer.train()
     torch._dynamo.reset()
