@@ -90,9 +90,11 @@ def run_transfer(model, settings: ConvertSettings, normalization: Normalization,
 
 
 def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: Path, state: dict, teacher=None,
-                 collator=transformers.default_data_collator):
+                 collator=transformers.default_data_collator, evaluate_at_start: bool = False):
     """Stage 2: next-token training of the patched model, through LoRA (merged at the end) or in full, distilled from
-    ``teacher``. The recovered model is saved in ``out/recovery/model`` before the stage is marked done."""
+    ``teacher``. The recovered model is saved in ``out/recovery/model`` before the stage is marked done.
+    ``evaluate_at_start``: the model changed since the transfer's last evaluation (clusters given to it), so the
+    recovery's step 0 is evaluated rather than copied from it (:func:`transferred_evaluation`)."""
     from ..models.persistence import from_pretrained, save_weights_and_config
 
     if settings.recovery == "none" or settings.scheduled_recovery_steps() == 0:
@@ -126,7 +128,7 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
         teacher = None
     model.train()
     checkpoint = get_last_checkpoint(str(folder)) if folder.is_dir() else None
-    start = transferred_evaluation(state, eval_sets)  # the model the transfer last evaluated: not evaluated again
+    start = None if evaluate_at_start else transferred_evaluation(state, eval_sets)  # else not evaluated again
     arguments = _arguments(settings, folder, settings.scheduled_recovery_steps(), settings.recovery_learning_rate,
                            evaluate_at_start=start is None)
     callbacks = [NormLoggerCallback(), StopOnNonFiniteGradient(_advice("--recovery-learning-rate"))]

@@ -20,8 +20,10 @@ the input is checked before the model is loaded):
    the recovery reads at least half the training set: ``teacher_top_k``); LoRA adapters are merged before saving;
    ``x^p/c`` with a constant ``c`` is trained in both stages as its twin ``x^p/1`` and the constant folded into the
    queries at the end (:mod:`.twin`: the same function; ``fold_constant=False`` trains ``x^p/c`` itself);
-   with ``clusters`` (``... + sparse K + clusters C``) both stages train the model without them, and their codebooks
-   are then fitted on the trained model's keys (:mod:`hf_knorm.conversion.clusters`): every figure after has them;
+   with ``clusters`` (``... + sparse K + clusters C``) the transfer trains the model without them, their codebooks
+   are then fitted on the transferred model's keys (:mod:`hf_knorm.conversion.clusters`), and the recovery trains
+   with them (where its blocks are longer than ``W + S + K``: shorter ones leave no pair to them), as does every
+   figure after;
 6. ``out`` ends with the converted model (an ordinary hf_knorm checkpoint: ``hf_knorm.from_pretrained(out)``), its
    tokenizer, its model card with the held-out perplexities, ``norms.png`` and ``convert.json`` (settings,
    each stage's curve, tokens, trainable parameters, throughput). ``convert.json`` is written last: its presence
@@ -43,6 +45,7 @@ from ..conversion.mixture import GENERAL
 from ..conversion.settings import RECOVERY_MODES, RECOVERY_TRAINABLE, SCALE_FOLDS, ConvertSettings
 from ..conversion.state import STATE_FILE, read_state, write_state
 from ..conversion.twin import fold_constant, training_normalization
+from ..models.patching import held_normalization
 from ..data.dataset_formats import LANGUAGE_MODELING, format_description
 from ..evaluation.domains import domain
 from ..runs.precision import check_precision, run_precision, weights_dtype
@@ -223,7 +226,7 @@ def run_convert(settings: ConvertSettings) -> dict:
 
     clustered = check_settings(settings)
     settings = settings.resolved(clustered)
-    target = with_clusters(clustered, 0)  # trained without clusters; their codebooks are fitted after the training
+    target = with_clusters(clustered, 0)  # the transfer trains without clusters; the recovery with them
     normalization = target.name
     model_dir, config = causal_lm_source(settings.model, settings.block_size, "convert converts")
     already = (getattr(config, "hf_knorm", None) or {}).get("normalization")
@@ -304,13 +307,21 @@ def run_convert(settings: ConvertSettings) -> dict:
     collator = examples_collator(train, tokenizer)
     trained = state.get("trained_as", normalization)  # a run started before twins trained x^p/c itself
     trained_as = target if trained == normalization else parse_normalization(trained)  # read back from the state
-    model = run_transfer(model, settings, trained_as, train, eval_sets, out, state, collator)
-    model = run_recovery(model, settings, train, eval_sets, out, state, teacher, collator)
+
+    def fitted_clusters(model):
+        """The clusters' codebooks fitted on ``model``'s keys (conversion/clusters.py) where it has none yet: the
+        transferred model, so that the recovery trains with them (or a recovered model of a release that fitted them
+        after the recovery, resumed)."""
+        if clustered.clusters and not held_normalization(model).clusters:
+            add_clusters(model, tokenizer, clustered.clusters, seed=settings.seed, tokens=settings.cluster_tokens)
+        return model
+
+    model = fitted_clusters(run_transfer(model, settings, trained_as, train, eval_sets, out, state, collator))
+    model = fitted_clusters(run_recovery(model, settings, train, eval_sets, out, state, teacher, collator,
+                                         evaluate_at_start=bool(clustered.clusters)))
     if trained != normalization:
         fold_constant(model, target)  # the same function under x^p/c (twin.py)
-    if clustered.clusters:  # fitted on the trained model's keys (conversion/clusters.py); every figure below has them
-        add_clusters(model, tokenizer, clustered.clusters, seed=settings.seed, tokens=settings.cluster_tokens)
-        normalization = clustered.name
+    normalization = clustered.name
 
     model.eval()
     with precision():

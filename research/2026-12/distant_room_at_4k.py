@@ -25,7 +25,7 @@ The ceiling's gain over the ablation, ``1 - exact / ablation``, is the most any 
 Usage: ``OMP_NUM_THREADS=2 python research/2026-12/distant_room_at_4k.py --run runs/first3_default_s0
            --sparse 0,256,956 --out runs/kprobe/room4k_s0.json``
 (``--original runs/kprobe/room4k_s0.json`` for the other runs: the same blocks; ``--sparse "" --clusters 256
---no-exact`` for the clusters alone)
+--no-exact`` for the clusters alone; ``--as-saved`` for a run that trained with its clusters: its own codebooks)
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ def main() -> None:
     parser.add_argument("--original", default=None, help="a JSON this script wrote: reuse its original model's figures")
     parser.add_argument("--clusters", default="", help="numbers of clusters beside the run's own cache, e.g. 256")
     parser.add_argument("--no-exact", action="store_true", help="skip the ceiling (unpatched converted weights)")
+    parser.add_argument("--as-saved", action="store_true",
+                        help="the run's model as saved too, first (its own clusters and codebooks, if any)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     run = Path(args.run)
@@ -80,6 +82,8 @@ def main() -> None:
         keep("original", perplexities(hf_knorm.load_default_model()[0], blocks, "original"))
     model = hf_knorm.from_pretrained(run).eval()
     results["normalization"] = hf_knorm.patched_normalization(model)  # as trained; the score below is --score
+    if args.as_saved:
+        keep("as saved", perplexities(model, blocks, results["normalization"]))
     for sparse in (int(value) for value in args.sparse.split(",") if value):
         set_sparse_cache(model, sparse, args.score)
         with distant_part_off(model):

@@ -18,6 +18,7 @@ from training_helpers import lm  # noqa: E402
 
 import hf_knorm  # noqa: E402
 from hf_knorm.conversion.beyond_window import START  # noqa: E402
+from hf_knorm.conversion.state import STATE_FILE  # noqa: E402
 from hf_knorm.jobs.convert import RESULT_FILE, run_convert  # noqa: E402
 from hf_knorm.conversion.settings import ConvertSettings  # noqa: E402
 from hf_knorm.conversion.transfer import AttentionTransfer  # noqa: E402
@@ -286,10 +287,12 @@ def test_a_run_resumes_with_the_sparse_score_it_started_with(tiny_lm_dir, texts,
         check_settings(run)
 
 
-def test_clusters_are_fitted_after_training_saved_and_ablated_with_the_distant_part(tiny_lm_dir, texts, tmp_path):
-    """``--clusters 4``: both stages train without them (``trained_as``), their codebooks are fitted on the trained
-    model's keys (the essays' first ``--cluster-tokens``) and saved; every figure of the record is the clustered
-    model's, and the window alone is the model with its mix at 0 and its clusters off."""
+def test_clusters_are_fitted_before_the_recovery_saved_and_ablated_with_the_distant_part(tiny_lm_dir, texts,
+                                                                                         tmp_path):
+    """``--clusters 4``: the transfer trains without them (``trained_as``), their codebooks are fitted on the
+    transferred model's keys (the essays' first ``--cluster-tokens``), the recovery trains and evaluates with them
+    (its 32-token blocks are longer than W + S + K = 16: they hold pairs) and they are saved; every figure of the record
+    is the clustered model's, and the window alone is the model with its mix at 0 and its clusters off."""
     from hf_knorm.conversion.beyond_window import beyond_window_blocks, beyond_window_perplexities
     from hf_knorm.conversion.clusters import add_clusters
     from hf_knorm.conversion.settings import DEFAULT_NORMALIZATION
@@ -306,12 +309,16 @@ def test_clusters_are_fitted_after_training_saved_and_ablated_with_the_distant_p
     assert hf_knorm.patched_normalization(reloaded) == record["normalization"]
     codebooks = [value.clone() for name, value in reloaded.named_parameters() if name.endswith("cluster_codebook")]
     tokenizer = hf_knorm.models.persistence.load_model(str(out))[1]
-    refitted = lambda: [value for name, value in reloaded.named_parameters() if name.endswith("cluster_codebook")]
-    add_clusters(reloaded, tokenizer, 4, tokens=600)  # fitted again on the same keys (the clusters off): the same
+    transferred = hf_knorm.from_pretrained(out / "transfer" / "model")
+    assert hf_knorm.patched_normalization(transferred) == record["trained_as"]
+    refitted = lambda: [value for name, value in transferred.named_parameters() if name.endswith("cluster_codebook")]
+    add_clusters(transferred, tokenizer, 4, tokens=600)  # fitted again on the transferred model's keys: the same
     assert all(torch.equal(a, b) for a, b in zip(codebooks, refitted()))
-    add_clusters(reloaded, tokenizer, 4)  # the default's 2,048 tokens: other codebooks (the flag was read)
+    add_clusters(transferred, tokenizer, 4)  # the default's 2,048 tokens: other codebooks (the flag was read)
     assert not all(torch.equal(a, b) for a, b in zip(codebooks, refitted()))
-    add_clusters(reloaded, tokenizer, 4, tokens=600)
+    state = json.loads((out / STATE_FILE).read_text())  # the recovery's step 0: evaluated again, with the clusters
+    assert state["recovery"]["curves"]["essays"][0][0] == 0
+    assert state["recovery"]["curves"]["essays"][0][2] != pytest.approx(state["transfer"]["curves"]["essays"][-1][2])
     essays = record["beyond_window"]["domains"]["essays"]
     assert record["beyond_window"]["window_only_is_converted"] is False
     blocks = beyond_window_blocks(["essays"], tokenizer, 512, 768)
