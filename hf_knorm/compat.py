@@ -377,10 +377,11 @@ _CACHE_CHOOSERS: dict[str, Callable] = {}
 
 
 def choose_default_generation_cache(name: str, choose: Callable) -> None:
-    """Let ``choose(model, rewinds)`` replace the ``DynamicCache`` that ``generate`` builds for a call that brings no
-    cache and asks for no kind of cache; ``choose`` returns the cache to decode with, or ``None`` to keep the
-    ``DynamicCache``. ``rewinds``: the call crops its cache (assisted or prompt-lookup decoding, or the call is an
-    assistant's own), which a cache that sums the past cannot do.
+    """Let ``choose(model, rewinds, max_cache_length)`` replace the ``DynamicCache`` that ``generate`` builds for a call
+    that brings no cache and asks for no kind of cache; ``choose`` returns the cache to decode with, or ``None`` to
+    keep the ``DynamicCache``. ``rewinds``: the call crops its cache (assisted or prompt-lookup decoding, or the call
+    is an assistant's own), which a cache that sums the past cannot do; ``max_cache_length``: the most tokens a
+    sequence's cache may hold in the call (``generate``'s ``max_length - 1``).
 
     Works around: a model loaded by plain ``from_pretrained`` (or built by ``from_config``) from a config that the
     plugin patched runs no plugin code before its first attention call, and no public seam lets a plugin choose the
@@ -406,7 +407,7 @@ def choose_default_generation_cache(name: str, choose: Callable) -> None:
 
     Args:
         name: the chooser's name (the same ``choose`` again changes nothing; another one is a ``ValueError``).
-        choose: ``(model, rewinds: bool) -> Cache | None``.
+        choose: ``(model, rewinds: bool, max_cache_length: int) -> Cache | None``.
 
     Raises:
         ValueError: ``name`` already chooses with another function.
@@ -445,8 +446,9 @@ def choose_default_generation_cache(name: str, choose: Callable) -> None:
             return result
         mode = arguments.get("generation_mode")
         rewinds = mode == GenerationMode.ASSISTED_GENERATION or bool(getattr(generation_config, "is_assistant", False))
+        longest = arguments.get("max_cache_length", generation_config.max_length)  # tokens the cache may hold
         for choose in _CACHE_CHOOSERS.values():
-            chosen = choose(self, rewinds)
+            chosen = choose(self, rewinds, longest)
             if chosen is not None:
                 model_kwargs[keyword] = chosen
                 break

@@ -226,7 +226,7 @@ def test_the_bounded_cache_does_not_grow_with_the_context():
     model = hf_knorm.patch(tiny_model("llama"), "x/1 + softmax window 4 + sinks 2 + sparse 3 (key_norm)")
     ids, mask = _prompts(batch=1, length=10)
     sizes, pairs = [], []
-    for new_tokens in (4, 40):
+    for new_tokens in (12, 40):  # past the crossover (17 tokens here), where generate decodes with the state
         out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True,
                              min_new_tokens=new_tokens, max_new_tokens=new_tokens, **GREEDY)
         cache = output_cache(out)
@@ -246,7 +246,7 @@ def test_a_prefix_scores_statistics_do_not_grow_with_the_context():
     model = hf_knorm.patch(tiny_model("llama"), "x/1 + softmax window 4 + sinks 2 + sparse 3 (prefix_kv_diff)")
     ids, mask = _prompts(batch=1, length=10)
     sizes = []
-    for new_tokens in (4, 40):
+    for new_tokens in (12, 40):  # past the crossover (17 tokens here), where generate decodes with the state
         out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True,
                              min_new_tokens=new_tokens, max_new_tokens=new_tokens, **GREEDY)
         cache = output_cache(out)
@@ -255,8 +255,8 @@ def test_a_prefix_scores_statistics_do_not_grow_with_the_context():
     kv_heads, head_dim, tail = 2, 16, 4 + 2
     statistics = (kv_heads * (2 * head_dim + 4 + tail) + 1) * 8 + tail + 8  # sums, moments, tail; count; valid; seen
     without = hf_knorm.patch(tiny_model("llama"), "x/1 + softmax window 4 + sinks 2 + sparse 3 (key_norm)")
-    out = without.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, min_new_tokens=4,
-                           max_new_tokens=4, **GREEDY)
+    out = without.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, min_new_tokens=12,
+                           max_new_tokens=12, **GREEDY)
     assert sizes[0] == sizes[1] == output_cache(out).nbytes() + 2 * statistics
 
 
