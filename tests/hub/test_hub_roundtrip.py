@@ -4,6 +4,7 @@ The fresh process sees only this worktree's hf_knorm, an empty Hugging Face home
 stand-in through ``HF_ENDPOINT``; a ``sitecustomize`` refuses any other connection.
 """
 
+import json
 import re
 import subprocess
 import textwrap
@@ -99,16 +100,35 @@ def test_cli_push_of_a_saved_folder(hub, tmp_path):
     assert hub.repos[REPO].files["model.safetensors"] == (folder / "model.safetensors").read_bytes()
 
 
+CLI_CASES = textwrap.dedent("""
+    import contextlib, io, json, sys
+    from hf_knorm.cli import main
+    results = []
+    for arguments in json.loads(sys.argv[1]):  # each as `hf-knorm push ...` would run it: its status, its stderr
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr):
+            try:
+                status = main(["push", *arguments])
+            except SystemExit as exit:
+                status = exit.code
+        results.append([status, stderr.getvalue()])
+    print(json.dumps(results))
+""")
+
+
 def test_cli_push_errors_are_reported_before_anything_is_sent(hub, tmp_path):
+    """Each bad call exits with status 2 and says what is wrong, and nothing reaches the Hub (the calls run in one
+    fresh process, with the stand-in's endpoint and no token in its environment)."""
     folder = hf_knorm.save_pretrained(hf_knorm.patch(tiny_model("llama"), "x/16"), tmp_path / "saved")
     env = fresh_env(tmp_path, hub.endpoint, token=None)
     cases = [([str(folder), REPO], "No Hugging Face token"),
              ([str(folder), "not-a-repo-id", "--token", "t"], "Invalid repo id"),
              ([str(tmp_path), REPO, "--token", "t"], "is not a saved model"),
              ([str(folder), REPO, "--token", "t"], "without its tokenizer")]
-    for arguments, message in cases:
-        result = subprocess.run([PYTHON, "-m", "hf_knorm.cli", "push", *arguments], env=env, capture_output=True,
-                                text=True, timeout=300)
-        assert result.returncode == 2, (arguments, result.stderr[-2000:])
-        assert re.search(rf"hf-knorm push: error: .*{re.escape(message)}", result.stderr), result.stderr[-2000:]
+    run = subprocess.run([PYTHON, "-c", CLI_CASES, json.dumps([arguments for arguments, _ in cases])], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for (arguments, message), (status, stderr) in zip(cases, json.loads(run.stdout.splitlines()[-1]), strict=True):
+        assert status == 2, (arguments, stderr[-2000:])
+        assert re.search(rf"hf-knorm push: error: .*{re.escape(message)}", stderr), stderr[-2000:]
     assert hub.requests == []
