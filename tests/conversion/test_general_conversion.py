@@ -244,7 +244,8 @@ def test_a_tokenizer_without_a_chat_template_is_refused_before_the_model_loads(t
     lm().save_pretrained(folder)
     char_tokenizer().save_pretrained(folder)
     with pytest.raises(ValueError, match="no chat template.*--no-probe"):
-        run_convert(ConvertSettings(model=str(folder), out=str(tmp_path / "run"), eval_domains=("none",)))
+        run_convert(ConvertSettings(model=str(folder), out=str(tmp_path / "run"), eval_domains=("none",),
+                                    block_size=32))  # the tiny model holds 256 positions, below the default blocks
 
 
 @pytest.mark.device  # on a CUDA machine the Trainer trains there: the teachers must follow the model
