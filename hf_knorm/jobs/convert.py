@@ -316,7 +316,9 @@ def run_convert(settings: ConvertSettings) -> dict:
             add_clusters(model, tokenizer, clustered.clusters, seed=settings.seed, tokens=settings.cluster_tokens)
         return model
 
-    model = fitted_clusters(run_transfer(model, settings, trained_as, train, eval_sets, out, state, collator))
+    model = run_transfer(model, settings, trained_as, train, eval_sets, out, state, collator)
+    if not state.get("recovery", {}).get("done"):  # a finished recovery's model is loaded with its own
+        model = fitted_clusters(model)
     model = fitted_clusters(run_recovery(model, settings, train, eval_sets, out, state, teacher, collator,
                                          evaluate_at_start=bool(clustered.clusters)))
     if trained != normalization:

@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from ..attention.interface import ATTENTION_NAME
+from ..attention.held import running_normalization
 from ..compat import choose_default_generation_cache
-from ..normalizations import parse_normalization
 from .cache import RecurrentStateCache, decodes_with_state, watch_steps
 from .crossover import keeps_plain_cache
 
@@ -49,12 +48,12 @@ def default_cache(model: nn.Module, rewinds: bool, max_cache_length: int | None 
 
 def below_crossover(model: nn.Module, max_cache_length: int) -> bool:
     """Whether ``model`` has a sparse cache beside its window and its plain K/V cache of ``max_cache_length`` tokens
-    holds at most its state's bytes (:func:`.crossover.keeps_plain_cache`), read from its config."""
-    config = model.config.get_text_config(decoder=True)
-    spelling = (getattr(config, ATTENTION_NAME, None) or {}).get("normalization")
-    normalization = parse_normalization(spelling) if spelling is not None else None  # once per generate call
+    holds at most its state's bytes (:func:`.crossover.keeps_plain_cache`): the typed normalization its attention
+    modules hold (:mod:`hf_knorm.attention.held`), the dimensions from its config."""
+    normalization = next((held for held in map(running_normalization, model.modules()) if held is not None), None)
     if normalization is None or not normalization.sparse:
         return False  # without a sparse cache the state is kept from the first token (see the module docstring)
+    config = model.config.get_text_config(decoder=True)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
