@@ -97,14 +97,16 @@ SELF_CHECKS += [("fla", spelling, dtype) for spelling in ("x/1", "stick-breaking
                 for dtype in (torch.float32, torch.bfloat16)]
 
 
-def self_check_rows(head_dim: int = 64) -> tuple[list[str], bool]:
-    """A row per kernel's self-check on this device (``pass``, ``FAIL: why`` or ``skipped: why``), and whether every
-    check that ran passed."""
+def self_check_rows(head_dim: int = 64, dtypes: tuple[torch.dtype, ...] | None = None) -> tuple[list[str], bool]:
+    """A row per kernel's self-check on this device (``pass``, ``FAIL: why`` or ``skipped: why``), in ``dtypes``
+    (default: every dtype of :data:`SELF_CHECKS`), and whether every check that ran passed."""
     from hf_knorm.attention.self_check import family_of, run_check
 
     rows, passed = [], True
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     for kernel, spelling, dtype in SELF_CHECKS:
+        if dtypes is not None and dtype not in dtypes:
+            continue
         normalization = parse_normalization(spelling)
         where = "cuda" if CUDA else "cpu"
         place = "CUDA" if CUDA else "CPU, Triton's interpreter" if interpreted and kernel == "triton" else "CPU"
@@ -126,6 +128,14 @@ def self_check_rows(head_dim: int = 64) -> tuple[list[str], bool]:
         passed = passed and not failure
         rows.append(f"{label} | {'FAIL: ' + failure if failure else 'pass'} |")
     return rows, passed
+
+
+def _dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``: one of the self-checks' dtypes, or an error naming them."""
+    known = {str(dtype).removeprefix("torch."): dtype for _, _, dtype in SELF_CHECKS}
+    if name.strip() not in known:
+        raise SystemExit(f"device check: --self-check-dtypes takes {', '.join(known)}, not {name!r}")
+    return known[name.strip()]
 
 
 def _sdpa(query, key, value):
@@ -429,6 +439,8 @@ def main() -> None:
                         help="start no family of the model part after this many seconds (default: 150 on CUDA)")
     parser.add_argument("--family-lengths", default=None,
                         help="comma-separated lengths of the families' part (default: 4096,16384 on CUDA, 1024 on the CPU)")
+    parser.add_argument("--self-check-dtypes", default=None,
+                        help="comma-separated dtypes of the kernel self-checks (default: float32,bfloat16,float16)")
     args = parser.parse_args()
     missing = default_model_missing()
     lengths = [int(n) for n in (args.lengths or ("4096,8192,16384,32768" if CUDA else "1024,2048")).split(",")]
@@ -441,7 +453,9 @@ def main() -> None:
     else:
         status, summary = run_tests()
         print(f"| tests (pytest -m device) | {status}: {summary} |")
-    check_rows, checks_passed = self_check_rows()
+    check_dtypes = None if args.self_check_dtypes is None else tuple(
+        _dtype(name) for name in args.self_check_dtypes.split(","))
+    check_rows, checks_passed = self_check_rows(dtypes=check_dtypes)
     for line in check_rows:
         print(line, flush=True)
     gpu_kernels, skipped = gpu_implementations()

@@ -60,9 +60,13 @@ def native_attention(model_type: str) -> str:
     return "eager" if model_type == "gemma2" else "sdpa"
 
 
-def tiny_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):
-    """A tiny random model in eval mode: a causal LM for decoders, the base model for bert and vit."""
+def tiny_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None,
+               layers: int | None = None):
+    """A tiny random model in eval mode: a causal LM for decoders, the base model for bert and vit; ``layers``
+    replaces the config's 2 layers."""
     config = tiny_config(model_type)
+    if layers is not None:
+        config.num_hidden_layers = layers
     config._attn_implementation = attn_implementation or native_attention(model_type)
     torch.manual_seed(seed)
     if model_type == "bert":

@@ -62,15 +62,16 @@ def test_two_processes_train_like_one_with_gradient_accumulation_and_resume(tmp_
     assert (tmp_path / "two" / "README.md").is_file() and (tmp_path / "two" / "finetune.json").is_file()
     assert not list((tmp_path / "two").glob("*.partial"))
 
-    _finetune(tmp_path / "two", *common, "--max-steps", "7", "--batch-size", "2", "--resume", processes=2)
-    assert [line["step"] for line in history_lines(tmp_path / "two" / "norms.jsonl")] == [1, 2, 3, 4, 5, 6, 7]
-    assert json.loads((tmp_path / "two" / "finetune.json").read_text())["global_step"] == 7
-
     # the same with accelerate launch (the README's command)
     _finetune(tmp_path / "accelerate", *common, "--max-steps", "5", "--batch-size", "2", processes=2,
               launcher="accelerate")
     accelerated = _losses(tmp_path / "accelerate")
     assert accelerated == pytest.approx(one, rel=1e-4)
+
+    # resumed in two processes (torchrun) from the run's last checkpoint: the history goes on, each step once
+    _finetune(tmp_path / "accelerate", *common, "--max-steps", "7", "--batch-size", "2", "--resume", processes=2)
+    assert [line["step"] for line in history_lines(tmp_path / "accelerate" / "norms.jsonl")] == [1, 2, 3, 4, 5, 6, 7]
+    assert json.loads((tmp_path / "accelerate" / "finetune.json").read_text())["global_step"] == 7
 
 
 def test_a_conversion_in_two_processes_trains_like_one_and_is_saved_once(tmp_path):
