@@ -175,6 +175,18 @@ class KNormLayer(DynamicLayer):
             self.settings, self.layer_idx, self.keys, self.values, self.positions, lengths, keeps, importance)
         self.compressed_at = self.cumulative_length
 
+    def stack_rows(self, rows_alone: list[KNormLayer], width: int) -> None:
+        """Become the layer a left-padded batch of ``width`` columns leaves after its prompt, from the same layer of
+        each row's cache after that row's context alone (one row each, unpadded): its kept slots after dead ones
+        (:func:`~hf_knorm.eviction.rows.stack_slots`), ``row_lengths`` the rows' lengths, every token count
+        ``width`` (the padding included, as a padded prompt counts it)."""
+        keys, values, positions = rows.stack_slots([(row.keys, row.values, row.positions) for row in rows_alone])
+        self.lazy_initialization(keys, values)
+        self.keys, self.values, self.positions = keys, values, positions
+        self.row_lengths = torch.tensor([row.cumulative_length for row in rows_alone], device=self.device)
+        self.cumulative_length = self.prompt_length = width
+        self.compressed_at = width if any(row.compressed_at for row in rows_alone) else 0
+
     def prompt_order(self, importance: torch.Tensor | None = None) -> torch.Tensor:
         """Eviction order (B, H_kv, n) of the stored, not yet compressed prompt (low = kept); from ``importance``
         (B, H_kv, n) instead of the score when given (a deferred score's)."""
@@ -619,6 +631,36 @@ class KNormCache(Cache):
                     f"{type(layer).__name__}."
                 )
             self.update(layer.keys, layer.values, index)
+        return self
+
+    def stacks_rows(self) -> bool:
+        """True when :meth:`stack_rows` can build this cache: it is empty and every layer is a (uniform) KNorm layer
+        (no sliding-window layers, no ``head_budget="heads"``, and the config given, so the layers exist)."""
+        return bool(self.layers) and self.get_seq_length() == 0 and all(
+            type(layer) is KNormLayer for layer in self.layers)
+
+    def stack_rows(self, rows_alone: Sequence[KNormCache], width: int) -> KNormCache:
+        """Hold a left-padded batch of contexts as a padded prefill into this cache stores it (each row compressed as
+        its context alone, :mod:`hf_knorm.eviction.rows`), from ``rows_alone``: per row, a cache with this cache's
+        settings that prefilled that row's real tokens alone. The batch's forward then never computes the padding
+        (:func:`hf_knorm.eviction.pipeline.prefill_rows`). ``width``: the batch's padded length. Returns ``self``.
+
+        Raises:
+            ValueError: this cache cannot take stacked rows (:meth:`stacks_rows`), or a row's cache holds other
+                layers, more than one row, or tokens after its prompt.
+        """
+        if not self.stacks_rows():
+            raise ValueError("stack_rows needs an empty KNormCache built with the model's config whose layers are all "
+                             "uniform KNorm layers (no sliding-window layers, head_budget='uniform').")
+        for index, row in enumerate(rows_alone):
+            kinds = [type(layer) for layer in row.layers]
+            if kinds != [KNormLayer] * len(self.layers) or any(
+                    layer.keys.shape[0] != 1 or layer.cumulative_length != layer.prompt_length
+                    or layer.cumulative_length > width for layer in row.layers):
+                raise ValueError(f"stack_rows: row {index}'s cache is not one context of at most {width} tokens "
+                                 f"prefilled alone through {len(self.layers)} KNorm layers.")
+        for index, layer in enumerate(self.layers):
+            layer.stack_rows([row.layers[index] for row in rows_alone], width)
         return self
 
     @classmethod

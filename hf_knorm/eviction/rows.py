@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["check_left_padded", "has_padding", "is_padded_step", "left_pad", "live_mask", "mask_positions",
-           "new_positions", "prompt_padding", "select_rows", "step_lengths"]
+           "new_positions", "prompt_padding", "select_rows", "stack_slots", "step_lengths"]
 
 
 def has_padding(attention_mask: torch.Tensor | None) -> bool:
@@ -157,6 +157,13 @@ def select_rows(settings, layer_idx: int, keys: torch.Tensor, values: torch.Tens
             v = v.gather(2, index[..., None].expand(-1, -1, -1, v.shape[-1]))
             p = p.gather(2, index)
         rows.append((k, v, p))
+    return stack_slots(rows)
+
+
+def stack_slots(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
+    """One rectangle from each row's own slots: per row (keys (1, H_kv, S_b, D), values (1, H_kv, S_b, D),
+    positions (1, H_kv, S_b)) -> (B, H_kv, S', D), (B, H_kv, S', D), (B, H_kv, S'), ``S'`` the widest row's; row
+    ``b``'s slots after ``S' - S_b`` dead ones (zeros, position ``-1``), the layout :func:`select_rows` returns."""
     width = max(p.shape[-1] for _, _, p in rows)
     pad = lambda tensor, value: torch.nn.functional.pad(  # noqa: E731  (dead slots first)
         tensor, (0, 0, width - tensor.shape[-2], 0) if tensor.dim() == 4 else (width - tensor.shape[-1], 0),

@@ -8,7 +8,10 @@ stops early) runs as:
 
 - ``single``: ``hf_knorm.eviction.pipeline.knorm_generate`` on each prompt alone, one after the other (the baseline);
 - ``batch``: ``knorm_generate`` once on the left-padded batch (:mod:`hf_knorm.eviction.rows`: each row keeps what it
-  keeps alone).
+  keeps alone; the prompt's forward computes the padding);
+- ``questions single`` / ``questions batch``: the pipeline's protocol (``answer_questions``: the context compressed,
+  the question appended), each context alone against the left-padded batch of contexts, whose rows are prefilled
+  one at a time and stacked (``prefill_rows``: no padding computed) before the questions and answers run as a batch.
 
 Before timing, both run once with their logits and the outputs are compared: every row's tokens must equal its
 single run's (the script stops otherwise) and the largest logit difference is printed. Medians over rounds; the batch
@@ -28,10 +31,10 @@ import torch
 
 import hf_knorm
 from hf_knorm.assets.texts import paul_graham_essays
-from hf_knorm.eviction.pipeline import encode_prompt, knorm_generate
+from hf_knorm.eviction.pipeline import answer_questions, encode_prompt, knorm_cache_for, knorm_generate
 from hf_knorm.eviction.rows import left_pad
 
-ENTRIES = ("single", "batch")
+ENTRIES = ("single", "batch", "questions single", "questions batch")
 
 
 def _sync(device: str) -> None:
@@ -39,20 +42,37 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def prompts_of(tokenizer, lengths: list[int], device: str) -> list[torch.Tensor]:
-    """(n_i,) ids per length: the chat template around ``n_i`` essay tokens, each from its own start."""
+def parts_of(tokenizer, lengths: list[int], device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(context (n_i,), question (m,)) ids per length: the chat template around ``n_i`` essay tokens, each from its
+    own start, and "Summarize it." (a prompt is the two together)."""
     body = tokenizer("\n\n".join(paul_graham_essays()), add_special_tokens=False)["input_ids"]
-    prompts = []
+    parts = []
     for index, n in enumerate(lengths):
         start = 997 * index % max(1, len(body) - n)
         context, question = encode_prompt(tokenizer, tokenizer.decode(body[start:start + n]), "Summarize it.")
-        prompts.append(torch.cat([context, question], dim=1)[0].to(device))
-    return prompts
+        parts.append((context[0].to(device), question[0].to(device)))
+    return parts
+
+
+def _answers(model, tokenizer, parts, entry: str, options: dict, generate: dict) -> list[torch.Tensor]:
+    """The ``questions`` entries: per context, (new,) the answer's ids."""
+    if entry == "questions single":
+        return [answer_questions(model, knorm_cache_for(model, **options), context[None], [question[None]],
+                                 **generate)[0][0] for context, question in parts]
+    context_ids, context_mask = left_pad([context for context, _ in parts], tokenizer.pad_token_id)
+    question_ids, question_mask = left_pad([question for _, question in parts], tokenizer.pad_token_id)
+    answers = answer_questions(model, knorm_cache_for(model, **options), context_ids, [question_ids],
+                               context_mask=context_mask, question_masks=[question_mask], **generate)[0]
+    return list(answers)
 
 
 @torch.no_grad()
-def run_entry(model, tokenizer, prompts, entry: str, options: dict, generate: dict) -> None:
+def run_entry(model, tokenizer, parts, entry: str, options: dict, generate: dict) -> None:
     """One ``entry`` (module docstring), outputs dropped: what is timed."""
+    if entry.startswith("questions"):
+        _answers(model, tokenizer, parts, entry, options, generate)
+        return
+    prompts = [torch.cat([context, question]) for context, question in parts]
     if entry == "single":
         for ids in prompts:
             knorm_generate(model, ids[None], tokenizer=tokenizer, **options, **generate)
@@ -87,35 +107,43 @@ def main() -> None:
     model, tokenizer = hf_knorm.load_default_model(dtype=getattr(torch, args.dtype))
     model.to(args.device)
     lengths = [int(x) for x in args.lengths.split(",")]
-    prompts = prompts_of(tokenizer, lengths, args.device)
+    parts = parts_of(tokenizer, lengths, args.device)
+    prompts = [torch.cat([context, question]) for context, question in parts]
     options = dict(compression_ratio=args.ratio, score=args.score)
     generate = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False,
                     pad_token_id=tokenizer.pad_token_id)
     checked = {entry: outputs_of(model, tokenizer, prompts, entry, options, generate)
-               for entry in ENTRIES}  # also the warm-up
+               for entry in ENTRIES[:2]}  # also the warm-up
     worst = 0.0
     for row, ((single, single_logits), (batch, batch_logits)) in enumerate(zip(checked["single"], checked["batch"])):
         if not torch.equal(single, batch):
             raise SystemExit(f"prompt {row} ({prompts[row].numel()} tokens): the batch generated other tokens than "
                              "the single run")
         worst = max(worst, (single_logits - batch_logits).abs().max().item())
+    alone, stacked = (_answers(model, tokenizer, parts, entry, options, generate) for entry in ENTRIES[2:])
+    for row, (single, batch) in enumerate(zip(alone, stacked)):
+        if not torch.equal(single, batch):
+            raise SystemExit(f"context {row} ({parts[row][0].numel()} tokens): the batch of contexts answered other "
+                             "tokens than the context alone")
     print(f"device {args.device}, {args.dtype}, torch threads {torch.get_num_threads()}; SmolLM2-135M-Instruct; "
           f"{len(prompts)} prompts of {min(p.numel() for p in prompts)}-{max(p.numel() for p in prompts)} tokens; "
           f"score={args.score}, r={args.ratio:g}; {args.new} new tokens each; median of {args.rounds} interleaved "
-          f"rounds\nsame tokens in every row; largest logit difference batch vs single {worst:.2e}\n")
+          f"rounds\nsame tokens in every row (both protocols); largest logit difference batch vs single (generate) "
+          f"{worst:.2e}\n")
     times = {entry: [] for entry in ENTRIES}
     for round_ in range(args.rounds):
         for entry in ENTRIES if round_ % 2 == 0 else ENTRIES[::-1]:
             _sync(args.device)
             began = time.perf_counter()
-            run_entry(model, tokenizer, prompts, entry, options, generate)
+            run_entry(model, tokenizer, parts, entry, options, generate)
             _sync(args.device)
             times[entry].append(time.perf_counter() - began)
     medians = {entry: statistics.median(values) for entry, values in times.items()}
-    print("| entry | seconds | x single runs |")
+    print("| entry | seconds | x its single runs |")
     print("|---|---:|---:|")
     for entry in ENTRIES:
-        print(f"| {entry} | {medians[entry]:.3f} | {medians[entry] / medians['single']:.2f} |")
+        baseline = "questions single" if entry.startswith("questions") else "single"
+        print(f"| {entry} | {medians[entry]:.3f} | {medians[entry] / medians[baseline]:.2f} |")
 
 
 if __name__ == "__main__":

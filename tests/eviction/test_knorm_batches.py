@@ -322,3 +322,70 @@ def test_assisted_generate():
     with pytest.raises(ValueError, match="compresses together"):
         model.generate(input_ids=ids, **cache_kwargs(KNormCache(0.5, config=model.config)), generation_config=config,
                        prompt_lookup_num_tokens=3)
+
+
+@pytest.mark.parametrize("options", [dict(score="kv_diff"), dict(score="key_norm", sink_tokens=2, recent_window=3),
+                                     dict(score="kvzip")], ids=["kv_diff", "key_norm-protected", "kvzip"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])  # GQA; QK-norm
+def test_rows_prefilled_alone_and_stacked_hold_what_the_padded_prefill_holds(model_type, options):
+    """``prefill_rows``: each context alone, then stacked (``KNormCache.stack_rows``), against one forward over the
+    left-padded batch: the same kept positions and dead slots, row lengths and counts; keys and values within ATOL
+    (a row alone sums in another order). A deferred score (kvzip) stores every row whole until it is scored."""
+    from hf_knorm.eviction.pipeline import prefill_rows
+
+    model = knorm_model(model_type)
+    ids, mask = left_pad(_prompts(), pad_id=0)
+    stacked = knorm_cache_for(model, compression_ratio=0.5, **options)
+    padded = knorm_cache_for(model, compression_ratio=0.5, **options)
+    with torch.no_grad(), ragged_attention_for(model, padded, True):
+        prefill_rows(model, stacked, ids, mask)
+        model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+              **cache_kwargs(padded))
+    assert stacked.get_seq_length() == padded.get_seq_length() == ids.shape[1]
+    for mine, theirs in zip(stacked.layers, padded.layers, strict=True):
+        assert torch.equal(mine.positions, theirs.positions) and torch.equal(mine.row_lengths, theirs.row_lengths)
+        assert (mine.prompt_length, mine.compressed_at) == (theirs.prompt_length, theirs.compressed_at)
+        live = (mine.positions >= 0)[..., None]
+        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+            torch.testing.assert_close(a * live, b * live, atol=ATOL, rtol=0)
+
+
+def test_answer_questions_on_a_padded_batch_runs_no_padding_where_rows_can_be_stacked(monkeypatch):
+    """The context's forward sees each row's real tokens alone (no attention mask, no padding) on a model of full
+    attention layers; a model with sliding-window layers keeps one padded forward (Transformers' sliding layers are
+    not stacked) and answers the same as each context alone either way."""
+    contexts = _prompts((19, 11, 15))
+    context_ids, context_mask = left_pad(contexts, 0)
+    question = torch.tensor([[5, 6, 7]] * 3)
+    generate = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    for model_type, stacked in [("llama", True), ("gemma3_text", False)]:
+        model = knorm_model(model_type)
+        shapes = []
+        model.register_forward_pre_hook(lambda module, args, kwargs: shapes.append(
+            (tuple(kwargs["input_ids"].shape), kwargs.get("attention_mask") is not None)), with_kwargs=True)
+        cache = knorm_cache_for(model, compression_ratio=0.5, score="kv_diff")
+        assert cache.stacks_rows() is stacked
+        batch = answer_questions(model, cache, context_ids, [question], context_mask=context_mask, **generate)[0]
+        prefill = [(shape, masked) for shape, masked in shapes if shape[1] > question.shape[1]]
+        assert prefill == ([((1, 19), False), ((1, 11), False), ((1, 15), False)] if stacked else [((3, 19), True)])
+        for row in range(3):
+            alone = answer_questions(model, knorm_cache_for(model, compression_ratio=0.5, score="kv_diff"),
+                                     contexts[row][None], [question[:1]], **generate)[0]
+            assert torch.equal(batch[row], alone[0])
+
+
+def test_stack_rows_refuses_what_is_not_one_context_alone_per_row():
+    model = knorm_model("llama")
+    ids, mask = left_pad(_prompts((9, 6)), pad_id=0)
+    rows = []
+    for row in range(2):
+        cache = knorm_cache_for(model, compression_ratio=0.5)
+        model(input_ids=ids[row:row + 1, mask[row].bool()], **cache_kwargs(cache), use_cache=True)
+        rows.append(cache)
+    with pytest.raises(ValueError, match="at most 5 tokens"):
+        knorm_cache_for(model, compression_ratio=0.5).stack_rows(rows, width=5)
+    full = knorm_cache_for(model, compression_ratio=0.5).stack_rows(rows, width=9)
+    with pytest.raises(ValueError, match="needs an empty KNormCache"):
+        full.stack_rows(rows, width=9)
+    with pytest.raises(ValueError, match="needs an empty KNormCache"):
+        KNormCache(0.5).stack_rows(rows, width=9)  # no config: no layers to stack into
