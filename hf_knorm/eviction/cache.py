@@ -71,6 +71,7 @@ class KNormLayer(DynamicLayer):
         self.prompt_length = 0
         self.row_lengths: torch.Tensor | None = None
         self.compressed_at = 0
+        self.prompt_open = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -135,13 +136,21 @@ class KNormLayer(DynamicLayer):
         return full_keys, full_values
 
     def _update_rows(self, key_states, value_states, position_ids, start: int):
-        """:meth:`update` for a padded batch: each row's real tokens are appended and evicted as the row alone."""
+        """:meth:`update` for a padded batch: each row's real tokens are appended and evicted as the row alone. After
+        rows stacked with their prompt open (:meth:`stack_rows`), this step's tokens end the prompt: it is attended
+        whole, then compressed."""
         batch, heads, q_len, _ = key_states.shape
-        prompt = start == 0
-        if prompt:
+        opened, self.prompt_open = self.prompt_open, False
+        prompt = start == 0 or opened
+        if start == 0:
             counts = q_len - prompt_padding(position_ids, q_len)
         elif q_len == 1:  # a decoding step: one real token per row (generate's positions continue every row)
             counts = torch.ones_like(self.row_lengths)
+        elif position_ids is None:
+            raise ValueError("This model does not give the cache its position ids (Transformers before 5.24, or a model "
+                             "such as GPT-NeoX that calls Cache.update without them), so KNormCache cannot see the "
+                             "padding of a step of several tokens onto a padded batch: append them one at a time, or "
+                             "generate one sequence at a time.")
         else:
             counts = step_lengths(position_ids, self.row_lengths, q_len)
         new_positions = rows.new_positions(self.row_lengths, counts, heads, q_len)
@@ -153,12 +162,13 @@ class KNormLayer(DynamicLayer):
         self.keys, self.values, self.positions = full_keys, full_values, full_positions
         lengths = self.row_lengths.tolist() if prompt or self.settings.decoding_budget is not None else None
         if prompt:
-            self.prompt_length = q_len
+            self.prompt_length = self.cumulative_length
             if self.settings.deferred:  # compressed by the cache once the importance is known
                 return full_keys, full_values
             self._evict_rows(lengths, [self.settings.prompt_keep(self.layer_idx, n) for n in lengths])
-            return full_keys, full_values
-        if lengths is not None:
+            if not opened:  # the prompt's own forward attends with Transformers' padding mask
+                return full_keys, full_values
+        elif lengths is not None:
             self._evict_rows(lengths, [self.settings.decoding_budget] * batch)
         returned = full_keys.view_as(full_keys)  # the live slots travel on this view, not on the stored tensor
         returned.knorm_live = full_positions[:, 0] >= 0
@@ -175,17 +185,24 @@ class KNormLayer(DynamicLayer):
             self.settings, self.layer_idx, self.keys, self.values, self.positions, lengths, keeps, importance)
         self.compressed_at = self.cumulative_length
 
-    def stack_rows(self, rows_alone: list[KNormLayer], width: int) -> None:
+    def stack_rows(self, rows_alone: list[DynamicLayer], width: int, prompt_open: bool = False) -> None:
         """Become the layer a left-padded batch of ``width`` columns leaves after its prompt, from the same layer of
-        each row's cache after that row's context alone (one row each, unpadded): its kept slots after dead ones
+        each row's cache after that row's context alone (one row each, unpadded): its slots after dead ones
         (:func:`~hf_knorm.eviction.rows.stack_slots`), ``row_lengths`` the rows' lengths, every token count
-        ``width`` (the padding included, as a padded prompt counts it)."""
-        keys, values, positions = rows.stack_slots([(row.keys, row.values, row.positions) for row in rows_alone])
+        ``width`` (the padding included, as a padded prompt counts it). ``prompt_open``: the rows are plain
+        (uncompressed) layers holding the start of their prompts, which the next step ends (:meth:`_update_rows`)."""
+        def slots(row):
+            if isinstance(row, KNormLayer):
+                return row.keys, row.values, row.positions
+            positions = torch.arange(row.keys.shape[-2], device=row.keys.device)
+            return row.keys, row.values, positions.expand(*row.keys.shape[:2], -1)
+
+        keys, values, positions = rows.stack_slots([slots(row) for row in rows_alone])
         self.lazy_initialization(keys, values)
         self.keys, self.values, self.positions = keys, values, positions
-        self.row_lengths = torch.tensor([row.cumulative_length for row in rows_alone], device=self.device)
-        self.cumulative_length = self.prompt_length = width
-        self.compressed_at = width if any(row.compressed_at for row in rows_alone) else 0
+        self.row_lengths = torch.tensor([row.get_seq_length() for row in rows_alone], device=self.device)
+        self.cumulative_length, self.prompt_length, self.prompt_open = width, 0 if prompt_open else width, prompt_open
+        self.compressed_at = width if any(getattr(row, "compressed_at", 0) for row in rows_alone) else 0
 
     def prompt_order(self, importance: torch.Tensor | None = None) -> torch.Tensor:
         """Eviction order (B, H_kv, n) of the stored, not yet compressed prompt (low = kept); from ``importance``
@@ -269,6 +286,7 @@ class KNormLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self.positions, self.prompt_length, self.row_lengths, self.compressed_at = None, 0, None, 0
+        self.prompt_open = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -634,33 +652,37 @@ class KNormCache(Cache):
         return self
 
     def stacks_rows(self) -> bool:
-        """True when :meth:`stack_rows` can build this cache: it is empty and every layer is a (uniform) KNorm layer
-        (no sliding-window layers, no ``head_budget="heads"``, and the config given, so the layers exist)."""
-        return bool(self.layers) and self.get_seq_length() == 0 and all(
+        """True when :meth:`stack_rows` can build this cache: it is empty, every layer is a (uniform) KNorm layer
+        (no sliding-window layers, no ``head_budget="heads"``, and the config given, so the layers exist), and the
+        layer budget is uniform (a padded batch refuses the others)."""
+        return bool(self.layers) and self.get_seq_length() == 0 and self.settings.layer_budget == "uniform" and all(
             type(layer) is KNormLayer for layer in self.layers)
 
-    def stack_rows(self, rows_alone: Sequence[KNormCache], width: int) -> KNormCache:
+    def stack_rows(self, rows_alone: Sequence[Cache], width: int, prompt_open: bool = False) -> KNormCache:
         """Hold a left-padded batch of contexts as a padded prefill into this cache stores it (each row compressed as
         its context alone, :mod:`hf_knorm.eviction.rows`), from ``rows_alone``: per row, a cache with this cache's
         settings that prefilled that row's real tokens alone. The batch's forward then never computes the padding
-        (:func:`hf_knorm.eviction.pipeline.prefill_rows`). ``width``: the batch's padded length. Returns ``self``.
+        (:func:`hf_knorm.eviction.pipeline.prefill_rows`). ``width``: the batch's padded length. With
+        ``prompt_open``, the rows are ``DynamicCache`` s holding the start of each prompt uncompressed, and the next
+        step (one token per row: ``generate``'s first) ends every prompt: it is attended whole, then each row is
+        compressed as its whole prompt alone (``knorm_generate`` on a padded batch). Returns ``self``.
 
         Raises:
             ValueError: this cache cannot take stacked rows (:meth:`stacks_rows`), or a row's cache holds other
-                layers, more than one row, or tokens after its prompt.
+                layers, more than one row, or more than ``width`` tokens (with a closed prompt, tokens after it).
         """
         if not self.stacks_rows():
             raise ValueError("stack_rows needs an empty KNormCache built with the model's config whose layers are all "
                              "uniform KNorm layers (no sliding-window layers, head_budget='uniform').")
+        kind = DynamicLayer if prompt_open else KNormLayer
         for index, row in enumerate(rows_alone):
-            kinds = [type(layer) for layer in row.layers]
-            if kinds != [KNormLayer] * len(self.layers) or any(
-                    layer.keys.shape[0] != 1 or layer.cumulative_length != layer.prompt_length
-                    or layer.cumulative_length > width for layer in row.layers):
+            if [type(layer) for layer in row.layers] != [kind] * len(self.layers) or any(
+                    layer.keys.shape[0] != 1 or layer.get_seq_length() > width
+                    or (not prompt_open and layer.cumulative_length != layer.prompt_length) for layer in row.layers):
                 raise ValueError(f"stack_rows: row {index}'s cache is not one context of at most {width} tokens "
-                                 f"prefilled alone through {len(self.layers)} KNorm layers.")
+                                 f"prefilled alone through {len(self.layers)} {kind.__name__}s.")
         for index, layer in enumerate(self.layers):
-            layer.stack_rows([row.layers[index] for row in rows_alone], width)
+            layer.stack_rows([row.layers[index] for row in rows_alone], width, prompt_open)
         return self
 
     @classmethod

@@ -18,7 +18,7 @@ import copy
 from dataclasses import dataclass
 
 import torch
-from transformers import Pipeline
+from transformers import DynamicCache, Pipeline
 
 from ..balancing.balance import key_scales, value_scales
 from ..compat import cache_kwargs
@@ -117,15 +117,31 @@ def knorm_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
         context_ids = input_ids[:, :-1]
         context_mask = attention_mask[:, :-1] if padded else None
         with ragged_attention_for(model, cache, padded):
-            model(input_ids=context_ids, **padded_kwargs(context_mask), **cache_kwargs(cache), use_cache=True)
+            if padded and cache.stacks_rows():
+                prefill_rows(model, cache, context_ids, context_mask)
+            else:
+                model(input_ids=context_ids, **padded_kwargs(context_mask), **cache_kwargs(cache), use_cache=True)
         if padded:
             _check_cache_saw_padding(cache)
         compress_by_reconstruction(model, cache, context_ids, tokenizer, chat_template)
+    elif padded and cache.stacks_rows() and _one_sequence_per_row(model, kwargs) and \
+            int(attention_mask.sum(-1).min()) >= 2:
+        with ragged_attention_for(model, cache, padded):  # each prompt but its last token, row by row, left open
+            prefill_rows(model, cache, input_ids[:, :-1], attention_mask[:, :-1], prompt_open=True)
     with ragged_attention_for(model, cache, padded):  # head budgets or padding: the attention that masks per head/row
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(cache), **kwargs)
     if padded:
         _check_cache_saw_padding(cache)  # raised rather than returned: the rows were not evicted as rows
     return out
+
+
+def _one_sequence_per_row(model, generate_kwargs: dict) -> bool:
+    """True when ``generate`` keeps one sequence per input row (no beams, one sequence returned, no assistant): only
+    then can the rows be prefilled before ``generate`` (it expands the rows of its inputs, not of a filled cache)."""
+    config = generate_kwargs.get("generation_config") or model.generation_config
+    setting = lambda name, default: generate_kwargs.get(name, getattr(config, name, default))  # noqa: E731
+    return (setting("num_beams", 1) or 1) == 1 and (setting("num_return_sequences", 1) or 1) == 1 and not (
+        generate_kwargs.get("assistant_model") or setting("prompt_lookup_num_tokens", None))
 
 
 @torch.no_grad()
@@ -273,24 +289,27 @@ def answer_questions(model, cache: KNormCache, context_ids: torch.Tensor, questi
         return answers
 
 
-def prefill_rows(model, cache: KNormCache, context_ids: torch.Tensor, context_mask: torch.Tensor) -> None:
+def prefill_rows(model, cache: KNormCache, context_ids: torch.Tensor, context_mask: torch.Tensor, *,
+                 prompt_open: bool = False) -> None:
     """Prefill a left-padded batch of contexts into the empty ``cache`` one row at a time: each row's real tokens
     alone into a copy of ``cache`` (:func:`fork_cache`), compressed there as that context alone, then the rows
     stacked into ``cache`` (:meth:`KNormCache.stack_rows`), which then holds what the padded prefill would have left.
-    The forward computes no padding (8 contexts of different lengths answered in 0.64x the time of one at a time,
-    where a padded forward takes 1.10x: docs/results/knorm.md, "Padded batches").
+    The forward computes no padding (docs/results/knorm.md, "Padded batches").
 
     Args:
         context_ids (torch.Tensor): (B, n) left-padded contexts.
         context_mask (torch.Tensor): (B, n) their attention mask, 0 on the padding.
+        prompt_open (bool): The contexts are each prompt but its last token: they are stored uncompressed (into a
+            ``DynamicCache`` per row), and the next step, the prompts' last tokens, compresses each row as its whole
+            prompt (``knorm_generate``).
     """
     alone = []
     for row in range(context_ids.shape[0]):
-        row_cache = fork_cache(cache)
+        row_cache = DynamicCache() if prompt_open else fork_cache(cache)
         ids = context_ids[row:row + 1, context_mask[row].bool()]
         model(input_ids=ids, **cache_kwargs(row_cache), use_cache=True)
         alone.append(row_cache)
-    cache.stack_rows(alone, width=context_ids.shape[1])
+    cache.stack_rows(alone, width=context_ids.shape[1], prompt_open=prompt_open)
 
 
 def encode_prompt(tokenizer, context: str, question: str, answer_prefix: str = "",

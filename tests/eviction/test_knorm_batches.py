@@ -192,16 +192,29 @@ def test_kvzip_on_a_padded_batch_refuses_sliding_window_layers():
                        chat_template=False, max_new_tokens=2, pad_token_id=0)
 
 
-def test_a_model_that_hides_the_positions_from_the_cache_is_refused(monkeypatch):
-    """Transformers before 5.24 (and GPT-NeoX) call ``Cache.update`` without position ids: the cache cannot see the
-    padding, and knorm_generate raises instead of returning rows evicted as one block."""
+def test_a_model_that_hides_the_positions_from_the_cache(monkeypatch):
+    """Transformers before 5.24 (and GPT-NeoX) call ``Cache.update`` without position ids: the cache cannot see a
+    padded step's padding. A padded prompt's forward (a model with sliding-window layers) and a padded step of several
+    tokens (left-padded questions) are refused instead of evicting rows as one block; ``knorm_generate`` on full
+    attention layers never needs them (each prompt but its last token prefilled alone, then one token per row) and
+    generates what each prompt generates alone."""
     import hf_knorm.eviction.cache as cache_module
 
-    model = knorm_model("llama")
-    ids, mask = left_pad(_prompts(), pad_id=0)
     monkeypatch.setattr(cache_module, "update_position_ids", lambda kwargs: None)
+    prompts = _prompts()
+    ids, mask = left_pad(prompts, pad_id=0)
+    model = knorm_model("gemma3_text")
     with pytest.raises(ValueError, match="does not give the cache its position ids"):
         knorm_generate(model, ids, mask, compression_ratio=0.5, max_new_tokens=2, pad_token_id=0)
+    model = knorm_model("llama")
+    config = _config(model)
+    run = lambda ids, mask=None: (knorm_generate(model, ids, mask, compression_ratio=0.5,  # noqa: E731
+                                                 generation_config=config), None)
+    _assert_rows_equal_alone(model, prompts, run, run)
+    questions, question_mask = left_pad(_prompts((3, 1, 2), seed=2), pad_id=0)
+    with pytest.raises(ValueError, match="does not give the cache its position ids"):
+        answer_questions(model, knorm_cache_for(model, compression_ratio=0.5), ids, [questions], context_mask=mask,
+                         question_masks=[question_mask], max_new_tokens=2, pad_token_id=0)
 
 
 @pytest.fixture(scope="module")
@@ -350,9 +363,9 @@ def test_rows_prefilled_alone_and_stacked_hold_what_the_padded_prefill_holds(mod
             torch.testing.assert_close(a * live, b * live, atol=ATOL, rtol=0)
 
 
-def test_answer_questions_on_a_padded_batch_runs_no_padding_where_rows_can_be_stacked(monkeypatch):
+def test_a_padded_batch_runs_no_padding_where_rows_can_be_stacked():
     """The context's forward sees each row's real tokens alone (no attention mask, no padding) on a model of full
-    attention layers; a model with sliding-window layers keeps one padded forward (Transformers' sliding layers are
+    attention layers, through ``answer_questions`` and ``knorm_generate``; a model with sliding-window layers keeps one padded forward (Transformers' sliding layers are
     not stacked) and answers the same as each context alone either way."""
     contexts = _prompts((19, 11, 15))
     context_ids, context_mask = left_pad(contexts, 0)
@@ -372,6 +385,12 @@ def test_answer_questions_on_a_padded_batch_runs_no_padding_where_rows_can_be_st
             alone = answer_questions(model, knorm_cache_for(model, compression_ratio=0.5, score="kv_diff"),
                                      contexts[row][None], [question[:1]], **generate)[0]
             assert torch.equal(batch[row], alone[0])
+        # knorm_generate: each prompt but its last token alone (left open), then one token per row from the batch
+        shapes.clear()
+        knorm_generate(model, context_ids, context_mask, compression_ratio=0.5, score="kv_diff", **generate)
+        assert [shape for shape, _ in shapes[:3 if stacked else 1]] == (
+            [(1, 18), (1, 10), (1, 14)] if stacked else [(3, 19)])
+        assert all(shape == (3, 1) for shape, _ in shapes[3 if stacked else 1:])
 
 
 def test_stack_rows_refuses_what_is_not_one_context_alone_per_row():
