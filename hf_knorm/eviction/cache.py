@@ -651,7 +651,7 @@ class KNormCache(Cache):
             self.update(layer.keys, layer.values, index)
         return self
 
-    def stacks_rows(self) -> bool:
+    def can_stack_rows(self) -> bool:
         """True when :meth:`stack_rows` can build this cache: it is empty, every layer is a (uniform) KNorm layer
         (no sliding-window layers, no ``head_budget="heads"``, and the config given, so the layers exist), and the
         layer budget is uniform (a padded batch refuses the others)."""
@@ -668,10 +668,10 @@ class KNormCache(Cache):
         compressed as its whole prompt alone (``knorm_generate`` on a padded batch). Returns ``self``.
 
         Raises:
-            ValueError: this cache cannot take stacked rows (:meth:`stacks_rows`), or a row's cache holds other
+            ValueError: this cache cannot take stacked rows (:meth:`can_stack_rows`), or a row's cache holds other
                 layers, more than one row, or more than ``width`` tokens (with a closed prompt, tokens after it).
         """
-        if not self.stacks_rows():
+        if not self.can_stack_rows():
             raise ValueError("stack_rows needs an empty KNormCache built with the model's config whose layers are all "
                              "uniform KNorm layers (no sliding-window layers, head_budget='uniform').")
         kind = DynamicLayer if prompt_open else KNormLayer

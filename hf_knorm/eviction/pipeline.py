@@ -117,14 +117,14 @@ def knorm_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
         context_ids = input_ids[:, :-1]
         context_mask = attention_mask[:, :-1] if padded else None
         with ragged_attention_for(model, cache, padded):
-            if padded and cache.stacks_rows():
+            if padded and cache.can_stack_rows():
                 prefill_rows(model, cache, context_ids, context_mask)
             else:
                 model(input_ids=context_ids, **padded_kwargs(context_mask), **cache_kwargs(cache), use_cache=True)
         if padded:
             _check_cache_saw_padding(cache)
         compress_by_reconstruction(model, cache, context_ids, tokenizer, chat_template)
-    elif padded and cache.stacks_rows() and _one_sequence_per_row(model, kwargs) and \
+    elif padded and cache.can_stack_rows() and _one_sequence_per_row(model, kwargs) and \
             int(attention_mask.sum(-1).min()) >= 2:
         with ragged_attention_for(model, cache, padded):  # each prompt but its last token, row by row, left open
             prefill_rows(model, cache, input_ids[:, :-1], attention_mask[:, :-1], prompt_open=True)
@@ -269,7 +269,7 @@ def answer_questions(model, cache: KNormCache, context_ids: torch.Tensor, questi
         raise ValueError("answer_questions takes a prefilled cache for unpadded contexts only; pass the padded "
                          "contexts' ids and mask instead.")
     with ragged_attention_for(model, cache, padded):  # head budgets or padding: the attention that masks
-        if prefilled is None and has_padding(context_mask) and cache.stacks_rows():
+        if prefilled is None and has_padding(context_mask) and cache.can_stack_rows():
             prefill_rows(model, cache, context_ids, context_mask)
         elif prefilled is None:  # prefill: compressed here
             model(input_ids=context_ids, **padded_kwargs(context_mask), **cache_kwargs(cache), use_cache=True)

@@ -377,7 +377,7 @@ def test_a_padded_batch_runs_no_padding_where_rows_can_be_stacked():
         model.register_forward_pre_hook(lambda module, args, kwargs: shapes.append(
             (tuple(kwargs["input_ids"].shape), kwargs.get("attention_mask") is not None)), with_kwargs=True)
         cache = knorm_cache_for(model, compression_ratio=0.5, score="kv_diff")
-        assert cache.stacks_rows() is stacked
+        assert cache.can_stack_rows() is stacked
         batch = answer_questions(model, cache, context_ids, [question], context_mask=context_mask, **generate)[0]
         prefill = [(shape, masked) for shape, masked in shapes if shape[1] > question.shape[1]]
         assert prefill == ([((1, 19), False), ((1, 11), False), ((1, 15), False)] if stacked else [((3, 19), True)])
