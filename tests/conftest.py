@@ -38,46 +38,13 @@ COMPAT_ERRORS = tuple(f"error::{category}:{module}" for category in ("Deprecatio
                       for module in (r"transformers\b", r"torch\b", r"hf_knorm\b", r"test_", r"tiny_models\b"))
 
 
-# The slowest modules of `make test` (pytest --durations, 2026-12-06: 60-180 s of CPU each), slowest first. Under
-# pytest-xdist each worker starts with one of them (`_long_modules_first`): a worker's queue is run from its front and
-# stolen from its back, so the long ones run early and the run ends on short tests with every core busy. Order only:
-# nothing is selected or skipped by this list.
-LONG_MODULES = ("tests/test_readme_examples.py", "tests/jobs/test_finetune_processes.py",
-                "tests/jobs/demo/test_demo_job.py", "tests/attention/test_window_compile.py",
-                "tests/attention/test_compile.py", "tests/test_device_check.py",
-                "tests/attention/test_fla_stick_breaking.py", "tests/conversion/test_original_model_work.py")
-
-
 def pytest_collection_modifyitems(config, items):
     """Each test marked ``compat`` gets :data:`COMPAT_ERRORS`, then pyproject.toml's ignores, as its first
-    filterwarnings mark (applied before, so overridden by, the test's own marks); under pytest-xdist the
-    :data:`LONG_MODULES` lead the workers' shares."""
+    filterwarnings mark (applied before, so overridden by, the test's own marks)."""
     mark = pytest.mark.filterwarnings(*COMPAT_ERRORS, *config.getini("filterwarnings"))
     for item in items:
         if item.get_closest_marker("compat") is not None:
             item.add_marker(mark, append=False)
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1:
-        items[:] = _long_modules_first(items, workers)
-
-
-def _long_modules_first(items: list, workers: int) -> list:
-    """``items`` reordered so that each of the ``workers`` shares xdist's work-stealing scheduler hands out (the
-    first ``n // workers`` items, then the same of the rest) starts with every ``workers``-th of :data:`LONG_MODULES`,
-    each module whole; the other tests keep their order. Every worker collects the same order (xdist requires it)."""
-    root = Path(__file__).resolve().parents[1]
-    module = lambda item: item.path.resolve().relative_to(root).as_posix()  # noqa: E731
-    long = {name: [item for item in items if module(item) == name] for name in LONG_MODULES}
-    rest = [item for item in items if module(item) not in long]
-    ordered, remaining = [], len(items)
-    for worker in range(workers):
-        share = remaining // (workers - worker)
-        remaining -= share
-        head = [item for name in LONG_MODULES[worker::workers] for item in long[name]]
-        take = max(0, share - len(head))
-        ordered += head + rest[:take]
-        rest = rest[take:]
-    return ordered + rest
 
 
 @pytest.fixture(autouse=True)
