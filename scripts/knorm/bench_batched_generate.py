@@ -8,10 +8,10 @@ stops early) runs as:
 
 - ``single``: ``hf_knorm.eviction.pipeline.knorm_generate`` on each prompt alone, one after the other (the baseline);
 - ``batch``: ``knorm_generate`` once on the left-padded batch (:mod:`hf_knorm.eviction.rows`: each row keeps what it
-  keeps alone; the prompt's forward computes the padding);
+  keeps alone; each prompt but its last token prefilled alone and stacked, ``prefill_rows``: no padding computed);
 - ``questions single`` / ``questions batch``: the pipeline's protocol (``answer_questions``: the context compressed,
   the question appended), each context alone against the left-padded batch of contexts, whose rows are prefilled
-  one at a time and stacked (``prefill_rows``: no padding computed) before the questions and answers run as a batch.
+  one at a time and stacked the same way before the questions and answers run as a batch.
 
 Before timing, both run once with their logits and the outputs are compared: every row's tokens must equal its
 single run's (the script stops otherwise) and the largest logit difference is printed. Medians over rounds; the batch
