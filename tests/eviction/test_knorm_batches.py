@@ -403,6 +403,8 @@ def test_stack_rows_refuses_what_is_not_one_context_alone_per_row():
         rows.append(cache)
     with pytest.raises(ValueError, match="at most 5 tokens"):
         knorm_cache_for(model, compression_ratio=0.5).stack_rows(rows, width=5)
+    with pytest.raises(ValueError, match="prefilled alone through 2 DynamicLayers"):  # open prompts are uncompressed
+        knorm_cache_for(model, compression_ratio=0.5).stack_rows(rows, width=9, prompt_open=True)
     full = knorm_cache_for(model, compression_ratio=0.5).stack_rows(rows, width=9)
     with pytest.raises(ValueError, match="needs an empty KNormCache"):
         full.stack_rows(rows, width=9)
