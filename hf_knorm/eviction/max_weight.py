@@ -10,7 +10,8 @@ the softmax taken over the whole row (every key the query sees). The reconstruct
 well, so :func:`attention_with_max_weights` computes both from the same scores, in plain PyTorch, one block of query
 rows at a time: per block, one ``q k^T`` tile ``(B, H_kv, group * m_b, L_b)`` (the block's rows of every query head
 of a KV head's group, against the keys any of them sees), the mask, the softmax in fp32 (fp64 for fp64 inputs), the
-output rows ``weights @ V``, and the running maximum of the weights over the block's rows. No ``N x N`` matrix is
+output rows ``weights @ V``, and the running maximum of the weights over the block's rows. A boolean mask's leading
+columns that every row attends (the cached context of a reconstruction) are not masked column by column. No ``N x N`` matrix is
 held beyond one tile (:data:`TILE_ELEMENTS` scores), and no weight comes from the model's attention implementation.
 The plain references are :func:`hf_knorm.eviction.reference.reference_max_weights` (the weights materialized) and
 ``torch.nn.functional.scaled_dot_product_attention`` (the output).
@@ -24,7 +25,10 @@ import torch
 
 __all__ = ["TILE_ELEMENTS", "attention_with_max_weights"]
 
-TILE_ELEMENTS = 1 << 23  # scores held per tile (32 MiB in fp32); the block of query rows is sized to stay under it
+TILE_ELEMENTS = 1 << 21
+"""Scores held per tile (8 MiB in fp32); the block of query rows is sized to stay under it. Measured on one CPU thread
+against ``1 << 23`` (scripts/knorm/bench_kvzip_cost.py's shapes: 9/3 heads, a 2,068-row chunk over 1k-4k cached
+keys): 0.74-0.85x the time; ``1 << 19`` to ``1 << 22`` within 0.1x of it."""
 
 
 def attention_with_max_weights(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -72,8 +76,10 @@ def attention_with_max_weights(query: torch.Tensor, key: torch.Tensor, value: to
     if rows is None:
         rows = max(1, TILE_ELEMENTS // max(1, batch * query_heads * length))
     # the last key any row of a block [start, stop) can see: causal bound, or the boolean mask's last True column
-    visible = None
+    visible, open_front = None, 0
     if attention_mask is not None and attention_mask.dtype == torch.bool:
+        # the cached keys every row attends (a reconstruction's context): masked nowhere, so not masked column by column
+        open_front = offset if bool(attention_mask[..., :offset].all()) else 0
         reach = attention_mask.any(dim=0).any(dim=0)  # (m, L) the keys any batch row sees from each query row
         visible = torch.where(reach, torch.arange(1, length + 1, device=reach.device), 0).amax(-1).tolist()
 
@@ -91,11 +97,11 @@ def attention_with_max_weights(query: torch.Tensor, key: torch.Tensor, value: to
         logits = q @ keys[:, :, :columns].transpose(-1, -2)  # (B, H_kv, group * m_b, L_b), head-major rows
         tile = logits.view(batch, heads, group, stop - start, columns)
         if attention_mask is not None:
-            mask = attention_mask[:, :, None, start:stop, :columns]  # (B or 1, 1, 1, m_b, L_b)
-            if mask.dtype == torch.bool:
-                tile.masked_fill_(~mask, float("-inf"))
+            if attention_mask.dtype == torch.bool:  # (B or 1, 1, 1, m_b, L_b), the open front left out
+                tile[..., open_front:].masked_fill_(~attention_mask[:, :, None, start:stop, open_front:columns],
+                                                    float("-inf"))
             else:
-                tile.add_(mask.to(dtype))
+                tile.add_(attention_mask[:, :, None, start:stop, :columns].to(dtype))
         elif is_causal:  # row i sees keys 0 .. offset + i
             index = torch.arange(start, stop, device=query.device)
             tile.masked_fill_(torch.arange(columns, device=query.device) > offset + index[:, None], float("-inf"))
