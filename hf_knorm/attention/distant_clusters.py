@@ -91,7 +91,7 @@ def pseudo_logits(query: torch.Tensor, scores: torch.Tensor, distant: torch.Tens
     summed = (scores * member[:, :, None]) @ onehot[:, :, None]  # (B, H_kv, G, r, C)
     if prior is not None:
         sizes = sizes + prior.count.to(sizes.dtype)[:, :, None, None, :]
-        summed = summed + query @ prior.key_sum.to(query.dtype)[:, :, None].transpose(-1, -2) * scale
+        summed = summed + _per_kv_head(query, prior.key_sum.to(query.dtype).transpose(-1, -2)) * scale
     size = sizes.clamp_min(1.0)
     logits = torch.where(sizes > 0, summed / size + size.log(), float("-inf"))
     return logits, sizes
@@ -113,7 +113,7 @@ def cluster_part(weights: torch.Tensor, sizes: torch.Tensor, distant: torch.Tens
     per_pair = (share @ onehot[:, :, None].transpose(-1, -2)) * distant[:, :, None].to(share.dtype)
     output = per_pair @ values[:, :, None]
     if prior is not None:
-        output = output + share @ prior.value_sum.to(share.dtype)[:, :, None]
+        output = output + _per_kv_head(share, prior.value_sum.to(share.dtype))
     return output, per_pair
 
 
@@ -126,6 +126,13 @@ def add_leaving(prior: ClusterState | None, onehot: torch.Tensor, leaving: torch
     if prior is None:
         return added
     return ClusterState(*(old + new for old, new in zip(prior, added)))
+
+
+def _per_kv_head(rows: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """``rows @ matrix`` for ``rows`` ``(B, H_kv, G, r, X)`` and one ``(B, H_kv, X, Y)`` matrix per KV head, as one
+    product of ``G r`` rows (broadcasting the matrix over ``G`` would copy it ``G`` times): ``(B, H_kv, G, r, Y)``."""
+    batch, heads, groups, count, _ = rows.shape
+    return (rows.reshape(batch, heads, groups * count, -1) @ matrix).view(batch, heads, groups, count, -1)
 
 
 class _Block(NamedTuple):
@@ -169,16 +176,17 @@ class ClusterRows:
         rows = query.shape[-2]
         distant = distant[..., self.candidates]  # (B, H_kv, r, R)
         step = SUB_ROWS if self.fold else rows
+        # split, not sliced: the gradient of a split is one cat, a slice's fills a zero tensor of the whole rows
+        queries, row_scores = query.split(step, dim=-2), scores.split(step, dim=-2)
         self.blocks, logits = [], []
-        for start in range(0, rows, step):
+        for start, block_query, block_scores in zip(range(0, rows, step), queries, row_scores):
             stop = min(rows, start + step)
             block = distant[:, :, start:stop]
             if self.fold:
                 self._fold(block[:, :, 0])
                 block = block & ~self.in_folded[:, :, None]
             columns = block.flatten(0, 2).any(dim=0).nonzero().squeeze(-1)
-            block_logits, sizes = pseudo_logits(query[..., start:stop, :],
-                                                scores[..., start:stop, :][..., self.candidates[columns]],
+            block_logits, sizes = pseudo_logits(block_query, block_scores[..., self.candidates[columns]],
                                                 block[..., columns], self.onehot[:, :, columns], self.folded, scale)
             self.blocks.append(_Block(start, stop, columns, block[..., columns], sizes, self.folded))
             logits.append(block_logits)
@@ -190,8 +198,9 @@ class ClusterRows:
         ``fold``, ``shares`` are each pair's share of its cluster's weight (:func:`cluster_part`) for the call's
         candidates ``columns`` (of ``M``), else both ``None``."""
         outputs, shares = [], []
-        for block in self.blocks:
-            output, share = cluster_part(weights[..., block.start:block.stop, :], block.sizes, block.distant,
+        blocks = weights.split([block.stop - block.start for block in self.blocks], dim=-2)
+        for block, block_weights in zip(self.blocks, blocks):
+            output, share = cluster_part(block_weights, block.sizes, block.distant,
                                          self.onehot[:, :, block.columns], block.folded,
                                          self.values[:, :, block.columns])
             outputs.append(output)

@@ -280,28 +280,33 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
         if sinks is not None:  # the sinks' positions are the call's key indices
             older_sinks = sink_columns(sinks, batch, row_position - first, normalization.window)
             soft_allowed = torch.cat([older_sinks.expand(-1, kv_heads, -1, -1), soft_allowed], dim=-1)
-        scores = q @ keys[:, :, None].transpose(-1, -2) * scale  # (B, H_kv, G, r, S' + M)
+        scores = (q * scale) @ keys[:, :, None].transpose(-1, -2)  # (B, H_kv, G, r, S' + M); scaled on the r x D side
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
-        logits = scores.masked_fill(~soft_allowed[:, :, None], float("-inf"))
-        candidate_scores = scores[..., sink_count:]
+        logits = torch.where(soft_allowed[:, :, None], scores, float("-inf"))  # (one pass: masked_fill clones first)
+        candidate_scores = scores.split([sink_count, scores.shape[-1] - sink_count], dim=-1)[1]  # (a split: its
+        # gradient is one cat, where a slice's fills a zero tensor of the scores' size)
         if clusters is not None:  # the clusters' pseudo-pairs, weighted by softmax with the pairs
             logits = torch.cat([logits, clusters.logits(q, candidate_scores, in_base, scale)], dim=-1)
-        soft = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)  # a row with no key: 0
+        soft = torch.softmax(logits, dim=-1)
+        if key_valid is not None:  # a padded query may see no key (NaN): 0; a real one always sees its own key
+            soft = torch.nan_to_num(soft, nan=0.0)
         if clusters is not None:
-            soft, cluster_weights = soft[..., :-codebook.shape[1]], soft[..., -codebook.shape[1]:]
+            soft, cluster_weights = soft.split([soft.shape[-1] - codebook.shape[1], codebook.shape[1]], dim=-1)
             clustered, shared, shares = clusters.output(cluster_weights)
-        allowed_base = in_base[:, :, None].expand_as(candidate_scores)
+        allowed_base = in_base[:, :, None]  # (B, H_kv, 1, r, M): the same pairs for every query head of a KV head
         if handover is None:
-            base_weights = base.weights(candidate_scores, allowed_base, group_params)
+            base_weights = base.weights(candidate_scores, allowed_base.expand_as(candidate_scores), group_params)
             part = base_weights @ values[:, :, None, sink_count:]
         else:  # p = 1: the state's pairs, then the call's, over c (the constant, or sqrt of the count they add up to)
-            base_weights = candidate_scores * allowed_base
+            base_weights = torch.where(allowed_base, candidate_scores, 0.0)  # (no float copy of the mask)
             part = base_weights @ values[:, :, None, sink_count:]
             if state is not None:
                 part = part + (q @ state[:, :, None].to(compute)) * scale
             by_count = _row_scale(base, allowed_base, count, compute)
-            base_weights, part = base_weights * by_count, part * by_count
+            part = part * by_count
+            if frobenius_sq is not None or return_weights:  # the weights themselves: only where they are read
+                base_weights = base_weights * by_count
         factor = part_factor(part, mix, (1, kv_heads, groups, 1, 1))  # (B, H_kv, G, r, 1)
         output = soft @ values[:, :, None] + part * factor  # (B, H_kv, G, r, D_v)
         if clusters is not None:
@@ -424,7 +429,7 @@ def _candidates(key, value, score, position, valid, eligible, cached: SparsePair
 def _row_scale(base, allowed_base, count, compute) -> torch.Tensor:
     """``1 / c`` of each row of a ``p = 1`` base part continued from a state: of the constant, or of ``sqrt`` of the
     count of the pairs it sums (the state's and the call's, at least 1): the base's element-wise row factor."""
-    rows = allowed_base.sum(dim=-1, keepdim=True, dtype=compute)  # (B, H_kv, G, r, 1)
+    rows = allowed_base.sum(dim=-1, keepdim=True, dtype=compute)  # (B, H_kv, 1, r, 1)
     if count is not None:
         rows = rows + count.to(compute)[:, None, None, None, None]
     return base.pointwise.row_factor(rows.clamp_min(1.0))
@@ -469,8 +474,8 @@ def _call_weights(soft, weighted, sinks, sink_count, kv_len) -> torch.Tensor:
 def _key_valid(mask, query, key) -> torch.Tensor | None:
     if mask is None:
         return None
-    if isinstance(mask, KeyPadding):
-        return mask.key_valid
+    if isinstance(mask, KeyPadding):  # None: every key real (read once per forward)
+        return None if mask.all_real else mask.key_valid
     causal, key_valid = causal_key_validity(mask, query.shape[2], key.shape[2])
     if not causal:
         raise ValueError("A sparse cache chooses its pairs along each sequence's positions, and this call's mask is "
