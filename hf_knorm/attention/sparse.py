@@ -284,8 +284,8 @@ def _attend(query, key, value, key_valid, source, normalization, handover, *, sc
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
         logits = torch.where(soft_allowed[:, :, None], scores, float("-inf"))  # (one pass: masked_fill clones first)
-        candidate_scores = scores.split([sink_count, scores.shape[-1] - sink_count], dim=-1)[1]  # (a split: its
-        # gradient is one cat, where a slice's fills a zero tensor of the scores' size)
+        # split, not sliced: a split's gradient is one cat, a slice's fills a zero tensor of the scores' size
+        candidate_scores = scores.split([sink_count, scores.shape[-1] - sink_count], dim=-1)[1]
         if clusters is not None:  # the clusters' pseudo-pairs, weighted by softmax with the pairs
             logits = torch.cat([logits, clusters.logits(q, candidate_scores, in_base, scale)], dim=-1)
         soft = torch.softmax(logits, dim=-1)

@@ -11,8 +11,9 @@ well, so :func:`attention_with_max_weights` computes both from the same scores, 
 rows at a time: per block, one ``q k^T`` tile ``(B, H_kv, group * m_b, L_b)`` (the block's rows of every query head
 of a KV head's group, against the keys any of them sees), the mask, the softmax in fp32 (fp64 for fp64 inputs), the
 output rows ``weights @ V``, and the running maximum of the weights over the block's rows. A boolean mask's leading
-columns that every row attends (the cached context of a reconstruction) are not masked column by column. No ``N x N`` matrix is
-held beyond one tile (:data:`TILE_ELEMENTS` scores), and no weight comes from the model's attention implementation.
+columns that every row attends (the cached context of a reconstruction) are not masked column by column. No ``N x N``
+matrix is held beyond one tile (:data:`TILE_ELEMENTS` scores), and no weight comes from the model's attention
+implementation.
 The plain references are :func:`hf_knorm.eviction.reference.reference_max_weights` (the weights materialized) and
 ``torch.nn.functional.scaled_dot_product_attention`` (the output).
 """
