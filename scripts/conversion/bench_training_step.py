@@ -1,6 +1,7 @@
 """The default conversion's training step against the original model's: a forward and backward of the default model
-patched with ``x/1 + softmax window 64 + sinks 4 + sparse 256 (prefix_kv_diff) + clusters 600`` (codebooks fitted on
-the essays as ``convert`` fits them; a step's time does not depend on trained weights), and of the unpatched model,
+patched with what ``hf-knorm convert`` converts to by default (``ConvertSettings().target()``: ``x/1 + softmax window
+64 + sinks 4 + sparse 256 (prefix_kv_diff) + clusters 600``, codebooks fitted on the essays as ``convert`` fits them;
+a step's time does not depend on trained weights), and of the unpatched model,
 on the same ``batch x block`` tokens (2 x 512: the recovery's micro-batch), in alternated rounds in one process, so
 that drifting load hits both. What the recovery of ``hf-knorm convert`` pays per step for the composition.
 
@@ -20,9 +21,8 @@ import hf_knorm
 from hf_knorm.assets.default_model import load_default_model
 from hf_knorm.assets.texts import paul_graham_essays
 from hf_knorm.conversion.clusters import add_clusters
-from hf_knorm.conversion.settings import DEFAULT_BATCH_SIZE, DEFAULT_BLOCK_SIZE, DEFAULT_CLUSTERS
-
-SPELLING = "x/1 + softmax window 64 + sinks 4 + sparse 256 (prefix_kv_diff)"
+from hf_knorm.conversion.settings import DEFAULT_BATCH_SIZE, DEFAULT_BLOCK_SIZE, ConvertSettings
+from hf_knorm.normalizations import with_clusters
 
 
 def step(model, inputs: torch.Tensor) -> tuple[float, float]:
@@ -44,8 +44,9 @@ def main() -> None:
     torch.manual_seed(0)
     original, tokenizer = load_default_model()
     converted = copy.deepcopy(original)
-    hf_knorm.patch(converted, SPELLING)
-    add_clusters(converted, tokenizer, DEFAULT_CLUSTERS)
+    target = ConvertSettings().target()
+    hf_knorm.patch(converted, with_clusters(target, 0))  # then the codebooks fitted, as convert does
+    add_clusters(converted, tokenizer, target.clusters)
     original.train()
     converted.train()
     text = " ".join(paul_graham_essays()[:4])
