@@ -55,8 +55,7 @@ from .distant_clusters import ClusterRows, add_leaving, assignments, check_codeb
 from .linear_kernel import is_linear
 from .masks import KeyPadding, Mask
 from .paths import Path, causal_key_validity
-from .window_parts import (check_call, check_mix, check_state_window, part_factor, sink_columns, sink_keys,
-                           window_columns, without_sinks)
+from .window_parts import part_factor, sink_columns, sink_keys, window_columns, without_sinks
 
 ROWS = 256
 """Queries (and pairs, for the exit positions) per block: a block's scores are ``ROWS x N`` per head."""
@@ -101,31 +100,6 @@ def in_blocks(normalization: Normalization, q_len: int, kv_len: int, has_state: 
     returned weights or recorded norms (their rows are normalized one by one over every key)."""
     return (q_len > ROWS and (has_state or q_len == kv_len) and softcap is None and not return_weights
             and not recording and is_linear(normalization.without_window))
-
-
-def sparse_window_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Mask,
-                            normalization: Normalization, *, bias: torch.Tensor | None = None,
-                            scaling: float | None = None, softcap: float | None = None, dropout: float = 0.0,
-                            causal: bool = True, return_weights: bool = False,
-                            frobenius_sq: torch.Tensor | None = None, mix: torch.Tensor | None = None,
-                            params: dict[str, torch.Tensor] | None = None, handover=None,
-                            sliding_window: int | None = None,
-                            codebook: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`.window.window_attention` (its arguments and result) for a normalization with a sparse cache.
-
-    Raises:
-        ValueError: ``normalization`` has no sparse cache, or a call :func:`.window_parts.check_call` refuses, a mix of
-            another shape or a state kept for another normalization.
-    """
-    if not normalization.sparse or not normalization.window:
-        raise ValueError(f"sparse_window_attention computes a window with a sparse cache, not {normalization.name}.")
-    check_call(normalization, mask, causal=causal, sliding_window=sliding_window, bias=bias, dropout=dropout,
-               softcap=softcap, return_weights=return_weights, has_state=handover is not None)
-    check_state_window(handover, normalization)
-    check_mix(mix, query)
-    return sparse_attention(query, key, value, mask, normalization, scaling=scaling, softcap=softcap,
-                            return_weights=return_weights, frobenius_sq=frobenius_sq, mix=mix, params=params,
-                            handover=handover, codebook=codebook)
 
 
 def sparse_attention(query, key, value, mask, normalization, *, scaling, softcap, return_weights, frobenius_sq, mix,
@@ -485,4 +459,4 @@ def _key_valid(mask, query, key) -> torch.Tensor | None:
 
 
 __all__ = ["NEVER", "ROWS", "SparsePairs", "exit_positions", "exits_at_once", "in_blocks", "sparse_attention",
-           "sparse_path", "sparse_window_attention"]
+           "sparse_path"]

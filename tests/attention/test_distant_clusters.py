@@ -16,7 +16,7 @@ from hf_knorm.attention import distant_clusters, sparse
 from hf_knorm.attention.distant_clusters import assignments
 from hf_knorm.attention.masks import KeyPadding
 from hf_knorm.attention.reference import reference_window_attention
-from hf_knorm.attention.sparse import sparse_window_attention
+from hf_knorm.attention.window import window_attention
 from hf_knorm.normalizations import parse_normalization
 
 ATOL = 1e-10
@@ -65,7 +65,7 @@ def test_the_attention_equals_the_plain_reference(spelling, kind, q_heads, rows,
     valid = _valid(kind, 2, 41)
     mask = None if valid is None else KeyPadding(valid, 41, causal=True)
     allowed = None if valid is None else mask.dense()
-    got, _ = sparse_window_attention(query, key, value, mask, normalization, mix=mix, codebook=codebook)
+    got, _ = window_attention(query, key, value, mask, normalization, mix=mix, codebook=codebook)
     want, _ = reference_window_attention(query, key, value, allowed, normalization, mix=mix, codebook=codebook)
     real = torch.ones(2, 41, dtype=torch.bool) if valid is None else valid
     weight = torch.randn_like(want) * real[:, :, None, None]
@@ -83,15 +83,15 @@ def test_the_clusters_change_the_output_and_one_cluster_per_pair_is_softmax_over
     directions gives neither that nor the cache without clusters."""
     query, key, value = (t.detach() for t in _inputs(batch=1, kv_heads=2, length=30))
     own = torch.nn.functional.normalize(key[0], dim=-1)  # (H_kv, 30, D): 30 clusters, key j's direction j
-    every, _ = sparse_window_attention(query, key, value, None, parse_normalization(
+    every, _ = window_attention(query, key, value, None, parse_normalization(
         "x/1 + softmax window 4 + sinks 1 + sparse 2 + clusters 30"), mix=torch.zeros(6, dtype=torch.float64),
         codebook=own)
     full = torch.softmax(query @ key.repeat_interleave(3, 1).transpose(-1, -2) / math.sqrt(8)
                          + torch.full((30, 30), -math.inf, dtype=torch.float64).triu(1), dim=-1)
     torch.testing.assert_close(every, (full @ value.repeat_interleave(3, 1)).transpose(1, 2), rtol=0, atol=ATOL)
-    few, _ = sparse_window_attention(query, key, value, None, parse_normalization(
+    few, _ = window_attention(query, key, value, None, parse_normalization(
         "x/1 + softmax window 4 + sinks 1 + sparse 2 + clusters 5"), codebook=_codebook())
-    without, _ = sparse_window_attention(query, key, value, None, parse_normalization(
+    without, _ = window_attention(query, key, value, None, parse_normalization(
         "x/1 + softmax window 4 + sinks 1 + sparse 2"))
     assert (few - without).abs().amax() > 1e-2 and (few - every).abs().amax() > 1e-2
 
@@ -109,8 +109,8 @@ def test_the_returned_weights_are_the_references():
     valid = _valid("holes", 2, 41)
     mask = KeyPadding(valid, 41, causal=True)
     mix = torch.linspace(-1.0, 2.0, 6, dtype=torch.float64)
-    _, got = sparse_window_attention(query, key, value, mask, normalization, mix=mix, codebook=_codebook(),
-                                     return_weights=True)
+    _, got = window_attention(query, key, value, mask, normalization, mix=mix, codebook=_codebook(),
+                              return_weights=True)
     _, want = reference_window_attention(query, key, value, mask.dense(), normalization, mix=mix, codebook=_codebook())
     real = valid[:, None, :, None]
     torch.testing.assert_close(got * real, want * real, rtol=0, atol=ATOL)
@@ -120,10 +120,10 @@ def test_an_unfitted_or_misshapen_codebook_and_a_softcap_are_refused():
     normalization = parse_normalization("x/1 + softmax window 3 + sparse 2 + clusters 5")
     query, key, value = (t.detach() for t in _inputs())
     with pytest.raises(ValueError, match="no cluster codebook"):
-        sparse_window_attention(query, key, value, None, normalization)
+        window_attention(query, key, value, None, normalization)
     with pytest.raises(ValueError, match="never fitted"):
-        sparse_window_attention(query, key, value, None, normalization, codebook=torch.zeros(2, 5, 8))
+        window_attention(query, key, value, None, normalization, codebook=torch.zeros(2, 5, 8))
     with pytest.raises(ValueError, match=r"\(2, 5, 8\)"):
-        sparse_window_attention(query, key, value, None, normalization, codebook=_codebook(clusters=4))
+        window_attention(query, key, value, None, normalization, codebook=_codebook(clusters=4))
     with pytest.raises(ValueError, match="softcap"):
-        sparse_window_attention(query, key, value, None, normalization, codebook=_codebook(), softcap=5.0)
+        window_attention(query, key, value, None, normalization, codebook=_codebook(), softcap=5.0)

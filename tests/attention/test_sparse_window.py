@@ -14,7 +14,8 @@ from hf_knorm.attention import sparse
 from hf_knorm.attention.masks import KeyPadding
 from hf_knorm.attention.reference import (reference_attention, reference_scores, reference_window_attention,
                                          sparse_split, window_split)
-from hf_knorm.attention.sparse import NEVER, exit_positions, sparse_window_attention
+from hf_knorm.attention.sparse import NEVER, exit_positions
+from hf_knorm.attention.window import window_attention, window_path
 from hf_knorm.eviction.scores import KeyNorm, ValueOverKey
 from hf_knorm.normalizations import Softmax, parse_normalization
 from hf_knorm.normalizations.sparse_choice import SPARSE_SCORES, ranked, token_scores
@@ -139,7 +140,7 @@ def test_the_attention_equals_the_plain_reference(spelling, kind, q_heads, softc
     valid = _valid(kind, 2, 37)
     mask = None if valid is None else KeyPadding(valid, 37, causal=True)
     allowed = None if valid is None else mask.dense()
-    got, _ = sparse_window_attention(query, key, value, mask, normalization, mix=mix, params=params, softcap=softcap)
+    got, _ = window_attention(query, key, value, mask, normalization, mix=mix, params=params, softcap=softcap)
     want, _ = reference_window_attention(query, key, value, allowed, normalization, mix=mix, params=params,
                                          softcap=softcap)
     rows_real = torch.ones(2, 37, dtype=torch.bool) if valid is None else valid
@@ -164,11 +165,11 @@ def test_a_p1_call_runs_in_blocks_that_do_not_grow_with_the_length(kind, monkeyp
     mask = None if valid is None else KeyPadding(valid, 60, causal=True)
     blocks, attend = [], sparse._attend
     monkeypatch.setattr(sparse, "_attend", lambda q, k, *args, **kw: blocks.append(k.shape[2]) or attend(q, k, *args, **kw))
-    got, _ = sparse_window_attention(query, key, value, mask, normalization)
+    got, _ = window_attention(query, key, value, mask, normalization)
     assert len(blocks) == 10 and max(blocks) == 6 + 4
     blocks.clear()
     frobenius_sq = torch.zeros(2, 2, 3, dtype=torch.float64)
-    every_row, _ = sparse_window_attention(query, key, value, mask, normalization, frobenius_sq=frobenius_sq)
+    every_row, _ = window_attention(query, key, value, mask, normalization, frobenius_sq=frobenius_sq)
     assert blocks == [60]
     rows = torch.ones(2, 60, dtype=torch.bool) if valid is None else valid
     torch.testing.assert_close(got[rows], every_row[rows], rtol=0, atol=ATOL)
@@ -180,11 +181,11 @@ def test_the_sparse_cache_changes_the_output_and_holds_what_the_window_leaves(sc
     score and the mix (what a conversion trains on blocks no longer than ``W + S + K`` does not depend on the score);
     with ``K`` below, the output is neither that nor the window alone's."""
     query, key, value = (t.detach() for t in _inputs())
-    everything, _ = sparse_window_attention(query, key, value, None, parse_normalization(
+    everything, _ = window_attention(query, key, value, None, parse_normalization(
         f"x/1 + softmax window 4 + sparse 40 ({score})"), mix=torch.linspace(-2.0, 3.0, 6, dtype=torch.float64))
     softmax, _ = reference_attention(query, key, value, None, Softmax(), causal=True)
     torch.testing.assert_close(everything, softmax, rtol=0, atol=ATOL)
-    some, _ = sparse_window_attention(query, key, value, None, parse_normalization(
+    some, _ = window_attention(query, key, value, None, parse_normalization(
         "x/1 + softmax window 4 + sparse 3"))
     window_alone, _ = reference_window_attention(query, key, value, None, parse_normalization(
         "x/1 + softmax window 4"))
@@ -213,8 +214,8 @@ def test_the_returned_weights_and_the_recorded_norms_are_the_references(spelling
     mask = KeyPadding(valid, 37, causal=True)
     mix = torch.linspace(-2.0, 3.0, 6, dtype=torch.float64)
     frobenius_sq = torch.zeros(2, 2, 3, dtype=torch.float64)
-    _, got = sparse_window_attention(query, key, value, mask, normalization, mix=mix, return_weights=True,
-                                     frobenius_sq=frobenius_sq)
+    _, got = window_attention(query, key, value, mask, normalization, mix=mix, return_weights=True,
+                              frobenius_sq=frobenius_sq)
     _, want = reference_window_attention(query, key, value, mask.dense(), normalization, mix=mix)
     rows = valid[:, None, :, None]
     torch.testing.assert_close(got * rows, want * rows, rtol=0, atol=ATOL)
@@ -224,7 +225,7 @@ def test_the_returned_weights_and_the_recorded_norms_are_the_references(spelling
 def test_calls_the_definition_does_not_cover_are_refused():
     normalization = parse_normalization("x/1 + softmax window 3 + sparse 2")
     query, key, value = (t.detach() for t in _inputs(length=9))
-    call = lambda mask=None, **options: sparse_window_attention(query, key, value, mask, normalization, **options)  # noqa: E731
+    call = lambda mask=None, **options: window_attention(query, key, value, mask, normalization, **options)  # noqa: E731
     with pytest.raises(ValueError, match="own sliding window of 5 positions"):
         call(sliding_window=5)
     with pytest.raises(ValueError, match="bias"):
@@ -240,20 +241,17 @@ def test_calls_the_definition_does_not_cover_are_refused():
     torch.testing.assert_close(call(causal)[0], call()[0], rtol=0, atol=ATOL)
     with pytest.raises(ValueError, match=r"shape \(6,\)"):
         call(mix=torch.ones(3, dtype=torch.float64))
-    with pytest.raises(ValueError, match="not x/1 \\+ softmax window 3"):
-        sparse_window_attention(query, key, value, None, parse_normalization("x/1 + softmax window 3"))
 
 
 def test_window_attention_is_the_one_composition_and_computes_the_sparse_cache():
     """``window_attention`` with ``sparse > 0`` is the sparse cache's computation (``sparse = 0`` its special case),
     and ``window_path`` counts it as the attention function does (``"sparse"``)."""
-    from hf_knorm.attention.window import window_attention, window_path
 
     normalization = parse_normalization("x/1 + softmax window 4 + sinks 2 + sparse 3")
     query, key, value = (t.detach() for t in _inputs())
     mask = KeyPadding(_valid("left", 2, 37), 37, causal=True)
     got, _ = window_attention(query, key, value, mask, normalization)
-    want, _ = sparse_window_attention(query, key, value, mask, normalization)
+    want, _ = window_attention(query, key, value, mask, normalization)
     assert torch.equal(got, want)
     reference, _ = reference_window_attention(query, key, value, mask.dense(), normalization)
     rows = _valid("left", 2, 37)[:, :, None, None]

@@ -1,0 +1,144 @@
+r"""Which of the field's families a pretrained model accepts: each converted on its own, without a softmax window.
+
+Issue 67, item 5. One ordinary ``hf-knorm convert --normalization F --softmax-window 0`` per family and seed (the
+default budget: 25 transfer steps, 150 LoRA recovery steps on 512-token blocks), one after the other (never two at
+once on 2 cores), each in its own folder (``FOLDER_s{seed}``, :data:`FAMILIES`); then one row per run: the held-out
+perplexity of every domain against the original model (256-token blocks; the worst is the headline), the ability
+probe, the worst domain in 1,024-token blocks scored from position 256 (``beyond_window`` in ``convert.json``: with no
+window, long-context perplexity), the passkeys at 1,000 and 2,000 tokens against the original's, and each run's
+``||A||_F / sqrt(N)`` at the recovery's last logging step (the median over layers; at most 1 for softmax); and one
+figure, the recovery's per-layer ``||A||_F`` curves of every run (``NormLoggerCallback``'s ``norms.jsonl``). A run
+whose ``convert.json`` exists is not run again, so the script resumes; ``--report`` only gathers the folders.
+
+Usage (docs/results/conversion.md, "The families a pretrained model accepts"):
+    python research/2026-12/conversion_families.py --out runs/families
+    python research/2026-12/conversion_families.py --out runs/families --families ssmax,sink_softmax --seed 1
+    python research/2026-12/conversion_families.py --out runs/families --report --seeds 0,1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conversion_spread import convert, finished_run, write_report  # noqa: E402  (sibling script)
+
+FAMILIES = {
+    "sigmoid_logn": "sigmoid(bias=-log n)",
+    "sigmoid_learned": "sigmoid(bias=learned)",
+    "sink_softmax": "softmax(sink=learned)",
+    "softpick": "softpick",
+    "ssmax": "ssmax(scale=learned)",
+    "relu2": "relu(x)^2/n",
+    "stick_breaking": "stick-breaking",
+    "x3_16": "x^3/16",
+}
+"""Folder name -> the family's spelling (``hf-knorm --help``), in the issue's order."""
+
+
+def run_folder(out: Path, name: str, seed: int) -> Path:
+    return out / f"{name}_s{seed}"
+
+
+def recovery_norm(folder: Path) -> float | None:
+    """The median over layers of ``||A||_F / sqrt(N)`` at the recovery's last logging step (``None``: no history)."""
+    from hf_knorm.training.history import read_norm_history
+
+    try:
+        history = read_norm_history(folder / "recovery")
+    except FileNotFoundError:
+        return None
+    return statistics.median(layer["attn_fro_sqrtn"] for layer in history[-1]["layers"]) if history else None
+
+
+def rows(out: Path, names: list[str], seeds: list[int]) -> list[dict]:
+    """One row per finished run: the family, the seed, :func:`conversion_spread.finished_run`'s figures, the
+    beyond-window worst ratio, the passkeys and the recovery's last norm."""
+    table = []
+    for name in names:
+        for seed in seeds:
+            folder = run_folder(out, name, seed)
+            found = finished_run(folder)
+            if found is None:
+                continue
+            run, summary = found
+            beyond = summary.get("beyond_window", {})
+            passkey = {who: beyond.get("retrieval", {}).get(who, {}).get("passkey", {}) for who in ("converted",
+                                                                                                   "original")}
+            table.append({"family": FAMILIES[name], "seed": seed, "folder": str(folder), **run,
+                          "beyond_worst": beyond.get("worst_ratio"), "passkey": passkey,
+                          "recovery_attn_fro_sqrtn": recovery_norm(folder)})
+    return table
+
+
+def markdown(table: list[dict]) -> str:
+    """The rows as a markdown table (perplexities as ratios to the original's)."""
+    if not table:
+        return "(no finished run)"
+    names = list(table[0]["domains"])
+    lengths = sorted({length for row in table for length in row["passkey"]["converted"]}, key=int)
+    header = ["family", "seed", *names, "worst", "probe", "1,024-token blocks, worst",
+              f"passkey {', '.join(lengths)} (original)", "||A||_F / sqrt(N), end of recovery", "minutes"]
+    lines = ["| " + " | ".join(header) + " |", "|---|---:|" + "---:|" * (len(header) - 2)]
+    for row in table:
+        cells = [f"{row['domains'][name]['ratio']:.2f}x" for name in names]
+        hits = lambda who: ", ".join(  # noqa: E731
+            "/".join(map(str, row["passkey"][who].get(length, ["-", "-"]))) for length in lengths)
+        probe = "-" if row["probe"] is None else f"{row['probe']:.1%}"
+        beyond = "-" if row["beyond_worst"] is None else f"{row['beyond_worst']:.2f}x"
+        norm = "-" if row["recovery_attn_fro_sqrtn"] is None else f"{row['recovery_attn_fro_sqrtn']:.3f}"
+        minutes = "-" if not row["seconds"] else f"{row['seconds'] / 60:.1f}"
+        lines.append(f"| `{row['family']}` | {row['seed']} | " + " | ".join(cells)
+                     + f" | {row['worst']:.2f}x | {probe} | {beyond} | {hits('converted')} ({hits('original')}) | "
+                     f"{norm} | {minutes} |")
+    return "\n".join(lines)
+
+
+def figure(table: list[dict], path: Path) -> Path | None:
+    """The recovery's per-layer ``||A||_F`` of every run, one line each (seed 0 of each family where it has more)."""
+    from hf_knorm.training.norm_figure import plot_norm_history
+
+    chosen = {}
+    for row in table:
+        if (Path(row["folder"]) / "recovery" / "norms.jsonl").is_file():
+            chosen.setdefault(row["family"], row)
+    if not chosen:
+        return None
+    return plot_norm_history([Path(row["folder"]) / "recovery" for row in chosen.values()], path,
+                             labels=[f"{family} (seed {row['seed']})" for family, row in chosen.items()],
+                             title="||A||_F per layer during the recovery, each family converted without a window")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder of the runs (one sub-folder per family and seed)")
+    parser.add_argument("--families", default=",".join(FAMILIES),
+                        help=f"comma-separated folder names (default: {','.join(FAMILIES)})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the runs to train (default: 0)")
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds to report (default: --seed)")
+    parser.add_argument("--threads", type=int, default=2, help="threads of each run (default: 2)")
+    parser.add_argument("--report", action="store_true", help="gather the finished runs only, train nothing")
+    parser.add_argument("--figure", default=None, help="the norms figure (default: OUT/recovery_norms.png)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = [name.strip() for name in args.families.split(",") if name.strip()]
+    unknown = [name for name in names if name not in FAMILIES]
+    if unknown:
+        parser.error(f"unknown families {unknown}; choose from {', '.join(FAMILIES)}")
+    if not args.report:
+        for name in names:
+            convert(run_folder(out, name, args.seed), args.seed, args.threads,
+                    ["--normalization", FAMILIES[name], "--softmax-window", "0"])
+    seeds = [int(seed) for seed in (args.seeds or str(args.seed)).split(",")]
+    table = rows(out, names, seeds)
+    figure(table, Path(args.figure) if args.figure else out / "recovery_norms.png")
+    write_report(out / "families", {"runs": table}, markdown(table))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
