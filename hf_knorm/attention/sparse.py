@@ -362,9 +362,10 @@ def exits_at_once(score: torch.Tensor, position: torch.Tensor, eligible: torch.T
         my_position = position[..., start:stop, None]
         beats = eligible[..., None, :] & ((theirs > mine) | ((theirs == mine) & (position[..., None, :] < my_position)))
         need = sparse - (beats & before).sum(dim=-1)  # (B, H, blk): later beaters that displace the pair
-        reached = (beats & after).cumsum(dim=-1) >= need[..., None].clamp_min(1)
-        found = reached.any(dim=-1)
-        displaced_at = position.gather(-1, reached.to(torch.uint8).argmax(dim=-1))
+        # the index of the later beater that reaches ``need`` (the count is monotone: where it is still below), M if none
+        reach = ((beats & after).cumsum(dim=-1, dtype=torch.int32) < need[..., None].clamp_min(1)).sum(dim=-1)
+        found = reach < pairs
+        displaced_at = position.gather(-1, reach.clamp_max(pairs - 1))
         exit_ = torch.where(found, displaced_at, NEVER)
         exit_ = torch.where(need <= 0, position[..., start:stop], exit_)
         exits.append(torch.where(eligible[..., start:stop], exit_, NEVER))
