@@ -362,7 +362,7 @@ def exits_at_once(score: torch.Tensor, position: torch.Tensor, eligible: torch.T
         my_position = position[..., start:stop, None]
         beats = eligible[..., None, :] & ((theirs > mine) | ((theirs == mine) & (position[..., None, :] < my_position)))
         need = sparse - (beats & before).sum(dim=-1)  # (B, H, blk): later beaters that displace the pair
-        # the index of the later beater that reaches ``need`` (the count is monotone: where it is still below), M if none
+        # the index of the later beater that reaches ``need`` (the count only grows: where it is below), M if none
         reach = ((beats & after).cumsum(dim=-1, dtype=torch.int32) < need[..., None].clamp_min(1)).sum(dim=-1)
         found = reach < pairs
         displaced_at = position.gather(-1, reach.clamp_max(pairs - 1))

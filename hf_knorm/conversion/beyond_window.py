@@ -20,9 +20,8 @@ warns of exactly this). So every conversion is also measured
 from __future__ import annotations
 
 from ..evaluation.retrieval import hits_by_length, retrieval_records
-from ..models.patching import patched_normalization
+from ..models.patching import held_normalization
 from ..models.window_mix import distant_part_off, window_mixes
-from ..normalizations import parse_normalization
 from ..data.heldout import held_out_domain_blocks, held_out_perplexity
 
 BLOCK = 1024
@@ -75,7 +74,7 @@ def measure_converted(model, tokenizer, blocks: dict, retrieval: dict, windowed:
     """
     measured = {"perplexity": beyond_window_perplexities(model, blocks, "converted model"),
                 "retrieval": retrieval_records(model, tokenizer, **retrieval, desc="converted model, retrieval")}
-    clustered = parse_normalization(patched_normalization(model)).clusters
+    clustered = held_normalization(model).clusters
     if windowed and not clustered and all(mix == 0 for layer in window_mixes(model) for mix in layer):
         measured["window_only"] = {**measured, "is_converted": True}
     elif windowed:

@@ -41,9 +41,8 @@ import torch
 import torch.nn as nn
 
 from ..attention.masks import explicit_mask
-from ..normalizations import parse_normalization
 from ..models.architectures import attention_modules
-from ..models.patching import patched_normalization
+from ..models.patching import held_normalization
 from .settings import SCALE_FOLDS
 
 PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
@@ -155,15 +154,15 @@ class AttentionTransfer:
         """
         if fold not in SCALE_FOLDS:
             raise ValueError(f"fold must be one of {', '.join(SCALE_FOLDS)}, not {fold!r}.")
-        normalization = patched_normalization(model)
-        if normalization is None or parse_normalization(normalization).is_softmax:
+        normalization = held_normalization(model)
+        if normalization is None or normalization.is_softmax:
             raise ValueError("match_scale needs the student patched with a normalization other than softmax.")
-        if parse_normalization(normalization).window:
-            raise ValueError(f"{normalization}: a head scale folded into the scores or the output would change the "
-                             "softmax window too; solve the polynomial part's mix instead (match_mix).")
+        if normalization.window:
+            raise ValueError(f"{normalization.name}: a head scale folded into the scores or the output would change "
+                             "the softmax window too; solve the polynomial part's mix instead (match_mix).")
         # x^p/c and relu(x)^p/c are homogeneous of degree p in the scores (a positive factor on q scales the weights
         # by its p-th power); sigmoid, softpick, SSMax, stick-breaking are not: their scale goes into o_proj.
-        power = getattr(parse_normalization(normalization), "power", None)
+        power = getattr(normalization, "power", None)
         heads = self._head_outputs(model, input_ids)
         scales = []
         for index, (module, teacher) in enumerate(zip(self.students, self.teachers)):
@@ -205,8 +204,8 @@ class AttentionTransfer:
         """
         from ..models.window_mix import distant_part_off, set_window_mix
 
-        normalization = patched_normalization(model)
-        if normalization is None or not parse_normalization(normalization).window:
+        normalization = held_normalization(model)
+        if normalization is None or not normalization.window:
             raise ValueError("match_mix needs the student patched with a softmax window (softmax_window=W).")
         set_window_mix(model, None)  # m_h = 1: the part's own size
         full = self._head_outputs(model, input_ids)
