@@ -3,12 +3,14 @@ r"""Which of the field's families a pretrained model accepts: each converted on 
 Issue 67, item 5. One ordinary ``hf-knorm convert --normalization F --softmax-window 0`` per family and seed (the
 default budget: 25 transfer steps, 150 LoRA recovery steps on 512-token blocks), one after the other (never two at
 once on 2 cores), each in its own folder (``FOLDER_s{seed}``, :data:`FAMILIES`); then one row per run: the held-out
-perplexity of every domain against the original model (256-token blocks; the worst is the headline), the ability
-probe, the worst domain in 1,024-token blocks scored from position 256 (``beyond_window`` in ``convert.json``: with no
-window, long-context perplexity), the passkeys at 1,000 and 2,000 tokens against the original's, and each run's
-``||A||_F / sqrt(N)`` at the recovery's last logging step (the median over layers; at most 1 for softmax); and one
-figure, the recovery's per-layer ``||A||_F`` curves of every run (``NormLoggerCallback``'s ``norms.jsonl``). A run
-whose ``convert.json`` exists is not run again, so the script resumes; ``--report`` only gathers the folders.
+perplexity of every domain against the original model (512-token blocks, the training's; the worst is the
+headline), the ability probe (agreement with the original's 40 greedy answers; with their first tokens; the cloze
+answers right), the worst domain in 1,024-token blocks scored from position 256 (``beyond_window`` in
+``convert.json``: with no window, perplexity past the training's length), the passkeys at 1,000 and 2,000 tokens
+against the original's, and each run's ``||A||_F / sqrt(N)`` at the recovery's last logging step (the median over
+layers; at most 1 for softmax); and one figure, the recovery's per-layer ``||A||_F`` curves of every run
+(``NormLoggerCallback``'s ``norms.jsonl``). A run whose ``convert.json`` exists is not run again, so the script
+resumes; ``--report`` only gathers the folders.
 
 Usage (docs/results/conversion.md, "The families a pretrained model accepts"):
     python research/2026-12/conversion_families.py --out runs/families
@@ -68,7 +70,8 @@ def rows(out: Path, names: list[str], seeds: list[int]) -> list[dict]:
             beyond = summary.get("beyond_window", {})
             passkey = {who: beyond.get("retrieval", {}).get(who, {}).get("passkey", {}) for who in ("converted",
                                                                                                    "original")}
-            table.append({"family": FAMILIES[name], "seed": seed, "folder": str(folder), **run,
+            probe = {key: value for key, value in summary.get("probe", {}).items() if key != "answers"}
+            table.append({"family": FAMILIES[name], "seed": seed, "folder": str(folder), **run, "probe_detail": probe,
                           "beyond_worst": beyond.get("worst_ratio"), "passkey": passkey,
                           "recovery_attn_fro_sqrtn": recovery_norm(folder)})
     return table
@@ -80,14 +83,16 @@ def markdown(table: list[dict]) -> str:
         return "(no finished run)"
     names = list(table[0]["domains"])
     lengths = sorted({length for row in table for length in row["passkey"]["converted"]}, key=int)
-    header = ["family", "seed", *names, "worst", "probe", "1,024-token blocks, worst",
+    header = ["family", "seed", *names, "worst", "probe (first token; cloze)", "1,024-token blocks, worst",
               f"passkey {', '.join(lengths)} (original)", "||A||_F / sqrt(N), end of recovery", "minutes"]
     lines = ["| " + " | ".join(header) + " |", "|---|---:|" + "---:|" * (len(header) - 2)]
     for row in table:
         cells = [f"{row['domains'][name]['ratio']:.2f}x" for name in names]
         hits = lambda who: ", ".join(  # noqa: E731
             "/".join(map(str, row["passkey"][who].get(length, ["-", "-"]))) for length in lengths)
-        probe = "-" if row["probe"] is None else f"{row['probe']:.1%}"
+        detail = row["probe_detail"]
+        probe = "-" if row["probe"] is None else (f"{row['probe']:.1%} ({detail['first_token_agreement']:.1%}; "
+                                                  f"{detail['cloze_accuracy']:.0%})")
         beyond = "-" if row["beyond_worst"] is None else f"{row['beyond_worst']:.2f}x"
         norm = "-" if row["recovery_attn_fro_sqrtn"] is None else f"{row['recovery_attn_fro_sqrtn']:.3f}"
         minutes = "-" if not row["seconds"] else f"{row['seconds'] / 60:.1f}"
@@ -113,7 +118,8 @@ def figure(table: list[dict], path: Path) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--out", required=True, help="folder of the runs (one sub-folder per family and seed)")
     parser.add_argument("--families", default=",".join(FAMILIES),
                         help=f"comma-separated folder names (default: {','.join(FAMILIES)})")
