@@ -84,7 +84,7 @@ def markdown(table: list[dict]) -> str:
     names = list(table[0]["domains"])
     lengths = sorted({length for row in table for length in row["passkey"]["converted"]}, key=int)
     header = ["family", "seed", *names, "worst", "probe (first token; cloze)", "1,024-token blocks, worst",
-              f"passkey {', '.join(lengths)} (original)", "||A||_F / sqrt(N), end of recovery", "minutes"]
+              f"passkey {', '.join(lengths)} (original)", "Frobenius norm of A / sqrt(N), end of recovery", "minutes"]
     lines = ["| " + " | ".join(header) + " |", "|---|---:|" + "---:|" * (len(header) - 2)]
     for row in table:
         cells = [f"{row['domains'][name]['ratio']:.2f}x" for name in names]
