@@ -66,8 +66,9 @@ def ratio_variants(ratios) -> list[Variant]:
 def parse_score_spec(spec: str) -> dict:
     """Cache options of one ``--scores`` entry: a score name, optionally with protections or a pooling window, e.g.
     ``"key_diff"``, ``"recent+sinks4"`` (StreamingLLM), ``"kv_diff+sinks4+window64"``, ``"key_diff+pool5"``; the
-    budget extras ``+heads`` (AdaKV's head-adaptive budget, ``head_budget="heads"``) and ``+layers-dispersion`` /
-    ``+layers-skip_first`` (``layer_budget=``), e.g. ``"kv_diff+heads+layers-dispersion"``.
+    budget extras ``+heads`` (AdaKV's head-adaptive budget, ``head_budget="heads"``), ``+floorF`` (``head_floor=F``,
+    e.g. ``+floor0``) and ``+layers-dispersion`` / ``+layers-skip_first`` / ``+layers-global`` (``layer_budget=``),
+    e.g. ``"kv_diff+heads+layers-dispersion"``, ``"kvzip+heads+floor0+layers-global"`` (KVzip's own budget).
 
     Raises:
         ValueError: A malformed entry or an unknown score (the message lists the accepted names).
@@ -83,13 +84,18 @@ def parse_score_spec(spec: str) -> dict:
         if extra == "heads":
             options["head_budget"] = "heads"
             continue
-        if extra in ("layers-skip_first", "layers-dispersion"):
+        if extra in ("layers-skip_first", "layers-dispersion", "layers-global"):
             options["layer_budget"] = extra.removeprefix("layers-")
+            continue
+        floor = re.fullmatch(r"floor(\d+(?:\.\d+)?)", extra)
+        if floor:
+            options["head_floor"] = float(floor.group(1))
             continue
         match = re.fullmatch(r"(sinks|window|pool)(\d+)", extra)
         if not match:
             raise ValueError(f"Bad score entry {spec!r}: after the name, only '+sinksK', '+windowW', '+poolP', "
-                             "'+heads', '+layers-skip_first' and '+layers-dispersion' are accepted.")
+                             "'+heads', '+floorF', '+layers-skip_first', '+layers-dispersion' and '+layers-global' "
+                             "are accepted.")
         kind, value = match.group(1), int(match.group(2))
         if kind == "pool":
             if "pool" not in {f.name for f in dataclasses.fields(score)}:

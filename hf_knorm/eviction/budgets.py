@@ -18,6 +18,12 @@ eviction_order` returns: the negated importance, low = kept, protected tokens ``
   ``1 / (1 + cv / mean(cv))``, ``cv`` = the layer's coefficient of variation of the importance over its heads'
   tokens, relative to the layers' mean so that the spread of shares does not depend on the score's scale). This is a
   cheap heuristic of ours, not from a paper; the kept counts stay within [protected tokens (at least 1), prompt].
+- :func:`global_keep` (``layer_budget="global"``): KVzip's pair-level eviction (Kim et al., arXiv 2505.23416; kvpress
+  ``KVzipPress`` with ``layerwise=False``): one threshold over the importance of every layer's and head's pairs, so a
+  layer or head whose attention singles out few pairs keeps few and another keeps many; the total is the uniform one.
+  The importance is compared as it is, which means something only for a score on one scale in every layer and head
+  (KVzip's: an attention weight in [0, 1]); each head first keeps its best ``ceil(head_floor * k)`` (KVzip: none,
+  ``head_floor=0``).
 """
 
 from __future__ import annotations
@@ -27,11 +33,11 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["HEAD_BUDGETS", "LAYER_BUDGETS", "allocate", "head_adaptive_keep", "head_floor_count", "layer_dispersion",
-           "layer_keep_counts"]
+__all__ = ["HEAD_BUDGETS", "LAYER_BUDGETS", "allocate", "global_keep", "head_adaptive_keep", "head_floor_count",
+           "layer_dispersion", "layer_keep_counts"]
 
 HEAD_BUDGETS = ("uniform", "heads")
-LAYER_BUDGETS = ("uniform", "skip_first", "dispersion")
+LAYER_BUDGETS = ("uniform", "skip_first", "dispersion", "global")
 
 
 def head_floor_count(keep: int, head_floor: float) -> int:
@@ -69,6 +75,32 @@ def head_adaptive_keep(order: torch.Tensor, keep: int, head_floor: float) -> tor
         chosen = z.argsort(dim=-1, stable=True)[:, :rest]
         kept = kept.reshape(batch, heads * length).scatter(1, chosen, True).reshape(batch, heads, length)
     return kept
+
+
+def global_keep(orders: Sequence[torch.Tensor], keep: int, head_floor: float) -> list[torch.Tensor]:
+    """Which pairs every layer keeps under one threshold over the whole cache (KVzip's pair-level eviction).
+
+    Args:
+        orders (sequence of torch.Tensor): Per layer, the (B, H_kv, S) eviction order (low = kept, protected tokens
+            ``-inf``), on one scale across layers and heads.
+        keep (int): The uniform count per head; the cache keeps ``layers * H_kv * keep`` pairs per batch row.
+        head_floor (float): In [0, 1]: each head first keeps its best ``ceil(head_floor * keep)``.
+
+    Returns:
+        list of torch.Tensor: per layer, (B, H_kv, S) bool, True = kept; ``layers * H_kv * keep`` True per batch row
+        in all. Ties are broken by (layer, head, position), as a stable sort of the concatenated orders gives them.
+    """
+    floor = head_floor_count(keep, head_floor)
+    flat = []
+    for order in orders:
+        order = order.float()
+        best = order.argsort(dim=-1, stable=True).argsort(dim=-1) < floor  # each head's best `floor`
+        flat.append(order.masked_fill(best, float("-inf")).flatten(1))  # chosen first, with the protected tokens
+    flat = torch.cat(flat, dim=-1)  # (B, layers * H_kv * S)
+    chosen = flat.argsort(dim=-1, stable=True)[:, :keep * sum(order.shape[1] for order in orders)]
+    kept = torch.zeros_like(flat, dtype=torch.bool).scatter(1, chosen, True)
+    return [part.view(order.shape) for part, order in zip(kept.split([order[0].numel() for order in orders], -1),
+                                                          orders)]
 
 
 def allocate(total: int, weights: Sequence[float], low: Sequence[int], high: Sequence[int]) -> list[int]:

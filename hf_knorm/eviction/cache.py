@@ -376,9 +376,12 @@ class KNormCache(Cache):
             model must run with the ``"knorm_ragged"`` attention (``knorm_generate`` sets it). Needs ``config``.
         head_floor (float): In [0, 1]; with ``head_budget="heads"`` each head keeps at least ``ceil(head_floor * k)``
             of its uniform share ``k``. Default 0.2 (AdaKV's); ``1`` is the uniform budget exactly.
-        layer_budget (str): ``"uniform"`` (default), ``"skip_first"`` (layers 0-1 whole, as the authors' code) or
-            ``"dispersion"`` (shares from each layer's score dispersion at prefill); the total kept is the ratio's
-            (:func:`hf_knorm.eviction.budgets.layer_keep_counts`). Needs ``config``.
+        layer_budget (str): ``"uniform"`` (default), ``"skip_first"`` (layers 0-1 whole, as the authors' code),
+            ``"dispersion"`` (shares from each layer's score dispersion at prefill;
+            :func:`hf_knorm.eviction.budgets.layer_keep_counts`) or ``"global"`` (KVzip's pair-level eviction: one
+            threshold over every layer's and head's importance, :func:`hf_knorm.eviction.budgets.global_keep`; with
+            ``score="kvzip"`` and ``head_budget="heads"``, ``head_floor=0`` as the paper); the total kept is the
+            ratio's. Needs ``config``.
         config (PreTrainedConfig, optional): The model's config. With it the cache checks that the model is a supported
             decoder and gives sliding-window layers (Mistral, Gemma 2/3) Transformers' own sliding layer, uncompressed.
             **Pass it for models with sliding-window layers**; without it every layer is a KNorm layer.
@@ -543,7 +546,7 @@ class KNormCache(Cache):
                 for layer in layers):
             return
         self._scheduled = True
-        from .budgets import layer_dispersion, layer_keep_counts
+        from .budgets import global_keep, layer_dispersion, layer_keep_counts
 
         if layers[0].row_lengths is not None:  # a padded batch (the uniform layer budget): each row by itself
             for layer in layers:
@@ -551,6 +554,11 @@ class KNormCache(Cache):
             return
         n = layers[0].prompt_length
         orders = [layer.prompt_order(None if importance is None else importance[layer.layer_idx]) for layer in layers]
+        if self.settings.layer_budget == "global":  # ragged layers (settings: head_budget="heads")
+            kept = global_keep(orders, self.settings.prompt_keep(0, n), self.settings.head_floor)
+            for layer, mask in zip(layers, kept):
+                layer.keep_prompt(mask)
+            return
         if self.settings.layer_budget == "uniform":  # a deferred score under the uniform budget (or layer_ratios)
             counts = [self.settings.prompt_keep(layer.layer_idx, n) for layer in layers]
         else:

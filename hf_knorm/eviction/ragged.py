@@ -245,9 +245,13 @@ class RaggedKNormLayer(KNormLayer):
         return key_states, value_states
 
     def compress_prompt(self, keep: int, order: torch.Tensor | None = None) -> None:
-        keys, values, positions, _ = self.padded()  # the prompt, whole: no padding yet
         order = self.prompt_order() if order is None else order
-        self._pack(keys, values, positions, head_adaptive_keep(order, keep, self.settings.head_floor))
+        self.keep_prompt(head_adaptive_keep(order, keep, self.settings.head_floor))
+
+    def keep_prompt(self, kept: torch.Tensor) -> None:
+        """Keep the (B, H_kv, n) ``kept`` pairs of the stored prompt, any count per head (``layer_budget="global"``)."""
+        keys, values, positions, _ = self.padded()  # the prompt, whole: no padding yet
+        self._pack(keys, values, positions, kept)
 
     def prompt_order(self, importance: torch.Tensor | None = None) -> torch.Tensor:
         keys, values, positions, _ = self.padded()

@@ -156,6 +156,41 @@ def reference_head_adaptive_kept(keys: torch.Tensor, ratio: float, head_floor: f
     return result
 
 
+def reference_global_kept(importance: list[torch.Tensor], ratio: float, head_floor: float, *, sink_tokens: int = 0,
+                          recent_window: int = 0) -> list[list[list[list[int]]]]:
+    """Kept positions of every layer's prompt under one threshold over the whole cache (KVzip's pair-level eviction,
+    arXiv 2505.23416; ``layer_budget="global"``), by plain loops.
+
+    Per batch row: ``k = ceil((1 - ratio) * n)`` (at least the protected tokens); every head of every layer first keeps
+    its best ``ceil(head_floor * k)`` tokens (protected first, then by decreasing importance, ties to the lower
+    position); the remaining ``layers * H_kv * k`` minus those go to the highest importance anywhere, protected first,
+    ties to the lower (layer, head, position).
+
+    Args:
+        importance (list of torch.Tensor): per layer, (B, H_kv, n) importance (higher = kept).
+
+    Returns:
+        list: per layer, per batch row, per head, the kept positions in increasing order.
+    """
+    batch, heads, n = importance[0].shape
+    keep = max(n - math.floor(round(ratio * n, 6)), min(n, 1), min(n, sink_tokens + recent_window))
+    floor = min(keep, math.ceil(round(head_floor * keep, 6)))
+    protected = [i < sink_tokens or i >= n - recent_window for i in range(n)]
+    result = [[[set() for _ in range(heads)] for _ in range(batch)] for _ in importance]
+    for b in range(batch):
+        candidates, forced = [], 0
+        for layer, scores in enumerate(importance):
+            for h in range(heads):
+                values = scores[b, h].tolist()
+                own = sorted(range(n), key=lambda i: (not protected[i], -values[i], i))
+                result[layer][b][h].update(own[:floor])
+                forced += min(floor, n)
+                candidates += [(not protected[i], -values[i], layer, h, i) for i in own[floor:]]
+        for _, _, layer, h, i in sorted(candidates)[: len(importance) * heads * keep - forced]:
+            result[layer][b][h].add(i)
+    return [[[sorted(head) for head in row] for row in layer] for layer in result]
+
+
 def reference_compress(cache: DynamicCache, ratio: float, **options) -> tuple[DynamicCache, list[torch.Tensor]]:
     """Gather the kept tokens of every layer of a full cache into a new ``DynamicCache``.
 

@@ -190,6 +190,7 @@ class KVzip:
 
     name: ClassVar[str] = "kvzip"
     reconstructs: ClassVar[bool] = True  # the cache waits for compress_by_reconstruction
+    shared_scale: ClassVar[bool] = True  # attention weights: comparable across layers and heads (layer_budget="global")
     chunk_size: int = 2048
     tail: int = 8
 

@@ -44,8 +44,9 @@ class EvictionSettings:
             head-adaptive budget, :func:`~hf_knorm.eviction.budgets.head_adaptive_keep`).
         head_floor (float): In [0, 1]; with ``head_budget="heads"`` every head keeps at least this fraction of its
             uniform share (AdaKV: 0.2). ``1`` keeps the uniform count in every head.
-        layer_budget (str): ``"uniform"``, ``"skip_first"`` or ``"dispersion"``
-            (:func:`~hf_knorm.eviction.budgets.layer_keep_counts`); the total kept is the ratio's either way.
+        layer_budget (str): ``"uniform"``, ``"skip_first"``, ``"dispersion"``
+            (:func:`~hf_knorm.eviction.budgets.layer_keep_counts`) or ``"global"`` (one threshold over every layer and
+            head: :func:`~hf_knorm.eviction.budgets.global_keep`); the total kept is the ratio's either way.
     """
 
     compression_ratio: float = 0.0
@@ -115,6 +116,14 @@ class EvictionSettings:
             raise ValueError(
                 "head_budget/layer_budget share the compression_ratio's total between heads and layers; they do not "
                 "combine with budget= or layer_ratios= (give only compression_ratio)."
+            )
+        if self.layer_budget == "global" and (self.head_budget != "heads" or not getattr(self.score, "shared_scale",
+                                                                                          False)):
+            raise ValueError(
+                "layer_budget='global' compares the importance of every layer's and head's pairs as it is: it needs a "
+                "score on one scale everywhere (score='kvzip': attention weights; "
+                f"{self.score.name!r} is not) and head_budget='heads' (a count per head). For another score, "
+                "head_budget='heads' compares heads on z-scores and layer_budget='dispersion' shares between layers."
             )
         if self.head_budget == "heads" and self.decoding_budget is not None:
             raise ValueError(

@@ -8,9 +8,13 @@ headline), the ability probe (agreement with the original's 40 greedy answers; w
 answers right), the worst domain in 1,024-token blocks scored from position 256 (``beyond_window`` in
 ``convert.json``: with no window, perplexity past the training's length), the passkeys at 1,000 and 2,000 tokens
 against the original's, and each run's ``||A||_F / sqrt(N)`` at the recovery's last logging step (the median over
-layers; at most 1 for softmax); and one figure, the recovery's per-layer ``||A||_F`` curves of every run
-(``NormLoggerCallback``'s ``norms.jsonl``). A run whose ``convert.json`` exists is not run again, so the script
-resumes; ``--report`` only gathers the folders.
+layers; at most 1 for softmax); for a family with several seeds, the median and range of each figure; and one
+figure, the recovery's per-layer ``||A||_F`` curves of every run (``NormLoggerCallback``'s ``norms.jsonl``). A run
+whose ``convert.json`` exists is not run again, so the script resumes; ``--report`` only gathers the folders.
+
+Each finished run's ``convert.json``, ``wall_seconds.json`` and ``recovery/norms.jsonl`` (a few hundred KB, no
+weights) are copied into :data:`ARCHIVE`, committed, and a report reads a run from there where ``--out`` lacks it:
+the seeds of one family can be run in different sessions, on machines that keep nothing between them.
 
 Usage (docs/results/conversion.md, "The families a pretrained model accepts"):
     python research/2026-12/conversion_families.py --out runs/families
@@ -21,12 +25,17 @@ Usage (docs/results/conversion.md, "The families a pretrained model accepts"):
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conversion_spread import convert, finished_run, write_report  # noqa: E402  (sibling script)
+from conversion_spread import convert, finished_run, spread, write_report  # noqa: E402  (sibling script)
+
+ARCHIVE = Path(__file__).resolve().parent / "data" / "conversion_families"
+"""Where each finished run's figures and norm history are kept, committed (one folder per run, as in ``--out``)."""
+ARCHIVED = ("convert.json", "wall_seconds.json", "recovery/norms.jsonl")
 
 FAMILIES = {
     "sigmoid_logn": "sigmoid(bias=-log n)",
@@ -42,7 +51,20 @@ FAMILIES = {
 
 
 def run_folder(out: Path, name: str, seed: int) -> Path:
-    return out / f"{name}_s{seed}"
+    """The run's folder under ``out``, or its copy in :data:`ARCHIVE` where ``out`` has no finished run."""
+    folder = out / f"{name}_s{seed}"
+    archived = ARCHIVE / folder.name
+    return archived if not (folder / "convert.json").is_file() and (archived / "convert.json").is_file() else folder
+
+
+def archive(folder: Path) -> None:
+    """Copy a finished run's :data:`ARCHIVED` files into :data:`ARCHIVE` (nothing for an archived or unfinished run)."""
+    if folder.parent == ARCHIVE or not (folder / "convert.json").is_file():
+        return
+    for name in ARCHIVED:
+        if (folder / name).is_file():
+            (ARCHIVE / folder.name / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(folder / name, ARCHIVE / folder.name / name)
 
 
 def recovery_norm(folder: Path) -> float | None:
@@ -66,6 +88,7 @@ def rows(out: Path, names: list[str], seeds: list[int]) -> list[dict]:
             found = finished_run(folder)
             if found is None:
                 continue
+            archive(folder)
             run, summary = found
             beyond = summary.get("beyond_window", {})
             passkey = {who: beyond.get("retrieval", {}).get(who, {}).get("passkey", {}) for who in ("converted",
@@ -100,6 +123,31 @@ def markdown(table: list[dict]) -> str:
                      + f" | {row['worst']:.2f}x | {probe} | {beyond} | {hits('converted')} ({hits('original')}) | "
                      f"{norm} | {minutes} |")
     return "\n".join(lines)
+
+
+def spread_markdown(table: list[dict]) -> str:
+    """For each family with several seeds: the median [range] of the worst domain, the 1,024-token blocks' worst and
+    the probe, and the passkeys found over all seeds (``""`` when no family has two)."""
+    families: dict[str, list[dict]] = {}
+    for row in table:
+        families.setdefault(row["family"], []).append(row)
+    lines = ["| family | seeds | worst | 1,024-token blocks, worst | probe | passkeys found (original) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for family, runs in families.items():
+        if len(runs) < 2:
+            continue
+        cells = []
+        for key, form in (("worst", "{:.2f}x"), ("beyond_worst", "{:.2f}x"), ("probe", "{:.1%}")):
+            values = [run[key] for run in runs if run[key] is not None]
+            found = spread(values) if values else None
+            cells.append("-" if found is None else
+                         f"{form.format(found['median'])} [{form.format(found['min'])}-{form.format(found['max'])}]")
+        hits = {who: [sum(pair[0] for pair in run["passkey"][who].values()) for run in runs] for who in
+                ("converted", "original")}
+        total = {who: sum(sum(pair[1] for pair in run["passkey"][who].values()) for run in runs) for who in hits}
+        cells.append(f"{sum(hits['converted'])}/{total['converted']} ({sum(hits['original'])}/{total['original']})")
+        lines.append(f"| `{family}` | {', '.join(str(run['seed']) for run in runs)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def figure(table: list[dict], path: Path) -> Path | None:
@@ -137,12 +185,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown families {unknown}; choose from {', '.join(FAMILIES)}")
     if not args.report:
         for name in names:
-            convert(run_folder(out, name, args.seed), args.seed, args.threads,
-                    ["--normalization", FAMILIES[name], "--softmax-window", "0"])
+            folder = run_folder(out, name, args.seed)
+            if folder.parent != ARCHIVE:
+                convert(folder, args.seed, args.threads, ["--normalization", FAMILIES[name], "--softmax-window", "0"])
+                archive(folder)
     seeds = [int(seed) for seed in (args.seeds or str(args.seed)).split(",")]
     table = rows(out, names, seeds)
     figure(table, Path(args.figure) if args.figure else out / "recovery_norms.png")
-    write_report(out / "families", {"runs": table}, markdown(table))
+    spreads = spread_markdown(table)
+    write_report(out / "families", {"runs": table}, markdown(table) + (f"\n\n{spreads}" if spreads else ""))
     return 0
 
 

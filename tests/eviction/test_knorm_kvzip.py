@@ -5,6 +5,7 @@ tiny models: GQA llama, QK-norm qwen3, gemma3's sliding + full layers), generati
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -20,7 +21,9 @@ from hf_knorm.eviction.pipeline import answer_after_context, encode_prompt, gene
 from hf_knorm.eviction.reconstruction import (FIRST_PROMPT, NEXT_PROMPT, _scoring, _Scoring,
                                               compress_by_reconstruction, reconstruction_chunks,
                                               reconstruction_importance, reconstruction_prompt)
-from hf_knorm.eviction.reference import reference_kvzip_importance, reference_max_weights
+from hf_knorm.eviction import ragged
+from hf_knorm.eviction.ragged import RAGGED_ATTENTION
+from hf_knorm.eviction.reference import reference_global_kept, reference_kvzip_importance, reference_max_weights
 from hf_knorm.eviction.scores import KVzip, resolve_score, score_spelling
 
 CONTEXT = 20
@@ -353,6 +356,33 @@ def test_layer_ratios_and_schedules_apply_to_the_reconstruction_score():
     for index, count in enumerate(counts):  # each layer keeps its share, chosen by the reconstruction's importance
         assert torch.equal(dispersion.kept_positions(index),
                            importance[index].topk(count, dim=-1).indices.sort(dim=-1).values)
+
+
+@pytest.mark.parametrize("floor, sinks", [(0.0, 0), (0.5, 2)])
+def test_the_global_budget_keeps_the_best_pairs_of_the_whole_cache(floor, sinks):
+    """``layer_budget="global"`` (KVzip's pair-level eviction): the kept pairs are the plain-loop reference's (one
+    threshold over every layer and head, each head's floor first, protected tokens kept), the total is the ratio's,
+    the heads keep different counts, and decoding goes on from the ragged store."""
+    ragged.register()
+    model = fp64_model("llama", RAGGED_ATTENTION)
+    tokenizer = word_tokenizer()
+    ids = context_ids(batch=1)
+    cache = KNormCache(0.5, score=KVzip(chunk_size=8, tail=3), head_budget="heads", head_floor=floor,
+                       layer_budget="global", sink_tokens=sinks, config=model.config)
+    model(input_ids=ids, **cache_kwargs(cache), use_cache=True)
+    importance = compress_by_reconstruction(model, cache, ids, tokenizer)
+    expected = reference_global_kept([importance[index] for index in sorted(importance)], 0.5, floor,
+                                     sink_tokens=sinks)
+    counts = []
+    for index in sorted(importance):
+        positions = cache.kept_positions(index)
+        assert [[[p for p in head if p >= 0] for head in row] for row in positions.tolist()] == expected[index]
+        counts += cache.stored_per_head(index).flatten().tolist()
+    assert sum(counts) == len(importance) * 2 * kept_count(CONTEXT, 0.5) and len(set(counts)) > 1
+    assert min(counts) >= max(sinks, math.ceil(floor * kept_count(CONTEXT, 0.5)))
+    out = generate_after(model, cache, ids, torch.tensor([[5, 6]]), max_new_tokens=3, min_new_tokens=3,
+                         do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 3) and cache.get_seq_length() == CONTEXT + 2 + 2
 
 
 def test_balancing_changes_no_kvzip_choice():

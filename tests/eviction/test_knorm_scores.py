@@ -200,6 +200,9 @@ def test_score_specs_of_the_command_line():
     assert parse_score_spec("kv_diff+heads+layers-dispersion") == {"score": "kv_diff", "head_budget": "heads",
                                                                    "layer_budget": "dispersion"}
     assert parse_score_spec("key_norm+layers-skip_first") == {"score": "key_norm", "layer_budget": "skip_first"}
+    assert parse_score_spec("kvzip+heads+floor0+layers-global") == {"score": "kvzip", "head_budget": "heads",
+                                                                    "head_floor": 0.0, "layer_budget": "global"}
+    assert parse_score_spec("kv_diff+heads+floor0.5")["head_floor"] == 0.5
     with pytest.raises(ValueError, match=r"\+layers-dispersion"):
         parse_score_spec("key_norm+layers-uniform")
     variants = score_variants([0, 0.5], ["key_norm", "key_diff+sinks4"])
