@@ -117,14 +117,15 @@ class EvictionSettings:
                 "head_budget/layer_budget share the compression_ratio's total between heads and layers; they do not "
                 "combine with budget= or layer_ratios= (give only compression_ratio)."
             )
-        if self.layer_budget == "global" and (self.head_budget != "heads" or not getattr(self.score, "shared_scale",
-                                                                                          False)):
+        if self.layer_budget == "global" and not getattr(self.score, "shared_scale", False):
             raise ValueError(
-                "layer_budget='global' compares the importance of every layer's and head's pairs as it is: it needs a "
-                "score on one scale everywhere (score='kvzip': attention weights; "
-                f"{self.score.name!r} is not) and head_budget='heads' (a count per head). For another score, "
-                "head_budget='heads' compares heads on z-scores and layer_budget='dispersion' shares between layers."
+                "layer_budget='global' compares the importance of every layer's and head's pairs as it is, which needs "
+                f"a score on one scale everywhere (score='kvzip': attention weights); {self.score.name!r} is not. For "
+                "it, head_budget='heads' compares heads on z-scores and layer_budget='dispersion' shares between layers."
             )
+        if self.layer_budget == "global" and self.head_budget != "heads":
+            raise ValueError("layer_budget='global' keeps a different count in every head: add head_budget='heads' "
+                             "(the store that holds them).")
         if self.head_budget == "heads" and self.decoding_budget is not None:
             raise ValueError(
                 "head_budget='heads' does not evict during decoding yet: drop decoding_budget, or use "

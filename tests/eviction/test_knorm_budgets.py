@@ -274,7 +274,7 @@ def test_free_room_stays_within_two_percent_while_decoding():
     ({"head_budget": "heads", "budget": 8}, "do not combine with budget"),
     ({"layer_budget": "dispersion", "compression_ratio": 0.5, "layer_ratios": {0: 0.0}}, "layer_ratios"),
     ({"head_budget": "heads", "decoding_budget": 8}, "drop decoding_budget"),
-    ({"head_budget": "heads", "layer_budget": "global", "compression_ratio": 0.5}, "one scale everywhere"),
+    ({"head_budget": "heads", "layer_budget": "global", "compression_ratio": 0.5}, "'key_norm' is not"),
     ({"layer_budget": "global", "compression_ratio": 0.5, "score": "kvzip"}, "head_budget='heads'"),
 ])
 def test_bad_budget_options(kwargs, message):
