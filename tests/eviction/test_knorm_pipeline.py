@@ -75,8 +75,11 @@ def test_needle_cells_give_the_pipeline_answers(tiny, monkeypatch):
 
 @pytest.mark.parametrize("options", [{"score": "kv_diff", "compression_ratio": 0.5},
                                      {"score": "key_norm", "compression_ratio": 0.5, "head_budget": "heads"},
-                                     {"score": "kvzip+chunk_size8", "compression_ratio": 0.5}],
-                         ids=lambda options: options["score"] + ("+heads" if "head_budget" in options else ""))
+                                     {"score": "kvzip+chunk_size8", "compression_ratio": 0.5},
+                                     {"score": "kvzip+chunk_size8", "compression_ratio": 0.5, "head_budget": "heads",
+                                      "head_floor": 0.0, "layer_budget": "global"}],
+                         ids=lambda options: options["score"] + ("+heads" if "head_budget" in options else "")
+                         + ("+global" if "layer_budget" in options else ""))
 def test_several_questions_are_answered_from_one_compressed_context(tiny, options):
     """Compress once, ask many: a list of questions gives, for a query-agnostic score, the answers of one call per
     question, with the context prefilled (and scored) once."""
