@@ -75,6 +75,7 @@ def parse_score_spec(spec: str) -> dict:
     """
     import dataclasses
 
+    from ..eviction.budgets import LAYER_BUDGETS
     from ..eviction.scores import resolve_score
 
     name, *extras = spec.strip().split("+")
@@ -84,7 +85,7 @@ def parse_score_spec(spec: str) -> dict:
         if extra == "heads":
             options["head_budget"] = "heads"
             continue
-        if extra in ("layers-skip_first", "layers-dispersion", "layers-global"):
+        if extra.startswith("layers-") and extra.removeprefix("layers-") in LAYER_BUDGETS[1:]:  # not "uniform"
             options["layer_budget"] = extra.removeprefix("layers-")
             continue
         floor = re.fullmatch(r"floor(\d+(?:\.\d+)?)", extra)

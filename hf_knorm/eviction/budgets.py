@@ -57,24 +57,18 @@ def head_adaptive_keep(order: torch.Tensor, keep: int, head_floor: float) -> tor
     Returns:
         torch.Tensor: (B, H_kv, S) bool, True = kept; ``H_kv * keep`` True per batch row.
     """
-    batch, heads, length = order.shape
-    floor = head_floor_count(keep, head_floor)
+    heads, floor = order.shape[1], head_floor_count(keep, head_floor)
     order = order.float()
-    rank = order.argsort(dim=-1, stable=True).argsort(dim=-1)  # (B, H, S): 0 = the head's best token
-    kept = rank < floor
-    rest = heads * keep - heads * floor
-    if rest > 0:
-        finite = torch.isfinite(order)
-        values = torch.where(finite, order, torch.zeros_like(order))
-        count = finite.sum(-1, keepdim=True).clamp_min(1)
-        mean = values.sum(-1, keepdim=True) / count
-        std = (((values - mean) * finite).pow(2).sum(-1, keepdim=True) / count).sqrt()
-        z = torch.where(finite, (order - mean) / std.clamp_min(torch.finfo(torch.float32).tiny), order)  # -inf stays
-        z = z.masked_fill(kept, float("inf")).reshape(batch, heads * length)
-        # ties broken by (head, position), as the reference does: a stable sort of the flattened (head, position)
-        chosen = z.argsort(dim=-1, stable=True)[:, :rest]
-        kept = kept.reshape(batch, heads * length).scatter(1, chosen, True).reshape(batch, heads, length)
-    return kept
+    best = _best_per_head(order, floor)
+    if floor == keep:  # every head's floor is its whole share: the uniform budget
+        return best
+    finite = torch.isfinite(order)
+    values = torch.where(finite, order, torch.zeros_like(order))
+    count = finite.sum(-1, keepdim=True).clamp_min(1)
+    mean = values.sum(-1, keepdim=True) / count
+    std = (((values - mean) * finite).pow(2).sum(-1, keepdim=True) / count).sqrt()
+    z = torch.where(finite, (order - mean) / std.clamp_min(torch.finfo(torch.float32).tiny), order)  # -inf stays
+    return _floors_then_lowest([best], [z], heads * keep)[0]
 
 
 def global_keep(orders: Sequence[torch.Tensor], keep: int, head_floor: float) -> list[torch.Tensor]:
@@ -91,16 +85,26 @@ def global_keep(orders: Sequence[torch.Tensor], keep: int, head_floor: float) ->
         in all. Ties are broken by (layer, head, position), as a stable sort of the concatenated orders gives them.
     """
     floor = head_floor_count(keep, head_floor)
-    flat = []
-    for order in orders:
-        order = order.float()
-        best = order.argsort(dim=-1, stable=True).argsort(dim=-1) < floor  # each head's best `floor`
-        flat.append(order.masked_fill(best, float("-inf")).flatten(1))  # chosen first, with the protected tokens
-    flat = torch.cat(flat, dim=-1)  # (B, layers * H_kv * S)
-    chosen = flat.argsort(dim=-1, stable=True)[:, :keep * sum(order.shape[1] for order in orders)]
-    kept = torch.zeros_like(flat, dtype=torch.bool).scatter(1, chosen, True)
-    return [part.view(order.shape) for part, order in zip(kept.split([order[0].numel() for order in orders], -1),
-                                                          orders)]
+    orders = [order.float() for order in orders]
+    return _floors_then_lowest([_best_per_head(order, floor) for order in orders], orders,
+                               keep * sum(order.shape[1] for order in orders))
+
+
+def _best_per_head(order: torch.Tensor, floor: int) -> torch.Tensor:
+    """(B, H, S) bool: each head's ``floor`` lowest entries of ``order`` (ties to the lower position)."""
+    return order.argsort(dim=-1, stable=True).argsort(dim=-1) < floor
+
+
+def _floors_then_lowest(floors: Sequence[torch.Tensor], compared: Sequence[torch.Tensor],
+                        total: int) -> list[torch.Tensor]:
+    """Per part (a layer), (B, H, S) bool: the ``floors`` (each head's own best), then the lowest ``compared`` values
+    of all parts together until ``total`` per batch row; ties to the lower (part, head, position), by a stable sort
+    of the flattened parts (the references' order)."""
+    flat = torch.cat([values.masked_fill(floor, float("-inf")).flatten(1) for floor, values in zip(floors, compared)],
+                     dim=-1)  # (B, parts * H * S): the floors sort first, with the protected tokens (-inf already)
+    kept = torch.zeros_like(flat, dtype=torch.bool).scatter(1, flat.argsort(dim=-1, stable=True)[:, :total], True)
+    return [part.view(floor.shape) for part, floor in zip(kept.split([floor[0].numel() for floor in floors], -1),
+                                                          floors)]
 
 
 def allocate(total: int, weights: Sequence[float], low: Sequence[int], high: Sequence[int]) -> list[int]:
