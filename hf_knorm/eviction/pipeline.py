@@ -54,8 +54,12 @@ def knorm_cache_for(model, score_basis: str | None = None, *, recorded_defaults:
     if score_basis not in SCORE_BASES:
         raise ValueError(f"score_basis must be one of {SCORE_BASES}, got {score_basis!r}.")
     original = score_basis == "original"
-    return KNormCache(config=model.config, key_scales=key_scales(model.config) if original else None,
-                      value_scales=value_scales(model.config) if original else None, **options)
+    cache = KNormCache(config=model.config, key_scales=key_scales(model.config) if original else None,
+                       value_scales=value_scales(model.config) if original else None, **options)
+    check_model = getattr(cache.settings.score, "check_model", None)  # a fitted score (KVzap) belongs to one model
+    if check_model is not None:
+        check_model(model)
+    return cache
 
 
 def _check_cache_saw_padding(cache: KNormCache) -> None:

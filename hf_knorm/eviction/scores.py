@@ -23,8 +23,10 @@ row in ``tests/eviction/test_knorm_scores.py``'s plain reference (``hf_knorm.evi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -210,7 +212,56 @@ class KVzip:
         )
 
 
-SCORES: dict[str, type] = {cls.name: cls for cls in (KeyNorm, ValueOverKey, KeyDiff, KVDiff, Recent, Random, KVzip)}
+DEFAULT_SURROGATE = "SmolLM2-135M-Instruct.safetensors"
+"""The KVzap surrogate shipped with the plugin (``hf_knorm/assets/kvzap/``), fitted on the default model by
+``scripts/knorm/fit_kvzap.py``: what ``score="kvzap"`` reads."""
+
+
+@functools.lru_cache(maxsize=8)
+def _surrogate(file: str | None):
+    from .surrogate import KVzapSurrogate
+
+    path = Path(__file__).resolve().parent.parent / "assets" / "kvzap" / DEFAULT_SURROGATE if file is None else file
+    return KVzapSurrogate.load(path)
+
+
+@dataclass(frozen=True)
+class KVzap:
+    """Keep the pairs a fitted surrogate predicts KVzip would keep: importance = the surrogate's predicted ``log`` of
+    KVzip's importance, from each pair's key (its rotary rotation undone) and value (:mod:`hf_knorm.eviction.surrogate`).
+
+    KVzap (arXiv 2601.07891; kvpress ``KVzapPress``) fits a linear map (or an MLP) from hidden states to the log of
+    KVzip+'s scores; this one maps the cached keys and values, which are linear in the hidden state, to the log of
+    :class:`KVzip`'s own importance, so it needs no reconstruction pass: the cache ranks the prompt at the prefill,
+    with any attention implementation, and its values are on one scale across layers and heads
+    (``layer_budget="global"``). What it keeps of KVzip's gain: docs/results/knorm.md, "KVzap".
+
+    Args:
+        file (str, optional): A surrogate saved by :meth:`~hf_knorm.eviction.surrogate.KVzapSurrogate.save` for the
+            model in use; ``None`` (the default, ``score="kvzap"``) is the one shipped for the default model
+            (:data:`DEFAULT_SURROGATE`). Calling it on layers of another shape raises;
+            :func:`hf_knorm.eviction.pipeline.knorm_cache_for` also checks it belongs to the model.
+    """
+
+    name: ClassVar[str] = "kvzap"
+    shared_scale: ClassVar[bool] = True  # predicted log attention weights (layer_budget="global")
+    file: str | None = None
+
+    def surrogate(self):
+        """The fitted :class:`~hf_knorm.eviction.surrogate.KVzapSurrogate` (read once per file)."""
+        return _surrogate(None if self.file is None else str(Path(self.file).resolve()))
+
+    def check_model(self, model) -> None:
+        """Raise ``ValueError`` unless the surrogate was fitted on ``model`` (:meth:`~hf_knorm.eviction.surrogate.
+        KVzapSurrogate.check_model`)."""
+        self.surrogate().check_model(model)
+
+    def __call__(self, keys, values, positions, layer_idx):
+        return self.surrogate().predict(keys, values, positions, layer_idx)
+
+
+SCORES: dict[str, type] = {cls.name: cls for cls in (KeyNorm, ValueOverKey, KeyDiff, KVDiff, Recent, Random, KVzip,
+                                                 KVzap)}
 """Every score by name; ``KNormCache(score=name)`` builds it with its default hyperparameters."""
 
 
@@ -226,7 +277,7 @@ def resolve_score(score):
         if name not in SCORES:
             raise ValueError(f"Unknown score {score!r}; accepted: {', '.join(SCORES)} (or a score instance from "
                              "hf_knorm.eviction.scores).")
-        fields = [field.name for field in dataclasses.fields(SCORES[name])]
+        fields = [field.name for field in dataclasses.fields(SCORES[name]) if field.type in ("int", int)]
         values = {}
         for extra in extras:
             match = re.fullmatch(r"([a-z_]+?)(-?\d+)", extra)
@@ -254,6 +305,10 @@ def score_spelling(score) -> str:
             f"Score {score!r} is not one of the registered scores ({', '.join(SCORES)}), so it cannot be written as "
             "text (e.g. into config.json); pass it at call time instead (knorm_cache_for(model, score=...))."
         )
-    extras = [f"+{field.name}{getattr(score, field.name)}" for field in dataclasses.fields(score)
+    extras = [(field.name, getattr(score, field.name)) for field in dataclasses.fields(score)
               if getattr(score, field.name) != field.default]
+    if any(not isinstance(value, int) for _, value in extras):
+        raise ValueError(f"Score {score!r} names a file, which has no spelling as text (e.g. in config.json); pass the "
+                         "instance at call time instead (knorm_cache_for(model, score=...)).")
+    extras = [f"+{name}{value}" for name, value in extras]
     return score.name + "".join(extras)

@@ -20,11 +20,12 @@ class NiahSettings:
     scores: tuple[str, ...] = field(default=("key_norm",), metadata={
         "help": "comma-separated eviction scores, one row per ratio and score: key_norm (the paper's), kv_diff (the "
         "recommended one), value_over_key, key_diff, recent, random, kvzip (KVzip's context reconstruction, about one "
-        "more prefill per context); append +sinksK / +windowW to protect the first K "
+        "more prefill per context), kvzap (a fitted linear surrogate of kvzip's score: no reconstruction; shipped for "
+        "the default model); append +sinksK / +windowW to protect the first K "
         "/ last W tokens (e.g. recent+sinks4 is StreamingLLM, kv_diff+sinks4+window64), +poolP to set the window of "
         "key_diff / kv_diff, +heads for AdaKV's head-adaptive budget (+floorF: each head keeps at least F of its "
         "share, default 0.2), +layers-dispersion / +layers-skip_first for a per-layer schedule (e.g. "
-        "kv_diff+heads+layers-dispersion), and for kvzip +heads+layers-global: one threshold over every layer and "
+        "kv_diff+heads+layers-dispersion), and for kvzip or kvzap +heads+layers-global: one threshold over every layer and "
         "head (KVzip's own budget with +floor0)"})
     lengths: tuple[int, ...] = field(default=(1000, 2000, 4000, 8000),
                                      metadata={"help": "comma-separated context lengths (tokens)"})

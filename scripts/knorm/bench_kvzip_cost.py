@@ -1,4 +1,5 @@
-"""KVzip's scoring cost: prefill with ``score="kvzip"`` as a multiple of the uncompressed prefill (arXiv 2505.23416).
+"""KVzip's scoring cost (arXiv 2505.23416), and its surrogate KVzap's: prefill with ``score="kvzip"`` (or
+``"kvzap"``) as a multiple of the uncompressed prefill.
 
 For each length, the context (Paul Graham essays in the default model's chat template, what the
 ``knorm-text-generation`` pipeline compresses) is run, in interleaved rounds (the order alternates so drifting load
@@ -6,6 +7,8 @@ hits every entry), through:
 
 - ``uncompressed``: one forward into a ``DynamicCache`` (the baseline);
 - ``kv_diff``: one forward into ``KNormCache(r, score="kv_diff")`` (the recommended state-only score, for scale);
+- ``kvzap``: one forward into ``KNormCache(r, score="kvzap")``: KVzap's surrogate of KVzip's score (arXiv 2601.07891;
+  :mod:`hf_knorm.eviction.surrogate`), no reconstruction;
 - ``kvzip``: one forward into ``KNormCache(r, score="kvzip")`` then
   ``hf_knorm.eviction.reconstruction.compress_by_reconstruction`` (the reconstruction forwards with their
   scored attention, the eviction): what the pipeline runs before the question;
@@ -16,7 +19,8 @@ hits every entry), through:
 Medians over rounds; each entry as a multiple of the median uncompressed prefill of the same run.
 
 Usage: ``OMP_NUM_THREADS=1 python scripts/knorm/bench_kvzip_cost.py --lengths 1000,2000,4000 --rounds 3``
-       (``--device cuda --dtype bfloat16`` on a GPU)
+       (``--device cuda --dtype bfloat16`` on a GPU; ``--entries kv_diff,kvzap`` times only those beside the
+       uncompressed prefill)
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from hf_knorm.eviction.pipeline import encode_prompt
 from hf_knorm.eviction.reconstruction import (compress_by_reconstruction, reconstruction_chunks,
                                               reconstruction_importance, reconstruction_prompt)
 
-ENTRIES = ("uncompressed", "kv_diff", "kvzip", "kvzip reconstruction")
+ENTRIES = ("uncompressed", "kv_diff", "kvzap", "kvzip", "kvzip reconstruction")
 KERNEL = "of which scored attention"
 
 
@@ -88,36 +92,43 @@ def run_entry(model, tokenizer, ids: torch.Tensor, entry: str, ratio: float, dev
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="1000,2000,4000", help="context lengths in tokens")
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians are reported)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--entries", default=",".join(ENTRIES),
+                        help=f"comma-separated entries to time (default: all: {','.join(ENTRIES)}); uncompressed always")
     args = parser.parse_args()
+    entries = tuple(dict.fromkeys(("uncompressed", *(e.strip() for e in args.entries.split(",") if e.strip()))))
+    unknown = [entry for entry in entries if entry not in ENTRIES]
+    if unknown:
+        parser.error(f"unknown entries {unknown}; choose from {', '.join(ENTRIES)}")
+    columns = (*entries, KERNEL) if "kvzip reconstruction" in entries else entries
     model, tokenizer = hf_knorm.load_default_model(dtype=getattr(torch, args.dtype))
     model.to(args.device)
     text = "\n\n".join(paul_graham_essays())
     body = tokenizer(text, add_special_tokens=False)["input_ids"]
     with torch.no_grad():  # warm-up: first-call overheads stay out of the timings
-        for entry in ENTRIES:
+        for entry in entries:
             run_entry(model, tokenizer, encode_prompt(tokenizer, tokenizer.decode(body[:64]), "?")[0].to(args.device),
                       entry, args.ratio, args.device)
     print(f"device {args.device}, {args.dtype}, torch threads {torch.get_num_threads()}; SmolLM2-135M-Instruct, "
           f"sdpa; r={args.ratio:g}; median of {args.rounds} interleaved rounds\n")
-    print("| tokens | " + " | ".join(f"{e} (s) | x uncompressed" for e in (*ENTRIES, KERNEL)) + " |")
-    print("|---:|" + "---:|---:|" * (len(ENTRIES) + 1))
+    print("| tokens | " + " | ".join(f"{e} (s) | x uncompressed" for e in columns) + " |")
+    print("|---:|" + "---:|---:|" * len(columns))
     for n in (int(x) for x in args.lengths.split(",")):
         context = tokenizer.decode(body[:n])
         ids = encode_prompt(tokenizer, context, "?")[0].to(args.device)  # template prefix + n essay tokens
-        times = {entry: [] for entry in (*ENTRIES, KERNEL)}
+        times = {entry: [] for entry in (*entries, KERNEL)}
         for round_ in range(args.rounds):
-            order = ENTRIES if round_ % 2 == 0 else ENTRIES[::-1]
+            order = entries if round_ % 2 == 0 else entries[::-1]
             for entry in order:
                 times[entry].append(run_entry(model, tokenizer, ids, entry, args.ratio, args.device, times[KERNEL]))
-        medians = {entry: statistics.median(values) for entry, values in times.items()}
+        medians = {entry: statistics.median(values) for entry, values in times.items() if values}
         base = medians["uncompressed"]
-        cells = " | ".join(f"{medians[e]:.3f} | {medians[e] / base:.2f}" for e in (*ENTRIES, KERNEL))
+        cells = " | ".join(f"{medians[e]:.3f} | {medians[e] / base:.2f}" for e in columns)
         print(f"| {ids.shape[1]} | {cells} |", flush=True)
 
 
