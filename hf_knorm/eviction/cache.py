@@ -352,8 +352,8 @@ class KNormCache(Cache):
             a ``DynamicCache``).
         score (str or score object): What decides which tokens are kept: a name of
             :data:`hf_knorm.eviction.scores.SCORES` (``"key_norm"``, the paper's, the default; ``"value_over_key"``,
-            ``"key_diff"``, ``"kv_diff"``, ``"recent"``, ``"random"``, ``"kvzip"``) or a score instance (e.g.
-            ``Random(seed=3)``, ``KeyDiff(pool=5)``). ``"kvzip"`` compresses only when
+            ``"key_diff"``, ``"kv_diff"``, ``"recent"``, ``"random"``, ``"kvzip"``, ``"kvzap"``) or a score instance
+            (e.g. ``Random(seed=3)``, ``KeyDiff(pool=5)``, ``KVzap(file=...)``). ``"kvzip"`` compresses only when
             :func:`hf_knorm.eviction.reconstruction.compress_by_reconstruction` has scored the prompt (``knorm_generate``
             with ``tokenizer=`` and the pipeline run it); generating before that is refused.
         budget (int, optional): Keep this many prompt tokens per head instead of using the ratio (must not exceed the

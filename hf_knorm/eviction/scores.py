@@ -228,7 +228,8 @@ def _surrogate(file: str | None):
 @dataclass(frozen=True)
 class KVzap:
     """Keep the pairs a fitted surrogate predicts KVzip would keep: importance = the surrogate's predicted ``log`` of
-    KVzip's importance, from each pair's key (its rotary rotation undone) and value (:mod:`hf_knorm.eviction.surrogate`).
+    KVzip's importance, from each pair's key (its rotary rotation undone) and value
+    (:mod:`hf_knorm.eviction.surrogate`).
 
     KVzap (arXiv 2601.07891; kvpress ``KVzapPress``) fits a linear map (or an MLP) from hidden states to the log of
     KVzip+'s scores; this one maps the cached keys and values, which are linear in the hidden state, to the log of

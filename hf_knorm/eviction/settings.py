@@ -120,9 +120,9 @@ class EvictionSettings:
         if self.layer_budget == "global" and not getattr(self.score, "shared_scale", False):
             raise ValueError(
                 "layer_budget='global' compares the importance of every layer's and head's pairs as it is, which needs "
-                f"a score on one scale everywhere (score='kvzip': attention weights, or score='kvzap': their predicted logs); "
-                f"{self.score.name!r} is not. For "
-                "it, head_budget='heads' compares heads on z-scores and layer_budget='dispersion' shares between layers."
+                "a score on one scale everywhere (score='kvzip': attention weights, or score='kvzap': their predicted "
+                f"logs); {self.score.name!r} is not. For it, head_budget='heads' compares heads on z-scores and "
+                "layer_budget='dispersion' shares between layers."
             )
         if self.layer_budget == "global" and self.head_budget != "heads":
             raise ValueError("layer_budget='global' keeps a different count in every head: add head_budget='heads' "

@@ -138,9 +138,10 @@ class KVzapSurrogate:
                 self.weight.shape[1:] != (heads * (dim + values.shape[-1]), heads):
             fitted = self.info.get("model", "another model")
             raise ValueError(
-                f"This KVzap surrogate was fitted on {fitted} ({self.layers} layers, weight {tuple(self.weight.shape)});"
-                f" layer {layer_idx} caches {heads} KV heads of {dim} dimensions. Fit one for this model "
-                "(hf_knorm.eviction.surrogate.fit_kvzap, scripts/knorm/fit_kvzap.py) and pass KVzap(file=...).")
+                f"This KVzap surrogate was fitted on {fitted} ({self.layers} layers, weight "
+                f"{tuple(self.weight.shape)}); layer {layer_idx} caches {heads} KV heads of {dim} dimensions. Fit "
+                "one for this model (hf_knorm.eviction.surrogate.fit_kvzap, scripts/knorm/fit_kvzap.py) and pass "
+                "KVzap(file=...).")
         features = surrogate_features(keys, values, positions, self.inv_freq, self.attention_scaling)
         weight, bias = self.weight[layer_idx].to(features.device), self.bias[layer_idx].to(features.device)
         return (features @ weight + bias).transpose(1, 2)  # (B, H_kv, S)

@@ -99,7 +99,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--entries", default=",".join(ENTRIES),
-                        help=f"comma-separated entries to time (default: all: {','.join(ENTRIES)}); uncompressed always")
+                        help=f"comma-separated entries to time (default: all: {','.join(ENTRIES)}); "
+                             "uncompressed always")
     args = parser.parse_args()
     entries = tuple(dict.fromkeys(("uncompressed", *(e.strip() for e in args.entries.split(",") if e.strip()))))
     unknown = [entry for entry in entries if entry not in ENTRIES]

@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     surrogate = fit_kvzap(model, tokenizer, fit_texts, report_texts, ridge=args.ridge,
                           progress=lambda done, total: print(f"  context {done}/{total}", flush=True))
-    surrogate.info["fit"].update(plays=fit_plays, tokens_per_context=args.tokens, seconds=round(time.time() - started, 1))
+    seconds = round(time.time() - started, 1)
+    surrogate.info["fit"].update(plays=fit_plays, tokens_per_context=args.tokens, seconds=seconds)
     surrogate.info["report"]["plays"] = report_plays
     path = surrogate.save(args.out)
     report = surrogate.info["report"]
