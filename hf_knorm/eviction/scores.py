@@ -212,17 +212,16 @@ class KVzip:
         )
 
 
-DEFAULT_SURROGATE = "SmolLM2-135M-Instruct.safetensors"
-"""The KVzap surrogate shipped with the plugin (``hf_knorm/assets/kvzap/``), fitted on the default model by
-``scripts/knorm/fit_kvzap.py``: what ``score="kvzap"`` reads."""
+DEFAULT_SURROGATE = Path(__file__).resolve().parent.parent / "assets" / "kvzap" / "SmolLM2-135M-Instruct.safetensors"
+"""The KVzap surrogate shipped with the plugin, fitted on the default model by ``scripts/knorm/fit_kvzap.py``: what
+``score="kvzap"`` reads."""
 
 
 @functools.lru_cache(maxsize=8)
 def _surrogate(file: str | None):
     from .surrogate import KVzapSurrogate
 
-    path = Path(__file__).resolve().parent.parent / "assets" / "kvzap" / DEFAULT_SURROGATE if file is None else file
-    return KVzapSurrogate.load(path)
+    return KVzapSurrogate.load(DEFAULT_SURROGATE if file is None else file)
 
 
 @dataclass(frozen=True)

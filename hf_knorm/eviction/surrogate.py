@@ -233,9 +233,10 @@ class _NormalEquations:
         return weight.float(), (target_mean - mean @ weight).float()
 
 
-def _layer_samples(model, tokenizer, text: str):
+def _layer_samples(model, tokenizer, text: str, rotary: tuple[torch.Tensor | None, float]):
     """``{layer index: (features (n, F), log importance (n, H_kv))}`` of one context: prefilled into a
-    ``KNormCache(score="kvzip")`` as the pipeline does (the chat template's user turn), scored by the reconstruction."""
+    ``KNormCache(score="kvzip")`` as the pipeline does (the chat template's user turn), scored by the reconstruction;
+    ``rotary``: :func:`rotary_of` the model."""
     from ..compat import cache_kwargs
     from .cache import KNormLayer
     from .pipeline import encode_prompt, knorm_cache_for
@@ -246,12 +247,11 @@ def _layer_samples(model, tokenizer, text: str):
     with torch.no_grad():
         model(input_ids=context_ids, **cache_kwargs(cache), use_cache=True)
         importance = reconstruction_scores(model, cache, context_ids, tokenizer)
-    inv_freq, scaling = rotary_of(model)
     samples = {}
     for layer in cache.layers:
         if isinstance(layer, KNormLayer):
             keys, values = layer.prompt_states()
-            features = surrogate_features(keys, values, layer.positions, inv_freq, scaling)[0]
+            features = surrogate_features(keys, values, layer.positions, *rotary)[0]
             target = importance[layer.layer_idx][0].float().clamp_min(FLOOR).log().T  # (n, H_kv)
             samples[layer.layer_idx] = (features, target)
     return samples
@@ -262,7 +262,8 @@ def fit_kvzap(model, tokenizer, texts: list[str], held_out: list[str] = (), *, r
     """Fit a :class:`KVzapSurrogate` of ``model`` on the KVzip importance of ``texts`` (module docstring).
 
     Args:
-        model (PreTrainedModel): A decoder with softmax attention (the reconstruction's), every layer full attention.
+        model (PreTrainedModel): A decoder with softmax attention (the reconstruction's); only its full-attention
+            layers are fitted (the cache keeps sliding-window layers whole).
         tokenizer: Its tokenizer (the reconstruction prompt is text).
         texts (list of str): The contexts to fit on (KVzap: 750-1,250 tokens each; each is one reconstruction).
         held_out (list of str): Contexts scored after the fit, for its report: per layer ``R^2`` of the log
@@ -275,10 +276,10 @@ def fit_kvzap(model, tokenizer, texts: list[str], held_out: list[str] = (), *, r
     """
     if not texts:
         raise ValueError("fit_kvzap needs at least one text to fit on.")
-    inv_freq, scaling = rotary_of(model)
+    rotary = rotary_of(model)
     total, equations = len(texts) + len(held_out), {}
     for done, text in enumerate(texts, 1):
-        for index, (x, y) in _layer_samples(model, tokenizer, text).items():
+        for index, (x, y) in _layer_samples(model, tokenizer, text, rotary).items():
             equations.setdefault(index, _NormalEquations(x.shape[-1], y.shape[-1])).add(x, y)
         if progress is not None:
             progress(done, total)
@@ -293,7 +294,7 @@ def fit_kvzap(model, tokenizer, texts: list[str], held_out: list[str] = (), *, r
             "fit": {"texts": len(texts), "tokens": next(iter(equations.values())).count, "ridge": ridge,
                     "target": "log KVzip importance (hf_knorm.eviction.reconstruction)"}}
     surrogate = KVzapSurrogate(torch.stack([weight for weight, _ in solved]),
-                               torch.stack([bias for _, bias in solved]), inv_freq, scaling, info)
+                               torch.stack([bias for _, bias in solved]), *rotary, info)
     if held_out:
         surrogate.info["report"] = _report(surrogate, model, tokenizer, held_out, len(texts), total, progress)
     return surrogate
@@ -305,7 +306,8 @@ def _report(surrogate: KVzapSurrogate, model, tokenizer, texts, done: int, total
     head's top half of each context) the surrogate keeps too."""
     errors, spreads, shared, kept = {}, {}, {}, {}
     for step, text in enumerate(texts, done + 1):
-        for index, (x, y) in _layer_samples(model, tokenizer, text).items():
+        for index, (x, y) in _layer_samples(model, tokenizer, text, (surrogate.inv_freq,
+                                                                      surrogate.attention_scaling)).items():
             predicted = x @ surrogate.weight[index] + surrogate.bias[index]  # (n, H_kv)
             errors[index] = errors.get(index, 0.0) + float((predicted - y).square().sum())
             spreads[index] = spreads.get(index, 0.0) + float((y - y.mean(0)).square().sum())

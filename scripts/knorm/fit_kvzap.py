@@ -27,7 +27,6 @@ from hf_knorm.assets.texts import shakespeare_works
 from hf_knorm.eviction.scores import DEFAULT_SURROGATE
 from hf_knorm.eviction.surrogate import fit_kvzap
 
-SHIPPED = Path(hf_knorm.__file__).resolve().parent / "assets" / "kvzap" / DEFAULT_SURROGATE
 HELD_OUT_WORKS = ("hamlet", "sonnets")  # the conversion's held-out plays domain: not fitted on
 
 
@@ -52,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--held-out", type=int, default=6, help="contexts of other plays for the report (default 6)")
     parser.add_argument("--tokens", type=int, default=1000, help="tokens per context (default 1000)")
     parser.add_argument("--ridge", type=float, default=1e-3, help="penalty on the standardized features")
-    parser.add_argument("--out", default=str(SHIPPED), help=f"the surrogate file (default: {SHIPPED})")
+    parser.add_argument("--out", default=str(DEFAULT_SURROGATE),
+                        help=f"the surrogate file (default: {DEFAULT_SURROGATE})")
     parser.add_argument("--report", default=None, help="also write the report as JSON here")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
