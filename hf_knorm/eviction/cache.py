@@ -43,6 +43,7 @@ from ..attention.linear_kernel import is_linear
 from ..normalizations import parse_normalization
 from ..compat import update_position_ids
 from . import rows
+from .budgets import global_keep, layer_dispersion, layer_keep_counts
 from .rows import is_padded_step, prompt_padding, step_lengths
 from .settings import EvictionSettings, kept_count
 
@@ -98,12 +99,7 @@ class KNormLayer(DynamicLayer):
         if start == 0 and q_len > 0:
             pads = prompt_padding(position_ids, q_len)
             if pads is not None:
-                if self.settings.layer_budget != "uniform":
-                    raise ValueError(
-                        f"layer_budget={self.settings.layer_budget!r} shares one prompt length's budget between "
-                        "layers; a padded batch has a length per row. Use layer_budget='uniform' (or layer_ratios) "
-                        "with padded batches, or generate one prompt at a time."
-                    )
+                check_rows_budget(self.settings)
                 self.row_lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
         elif self.row_lengths is None and q_len > 1 and is_padded_step(position_ids, start, q_len):
             self.row_lengths = torch.full((batch,), start, dtype=torch.long, device=self.device)
@@ -210,9 +206,10 @@ class KNormLayer(DynamicLayer):
         return self.settings.eviction_order(self.keys, self.values, self.positions, self.layer_idx,
                                             self.cumulative_length, importance)
 
-    def prompt_states(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored, not yet compressed prompt's keys and values, (B, H_kv, n, D) each (views, not copies)."""
-        return self.keys, self.values
+    def prompt_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stored, not yet compressed prompt: keys and values (B, H_kv, n, D) and positions (B, H_kv, n), ``-1``
+        on a padded batch's padding (views, not copies)."""
+        return self.keys, self.values, self.positions
 
     def compress_prompt(self, keep: int, order: torch.Tensor | None = None) -> None:
         """Keep ``keep`` tokens per head of the stored prompt (a layer budget, applied by the cache once every layer
@@ -329,17 +326,14 @@ def _refuse_linear_attention(config) -> None:
         )
 
 
-def _check_unpadded_positions(position_ids: torch.Tensor | None, q_len: int) -> None:
-    """Raise if a prompt's (B, q) ``position_ids`` are not 0..q-1 in every row (left padding shifts them): for
-    ``head_budget="heads"``, whose per-head store takes unpadded batches only."""
-    if position_ids is None:
-        return
-    expected = torch.arange(0, q_len, device=position_ids.device)
-    if not bool((position_ids.reshape(-1, position_ids.shape[-1]) == expected).all()):
+def check_rows_budget(settings: EvictionSettings) -> None:
+    """Raise unless the layer budget of ``settings`` can compress a padded batch, whose rows differ in length:
+    ``"uniform"`` (each layer, each row its own length's count) or ``"global"`` (each row over every layer)."""
+    if settings.layer_budget not in ("uniform", "global"):
         raise ValueError(
-            "KNormCache(head_budget='heads') got a padded batch (position ids are not 0..n-1 in every row): its "
-            "per-head store takes unpadded batches only. Generate one sequence at a time, batch prompts of equal "
-            "length, or use head_budget='uniform' (which keeps each padded row's own tokens)."
+            f"layer_budget={settings.layer_budget!r} shares one prompt length's budget between layers; a padded batch "
+            "has a length per row. Use layer_budget='uniform' (or layer_ratios) or 'global' with padded batches, or "
+            "generate one prompt at a time."
         )
 
 
@@ -488,7 +482,7 @@ class KNormCache(Cache):
             )
         position_ids = update_position_ids(kwargs)
         if isinstance(layer, RaggedKNormLayer):
-            self._check_ragged_step(layer, key_states.shape[-2])
+            self._check_ragged_step(layer, key_states.shape[-2], position_ids)
         elif layer.row_lengths is not None or (key_states.shape[-2] > 1 and is_padded_step(
                 position_ids, layer.cumulative_length, key_states.shape[-2])):
             self._check_padded_attention()
@@ -498,10 +492,13 @@ class KNormCache(Cache):
             self._finish_prompt()
         return out
 
-    def _check_ragged_step(self, layer: KNormLayer, q_len: int) -> None:
+    def _check_ragged_step(self, layer: KNormLayer, q_len: int, position_ids: torch.Tensor | None) -> None:
         """A step after the prompt onto per-head counts needs the ``"knorm_ragged"`` attention (the padding of the
-        view must be masked per head) and one token at a time (the causal part of the mask is not rebuilt)."""
+        view must be masked per head) and one token at a time (the causal part of the mask is not rebuilt); a padded
+        prompt is refused under another attention before any layer changes (:meth:`_check_padded_attention`)."""
         if layer.cumulative_length == 0:
+            if q_len > 1 and is_padded_step(position_ids, 0, q_len):
+                self._check_padded_attention()
             return
         implementation = getattr(self.config, "_attn_implementation", None)
         if implementation != RAGGED_ATTENTION:
@@ -546,9 +543,10 @@ class KNormCache(Cache):
                 for layer in layers):
             return
         self._scheduled = True
-        from .budgets import global_keep, layer_dispersion, layer_keep_counts
-
-        if layers[0].row_lengths is not None:  # a padded batch (the uniform layer budget): each row by itself
+        if layers[0].row_lengths is not None:  # a padded batch: each row by itself
+            if self.settings.layer_budget == "global":
+                self._keep_rows_globally(layers, importance)
+                return
             for layer in layers:
                 layer.compress_rows(None if importance is None else importance[layer.layer_idx])
             return
@@ -569,6 +567,16 @@ class KNormCache(Cache):
                                        dispersions=dispersions)
         for layer, order, count in zip(layers, orders, counts):
             layer.compress_prompt(count, order)
+
+    def _keep_rows_globally(self, layers: list[KNormLayer], importance: Mapping[int, torch.Tensor] | None) -> None:
+        """``layer_budget="global"`` on a padded batch (ragged layers): each row's pairs ranked over every layer and
+        head on their own, with the row's own length's budget, as the row alone would be."""
+        orders = [layer.row_orders(None if importance is None else importance[layer.layer_idx]) for layer in layers]
+        kept = [global_keep([per_layer[row][1] for per_layer in orders], self.settings.prompt_keep(0, length),
+                            self.settings.head_floor)
+                for row, length in enumerate(layers[0].row_lengths.tolist())]
+        for index, (layer, per_layer) in enumerate(zip(layers, orders)):
+            layer.keep_rows([slots for slots, _ in per_layer], [row[index] for row in kept])
 
     def awaits_importance(self) -> bool:
         """True when the score is deferred (``score="kvzip"``) and :meth:`compress_prompts` has not run yet."""
@@ -640,6 +648,13 @@ class KNormCache(Cache):
         if any(isinstance(layer, RaggedKNormLayer) for layer in self.layers):
             return False
         return len({layer.stored_length() for layer in self.layers if isinstance(layer, KNormLayer)}) <= 1
+
+    def takes_several_tokens(self) -> bool:
+        """True when a forward after the prompt may carry several tokens: every KNorm layer stores the same count
+        (:meth:`is_uniform`), or the batch is padded and its layers mask their own slots (not with
+        ``head_budget="heads"``, whose layers take one token per forward, a padding token included)."""
+        ragged = any(isinstance(layer, RaggedKNormLayer) for layer in self.layers)
+        return self.is_uniform() or (self.is_padded() and not ragged)
 
     def prefill_from(self, cache: Cache) -> KNormCache:
         """Take the contents of a filled, uncompressed ``cache`` as this empty cache's prompt, and compress them.

@@ -151,14 +151,14 @@ def _one_sequence_per_row(model, generate_kwargs: dict) -> bool:
 @torch.no_grad()
 def append_tokens(model, cache: KNormCache, input_ids: torch.Tensor,
                   attention_mask: torch.Tensor | None = None) -> None:
-    """Run (B, m) new tokens through ``model`` onto ``cache`` (uncompressed): in one forward if every layer stores
-    the same count or the batch is padded (a padded cache masks each layer itself), else one token per forward
-    (per-layer ratios; see ``KNormCache.is_uniform``). ``attention_mask`` (B, past + m): the whole batch's, for a
-    left-padded one."""
+    """Run (B, m) new tokens through ``model`` onto ``cache`` (uncompressed): in one forward where the cache takes
+    several tokens (:meth:`KNormCache.takes_several_tokens`), else one token per forward (per-layer ratios, head
+    budgets; a padded batch's padding tokens are then read as padding by their position ids). ``attention_mask``
+    (B, past + m): the whole batch's, for a left-padded one."""
     if input_ids.shape[1] == 0:
         return
-    several = cache.is_uniform() or cache.is_padded()
-    if has_padding(attention_mask) and not several:
+    several = cache.takes_several_tokens()
+    if has_padding(attention_mask) and not several and not cache.is_padded():
         raise ValueError("Left-padded tokens onto a KNormCache that takes one token per forward (per-layer ratios "
                          "on an unpadded cache): pad the prompts too, or use one ratio for every layer.")
     steps = [input_ids] if several else list(input_ids.split(1, dim=1))
@@ -176,13 +176,13 @@ def generate_after(model, cache: KNormCache, context_ids: torch.Tensor, new_ids:
                    **generate_kwargs):
     """Append ``new_ids`` (B, m >= 1) to a cache holding ``context_ids`` (B, n) and generate; returns the new tokens.
 
-    With a uniform (or padded) cache ``generate`` feeds ``new_ids`` itself; otherwise all but the last are fed one by
-    one first. ``context_mask`` (B, n) and ``new_mask`` (B, m): the left padding of a batch of contexts and of new
-    tokens (each row's real new tokens are its last ones; default: no padding).
+    Where the cache takes several tokens per forward ``generate`` feeds ``new_ids`` itself; otherwise all but the
+    last are fed one by one first. ``context_mask`` (B, n) and ``new_mask`` (B, m): the left padding of a batch of
+    contexts and of new tokens (each row's real new tokens are its last ones; default: no padding).
     """
     mask = torch.cat([torch.ones_like(context_ids) if context_mask is None else context_mask,
                       torch.ones_like(new_ids) if new_mask is None else new_mask], dim=1)
-    if not (cache.is_uniform() or cache.is_padded()):
+    if not cache.takes_several_tokens():
         append_tokens(model, cache, new_ids[:, :-1], mask[:, :-1])
     ids = torch.cat([context_ids, new_ids], dim=1)
     with ragged_attention_for(model, cache, has_padding(mask)):

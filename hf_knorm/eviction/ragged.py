@@ -26,6 +26,15 @@ Attention (the ``"knorm_ragged"`` function, :func:`ragged_attention`, Transforme
   attention is Transformers' own ``sdpa_attention_forward`` on it, the same call as the uniform cache's, so equal
   budgets give the uniform cache's logits bit for bit.
 
+Padded batches (:mod:`hf_knorm.eviction.rows`): a left-padded prompt is stored whole, its padding at position ``-1``
+(the layout of a uniform layer's padded prompt, which a deferred score's importance is given in), then each row is
+compressed as its real tokens alone (:meth:`RaggedKNormLayer.compress_rows`; under ``layer_budget="global"`` the
+cache ranks each row's pairs over every layer, :meth:`~hf_knorm.eviction.cache.KNormCache._finish_prompt`), padding
+never kept. ``row_lengths`` (B,) counts each row's real tokens, so decoded tokens get their row's own positions. A
+decoding step then attends each head's slice as for an unpadded batch: the slices hold real tokens only, so the mask
+Transformers built for the padding is not read (:attr:`RaggedViews.padded_rows`), and the store is never handed to
+SDPA as a rectangle.
+
 A model must therefore run with ``model.set_attn_implementation("knorm_ragged")``
 (``hf_knorm.eviction.pipeline.knorm_generate`` does it for the call); the cache refuses a ragged step under any other
 attention, loudly, rather than attend only the new token. The name is registered with Transformers by the first
@@ -43,8 +52,8 @@ from transformers.masking_utils import sdpa_mask
 
 from .budgets import head_adaptive_keep
 from .registered_attention import register_attention
-from .cache import KNormLayer, _check_unpadded_positions
-from .rows import live_mask
+from .cache import KNormLayer, check_rows_budget
+from .rows import live_mask, prompt_padding
 
 __all__ = ["CAPACITY_SLACK", "RAGGED_ATTENTION", "RaggedKNormLayer", "RaggedViews", "ragged_attention",
            "ragged_attention_for", "register"]
@@ -61,12 +70,15 @@ class RaggedViews:
         keys, values (torch.Tensor): (C, D) and (C, D_v), the layer's store (not a copy).
         spans (tuple of (int, int)): (start, length) per (batch row, KV head), row-major: B * H_kv entries.
         heads (int): H_kv.
+        padded_rows (bool): the batch is left-padded; each slice holds its row's real tokens only, so the attention
+            does not read the padding mask Transformers built.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     spans: tuple
     heads: int
+    padded_rows: bool = False
 
 
 def _room_for(total: int, heads: int) -> int:
@@ -155,7 +167,7 @@ class RaggedKNormLayer(KNormLayer):
         self.lengths, self.ends = lengths.clone(), (starts + counts).reshape(batch, heads)
         self._spans = [[start, count] for start, count in zip(starts.tolist(), listed)]
         self._room = room
-        self._rectangular = len(set(listed)) <= 1
+        self._rectangular = len(set(listed)) <= 1 and self.row_lengths is None  # padded rows: never a rectangle
 
     def _grow(self) -> None:
         """The room is used up: copy every head's slice into a new store with fresh room after each (one ``cat`` per
@@ -183,6 +195,8 @@ class RaggedKNormLayer(KNormLayer):
     def _select_rows(self, rows: torch.Tensor) -> None:
         """Rebuild the store from the batch rows ``rows`` (beam search, batch expansion and selection)."""
         index, lengths = self._slices(rows)
+        if self.row_lengths is not None:
+            self.row_lengths = self.row_lengths[rows]
         self._store(self.keys[index], self.values[index], self.positions[index], lengths)
 
     def padded(self, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -212,10 +226,17 @@ class RaggedKNormLayer(KNormLayer):
         start = self.cumulative_length
         self.cumulative_length += q_len
         if start == 0:
-            _check_unpadded_positions(position_ids, q_len)
             self.prompt_length = q_len
             positions = torch.arange(q_len, device=self.device).expand(batch, heads, q_len)
             keep = torch.ones(batch, heads, q_len, dtype=torch.bool, device=self.device)
+            pads = prompt_padding(position_ids, q_len) if q_len > 0 else None
+            if pads is not None:  # stored whole, padding at -1; each row compressed alone (module docstring)
+                check_rows_budget(self.settings)
+                self.row_lengths = q_len - pads
+                self._pack(key_states, value_states, (positions - pads[:, None, None]).clamp_min(-1), keep)
+                if self.settings.layer_budget == "uniform" and not self.settings.deferred:
+                    self.compress_rows()
+                return key_states, value_states
             if self.settings.layer_budget == "uniform" and not self.settings.deferred and q_len > 0:
                 order = self.settings.eviction_order(key_states, value_states, positions, self.layer_idx, q_len)
                 keep = head_adaptive_keep(order, self.settings.prompt_keep(self.layer_idx, q_len),
@@ -230,19 +251,43 @@ class RaggedKNormLayer(KNormLayer):
         slots = self.ends.view(-1)  # (B * H_kv,) the first free slot of each head
         self.keys.index_copy_(0, slots, key_states.reshape(-1, key_states.shape[-1]))
         self.values.index_copy_(0, slots, value_states.reshape(-1, value_states.shape[-1]))
-        self.positions.index_fill_(0, slots, start)
-        self.ends += 1
-        self.lengths += 1
         self._room -= 1
-        for span in self._spans:
-            span[1] += 1
+        if self.row_lengths is None:
+            self.positions.index_fill_(0, slots, start)
+            self.ends += 1
+            self.lengths += 1
+            for span in self._spans:
+                span[1] += 1
+        else:  # a padded batch: each row's own position; a padding token is written into the room, not kept
+            real = self._real_rows(position_ids)
+            self.positions.index_copy_(0, slots, torch.where(real, self.row_lengths, -1).repeat_interleave(heads))
+            self.row_lengths = self.row_lengths + real
+            step = real.long()[:, None].expand(batch, heads)
+            self.ends += step
+            self.lengths += step
+            for span, taken in zip(self._spans, step.reshape(-1).tolist()):
+                span[1] += taken
         if self._rectangular:  # every head alike: the store is a strided (B, H_kv, L, D) rectangle
             capacity, length = self._spans[0][1] + self._room, self._spans[0][1]
             size = batch * heads * capacity
             return (self.keys[:size].view(batch, heads, capacity, -1)[:, :, :length],
                     self.values[:size].view(batch, heads, capacity, -1)[:, :, :length])
-        key_states.knorm_ragged = RaggedViews(self.keys, self.values, tuple(map(tuple, self._spans)), heads)
+        key_states.knorm_ragged = RaggedViews(self.keys, self.values, tuple(map(tuple, self._spans)), heads,
+                                              padded_rows=self.row_lengths is not None)
         return key_states, value_states
+
+    def _real_rows(self, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """(B,) bool: which rows of a padded batch's one-token step are real (their position id continues the row),
+        not padding (id 0, as a left-padded block of new tokens gives it: ``append_tokens`` feeds one at a time)."""
+        if position_ids is None:
+            return torch.ones_like(self.row_lengths, dtype=torch.bool)
+        ids = position_ids.reshape(-1, position_ids.shape[-1])[:, -1].to(self.row_lengths.device)
+        real = ids == self.row_lengths
+        if not bool((real | (ids == 0)).all()):
+            raise ValueError("KNormCache(head_budget='heads') got a token whose position id neither continues its row "
+                             "nor marks padding (0): feed a padded batch's new tokens with the batch's attention mask "
+                             "and the position ids generate derives from it.")
+        return real
 
     def compress_prompt(self, keep: int, order: torch.Tensor | None = None) -> None:
         order = self.prompt_order() if order is None else order
@@ -258,9 +303,41 @@ class RaggedKNormLayer(KNormLayer):
         return self.settings.eviction_order(keys, values, positions, self.layer_idx, self.cumulative_length,
                                             importance)
 
-    def prompt_states(self) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values, _, _ = self.padded()  # the prompt, whole: every head holds it (a copy of the store)
-        return keys, values
+    def prompt_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        keys, values, positions, _ = self.padded()  # the prompt, whole: every head holds it (a copy of the store)
+        return keys, values, positions
+
+    def row_orders(self, importance: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A padded batch's stored prompt, row by row: ``(slots, order)`` per row, its real slots (n_b,) in the
+        prompt's padded layout and their eviction order (1, H_kv, n_b) computed on the row alone, as the row's own
+        prompt would be (from ``importance`` (B, H_kv, N) in that layout when given)."""
+        keys, values, positions = self.prompt_slots()
+        orders = []
+        for row, length in enumerate(self.row_lengths.tolist()):
+            slots = (positions[row, 0] >= 0).nonzero().squeeze(-1)
+            pick = lambda tensor: tensor[row:row + 1, :, slots]  # noqa: E731
+            orders.append((slots, self.settings.eviction_order(
+                pick(keys), pick(values), pick(positions), self.layer_idx, length,
+                None if importance is None else pick(importance))))
+        return orders
+
+    def keep_rows(self, slots: list[torch.Tensor], kept: list[torch.Tensor]) -> None:
+        """Keep, in each row ``b`` of a padded batch's stored prompt, the (1, H_kv, n_b) ``kept[b]`` pairs of its real
+        ``slots[b]`` (:meth:`row_orders`); the padding is dropped."""
+        keys, values, positions = self.prompt_slots()
+        keep = torch.zeros(positions.shape, dtype=torch.bool, device=self.device)
+        for row, (where, mask) in enumerate(zip(slots, kept, strict=True)):
+            keep[row, :, where] = mask[0]
+        self._pack(keys, values, positions, keep)
+
+    def compress_rows(self, importance: torch.Tensor | None = None) -> None:
+        """A padded batch's stored prompt: each row keeps the ``prompt_keep`` of its own length per head on average,
+        spread over its heads as the row alone spreads them (:func:`~hf_knorm.eviction.budgets.head_adaptive_keep`)."""
+        orders = self.row_orders(importance)
+        lengths = self.row_lengths.tolist()
+        self.keep_rows([slots for slots, _ in orders], [
+            head_adaptive_keep(order, self.settings.prompt_keep(self.layer_idx, length), self.settings.head_floor)
+            for (_, order), length in zip(orders, lengths)])
 
     def reset(self) -> None:
         super().reset()
@@ -282,7 +359,7 @@ class RaggedKNormLayer(KNormLayer):
 def _attend_per_head(query: torch.Tensor, views: RaggedViews, attention_mask, scaling, dropout: float):
     """One query token (B, H_q, 1, D) against each KV head's slice of the store: (B, 1, H_q, D_v)."""
     batch, query_heads, _, _ = query.shape
-    if attention_mask is not None and not bool(attention_mask.all()):
+    if not views.padded_rows and attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError("The knorm_ragged attention attends every cached token of a decoding step; it got a mask "
                          "that hides some (a padded batch?), which KNormCache(head_budget='heads') does not support.")
     group = query_heads // views.heads

@@ -199,7 +199,7 @@ def _reading_cache(cache: KNormCache) -> Cache:
     layers = []
     for layer in cache.layers:
         if isinstance(layer, KNormLayer):
-            keys, values = layer.prompt_states()
+            keys, values, _ = layer.prompt_slots()
             plain = DynamicLayer()
             plain.lazy_initialization(keys, values)
             plain.keys, plain.values = keys, values
@@ -264,15 +264,16 @@ def _row_importance(model, cache: KNormCache, context_ids: torch.Tensor, prompt:
     if len(layers) != len(cache.layers):
         raise ValueError("score='kvzip' on a padded batch runs each row's reconstruction alone, which this model's "
                          "sliding-window layers do not support: generate one sequence at a time.")
-    live = layers[0].positions[:, 0] >= 0  # (B, N): the same real slots in every layer before compression
-    importance = {layer.layer_idx: layer.keys.new_zeros(layer.positions.shape, dtype=torch.float32)
-                  for layer in layers}
+    prompts = [layer.prompt_slots() for layer in layers]  # the padded layout, padding at position -1
+    live = prompts[0][2][:, 0] >= 0  # (B, N): the same real slots in every layer before compression
+    importance = {layer.layer_idx: positions.new_zeros(positions.shape, dtype=torch.float32)
+                  for layer, (_, _, positions) in zip(layers, prompts)}
     for row in range(context_ids.shape[0]):
         slots = live[row].nonzero().squeeze(-1)
         reading = []
-        for layer in layers:
+        for keys, values, _ in prompts:
             plain = DynamicLayer()
-            keys, values = layer.keys[row:row + 1, :, slots], layer.values[row:row + 1, :, slots]
+            keys, values = keys[row:row + 1, :, slots], values[row:row + 1, :, slots]
             plain.lazy_initialization(keys, values)
             plain.keys, plain.values = keys, values
             reading.append(plain)

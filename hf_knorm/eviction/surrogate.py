@@ -250,8 +250,8 @@ def _layer_samples(model, tokenizer, text: str, rotary: tuple[torch.Tensor | Non
     samples = {}
     for layer in cache.layers:
         if isinstance(layer, KNormLayer):
-            keys, values = layer.prompt_states()
-            features = surrogate_features(keys, values, layer.positions, *rotary)[0]
+            keys, values, positions = layer.prompt_slots()
+            features = surrogate_features(keys, values, positions, *rotary)[0]
             target = importance[layer.layer_idx][0].float().clamp_min(FLOOR).log().T  # (n, H_kv)
             samples[layer.layer_idx] = (features, target)
     return samples

@@ -111,9 +111,12 @@ def test_kvzip_on_a_padded_batch_reconstructs_each_row_alone(model_type):
     _assert_rows_equal_alone(model, prompts, run, run)
 
 
-def test_padded_questions_after_padded_contexts():
+@pytest.mark.parametrize("options", [dict(score="kv_diff"), dict(score="kv_diff", head_budget="heads", head_floor=0.0)],
+                         ids=["uniform", "heads"])
+def test_padded_questions_after_padded_contexts(options):
     """The kvpress protocol on a batch: contexts and questions of different lengths, both left-padded (the
-    questions' padding lands in the middle of each row), each row answered as alone; several questions too."""
+    questions' padding lands in the middle of each row), each row answered as alone; several questions too. Head
+    budgets take the questions one token per forward, a row's padding token read as padding (not kept)."""
     model = knorm_model("qwen3")
     contexts, questions = _prompts((19, 11, 15)), _prompts((3, 6, 1), seed=2)
     others = _prompts((4, 2, 5), seed=3)
@@ -121,11 +124,11 @@ def test_padded_questions_after_padded_contexts():
     context_ids, context_mask = left_pad(contexts, 0)
     question_ids, question_mask = left_pad(questions, 0)
     other_ids, other_mask = left_pad(others, 0)
-    cache = knorm_cache_for(model, compression_ratio=0.5, score="kv_diff")
+    cache = knorm_cache_for(model, compression_ratio=0.5, **options)
     batch = answer_questions(model, cache, context_ids, [question_ids, other_ids], context_mask=context_mask,
                              question_masks=[question_mask, other_mask], **generate)
     for row in range(3):
-        alone = answer_questions(model, knorm_cache_for(model, compression_ratio=0.5, score="kv_diff"),
+        alone = answer_questions(model, knorm_cache_for(model, compression_ratio=0.5, **options),
                                  contexts[row][None], [questions[row][None], others[row][None]], **generate)
         assert all(torch.equal(b[row], a[0]) for b, a in zip(batch, alone, strict=True))
 
@@ -167,10 +170,9 @@ def test_padded_batches_are_refused_where_they_cannot_be_exact():
         model.set_attn_implementation("sdpa")
     with pytest.raises(ValueError, match="config=model.config"):
         model.generate(input_ids=ids, attention_mask=mask, cache=KNormCache(0.5), **generate)
-    with pytest.raises(ValueError, match=r"head_budget='heads'\) got a padded batch"):
-        knorm_generate(model, ids, mask, compression_ratio=0.5, head_budget="heads", **generate)
-    with pytest.raises(ValueError, match="layer_budget='skip_first'"):
-        knorm_generate(model, ids, mask, compression_ratio=0.5, layer_budget="skip_first", **generate)
+    for budgets in (dict(layer_budget="skip_first"), dict(layer_budget="dispersion", head_budget="heads")):
+        with pytest.raises(ValueError, match=f"layer_budget='{budgets['layer_budget']}'"):
+            knorm_generate(model, ids, mask, compression_ratio=0.5, **budgets, **generate)
     import hf_knorm
 
     patched = hf_knorm.patch(knorm_model("llama"), normalization="x^3/16")
@@ -182,6 +184,52 @@ def test_padded_batches_are_refused_where_they_cannot_be_exact():
     cache = KNormCache(0.5, config=model.config)
     with ragged_attention_for(model, cache, padded=True), pytest.raises(ValueError, match="not left-padded"):
         model.generate(input_ids=ids, attention_mask=right, **cache_kwargs(cache), **generate)
+
+
+HEAD_BUDGETS = [dict(score="kv_diff", head_budget="heads"), dict(score="key_norm", head_budget="heads", head_floor=0.0),
+                dict(score="kvzip", head_budget="heads", layer_budget="global", head_floor=0.0)]
+
+
+def _kept_per_head(cache: KNormCache, layer: int, row: int) -> list[list[int]]:
+    """Each KV head's kept positions in ``row`` (a head-budget layer pads shorter heads and dead slots with -1)."""
+    return [[p for p in head.tolist() if p >= 0] for head in cache.kept_positions(layer)[row]]
+
+
+@pytest.mark.parametrize("options", HEAD_BUDGETS, ids=["heads", "heads-floor0", "kvzip-global"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])  # GQA; QK-norm
+def test_head_budgets_on_a_padded_batch_equal_each_prompt_alone(model_type, options):
+    """``head_budget="heads"`` (and KVzip's ``layer_budget="global"``) on a left-padded batch: each row keeps, head by
+    head, the positions it keeps alone (its own length's budget, ranked over every layer under the global one),
+    and generates the same tokens, logits within ATOL, through ``model.generate`` and ``knorm_generate``."""
+    from hf_knorm.eviction.reconstruction import compress_by_reconstruction
+
+    model = knorm_model(model_type)
+    config = _config(model)
+    tokenizer = word_tokenizer()
+    prompts = [tokenizer(word_text(n, seed=n), return_tensors="pt")["input_ids"][0] for n in LENGTHS]
+    text = dict(tokenizer=tokenizer, chat_template=False)
+    run = lambda ids, mask=None: (knorm_generate(model, ids, mask, compression_ratio=0.5,  # noqa: E731
+                                                 generation_config=config, **text, **options), None)
+    _assert_rows_equal_alone(model, prompts, run, run)
+
+    def cache_after_prompt(ids, mask):
+        cache = knorm_cache_for(model, compression_ratio=0.5, **options)
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        with torch.no_grad(), ragged_attention_for(model, cache, padded=True):
+            model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache), use_cache=True)
+            if cache.settings.deferred:
+                compress_by_reconstruction(model, cache, ids, **text)
+        return cache
+
+    batch = cache_after_prompt(*left_pad(prompts, pad_id=0))
+    ragged = False
+    for row, prompt in enumerate(prompts):
+        alone = cache_after_prompt(prompt[None], torch.ones_like(prompt[None]))
+        for layer in range(len(model.model.layers)):
+            kept = _kept_per_head(alone, layer, 0)
+            assert _kept_per_head(batch, layer, row) == kept
+            ragged |= len({len(head) for head in kept}) > 1
+    assert ragged  # the heads keep different counts: the per-head store is exercised
 
 
 def test_kvzip_on_a_padded_batch_refuses_sliding_window_layers():
@@ -222,13 +270,15 @@ def pipe():
     return tiny_pipeline()
 
 
-@pytest.mark.parametrize("score", ["key_norm", "kv_diff", "kvzip"])
-def test_the_pipeline_on_a_list_of_contexts_equals_one_at_a_time(pipe, score):
+@pytest.mark.parametrize("options", [dict(score="key_norm"), dict(score="kv_diff"), dict(score="kvzip"),
+                                     dict(score="kvzip", head_budget="heads", layer_budget="global", head_floor=0.0)],
+                         ids=["key_norm", "kv_diff", "kvzip", "kvzip-global"])
+def test_the_pipeline_on_a_list_of_contexts_equals_one_at_a_time(pipe, options):
     from hf_knorm.assets.texts import SAMPLE_TEXT
 
     words = SAMPLE_TEXT.split()
     contexts = [" ".join(words[:n]) for n in (40, 22, 31)]
-    fixed = dict(compression_ratio=0.5, score=score, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    fixed = dict(compression_ratio=0.5, **options, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     questions = ["How many steps?", "Who climbed the stairs of the old tower?"]
     batched = pipe(contexts, question=questions, batch_size=3, **fixed)
     assert batched == [pipe(context, question=questions, **fixed) for context in contexts]
@@ -246,11 +296,16 @@ def test_the_pipeline_on_a_list_of_contexts_equals_one_at_a_time(pipe, score):
 
 
 def fixed_cache(fixed: dict) -> dict:
-    return {name: fixed[name] for name in ("compression_ratio", "score")}
+    return {name: fixed[name] for name in ("compression_ratio", "score", "head_budget", "layer_budget", "head_floor")
+            if name in fixed}
 
 
-def test_default_model_batch_equals_each_prompt_alone(default_model_and_tokenizer):
-    """SmolLM2-135M-Instruct, kv_diff at ratio 0.5: three prompts of 40-64 tokens in one left-padded batch."""
+@pytest.mark.parametrize("options", [dict(score="kv_diff"),
+                                     dict(score="kvzap", head_budget="heads", layer_budget="global", head_floor=0.0,
+                                          sink_tokens=4)], ids=["kv_diff", "kvzap-global"])
+def test_default_model_batch_equals_each_prompt_alone(default_model_and_tokenizer, options):
+    """SmolLM2-135M-Instruct at ratio 0.5, ``kv_diff`` and the shipped KVzap surrogate under KVzip's global budget
+    (docs/knorm.md's choice): three prompts of 40-64 tokens in one left-padded batch."""
     from hf_knorm.assets.texts import SAMPLE_TEXT
 
     model, tokenizer = default_model_and_tokenizer
@@ -259,8 +314,8 @@ def test_default_model_batch_equals_each_prompt_alone(default_model_and_tokenize
     config = _config(model)
 
     def run(batch_ids, mask=None):
-        return knorm_generate(model, batch_ids, mask, compression_ratio=0.5, score="kv_diff",
-                              generation_config=config), None
+        return knorm_generate(model, batch_ids, mask, compression_ratio=0.5, generation_config=config,
+                              **options), None
 
     batch_ids, mask = left_pad(prompts, pad_id=tokenizer.pad_token_id)
     batch = run(batch_ids, mask)[0]

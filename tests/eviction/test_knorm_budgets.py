@@ -307,9 +307,10 @@ def test_ragged_cache_refuses_what_the_uniform_one_refuses():
         cache.crop(-1)
     with pytest.raises(ValueError, match="one token per forward"):
         model(input_ids=inputs["input_ids"][:, :3], cache=cache, use_cache=True)
-    inputs["attention_mask"][1, :4] = 0
+    inputs["attention_mask"][1, :4] = 0  # a padded batch: taken under knorm_ragged (test_knorm_batches.py) only
+    plain = knorm_model("llama")
     with pytest.raises(ValueError, match="padded batch"):
-        model.generate(**inputs, cache=KNormCache(0.5, head_budget="heads", config=model.config), max_new_tokens=2,
+        plain.generate(**inputs, cache=KNormCache(0.5, head_budget="heads", config=plain.config), max_new_tokens=2,
                        pad_token_id=0)
 
 

@@ -196,6 +196,39 @@ def test_the_cache_keeps_the_pairs_the_surrogate_ranks_first(fitted):
         assert torch.equal(held, expected), index
 
 
+def test_the_global_budget_on_a_padded_batch_keeps_each_rows_own_pairs(fitted):
+    """KVzap's usual setting (``layer_budget="global"``) on a left-padded batch through ``knorm_generate``: every row
+    keeps, head by head, the pairs it keeps alone and generates the same tokens."""
+    from hf_knorm.eviction.pipeline import knorm_generate
+    from hf_knorm.eviction.ragged import ragged_attention_for
+    from hf_knorm.eviction.rows import left_pad
+
+    model, _, path = fitted
+    options = dict(compression_ratio=0.5, head_budget="heads", layer_budget="global", head_floor=0.0,
+                   score=KVzap(file=str(path)))
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(4, 128, (n,), generator=generator) for n in (26, 15, 21)]
+    ids, mask = left_pad(prompts, pad_id=0)
+    generate = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    batch = knorm_generate(model, ids, mask, **options, **generate)
+
+    def kept(cache, row):
+        return [[[p for p in head.tolist() if p >= 0] for head in cache.kept_positions(layer)[row]]
+                for layer in range(len(cache.layers))]
+
+    padded = knorm_cache_for(model, recorded_defaults=False, **options)
+    with torch.no_grad(), ragged_attention_for(model, padded, padded=True):
+        model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
+              **cache_kwargs(padded), use_cache=True)
+    for row, prompt in enumerate(prompts):
+        alone = knorm_generate(model, prompt[None], **options, **generate)
+        assert torch.equal(batch[row, ids.shape[1]:], alone[0, prompt.numel():])
+        cache = knorm_cache_for(model, recorded_defaults=False, **options)
+        with torch.no_grad():
+            model(input_ids=prompt[None], **cache_kwargs(cache), use_cache=True)
+        assert kept(padded, row) == kept(cache, 0)
+
+
 def test_spelling_and_refusals(fitted, tmp_path):
     model, surrogate, path = fitted
     assert isinstance(resolve_score("kvzap"), KVzap) and score_spelling("kvzap") == "kvzap"
