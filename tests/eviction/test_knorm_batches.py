@@ -133,14 +133,17 @@ def test_padded_questions_after_padded_contexts(options):
         assert all(torch.equal(b[row], a[0]) for b, a in zip(batch, alone, strict=True))
 
 
-def test_beam_search_on_a_padded_batch_equals_each_prompt_alone():
+@pytest.mark.parametrize("options", [dict(), dict(head_budget="heads", head_floor=0.0)], ids=["uniform", "heads"])
+def test_beam_search_on_a_padded_batch_equals_each_prompt_alone(options):
     """Beam search on a padded batch: the rows are expanded to beams before the prompt (each beam a padded row of
-    its own) and reordered within a row after it (``reorder_cache``); every row's best beam is the one alone."""
+    its own) and reordered within a row after it (``reorder_cache``; the head budgets' store repacks its rows); every
+    row's best beam is the one alone."""
     model = knorm_model("llama")
     config = _config(model, num_beams=3, output_logits=False)
 
     def run(ids, mask=None):
-        return knorm_generate(model, ids, mask, compression_ratio=0.5, score="kv_diff", generation_config=config)
+        return knorm_generate(model, ids, mask, compression_ratio=0.5, score="kv_diff", generation_config=config,
+                              **options)
 
     prompts = _prompts()
     ids, mask = left_pad(prompts, pad_id=0)
