@@ -159,8 +159,9 @@ def append_tokens(model, cache: KNormCache, input_ids: torch.Tensor,
         return
     several = cache.takes_several_tokens()
     if has_padding(attention_mask) and not several and not cache.is_padded():
-        raise ValueError("Left-padded tokens onto a KNormCache that takes one token per forward (per-layer ratios "
-                         "on an unpadded cache): pad the prompts too, or use one ratio for every layer.")
+        raise ValueError("Left-padded tokens onto an unpadded KNormCache that takes one token per forward (per-layer "
+                         "ratios or head budgets): pad the prompts too, or use one ratio for every layer and "
+                         "head_budget='uniform'.")
     steps = [input_ids] if several else list(input_ids.split(1, dim=1))
     done = attention_mask.shape[1] - input_ids.shape[1] if attention_mask is not None else 0
     for step in steps:

@@ -173,6 +173,10 @@ def test_padded_batches_are_refused_where_they_cannot_be_exact():
         model.set_attn_implementation("sdpa")
     with pytest.raises(ValueError, match="config=model.config"):
         model.generate(input_ids=ids, attention_mask=mask, cache=KNormCache(0.5), **generate)
+    contexts = torch.stack([prompt[:12] for prompt in _prompts()])  # unpadded contexts, then padded questions
+    with pytest.raises(ValueError, match="head budgets"):  # an unpadded per-head store would keep their padding
+        answer_questions(model, knorm_cache_for(model, compression_ratio=0.5, head_budget="heads"), contexts, [ids],
+                         question_masks=[mask], **generate)
     for budgets in (dict(layer_budget="skip_first"), dict(layer_budget="dispersion", head_budget="heads")):
         with pytest.raises(ValueError, match=f"layer_budget='{budgets['layer_budget']}'"):
             knorm_generate(model, ids, mask, compression_ratio=0.5, **budgets, **generate)
