@@ -376,6 +376,11 @@ class KNormCache(Cache):
             threshold over every layer's and head's importance, :func:`hf_knorm.eviction.budgets.global_keep`; with
             ``score="kvzip"`` and ``head_budget="heads"``, ``head_floor=0`` as the paper); the total kept is the
             ratio's. Needs ``config``.
+        threshold (float, optional): KVzap's threshold pruning (arXiv 2601.07891; kvpress ``ThresholdPress``) instead
+            of a ratio: with ``score="kvzap"`` and ``head_budget="heads"``, a pair is evicted when it leaves the last
+            ``recent_window`` tokens (KVzap: 128) with a predicted log importance below ``threshold`` (the sinks
+            stay), at the prefill and at every decoding step, so the cache's size follows the text
+            (:meth:`compression_achieved`). Needs ``config``.
         config (PreTrainedConfig, optional): The model's config. With it the cache checks that the model is a supported
             decoder and gives sliding-window layers (Mistral, Gemma 2/3) Transformers' own sliding layer, uncompressed.
             **Pass it for models with sliding-window layers**; without it every layer is a KNorm layer.
@@ -410,13 +415,14 @@ class KNormCache(Cache):
         head_budget: str = "uniform",
         head_floor: float = 0.2,
         layer_budget: str = "uniform",
+        threshold: float | None = None,
         config=None,
     ):
         self.settings = EvictionSettings(
             compression_ratio=compression_ratio, budget=budget, sink_tokens=sink_tokens, recent_window=recent_window,
             layer_ratios=layer_ratios, decoding_budget=decoding_budget, key_scales=key_scales,
             value_scales=value_scales, score=score, head_budget=head_budget, head_floor=head_floor,
-            layer_budget=layer_budget,
+            layer_budget=layer_budget, threshold=threshold,
         )
         if config is None and (head_budget != "uniform" or layer_budget != "uniform"):
             raise ValueError(
@@ -734,6 +740,20 @@ class KNormCache(Cache):
         if not isinstance(layer, KNormLayer) or not layer.is_initialized:
             raise ValueError(f"Layer {layer_idx} is not a filled KNorm layer.")
         return layer.stored_per_head()
+
+    def compression_achieved(self) -> float:
+        """The share of the tokens seen that the KNorm layers no longer hold, over their layers, heads and batch rows
+        (a padded batch's padding not counted): the ratio a :attr:`~EvictionSettings.threshold` cache reached, or a
+        ratio cache's own (tokens appended since the last eviction included)."""
+        held = seen = 0
+        for layer in self.layers:
+            if isinstance(layer, KNormLayer) and layer.is_initialized:
+                counts = layer.stored_per_head()
+                held += int(counts.sum())
+                rows = layer.row_lengths if layer.row_lengths is not None else torch.full(
+                    counts.shape[:1], layer.cumulative_length)
+                seen += int(rows.sum()) * counts.shape[1]
+        return 1.0 - held / seen if seen else 0.0
 
     def nbytes(self, include_positions: bool = False) -> int:
         """Bytes held by the cached keys and values (with ``head_budget="heads"`` the whole store, its free room

@@ -14,8 +14,8 @@ from .cache import KNormCache
 from .scores import score_spelling
 
 CACHE_OPTIONS = ("compression_ratio", "budget", "sink_tokens", "recent_window", "layer_ratios", "decoding_budget",
-                 "score", "head_budget", "head_floor", "layer_budget")
-SIZING_OPTIONS = ("compression_ratio", "budget", "layer_ratios")
+                 "score", "head_budget", "head_floor", "layer_budget", "threshold")
+SIZING_OPTIONS = ("compression_ratio", "budget", "layer_ratios", "threshold")
 SCORE_BASES = ("cached", "original")
 RECORD_KEY = "knorm"
 

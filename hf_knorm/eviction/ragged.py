@@ -197,6 +197,7 @@ class RaggedKNormLayer(KNormLayer):
         index, lengths = self._slices(rows)
         if self.row_lengths is not None:
             self.row_lengths = self.row_lengths[rows]
+        self._prompt_rows = [self._prompt_rows[row] for row in rows.tolist()]
         self._store(self.keys[index], self.values[index], self.positions[index], lengths)
 
     def padded(self, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -230,17 +231,18 @@ class RaggedKNormLayer(KNormLayer):
             positions = torch.arange(q_len, device=self.device).expand(batch, heads, q_len)
             keep = torch.ones(batch, heads, q_len, dtype=torch.bool, device=self.device)
             pads = prompt_padding(position_ids, q_len) if q_len > 0 else None
+            self._prompt_rows = [q_len] * batch  # host-side: each row's prompt length
             if pads is not None:  # stored whole, padding at -1; each row compressed alone (module docstring)
                 check_rows_budget(self.settings)
                 self.row_lengths = q_len - pads
+                self._prompt_rows = self.row_lengths.tolist()
                 self._pack(key_states, value_states, (positions - pads[:, None, None]).clamp_min(-1), keep)
                 if self.settings.layer_budget == "uniform" and not self.settings.deferred:
                     self.compress_rows()
                 return key_states, value_states
             if self.settings.layer_budget == "uniform" and not self.settings.deferred and q_len > 0:
                 order = self.settings.eviction_order(key_states, value_states, positions, self.layer_idx, q_len)
-                keep = head_adaptive_keep(order, self.settings.prompt_keep(self.layer_idx, q_len),
-                                          self.settings.head_floor)
+                keep = self._kept_of(order, q_len)
             self._pack(key_states, value_states, positions, keep)
             return key_states, value_states
         if q_len != 1:
@@ -252,6 +254,7 @@ class RaggedKNormLayer(KNormLayer):
         self.keys.index_copy_(0, slots, key_states.reshape(-1, key_states.shape[-1]))
         self.values.index_copy_(0, slots, value_states.reshape(-1, value_states.shape[-1]))
         self._room -= 1
+        real = None
         if self.row_lengths is None:
             self.positions.index_fill_(0, slots, start)
             self.ends += 1
@@ -267,6 +270,8 @@ class RaggedKNormLayer(KNormLayer):
             self.lengths += step
             for span, taken in zip(self._spans, step.reshape(-1).tolist()):
                 span[1] += taken
+        if self.settings.keeps_above_threshold:
+            self._evict_leaving(key_states.shape[0], heads, start, real)
         if self._rectangular:  # every head alike: the store is a strided (B, H_kv, L, D) rectangle
             capacity, length = self._spans[0][1] + self._room, self._spans[0][1]
             size = batch * heads * capacity
@@ -275,6 +280,51 @@ class RaggedKNormLayer(KNormLayer):
         key_states.knorm_ragged = RaggedViews(self.keys, self.values, tuple(map(tuple, self._spans)), heads,
                                               padded_rows=self.row_lengths is not None)
         return key_states, value_states
+
+    def _kept_of(self, order: torch.Tensor, length: int) -> torch.Tensor:
+        """(B, H_kv, n) bool, the pairs a prompt of ``length`` tokens keeps given their eviction ``order``: those at
+        or above the :attr:`~hf_knorm.eviction.settings.EvictionSettings.threshold` (protected ones included), or the
+        layer's share spread over its heads (:func:`~hf_knorm.eviction.budgets.head_adaptive_keep`)."""
+        if self.settings.keeps_above_threshold:
+            return order <= -self.settings.threshold
+        return head_adaptive_keep(order, self.settings.prompt_keep(self.layer_idx, length), self.settings.head_floor)
+
+    def _evict_leaving(self, batch: int, heads: int, start: int, real: torch.Tensor | None) -> None:
+        """Threshold pruning during decoding (KVzap's ``ThresholdPress``): a step's attention reads the last
+        ``recent_window`` tokens and the query, as a ``decoding_budget`` cache's does; the pair that dropped out of
+        them at the row's previous step (its position ``length - 2 - W``; every head still holds it, as the ``W + 1``
+        after it) is scored once, from its key and value in every head, and removed from each head where its
+        importance is below the threshold, before this step's attention. The ``W + 1`` pairs after it move one slot
+        down (``O(W * D)`` per head, no rebuild; the head's room grows by one). Sinks are never scored, and neither
+        are pairs the prefill ranked; a padded batch's row whose token this step was padding has nothing to score
+        (``real``: :meth:`_real_rows`)."""
+        window = self.settings.recent_window
+        lengths = (self.row_lengths if self.row_lengths is not None
+                   else torch.full((batch,), start + 1, dtype=torch.long, device=self.device))
+        leaving = lengths - 2 - window  # (B,) the row position that left the window at the row's previous step
+        due = ((leaving >= self.settings.sink_tokens) & (lengths - torch.tensor(self._prompt_rows, device=self.device) >= 2)
+               & (self.lengths >= window + 2).all(-1))
+        if real is not None:
+            due &= real
+        if not bool(due.any()):
+            return
+        slot = torch.where(due[:, None], self.ends - (window + 2), 0)  # (B, H_kv): where each head holds it
+        keys, values = self.keys[slot][:, :, None], self.values[slot][:, :, None]  # (B, H_kv, 1, D)
+        position = leaving.clamp_min(0)[:, None, None].expand(batch, heads, 1)
+        below = self.settings.importance(keys, values, position, self.layer_idx)[..., 0] < self.settings.threshold
+        drop = below & due[:, None]  # (B, H_kv)
+        dropped = drop.reshape(-1).tolist()
+        if not any(dropped):
+            return
+        after = (slot.reshape(-1)[drop.reshape(-1)] + 1)[:, None] + torch.arange(window + 1, device=self.device)
+        moved, into = after.reshape(-1), (after - 1).reshape(-1)
+        for store in (self.keys, self.values, self.positions):
+            store[into] = store[moved]  # gathered first: the overlapping move is safe
+        self.ends -= drop.long()
+        self.lengths -= drop.long()
+        for span, gone in zip(self._spans, dropped):
+            span[1] -= gone
+        self._rectangular = False
 
     def _real_rows(self, position_ids: torch.Tensor | None) -> torch.Tensor:
         """(B,) bool: which rows of a padded batch's one-token step are real (their position id continues the row),
@@ -331,13 +381,12 @@ class RaggedKNormLayer(KNormLayer):
         self._pack(keys, values, positions, keep)
 
     def compress_rows(self, importance: torch.Tensor | None = None) -> None:
-        """A padded batch's stored prompt: each row keeps the ``prompt_keep`` of its own length per head on average,
-        spread over its heads as the row alone spreads them (:func:`~hf_knorm.eviction.budgets.head_adaptive_keep`)."""
+        """A padded batch's stored prompt: each row keeps what it keeps alone (:meth:`_kept_of` on its own length:
+        its share spread over its heads, or what passes the threshold)."""
         orders = self.row_orders(importance)
         lengths = self.row_lengths.tolist()
-        self.keep_rows([slots for slots, _ in orders], [
-            head_adaptive_keep(order, self.settings.prompt_keep(self.layer_idx, length), self.settings.head_floor)
-            for (_, order), length in zip(orders, lengths)])
+        self.keep_rows([slots for slots, _ in orders],
+                       [self._kept_of(order, length) for (_, order), length in zip(orders, lengths)])
 
     def reset(self) -> None:
         super().reset()

@@ -47,6 +47,9 @@ class EvictionSettings:
         layer_budget (str): ``"uniform"``, ``"skip_first"``, ``"dispersion"``
             (:func:`~hf_knorm.eviction.budgets.layer_keep_counts`) or ``"global"`` (one threshold over every layer and
             head: :func:`~hf_knorm.eviction.budgets.global_keep`); the total kept is the ratio's either way.
+        threshold (float or None): KVzap's threshold pruning instead of a ratio: a pair whose importance is below it
+            is evicted once it is older than the ``recent_window`` (at the prefill and at every decoding step); how
+            much is evicted depends on the text (:meth:`keeps_above_threshold`).
     """
 
     compression_ratio: float = 0.0
@@ -61,10 +64,12 @@ class EvictionSettings:
     head_budget: str = "uniform"
     head_floor: float = 0.2
     layer_budget: str = "uniform"
+    threshold: float | None = None
 
     def __post_init__(self):
         self.score = resolve_score(self.score)
         self._check_budgets()
+        self._check_threshold()
         _check_ratio("compression_ratio", self.compression_ratio)
         if isinstance(self.layer_ratios, Mapping):
             self.layer_ratios = dict(self.layer_ratios)
@@ -133,6 +138,35 @@ class EvictionSettings:
                 "head_budget='uniform'."
             )
 
+    def _check_threshold(self) -> None:
+        if self.threshold is None:
+            return
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
+                or not math.isfinite(self.threshold):
+            raise ValueError(f"threshold must be a finite number (an importance on the score's scale), got "
+                             f"{self.threshold!r}.")
+        self.threshold = float(self.threshold)
+        if not getattr(self.score, "shared_scale", False) or self.deferred:
+            raise ValueError(
+                f"threshold compares every pair's importance with one number, at the prefill and while decoding: it "
+                f"needs a score computed from the cached states on one scale everywhere (score='kvzap': the predicted "
+                f"log of KVzip's importance); {self.score.name!r} is not."
+            )
+        sized = [name for name in ("compression_ratio", "budget", "layer_ratios", "decoding_budget")
+                 if getattr(self, name)]
+        if sized or self.layer_budget != "uniform":
+            raise ValueError(f"threshold decides by itself how much to evict; drop {', '.join(sized) or 'layer_budget'}.")
+        if self.head_budget != "heads":
+            raise ValueError("threshold keeps a different count in every head: add head_budget='heads' (the store that "
+                             "holds them).")
+
+    @property
+    def keeps_above_threshold(self) -> bool:
+        """True when the cache evicts by :attr:`threshold` (KVzap's ``ThresholdPress``, arXiv 2601.07891): a pair
+        stays while it is a sink or among the last ``recent_window`` tokens, then only if its importance is at least
+        the threshold, decided once, when it leaves the window."""
+        return self.threshold is not None
+
     def check_layer_count(self, num_layers: int) -> None:
         """Raise if the per-layer options name layers a model of ``num_layers`` layers does not have."""
         for name in ("key_scales", "value_scales"):
@@ -175,17 +209,23 @@ class EvictionSettings:
                                  f"{tuple(positions.shape)} (B, H_kv, S) tokens.")
             scores = -importance.to(positions.device)
         else:
-            scale = self._scale("key_scales", layer_idx, keys)
-            if scale is not None:
-                keys = keys * scale.to(keys)[None, :, None, :]
-            scale = self._scale("value_scales", layer_idx, values)
-            if scale is not None:
-                values = values / scale.to(values)[None, :, None, :]
-            scores = -self.score(keys, values, positions, layer_idx)
+            scores = -self.importance(keys, values, positions, layer_idx)
         protected = positions < self.sink_tokens
         if self.recent_window:
             protected |= positions >= length - self.recent_window
         return scores.masked_fill(protected, float("-inf"))
+
+    def importance(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                   layer_idx: int) -> torch.Tensor:
+        """The score's importance (B, H_kv, S) of keys and values (B, H_kv, S, D) at positions (B, H_kv, S), in the
+        scoring basis (``key_scales``, ``value_scales``); higher = kept. No protection applied."""
+        scale = self._scale("key_scales", layer_idx, keys)
+        if scale is not None:
+            keys = keys * scale.to(keys)[None, :, None, :]
+        scale = self._scale("value_scales", layer_idx, values)
+        if scale is not None:
+            values = values / scale.to(values)[None, :, None, :]
+        return self.score(keys, values, positions, layer_idx)
 
     def _scale(self, name: str, layer_idx: int, states: torch.Tensor) -> torch.Tensor | None:
         scales = getattr(self, name)

@@ -276,3 +276,116 @@ def test_the_shipped_surrogate_belongs_to_the_default_model(default_model_and_to
     assert len(report["r2"]) == model.config.num_hidden_layers and statistics.median(report["r2"]) > 0.3
     cache = knorm_cache_for(model, recorded_defaults=False, compression_ratio=0.5, score="kvzap")
     assert isinstance(cache.layers[0], KNormLayer) and isinstance(cache, KNormCache)
+
+
+# --- threshold pruning (KVzap's ThresholdPress) --------------------------------------------------------------------
+def threshold_kept(importance, positions, length: int, threshold: float, window: int, sinks: int) -> list:
+    """The plain rule, per batch row and head: after ``length`` tokens a pair is held when it is a sink, among the last
+    ``window`` tokens, or its importance is at least ``threshold``."""
+    keep = (positions < sinks) | (positions >= length - window) | (importance >= threshold)
+    return [[positions[b, h][keep[b, h]].tolist() for h in range(keep.shape[1])] for b in range(keep.shape[0])]
+
+
+def held_positions(layer) -> list:
+    positions = layer.padded()[2]
+    return [[[p for p in head.tolist() if p >= 0] for head in row] for row in positions]
+
+
+def test_threshold_pruning_is_the_plain_rule_at_every_step(tmp_path):
+    """A ragged layer under ``threshold``: after the prompt it holds exactly the sinks, the last ``recent_window``
+    tokens and the older pairs whose predicted importance reaches the threshold (the plain rule on the whole
+    sequence); what a decoding step's attention reads is the same rule with the query added to the window (as a
+    ``decoding_budget`` cache's step reads it); the pairs are held with their own keys, the removals moving pairs
+    down inside the store."""
+    from hf_knorm.eviction.ragged import RaggedKNormLayer
+    from hf_knorm.eviction.settings import EvictionSettings
+
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, 8, 2).float() / 8))
+    path = random_surrogate(2, 2, 8, inv_freq).save(tmp_path / "s.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, prompt, steps, window, sinks = 2, 2, 40, 70, 3, 1  # 70 steps: the store's room runs out
+    keys, values = (torch.randn(batch, heads, prompt + steps, 8, generator=generator) for _ in range(2))
+    positions = torch.arange(prompt + steps).expand(batch, heads, -1)
+    importance = KVzap(file=str(path))(keys, values, positions, 1)
+    threshold = float(importance.median())
+    settings = EvictionSettings(score=KVzap(file=str(path)), head_budget="heads", threshold=threshold,
+                                recent_window=window, sink_tokens=sinks)
+    layer = RaggedKNormLayer(settings, 1)
+    layer.update(keys[:, :, :prompt], values[:, :, :prompt])
+    for length in range(prompt, prompt + steps + 1):
+        if length > prompt:
+            layer.update(keys[:, :, length - 1:length], values[:, :, length - 1:length])
+        seen = window if length == prompt else window + 1  # a decoding step's window: the query and W before it
+        expected = threshold_kept(importance[..., :length], positions[..., :length], length, threshold, seen, sinks)
+        assert held_positions(layer) == expected, length
+        held, where = layer.padded()[0], layer.padded()[2]
+        index = where.clamp_min(0)[..., None].expand_as(held)
+        assert torch.equal(held * (where >= 0)[..., None], keys[:, :, :length].gather(2, index) * (where >= 0)[..., None])
+    assert len({count for row in layer.lengths.tolist() for count in row}) > 1  # the heads differ
+
+
+def test_threshold_at_its_extremes(fitted):
+    """``threshold`` far below every importance is the full cache (the tokens of a DynamicCache, nothing evicted);
+    far above, it keeps the sinks and the window only: the tokens and logits of a cache that holds exactly those
+    (``score="recent"`` with ``decoding_budget`` = sinks + window)."""
+    from hf_knorm.eviction.pipeline import knorm_generate
+
+    model, _, path = fitted
+    ids = torch.randint(4, 128, (1, 30), generator=torch.Generator().manual_seed(5))
+    generate = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+                    return_dict_in_generate=True)
+    protect = dict(sink_tokens=2, recent_window=4)
+    threshold = dict(score=KVzap(file=str(path)), head_budget="heads", **protect)
+    plain = model.generate(input_ids=ids, **cache_kwargs(DynamicCache()), **generate)
+    everything = knorm_generate(model, ids, threshold=-1e9, **threshold, **generate)
+    assert torch.equal(everything.sequences, plain.sequences)
+    window = knorm_generate(model, ids, threshold=1e9, **threshold, **generate)
+    streaming = knorm_generate(model, ids, score="recent", decoding_budget=6, **protect, **generate)
+    assert torch.equal(window.sequences, streaming.sequences)
+    for mine, theirs in zip(window.logits, streaming.logits, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)
+
+
+def test_threshold_reports_what_it_evicted_and_takes_padded_batches(fitted):
+    """``compression_achieved`` is the share of pairs gone (0 with nothing evicted); a left-padded batch keeps each
+    row's own pairs (its own positions) and generates what each prompt generates alone."""
+    from hf_knorm.eviction.pipeline import knorm_generate
+    from hf_knorm.eviction.ragged import ragged_attention_for
+    from hf_knorm.eviction.rows import left_pad
+
+    model, _, path = fitted
+    options = dict(score=KVzap(file=str(path)), head_budget="heads", sink_tokens=2, recent_window=4)
+    ids = torch.randint(4, 128, (1, 30), generator=torch.Generator().manual_seed(6))
+    importance = []
+    full = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, **cache_kwargs(full), use_cache=True)
+    for index, layer in enumerate(full.layers):
+        importance.append(KVzap(file=str(path))(layer.keys, layer.values, torch.arange(30).expand(1, 2, -1), index))
+    threshold = float(torch.cat([i.flatten() for i in importance]).median())
+    cache = knorm_cache_for(model, recorded_defaults=False, threshold=threshold, **options)
+    with torch.no_grad(), ragged_attention_for(model, cache):
+        model(input_ids=ids, **cache_kwargs(cache), use_cache=True)
+    older = [(i[..., 2:26] < threshold).sum().item() for i in importance]  # neither sinks nor the window
+    assert cache.compression_achieved() == pytest.approx(sum(older) / (30 * 2 * len(importance)))
+    generate = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(4, 128, (n,), generator=generator) for n in (26, 15, 21)]
+    batch_ids, mask = left_pad(prompts, pad_id=0)
+    batch = knorm_generate(model, batch_ids, mask, threshold=threshold, **options, **generate)
+    for row, prompt in enumerate(prompts):
+        alone = knorm_generate(model, prompt[None], threshold=threshold, **options, **generate)
+        assert torch.equal(batch[row, batch_ids.shape[1]:], alone[0, prompt.numel():])
+
+
+def test_threshold_refusals(fitted):
+    _, _, path = fitted
+    kvzap = KVzap(file=str(path))
+    with pytest.raises(ValueError, match="score='kvzap'"):
+        KNormCache(threshold=-3.0, score="kv_diff", head_budget="heads", config=knorm_model("llama").config)
+    with pytest.raises(ValueError, match="drop compression_ratio"):
+        KNormCache(0.5, threshold=-3.0, score=kvzap, head_budget="heads", config=knorm_model("llama").config)
+    with pytest.raises(ValueError, match="head_budget='heads'"):
+        KNormCache(threshold=-3.0, score=kvzap)
+    with pytest.raises(ValueError, match="finite number"):
+        KNormCache(threshold=float("nan"), score=kvzap, head_budget="heads", config=knorm_model("llama").config)
