@@ -29,12 +29,16 @@ class PerplexityResult:
         perplexity (float): ``exp(nll)``.
         nll (float): Mean negative log-likelihood, nats per scored token.
         tokens, windows (int): Scored tokens (each window's first token is not scored) and forward passes.
+        compression (float or None): Read through a compressed cache (:func:`perplexity_after_compression`): the mean
+            over windows of the share of pairs seen that the cache no longer held after the last token
+            (``KNormCache.compression_achieved``); ``None`` otherwise.
     """
 
     perplexity: float
     nll: float
     tokens: int
     windows: int
+    compression: float | None = None
 
 
 def token_windows(tokenizer, texts: list[str] | str, window: int = 1024,
@@ -111,7 +115,8 @@ def perplexity_after_compression(model: nn.Module, windows: list[torch.Tensor], 
     cache; for each variant that cache is compressed (``KNormCache.from_dynamic_cache(full, config=model.config,
     **options)``, exactly what a ``KNormCache`` prefill stores) and the remaining ``n - context`` tokens are run over
     it teacher-forced, uncompressed (in one forward, or one token per forward for a cache whose layers hold different
-    counts; head budgets under the ``knorm_ragged`` attention). Scored: every token
+    counts; head budgets under the ``knorm_ragged`` attention; a ``decoding_budget`` or ``threshold`` cache keeps
+    evicting as it reads them). Scored: every token
     predicted through the compressed cache, i.e. tokens ``context + 1 .. n - 1`` (token ``context`` is predicted by the
     exact prefill and is the same for every variant). ``{}`` (ratio 0) is the uncompressed model.
 
@@ -131,7 +136,7 @@ def perplexity_after_compression(model: nn.Module, windows: list[torch.Tensor], 
     from ..eviction.reconstruction import reconstruction_scores, shared_scoring
 
     device = next(model.parameters()).device
-    totals = {name: [0.0, 0] for name in variants}
+    totals = {name: [0.0, 0, 0.0] for name in variants}  # NLL, tokens, compression summed over windows
     for ids in tqdm(windows, desc="perplexity after compression", disable=not progress, leave=False):
         if ids.shape[0] < context + 2:
             raise ValueError(f"A window of {ids.shape[0]} tokens leaves nothing to score after {context} of context.")
@@ -161,5 +166,6 @@ def perplexity_after_compression(model: nn.Module, windows: list[torch.Tensor], 
                 raise ValueError(f"{name}: non-finite loss after compression.")
             totals[name][0] += nll.item()
             totals[name][1] += continuation.shape[1] - 1
-    return {name: PerplexityResult(math.exp(total / count), total / count, count, len(windows))
-            for name, (total, count) in totals.items()}
+            totals[name][2] += cache.compression_achieved()
+    return {name: PerplexityResult(math.exp(total / count), total / count, count, len(windows), gone / len(windows))
+            for name, (total, count, gone) in totals.items()}

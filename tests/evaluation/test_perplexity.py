@@ -67,5 +67,7 @@ def test_perplexity_after_compression():
     assert math.isfinite(results["layer0 kept"].nll)
     assert results["half heads"].nll == pytest.approx(results["half"].nll, rel=1e-5)
     assert math.isfinite(results["half heads adaptive"].nll)
+    # the share gone after the last token: none for the full cache; 6 of the 12 context tokens of the 20 read
+    assert results["full"].compression == 0.0 and results["half"].compression == pytest.approx(6 / 20)
     with pytest.raises(ValueError, match="nothing to score"):
         perplexity_after_compression(model, windows, context=19, variants=variants, progress=False)
