@@ -302,8 +302,8 @@ class RaggedKNormLayer(KNormLayer):
         lengths = (self.row_lengths if self.row_lengths is not None
                    else torch.full((batch,), start + 1, dtype=torch.long, device=self.device))
         leaving = lengths - 2 - window  # (B,) the row position that left the window at the row's previous step
-        due = ((leaving >= self.settings.sink_tokens) & (lengths - torch.tensor(self._prompt_rows, device=self.device) >= 2)
-               & (self.lengths >= window + 2).all(-1))
+        decoded = lengths - torch.tensor(self._prompt_rows, device=self.device)  # (B,) tokens after each prompt
+        due = (leaving >= self.settings.sink_tokens) & (decoded >= 2) & (self.lengths >= window + 2).all(-1)
         if real is not None:
             due &= real
         if not bool(due.any()):

@@ -155,7 +155,8 @@ class EvictionSettings:
         sized = [name for name in ("compression_ratio", "budget", "layer_ratios", "decoding_budget")
                  if getattr(self, name)]
         if sized or self.layer_budget != "uniform":
-            raise ValueError(f"threshold decides by itself how much to evict; drop {', '.join(sized) or 'layer_budget'}.")
+            raise ValueError(f"threshold decides by itself how much to evict; drop "
+                             f"{', '.join(sized) or 'layer_budget'}.")
         if self.head_budget != "heads":
             raise ValueError("threshold keeps a different count in every head: add head_budget='heads' (the store that "
                              "holds them).")

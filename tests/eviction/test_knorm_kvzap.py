@@ -320,7 +320,8 @@ def test_threshold_pruning_is_the_plain_rule_at_every_step(tmp_path):
         assert held_positions(layer) == expected, length
         held, where = layer.padded()[0], layer.padded()[2]
         index = where.clamp_min(0)[..., None].expand_as(held)
-        assert torch.equal(held * (where >= 0)[..., None], keys[:, :, :length].gather(2, index) * (where >= 0)[..., None])
+        real = (where >= 0)[..., None]
+        assert torch.equal(held * real, keys[:, :, :length].gather(2, index) * real)
     assert len({count for row in layer.lengths.tolist() for count in row}) > 1  # the heads differ
 
 
