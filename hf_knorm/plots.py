@@ -134,7 +134,7 @@ def plot_needle_heatmap_grid(panels, path, title: str | None = None):
             ax.tick_params(labelsize=7)
             if i == 0:
                 ax.set_title(column, fontsize=10)
-            if j == 0:
+            if column == next(name for name in columns if name in cells):  # the row's first drawn panel
                 ax.set_ylabel(f"{row}\ndepth", fontsize=9)
             if i == len(panels) - 1:
                 ax.set_xlabel("context length (tokens)", fontsize=8)

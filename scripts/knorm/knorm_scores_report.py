@@ -67,10 +67,12 @@ def task_tables(records: list[dict], task: str, focus: float) -> str:
 
 def task_figure(records: list[dict], task: str, path: Path) -> Path:
     panels: dict[str, dict[str, tuple]] = {}
-    for variant in dict.fromkeys(r["variant"] for r in records if r["task"] == task):
+    variants = dict.fromkeys(r["variant"] for r in records if r["task"] == task)
+    for variant in sorted(variants, key=lambda name: split_variant(name)[0]):  # columns by ratio, rows as they came
         ratio, score = split_variant(variant)
-        if ratio > 0:
-            panels.setdefault(score, {})[f"r={ratio:g}"] = accuracy_grid(records, task, variant)
+        if ratio > 0:  # a long entry's label is wrapped at its options, so that the rows' labels do not overlap
+            label = score.replace("+", "\n+", score.count("+") - 1) if len(score) > 20 else score
+            panels.setdefault(label, {})[f"r={ratio:g}"] = accuracy_grid(records, task, variant)
     rows = [r for r in records if r["task"] == task]
     seeds = len({r["seed"] for r in rows})
     uncompressed = percent([r for r in rows if r["variant"] == "r=0"])
