@@ -68,7 +68,7 @@ def task_tables(records: list[dict], task: str, focus: float) -> str:
 def task_figure(records: list[dict], task: str, path: Path) -> Path:
     panels: dict[str, dict[str, tuple]] = {}
     variants = dict.fromkeys(r["variant"] for r in records if r["task"] == task)
-    for variant in sorted(variants, key=lambda name: split_variant(name)[0]):  # columns by ratio, rows as they came
+    for variant in sorted(variants, key=lambda name: split_variant(name)[0]):  # columns by ratio; rows in the order of their first column
         ratio, score = split_variant(variant)
         if ratio > 0:  # a long entry's label is wrapped at its options, so that the rows' labels do not overlap
             label = score.replace("+", "\n+", score.count("+") - 1) if len(score) > 20 else score

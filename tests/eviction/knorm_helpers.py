@@ -66,3 +66,14 @@ def tiny_pipeline():
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).eval()
     return tf.pipeline("knorm-text-generation", model=model, tokenizer=tokenizer)
+
+
+def real_positions(positions: torch.Tensor) -> list:
+    """(B, H_kv, S) kept positions as lists per (batch row, head), without the padding (-1) of shorter heads and dead
+    slots."""
+    return [[[p for p in head if p >= 0] for head in row] for row in positions.tolist()]
+
+
+def kept_lists(cache, layer: int) -> list:
+    """A KNorm layer's kept positions as lists per (batch row, head) (:func:`real_positions`)."""
+    return real_positions(cache.kept_positions(layer))

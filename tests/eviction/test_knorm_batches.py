@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from knorm_helpers import NO_EOS, knorm_model, tiny_pipeline, word_text, word_tokenizer
+from knorm_helpers import NO_EOS, kept_lists, knorm_model, tiny_pipeline, word_text, word_tokenizer
 from transformers import DynamicCache
 
 from hf_knorm.compat import cache_kwargs
@@ -197,11 +197,6 @@ HEAD_BUDGETS = [dict(score="kv_diff", head_budget="heads"), dict(score="key_norm
                 dict(score="kvzip", head_budget="heads", layer_budget="global", head_floor=0.0)]
 
 
-def _kept_per_head(cache: KNormCache, layer: int, row: int) -> list[list[int]]:
-    """Each KV head's kept positions in ``row`` (a head-budget layer pads shorter heads and dead slots with -1)."""
-    return [[p for p in head.tolist() if p >= 0] for head in cache.kept_positions(layer)[row]]
-
-
 @pytest.mark.parametrize("options", HEAD_BUDGETS, ids=["heads", "heads-floor0", "kvzip-global"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])  # GQA; QK-norm
 def test_head_budgets_on_a_padded_batch_equal_each_prompt_alone(model_type, options):
@@ -233,8 +228,8 @@ def test_head_budgets_on_a_padded_batch_equal_each_prompt_alone(model_type, opti
     for row, prompt in enumerate(prompts):
         alone = cache_after_prompt(prompt[None], torch.ones_like(prompt[None]))
         for layer in range(len(model.model.layers)):
-            kept = _kept_per_head(alone, layer, 0)
-            assert _kept_per_head(batch, layer, row) == kept
+            kept = kept_lists(alone, layer)[0]
+            assert kept_lists(batch, layer)[row] == kept
             ragged |= len({len(head) for head in kept}) > 1
     assert ragged  # the heads keep different counts: the per-head store is exercised
 

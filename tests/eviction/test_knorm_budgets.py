@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from knorm_helpers import NEW, PROMPT, greedy, knorm_model
+from knorm_helpers import NEW, PROMPT, greedy, kept_lists, knorm_model
 from test_knorm_cache import masked_logits
 from tiny_models import tiny_config, tiny_inputs
 from transformers import AutoModelForCausalLM
@@ -44,11 +44,6 @@ def ragged_model(model_type="llama", layers=None):
         model = AutoModelForCausalLM.from_config(config).eval()
     model.set_attn_implementation(RAGGED_ATTENTION)
     return model
-
-
-def kept_lists(cache, layer):
-    """Kept positions of a layer, as lists per (batch row, head), without the padding (-1)."""
-    return [[[p for p in head if p >= 0] for head in row] for row in cache.kept_positions(layer).tolist()]
 
 
 # --- exactness: every head's budget equal gives today's uniform cache ------------------------------------------------

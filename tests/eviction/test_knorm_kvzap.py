@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
-from knorm_helpers import knorm_model, word_text, word_tokenizer
+from knorm_helpers import kept_lists, knorm_model, real_positions, word_text, word_tokenizer
 from tiny_models import tiny_model
 from transformers import DynamicCache
 
@@ -212,10 +212,6 @@ def test_the_global_budget_on_a_padded_batch_keeps_each_rows_own_pairs(fitted):
     generate = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
     batch = knorm_generate(model, ids, mask, **options, **generate)
 
-    def kept(cache, row):
-        return [[[p for p in head.tolist() if p >= 0] for head in cache.kept_positions(layer)[row]]
-                for layer in range(len(cache.layers))]
-
     padded = knorm_cache_for(model, recorded_defaults=False, **options)
     with torch.no_grad(), ragged_attention_for(model, padded, padded=True):
         model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
@@ -226,7 +222,7 @@ def test_the_global_budget_on_a_padded_batch_keeps_each_rows_own_pairs(fitted):
         cache = knorm_cache_for(model, recorded_defaults=False, **options)
         with torch.no_grad():
             model(input_ids=prompt[None], **cache_kwargs(cache), use_cache=True)
-        assert kept(padded, row) == kept(cache, 0)
+        assert all(kept_lists(padded, layer)[row] == kept_lists(cache, layer)[0] for layer in range(len(cache.layers)))
 
 
 def test_spelling_and_refusals(fitted, tmp_path):
@@ -286,11 +282,6 @@ def threshold_kept(importance, positions, length: int, threshold: float, window:
     return [[positions[b, h][keep[b, h]].tolist() for h in range(keep.shape[1])] for b in range(keep.shape[0])]
 
 
-def held_positions(layer) -> list:
-    positions = layer.padded()[2]
-    return [[[p for p in head.tolist() if p >= 0] for head in row] for row in positions]
-
-
 def test_threshold_pruning_is_the_plain_rule_at_every_step(tmp_path):
     """A ragged layer under ``threshold``: after the prompt it holds exactly the sinks, the last ``recent_window``
     tokens and the older pairs whose predicted importance reaches the threshold (the plain rule on the whole
@@ -317,7 +308,7 @@ def test_threshold_pruning_is_the_plain_rule_at_every_step(tmp_path):
             layer.update(keys[:, :, length - 1:length], values[:, :, length - 1:length])
         seen = window if length == prompt else window + 1  # a decoding step's window: the query and W before it
         expected = threshold_kept(importance[..., :length], positions[..., :length], length, threshold, seen, sinks)
-        assert held_positions(layer) == expected, length
+        assert real_positions(layer.padded()[2]) == expected, length
         held, where = layer.padded()[0], layer.padded()[2]
         index = where.clamp_min(0)[..., None].expand_as(held)
         real = (where >= 0)[..., None]
