@@ -54,8 +54,9 @@ class Variant:
     score_basis: str = "cached"
 
     @property
-    def ratio(self) -> float:
-        return float(self.options.get("compression_ratio", 0.0))
+    def ratio(self) -> float | None:
+        """The compression ratio (0: uncompressed); ``None`` for a threshold row, which evicts what the text gives."""
+        return None if "threshold" in self.options else float(self.options.get("compression_ratio", 0.0))
 
 
 def ratio_variants(ratios) -> list[Variant]:
@@ -68,7 +69,9 @@ def parse_score_spec(spec: str) -> dict:
     ``"key_diff"``, ``"recent+sinks4"`` (StreamingLLM), ``"kv_diff+sinks4+window64"``, ``"key_diff+pool5"``; the
     budget extras ``+heads`` (AdaKV's head-adaptive budget, ``head_budget="heads"``), ``+floorF`` (``head_floor=F``,
     e.g. ``+floor0``) and ``+layers-dispersion`` / ``+layers-skip_first`` / ``+layers-global`` (``layer_budget=``),
-    e.g. ``"kv_diff+heads+layers-dispersion"``, ``"kvzip+heads+floor0+layers-global"`` (KVzip's own budget).
+    e.g. ``"kv_diff+heads+layers-dispersion"``, ``"kvzip+heads+floor0+layers-global"`` (KVzip's own budget); and
+    ``+thresholdT`` (``threshold=T``: KVzap's threshold pruning instead of a ratio, arXiv 2601.07891), e.g.
+    ``"kvzap+heads+sinks4+window128+threshold-4.3"``.
 
     Raises:
         ValueError: A malformed entry or an unknown score (the message lists the accepted names).
@@ -92,11 +95,15 @@ def parse_score_spec(spec: str) -> dict:
         if floor:
             options["head_floor"] = float(floor.group(1))
             continue
+        threshold = re.fullmatch(r"threshold(-?\d+(?:\.\d+)?)", extra)
+        if threshold:
+            options["threshold"] = float(threshold.group(1))
+            continue
         match = re.fullmatch(r"(sinks|window|pool)(\d+)", extra)
         if not match:
             raise ValueError(f"Bad score entry {spec!r}: after the name, only '+sinksK', '+windowW', '+poolP', "
-                             "'+heads', '+floorF', '+layers-skip_first', '+layers-dispersion' and '+layers-global' "
-                             "are accepted.")
+                             "'+heads', '+floorF', '+thresholdT', '+layers-skip_first', '+layers-dispersion' and "
+                             "'+layers-global' are accepted.")
         kind, value = match.group(1), int(match.group(2))
         if kind == "pool":
             if "pool" not in {f.name for f in dataclasses.fields(score)}:
@@ -108,17 +115,33 @@ def parse_score_spec(spec: str) -> dict:
 
 
 def score_variants(ratios, specs) -> list[Variant]:
-    """One row per ratio and score entry (see :func:`parse_score_spec`); ratio 0 is the uncompressed model, once.
+    """One row per ratio and score entry (see :func:`parse_score_spec`); ratio 0 is the uncompressed model, once. An
+    entry with a threshold (``+thresholdT``) is one row whatever the ratios: it evicts what its threshold gives.
 
-    Row names: ``r=<ratio>`` for plain ``key_norm`` (the names of :func:`ratio_variants`), else ``r=<ratio> <entry>``.
+    Row names: ``r=<ratio>`` for plain ``key_norm`` (the names of :func:`ratio_variants`), else ``r=<ratio> <entry>``;
+    a threshold row ``t=<T> <entry without +thresholdT>``.
+
+    Raises:
+        ValueError: A malformed entry, or options a :class:`~hf_knorm.KNormCache` refuses (checked here, before a
+            model is loaded).
     """
+    from ..eviction.settings import EvictionSettings
+
+    parsed = {spec.strip(): parse_score_spec(spec) for spec in specs}
+    sized = [spec for spec, options in parsed.items() if "threshold" not in options]
     variants = []
     for ratio in ratios:
-        for spec in ([specs[0]] if float(ratio) == 0 else specs):
-            options = parse_score_spec(spec)
+        for spec in (list(parsed)[:1] if float(ratio) == 0 else sized):
+            options = parsed[spec]
             plain = options == {"score": "key_norm"} or float(ratio) == 0
-            name = f"r={float(ratio):g}" + ("" if plain else f" {spec.strip()}")
+            name = f"r={float(ratio):g}" + ("" if plain else f" {spec}")
             variants.append(Variant(name, {"compression_ratio": float(ratio), **({} if float(ratio) == 0 else options)}))
+    for spec, options in parsed.items():
+        if "threshold" in options:
+            entry = "+".join(part for part in spec.split("+") if not part.startswith("threshold"))
+            variants.append(Variant(f"t={options['threshold']:g} {entry}", options))
+    for variant in variants:
+        EvictionSettings(**variant.options)  # refused now, not after the model and the first context
     return variants
 
 
@@ -182,8 +205,11 @@ def is_correct(answer: str, expected: str) -> bool:
 
 
 @torch.no_grad()
-def answer_cell(model, tokenizer, sample: dict, variants: list[Variant], max_new_tokens: int) -> dict[str, str]:
-    """Answers of every variant for one sample; the context is prefilled once.
+def answer_cell(model, tokenizer, sample: dict, variants: list[Variant], max_new_tokens: int,
+                evicted: dict[str, float] | None = None) -> dict[str, str]:
+    """Answers of every variant for one sample; the context is prefilled once. ``evicted``, if given, receives each
+    variant's share of the tokens seen that its cache no longer holds after the answer
+    (:meth:`~hf_knorm.KNormCache.compression_achieved`: what a threshold row evicted).
 
     A ``kvpress`` variant runs :func:`hf_knorm.eviction.pipeline.answer_after_context`, the ``knorm-text-generation``
     pipeline's own protocol, on that shared prefill; its cache is :func:`~hf_knorm.eviction.pipeline.knorm_cache_for` with exactly the
@@ -222,6 +248,8 @@ def answer_cell(model, tokenizer, sample: dict, variants: list[Variant], max_new
         else:
             raise ValueError(f"Unknown protocol {variant.protocol!r}; use 'kvpress' or 'authors'.")
         answers[variant.name] = tokenizer.decode(new, skip_special_tokens=True).strip()
+        if evicted is not None:
+            evicted[variant.name] = cache.compression_achieved()
     return answers
 
 
@@ -254,11 +282,13 @@ def run_needle(model, tokenizer, out_dir: Path, tasks=("niah",), variants: list[
         if task not in hay:
             hay[task] = haystack(task, tokenizer)
         sample = make_sample(task, tokenizer, hay[task], length, depth, seed)
-        answers = answer_cell(model, tokenizer, sample, todo, max_new_tokens)
+        evicted = {}
+        answers = answer_cell(model, tokenizer, sample, todo, max_new_tokens, evicted=evicted)
         for variant in todo:
             records.append(dict(task=task, variant=variant.name, ratio=variant.ratio, length=length, depth=depth,
                                 seed=seed, expected=sample["expected"], answer=answers[variant.name],
-                                correct=is_correct(answers[variant.name], sample["expected"])))
+                                correct=is_correct(answers[variant.name], sample["expected"]),
+                                evicted=evicted.get(variant.name)))
         _write_results(out_dir, records)
     return records
 
@@ -270,7 +300,8 @@ def _write_results(out_dir: Path, records: list[dict]) -> None:
     os.replace(tmp, out_dir / "results.json")
     tmp = out_dir / "results.csv.tmp"
     with tmp.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(records[0]))
+        # every record's fields, in order: a folder written before a field existed gets it empty in older rows
+        writer = csv.DictWriter(handle, fieldnames=list(dict.fromkeys(key for record in records for key in record)))
         writer.writeheader()
         writer.writerows(records)
     os.replace(tmp, out_dir / "results.csv")
@@ -292,17 +323,20 @@ def accuracy_grid(records: list[dict], task: str, variant: str) -> tuple[list, l
 
 
 def summary_table(records: list[dict], task: str) -> str:
-    """Markdown table: one row per variant, accuracy (%) per context length and overall, and the seeds per cell."""
+    """Markdown table: one row per variant, accuracy (%) per context length and overall, the seeds per cell, and the
+    mean share of the tokens its caches no longer held after the answers ("-" where not recorded)."""
     variants = list(dict.fromkeys(r["variant"] for r in records if r["task"] == task))
     lengths = sorted({r["length"] for r in records if r["task"] == task})
-    lines = ["| variant | " + " | ".join(f"{n} tok" for n in lengths) + " | all | seeds/cell |",
-             "|---|" + "---:|" * (len(lengths) + 2)]
+    lines = ["| variant | " + " | ".join(f"{n} tok" for n in lengths) + " | all | seeds/cell | evicted |",
+             "|---|" + "---:|" * (len(lengths) + 3)]
     for variant in variants:
         rows = [r for r in records if r["task"] == task and r["variant"] == variant]
         cells = [[r["correct"] for r in rows if r["length"] == n] for n in lengths]
         seeds = len({r["seed"] for r in rows})
+        shares = [r["evicted"] for r in rows if r.get("evicted") is not None]
+        evicted = f"{100 * sum(shares) / len(shares):.1f}%" if shares else "-"
         lines.append(f"| {variant} | " + " | ".join(f"{100 * sum(c) / len(c):.0f}" if c else "-" for c in cells)
-                     + f" | {100 * sum(r['correct'] for r in rows) / len(rows):.1f} | {seeds} |")
+                     + f" | {100 * sum(r['correct'] for r in rows) / len(rows):.1f} | {seeds} | {evicted} |")
     return "\n".join(lines)
 
 

@@ -25,8 +25,10 @@ class NiahSettings:
         "/ last W tokens (e.g. recent+sinks4 is StreamingLLM, kv_diff+sinks4+window64), +poolP to set the window of "
         "key_diff / kv_diff, +heads for AdaKV's head-adaptive budget (+floorF: each head keeps at least F of its "
         "share, default 0.2), +layers-dispersion / +layers-skip_first for a per-layer schedule (e.g. "
-        "kv_diff+heads+layers-dispersion), and for kvzip or kvzap +heads+layers-global: one threshold over every "
-        "layer and head (KVzip's own budget with +floor0)"})
+        "kv_diff+heads+layers-dispersion), for kvzip or kvzap +heads+layers-global: one threshold over every "
+        "layer and head (KVzip's own budget with +floor0), and for kvzap +heads+thresholdT: KVzap's threshold "
+        "pruning, one row whatever the ratios, evicting at the prefill and while decoding what T gives (e.g. "
+        "kvzap+heads+sinks4+window128+threshold-4.3; the share evicted is in the summary)"})
     lengths: tuple[int, ...] = field(default=(1000, 2000, 4000, 8000),
                                      metadata={"help": "comma-separated context lengths (tokens)"})
     depths: tuple[float, ...] = field(default=(0.0, 0.25, 0.5, 0.75, 1.0),

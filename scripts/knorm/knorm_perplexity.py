@@ -36,6 +36,9 @@ def main() -> None:
     ratios = [float(r) for r in args.ratios.split(",")]
     specs = [s.strip() for s in args.scores.split(",") if s.strip()]
     variants = score_variants([0.0] + ratios, specs)
+    if any(variant.ratio is None for variant in variants):
+        raise SystemExit("A +threshold entry evicts while the continuation is read, not at a ratio: measure it with "
+                         "scripts/knorm/knorm_threshold.py --thresholds ...")
     model, tokenizer = hf_knorm.load_default_model()
     windows = token_windows(tokenizer, "\n\n".join(paul_graham_essays()), window=args.context + args.continuation,
                             max_tokens=(args.context + args.continuation) * args.windows)

@@ -5,7 +5,9 @@ in parallel) and writes, per task:
 
 - a markdown table: accuracy (%) of every score at every ratio over the whole grid, the uncompressed row on top, and
   the same per context length at ``--focus`` (the target's ratio);
-- a figure with one needle heatmap per score (rows) and ratio (columns): ``<figures>/scores_<task>.png``.
+- a figure with one needle heatmap per score (rows) and ratio (columns): ``<figures>/scores_<task>.png``;
+- the threshold rows (``--scores kvzap+...+thresholdT``, named ``t=<T> <entry>``), which have no ratio, in a table of
+  their own: the mean share of the tokens each cache no longer held after its answers, and the accuracy per length.
 
 Usage::
 
@@ -37,8 +39,30 @@ def percent(rows: list[dict]) -> str:
     return f"{100 * sum(r['correct'] for r in rows) / len(rows):.1f}" if rows else "-"
 
 
+def is_threshold_row(name: str) -> bool:
+    return name.startswith("t=")
+
+
+def threshold_table(records: list[dict], task: str) -> str:
+    """The threshold rows of ``task``: share evicted (mean over the cells) and accuracy per length; "" if none."""
+    rows = [r for r in records if r["task"] == task and is_threshold_row(r["variant"])]
+    if not rows:
+        return ""
+    lengths = sorted({r["length"] for r in rows})
+    lines = [f"{task}, threshold rows (no ratio: each evicts what its threshold gives):", "",
+             "| row | evicted | " + " | ".join(f"{n} tok" for n in lengths) + " | all |",
+             "|---|" + "---:|" * (len(lengths) + 2)]
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        selected = [r for r in rows if r["variant"] == variant]
+        shares = [r["evicted"] for r in selected if r.get("evicted") is not None]
+        evicted = f"{100 * sum(shares) / len(shares):.1f}%" if shares else "-"
+        lines.append(f"| {variant} | {evicted} | " + " | ".join(percent([r for r in selected if r["length"] == n])
+                                                                 for n in lengths) + f" | {percent(selected)} |")
+    return "\n".join(lines)
+
+
 def task_tables(records: list[dict], task: str, focus: float) -> str:
-    rows = [r for r in records if r["task"] == task]
+    rows = [r for r in records if r["task"] == task and not is_threshold_row(r["variant"])]
     by_row: dict[str, dict[float, list[dict]]] = {}
     for record in rows:
         ratio, score = split_variant(record["variant"])
@@ -62,12 +86,13 @@ def task_tables(records: list[dict], task: str, focus: float) -> str:
         if selected:
             lines.append(f"| {score} | " + " | ".join(percent([r for r in selected if r["length"] == n])
                                                        for n in lengths) + f" | {percent(selected)} |")
-    return "\n".join(lines)
+    thresholds = threshold_table(records, task)
+    return "\n".join(lines) + (f"\n\n{thresholds}" if thresholds else "")
 
 
 def task_figure(records: list[dict], task: str, path: Path) -> Path:
     panels: dict[str, dict[str, tuple]] = {}
-    variants = dict.fromkeys(r["variant"] for r in records if r["task"] == task)
+    variants = dict.fromkeys(r["variant"] for r in records if r["task"] == task and not is_threshold_row(r["variant"]))
     for variant in sorted(variants, key=lambda name: split_variant(name)[0]):  # columns by ratio; rows in the order of their first column
         ratio, score = split_variant(variant)
         if ratio > 0:  # a long entry's label is wrapped at its options, so that the rows' labels do not overlap

@@ -57,7 +57,7 @@ def test_results_are_written_per_cell_and_resumed(default_model_and_tokenizer, t
     model, tokenizer = default_model_and_tokenizer
     calls = []
 
-    def fake_answer(model, tokenizer, sample, variants, max_new_tokens):
+    def fake_answer(model, tokenizer, sample, variants, max_new_tokens, evicted=None):
         calls.append(sample["expected"])
         if len(calls) == 2 and fail["on"]:
             raise KeyboardInterrupt  # an interrupted run
@@ -92,6 +92,24 @@ def test_answer_cell_on_the_default_model(default_model_and_tokenizer, haystacks
     answers = needle.answer_cell(model, tokenizer, sample, variants, max_new_tokens=9)
     assert is_correct(answers["r=0"], sample["expected"]), answers
     assert set(answers) == {"r=0", "authors"}
+
+
+def test_threshold_rows_record_what_they_evicted(default_model_and_tokenizer, tmp_path):
+    """A threshold row (KVzap's pruning, no ratio) beside a ratio row: each record holds the share of the tokens seen
+    that its cache no longer held after the answer (0 uncompressed; about the ratio of the context for a ratio row;
+    what the threshold gave for a threshold row), and the summary averages it."""
+    model, tokenizer = default_model_and_tokenizer
+    variants = needle.score_variants((0.0, 0.5), ["kv_diff", "kvzap+heads+sinks4+window64+threshold-4.3"])
+    records = run_needle(model, tokenizer, tmp_path, variants=variants, lengths=(400,), depths=(0.5,), seeds=1,
+                         progress=False)
+    evicted = {r["variant"]: r["evicted"] for r in records}
+    assert evicted["r=0"] == 0.0
+    assert 0.4 < evicted["r=0.5 kv_diff"] < 0.5  # half the context; the question and the answer are kept
+    assert 0.0 < evicted["t=-4.3 kvzap+heads+sinks4+window64"] < 1.0
+    assert [r["ratio"] for r in records] == [0.0, 0.5, None]
+    summary = write_report(records, tmp_path).read_text()
+    assert f"| {100 * evicted['t=-4.3 kvzap+heads+sinks4+window64']:.1f}% |" in summary
+    assert "evicted" in (tmp_path / "results.csv").read_text().splitlines()[0]
 
 
 def test_pipeline_compresses_the_context_only(default_model_and_tokenizer):

@@ -212,6 +212,24 @@ def test_score_specs_of_the_command_line():
     assert variants[2].options == {"compression_ratio": 0.5, "score": "key_diff", "sink_tokens": 4}
 
 
+def test_threshold_rows_of_the_command_line():
+    """``+thresholdT``: KVzap's threshold pruning, one row whatever the ratios, named ``t=<T> <entry>``, no ratio;
+    options a cache refuses are refused when the rows are built (before any model loads)."""
+    assert parse_score_spec("kvzap+heads+sinks4+window128+threshold-4.3") == {
+        "score": "kvzap", "head_budget": "heads", "sink_tokens": 4, "recent_window": 128, "threshold": -4.3}
+    assert parse_score_spec("kvzap+heads+threshold2")["threshold"] == 2.0
+    variants = score_variants([0, 0.5, 0.75], ["kv_diff", "kvzap+heads+window128+threshold-4.3"])
+    assert [v.name for v in variants] == ["r=0", "r=0.5 kv_diff", "r=0.75 kv_diff", "t=-4.3 kvzap+heads+window128"]
+    assert [v.ratio for v in variants] == [0.0, 0.5, 0.75, None]
+    assert variants[-1].options == {"score": "kvzap", "head_budget": "heads", "recent_window": 128, "threshold": -4.3}
+    with pytest.raises(ValueError, match="score='kvzap'"):
+        score_variants([0, 0.5], ["kv_diff+heads+threshold-4"])
+    with pytest.raises(ValueError, match="head_budget='heads'"):
+        score_variants([0, 0.5], ["kvzap+threshold-4"])
+    with pytest.raises(ValueError, match=r"\+thresholdT"):
+        parse_score_spec("kvzap+heads+threshold")
+
+
 # --- balanced models --------------------------------------------------------------------------------------------------
 def test_balanced_model_original_basis_keeps_what_the_unbalanced_model_keeps():
     """Per-channel balancing stores ``k / s`` and ``v * t``: scored in the original basis every score keeps exactly the
