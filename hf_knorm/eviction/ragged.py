@@ -52,7 +52,7 @@ from transformers.masking_utils import sdpa_mask
 
 from .budgets import head_adaptive_keep
 from .registered_attention import register_attention
-from .cache import KNormLayer, check_rows_budget
+from .layer import KNormLayer, check_rows_budget
 from .rows import live_mask, prompt_padding
 
 __all__ = ["CAPACITY_SLACK", "RAGGED_ATTENTION", "RaggedKNormLayer", "RaggedViews", "ragged_attention",

@@ -1,7 +1,7 @@
 """What a KNorm cache evicts: the settings one :class:`~hf_knorm.KNormCache` shares with its layers, and their rules.
 
 :class:`EvictionSettings` holds the cache's options as public fields (validated once, when built). The cache builds it
-and hands it to every :class:`~hf_knorm.eviction.cache.KNormLayer` at construction; a layer reads nothing else of the
+and hands it to every :class:`~hf_knorm.eviction.layer.KNormLayer` at construction; a layer reads nothing else of the
 cache. Its two rules are the method of arXiv 2406.11430 with the options on top:
 
 - :meth:`EvictionSettings.prompt_keep`: how many prompt tokens a layer keeps (``ceil((1 - r) * n)`` at ratio ``r``, or
