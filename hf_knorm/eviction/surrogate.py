@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["KVzapSurrogate", "fit_kvzap", "model_fingerprint", "rotary_of", "same_fingerprint", "surrogate_features",
-           "unrotated_keys"]
+__all__ = ["KVzapSurrogate", "calibrate_threshold", "fit_kvzap", "model_fingerprint", "rotary_of", "same_fingerprint",
+           "surrogate_features", "unrotated_keys"]
 
 FLOOR = 1e-10
 """The importance a log is taken of at least (a pair no reconstruction query attends has importance 0)."""
@@ -298,6 +298,65 @@ def fit_kvzap(model, tokenizer, texts: list[str], held_out: list[str] = (), *, r
     if held_out:
         surrogate.info["report"] = _report(surrogate, model, tokenizer, held_out, len(texts), total, progress)
     return surrogate
+
+
+def calibrate_threshold(model, tokenizer, texts: list[str], evict: float, *, score=None, sink_tokens: int = 0,
+                        recent_window: int = 0) -> float:
+    """The threshold at which KVzap's pruning (``KNormCache(score="kvzap", head_budget="heads", threshold=t)``)
+    evicts the share ``evict`` of the prompt pairs it may evict in ``texts``: their ``evict``-quantile of the
+    surrogate's predicted log importance.
+
+    KVzap (arXiv 2601.07891) prunes below a threshold rather than at a ratio, and the threshold's scale (a predicted log
+    attention weight) says nothing of how much goes. This reads it off text like the user's: each text is prefilled as
+    the pipeline encodes a context (the chat template's user turn), every layer the cache compresses and every KV head
+    scores its pairs, the first ``sink_tokens`` and the last ``recent_window`` of each text left out (never evicted),
+    and ``t`` is the ``k``-th smallest prediction with ``k = round(evict * N)`` of the ``N`` left: a threshold cache
+    with the same sinks and window evicts exactly ``k`` of them at the prefill of these texts (up to ties). On other
+    text it evicts about that share (docs/results/knorm.md, "KVzap's threshold pruning": the share a threshold evicts
+    varies with the text).
+
+    Args:
+        model (PreTrainedModel): The model the surrogate was fitted on (checked).
+        tokenizer: Its tokenizer.
+        texts (list of str): Contexts like those the cache will compress.
+        evict (float): The share to evict, in (0, 1).
+        score (KVzap, optional): The score whose surrogate is read (``KVzap(file=...)``); default: the shipped one.
+        sink_tokens, recent_window (int): The cache's; their pairs are not counted.
+
+    Raises:
+        ValueError: ``evict`` outside (0, 1), no text, a text with no pair left to evict, or a surrogate of another
+            model.
+    """
+    from transformers import DynamicCache
+
+    from ..compat import cache_kwargs
+    from .pipeline import encode_prompt
+    from .scores import KVzap
+
+    if not 0.0 < evict < 1.0:
+        raise ValueError(f"evict is the share of the evictable pairs to evict, in (0, 1); got {evict!r}.")
+    if not texts:
+        raise ValueError("calibrate_threshold needs at least one text like those the cache will compress.")
+    surrogate = (score or KVzap()).surrogate()
+    surrogate.check_model(model)
+    predictions = []
+    for text in texts:
+        ids, _ = encode_prompt(tokenizer, text, "")
+        ids = ids.to(model.device)
+        length = ids.shape[1]
+        if length <= sink_tokens + recent_window:
+            raise ValueError(f"A text of {length} tokens has no pair older than the window ({sink_tokens} sinks and "
+                             f"{recent_window} recent tokens are never evicted): give longer texts.")
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=ids, **cache_kwargs(cache), use_cache=True)
+        for index in surrogate.info.get("layers", range(surrogate.layers)):
+            layer = cache.layers[index]
+            positions = torch.arange(length, device=ids.device).expand(1, layer.keys.shape[1], -1)
+            predicted = surrogate.predict(layer.keys, layer.values, positions, index)  # (1, H_kv, n)
+            predictions.append(predicted[..., sink_tokens:length - recent_window].flatten().float().cpu())
+    ordered = torch.cat(predictions).sort().values
+    return float(ordered[min(len(ordered) - 1, round(evict * len(ordered)))])
 
 
 def _report(surrogate: KVzapSurrogate, model, tokenizer, texts, done: int, total: int, progress) -> dict:

@@ -18,8 +18,8 @@ from hf_knorm.compat import cache_kwargs
 from hf_knorm.eviction.cache import KNormCache, KNormLayer
 from hf_knorm.eviction.pipeline import knorm_cache_for
 from hf_knorm.eviction.scores import KVzap, resolve_score, score_spelling
-from hf_knorm.eviction.surrogate import (KVzapSurrogate, _NormalEquations, fit_kvzap, rotary_of, surrogate_features,
-                                         unrotated_keys)
+from hf_knorm.eviction.surrogate import (KVzapSurrogate, _NormalEquations, calibrate_threshold, fit_kvzap, rotary_of,
+                                         surrogate_features, unrotated_keys)
 
 
 @pytest.fixture(autouse=True)
@@ -381,3 +381,36 @@ def test_threshold_refusals(fitted):
         KNormCache(threshold=-3.0, score=kvzap)
     with pytest.raises(ValueError, match="finite number"):
         KNormCache(threshold=float("nan"), score=kvzap, head_budget="heads", config=knorm_model("llama").config)
+
+
+def test_a_calibrated_threshold_evicts_the_share_asked(fitted):
+    """``calibrate_threshold(..., evict)`` on some texts: a threshold cache with the same sinks and window evicts
+    ``round(evict * N)`` of the ``N`` pairs it may evict at the prefill of those texts (every layer and head); the
+    refusals say what to give."""
+    from hf_knorm.eviction.pipeline import encode_prompt
+    from hf_knorm.eviction.ragged import ragged_attention_for
+
+    model, _, path = fitted
+    tokenizer, score = word_tokenizer(), KVzap(file=str(path))
+    texts = [word_text(40, seed) for seed in (11, 12)]
+    protect = dict(sink_tokens=2, recent_window=4)
+    for evict in (0.25, 0.6):
+        threshold = calibrate_threshold(model, tokenizer, texts, evict, score=score, **protect)
+        gone = evictable = 0
+        for text in texts:
+            ids, _ = encode_prompt(tokenizer, text, "")
+            cache = knorm_cache_for(model, recorded_defaults=False, score=score, head_budget="heads",
+                                    threshold=threshold, **protect)
+            with ragged_attention_for(model, cache):
+                model(input_ids=ids, **cache_kwargs(cache), use_cache=True)
+            pairs = ids.shape[1] * 2 * 2  # tokens x KV heads x layers
+            gone += cache.compression_achieved() * pairs
+            evictable += (ids.shape[1] - 6) * 2 * 2
+        assert round(gone) == round(evict * evictable), evict
+    for bad in (0.0, 1.0):
+        with pytest.raises(ValueError, match=r"in \(0, 1\)"):
+            calibrate_threshold(model, tokenizer, texts, bad, score=score)
+    with pytest.raises(ValueError, match="at least one text"):
+        calibrate_threshold(model, tokenizer, [], 0.5, score=score)
+    with pytest.raises(ValueError, match="give longer texts"):
+        calibrate_threshold(model, tokenizer, [word_text(5, 1)], 0.5, score=score, **protect)
