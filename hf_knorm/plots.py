@@ -6,6 +6,7 @@ pyplot backend (a notebook's inline one, say) is left alone.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -103,7 +104,7 @@ def plot_needle_heatmap(lengths, depths, accuracy, path, title: str | None = Non
     image = _draw_needle_panel(ax, lengths, depths, accuracy)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
-    ax.set_title(title or "Needle in a haystack")
+    ax.set_title(textwrap.fill(title or "Needle in a haystack", 60))  # a long variant's name on two lines
     fig.colorbar(image, ax=ax, label="accuracy (exact match)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
