@@ -333,11 +333,15 @@ def summary_table(records: list[dict], task: str) -> str:
         rows = [r for r in records if r["task"] == task and r["variant"] == variant]
         cells = [[r["correct"] for r in rows if r["length"] == n] for n in lengths]
         seeds = len({r["seed"] for r in rows})
-        shares = [r["evicted"] for r in rows if r.get("evicted") is not None]
-        evicted = f"{100 * sum(shares) / len(shares):.1f}%" if shares else "-"
         lines.append(f"| {variant} | " + " | ".join(f"{100 * sum(c) / len(c):.0f}" if c else "-" for c in cells)
-                     + f" | {100 * sum(r['correct'] for r in rows) / len(rows):.1f} | {seeds} | {evicted} |")
+                     + f" | {100 * sum(r['correct'] for r in rows) / len(rows):.1f} | {seeds} | {mean_evicted(rows)} |")
     return "\n".join(lines)
+
+
+def mean_evicted(records: list[dict]) -> str:
+    """The mean ``evicted`` share of ``records`` in percent (``"47.8%"``), ``"-"`` where none recorded it."""
+    shares = [r["evicted"] for r in records if r.get("evicted") is not None]
+    return f"{100 * sum(shares) / len(shares):.1f}%" if shares else "-"
 
 
 def write_report(records: list[dict], out_dir: Path) -> Path:

@@ -22,7 +22,7 @@ import json
 import re
 from pathlib import Path
 
-from hf_knorm.evaluation.needle import accuracy_grid
+from hf_knorm.evaluation.needle import accuracy_grid, mean_evicted
 from hf_knorm.plots import plot_needle_heatmap_grid
 
 
@@ -54,10 +54,8 @@ def threshold_table(records: list[dict], task: str) -> str:
              "|---|" + "---:|" * (len(lengths) + 2)]
     for variant in dict.fromkeys(r["variant"] for r in rows):
         selected = [r for r in rows if r["variant"] == variant]
-        shares = [r["evicted"] for r in selected if r.get("evicted") is not None]
-        evicted = f"{100 * sum(shares) / len(shares):.1f}%" if shares else "-"
-        lines.append(f"| {variant} | {evicted} | " + " | ".join(percent([r for r in selected if r["length"] == n])
-                                                                 for n in lengths) + f" | {percent(selected)} |")
+        per_length = " | ".join(percent([r for r in selected if r["length"] == n]) for n in lengths)
+        lines.append(f"| {variant} | {mean_evicted(selected)} | {per_length} | {percent(selected)} |")
     return "\n".join(lines)
 
 
@@ -93,7 +91,8 @@ def task_tables(records: list[dict], task: str, focus: float) -> str:
 def task_figure(records: list[dict], task: str, path: Path) -> Path:
     panels: dict[str, dict[str, tuple]] = {}
     variants = dict.fromkeys(r["variant"] for r in records if r["task"] == task and not is_threshold_row(r["variant"]))
-    for variant in sorted(variants, key=lambda name: split_variant(name)[0]):  # columns by ratio; rows in the order of their first column
+    # columns by ratio; rows in the order of their first column
+    for variant in sorted(variants, key=lambda name: split_variant(name)[0]):
         ratio, score = split_variant(variant)
         if ratio > 0:  # a long entry's label is wrapped at its options, so that the rows' labels do not overlap
             label = score.replace("+", "\n+", score.count("+") - 1) if len(score) > 20 else score
