@@ -76,20 +76,19 @@ def attention_with_max_weights(query: torch.Tensor, key: torch.Tensor, value: to
     keys, values = key.to(dtype), value.to(dtype)
     if rows is None:
         rows = max(1, TILE_ELEMENTS // max(1, batch * query_heads * length))
-    # the last key any row of a block [start, stop) can see: causal bound, or the boolean mask's last True column
-    visible, open_front = None, 0
+    # the keys a block of rows [start, stop) reaches: the causal bound, or its boolean mask's last True column + 1
+    reaches, open_front = None, 0
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         # the cached keys every row attends (a reconstruction's context): masked nowhere, so not masked column by column
-        open_front = offset if bool(attention_mask[..., :offset].all()) else 0
-        reach = attention_mask.any(dim=0).any(dim=0)  # (m, L) the keys any batch row sees from each query row
-        visible = torch.where(reach, torch.arange(1, length + 1, device=reach.device), 0).amax(-1).tolist()
+        open_front = offset if offset and bool(attention_mask[..., :offset].view(torch.uint8).amin()) else 0
+        reaches = [_last_column(attention_mask[..., start:start + rows, :]) for start in range(0, length_q, rows)]
 
     output = query.new_empty(batch, heads, group, length_q, value.shape[-1])
     importance = torch.zeros(batch, heads, scored, dtype=dtype, device=query.device)
     for start in range(0, length_q, rows):
         stop = min(length_q, start + rows)
-        if visible is not None:
-            columns = max(1, *visible[start:stop])  # >= 1: a fully masked block still gives zeros
+        if reaches is not None:
+            columns = max(1, reaches[start // rows])  # >= 1: a fully masked block still gives zeros
         elif attention_mask is None and is_causal:
             columns = offset + stop
         else:
@@ -113,3 +112,11 @@ def attention_with_max_weights(query: torch.Tensor, key: torch.Tensor, value: to
         seen = min(scored, columns)
         torch.maximum(importance[..., :seen], weights[..., :seen].amax(-2), out=importance[..., :seen])
     return output.view(batch, query_heads, length_q, -1), importance
+
+
+def _last_column(mask: torch.Tensor) -> int:
+    """One past the last column any row of the boolean ``(B or 1, 1, m_b, L)`` mask attends (0: none): one pass over
+    its bytes (an index tensor of the mask's size cost 15% of a reconstruction layer's attention at 4k keys, a bool
+    ``any`` 4%)."""
+    attended = mask.view(torch.uint8).amax(dim=-2).flatten(0, -2).amax(dim=0).nonzero()  # bytes: bool's any is slow
+    return int(attended[-1]) + 1 if len(attended) else 0

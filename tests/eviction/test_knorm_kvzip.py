@@ -117,6 +117,10 @@ def test_fused_attention_in_fp32_and_bf16_fully_masked_rows_and_refusals():
     out, importance = attention_with_max_weights(query, key, value, hidden, 14)
     torch.testing.assert_close(out, sdpa_reference(query, key, value, hidden), atol=1e-5, rtol=1e-5)
     assert float(out[0, :, 2].abs().max()) == 0
+    hidden[1, :, 2] = False  # and a block of one row that no batch row lets see a key: zeros, the others unchanged
+    for got, want in zip(attention_with_max_weights(query, key, value, hidden, 14, rows=1),
+                         attention_with_max_weights(query, key, value, hidden, 14)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="scored <= L"):
         attention_with_max_weights(query, key, value, mask, 24)
     with pytest.raises(ValueError, match="evenly"):

@@ -3,15 +3,19 @@
 - Resized, the model is the one a fresh patch with the new cache and the same learned values gives, bit for bit
   (fp64); its learned values and their ``requires_grad`` are kept, and the cache changes its outputs.
 - The score is kept, or changed when given; ``0`` is the window and the sinks alone; it is saved and reloaded.
+- ``repatch`` without the sinks (an ablation) is a fresh patch without them and the same learned values, bit for bit.
 - A model that is not patched, has no window, or a bad size or score is refused, and left as it was.
 """
+
+import dataclasses
 
 import pytest
 import torch
 from tiny_models import tiny_inputs, tiny_model
 
 import hf_knorm
-from hf_knorm.models.sparse_cache_size import set_sparse_cache
+from hf_knorm.models.patching import held_normalization
+from hf_knorm.models.sparse_cache_size import repatch, set_sparse_cache
 from hf_knorm.models.window_mix import set_window_mix, window_mixes
 from hf_knorm.normalizations.sparse_choice import DEFAULT_SCORE
 
@@ -52,6 +56,20 @@ def test_a_resized_model_is_a_fresh_patch_with_its_learned_values():
 
     set_sparse_cache(model, 3)  # and back: the model it was
     torch.testing.assert_close(_logits(model), before, rtol=0, atol=0)
+
+
+def test_repatched_without_sinks_the_model_is_a_fresh_patch_without_them_and_its_learned_values():
+    model = _mixed()
+    mixes, before = window_mixes(model), _logits(model)
+    normalization = held_normalization(model)
+
+    repatch(model, normalization, dataclasses.replace(normalization, sinks=0))
+    assert hf_knorm.patched_normalization(model) == "x/1 + softmax window 4 + sparse 3 (key_norm)"
+    assert window_mixes(model) == mixes
+    fresh = hf_knorm.patch(tiny_model("llama", dtype=torch.float64), "x/1 + softmax window 4 + sparse 3 (key_norm)")
+    set_window_mix(fresh, mixes)
+    torch.testing.assert_close(_logits(model), _logits(fresh), rtol=0, atol=0)
+    assert not torch.allclose(_logits(model), before)  # the sink mattered
 
 
 def test_the_score_is_kept_or_given_and_zero_is_the_window_and_sinks_alone(tmp_path):
