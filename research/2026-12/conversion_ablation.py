@@ -23,7 +23,7 @@ the largest rise) or loses retrieval (passkeys and needles found, over all seeds
 Everything is resumable: a finished conversion (its ``convert.json``) is not run again and a measured model (its
 JSON in ``OUT/measures``) is not measured again; ``--report`` only gathers what is there.
 
-Usage (docs/results/conversion.md, "Does the default earn every part"):
+Usage (its table, ``OUT/ablation.md``, is for docs/results/conversion.md; not run on the default model yet):
     OMP_NUM_THREADS=2 python research/2026-12/conversion_ablation.py --out runs/ablation --seeds 0,1,2
     OMP_NUM_THREADS=2 python research/2026-12/conversion_ablation.py --out runs/ablation --seeds 0,1,2 \
         --retrain sinks,clusters
