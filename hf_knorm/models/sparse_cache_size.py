@@ -52,9 +52,9 @@ def set_sparse_cache(model: nn.Module, sparse: int, score: str | None = None) ->
 
 def repatch(model: nn.Module, normalization: Normalization, changed: Normalization) -> nn.Module:
     """Patch ``model`` (patched with ``normalization``) again with ``changed``, which differs from it in its attention
-    sinks, sparse cache or clusters only (e.g. an ablation: ``dataclasses.replace(normalization, sinks=0)``): every learned value (frozen or not, as it was), the ``linear`` policy and, when the
-    number of clusters is the same, the cluster codebooks are kept. A refused patch leaves the model as it was and
-    raises its ValueError."""
+    sinks, sparse cache or clusters only (e.g. an ablation: ``dataclasses.replace(normalization, sinks=0)``): every
+    learned value (frozen or not, as it was), the ``linear`` policy and, when the number of clusters is the same, the
+    cluster codebooks are kept. A refused patch leaves the model as it was and raises its ValueError."""
     if changed == normalization:
         return model
     kept = {name: learned_values(model, name) for name in normalization.learnable()}
