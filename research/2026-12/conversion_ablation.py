@@ -168,7 +168,7 @@ def markdown(original: dict, records: dict[str, dict[int, dict]]) -> str:
         for task in TASKS:
             for length in map(str, LENGTHS):
                 pairs = [by_seed[seed]["retrieval"].get(task, {}).get(length, [0, 0]) for seed in seeds]
-                cells.append(f"{sum(hits for hits, _ in pairs)}/{sum(cells for _, cells in pairs)}")
+                cells.append(f"{sum(hits for hits, _ in pairs)}/{sum(count for _, count in pairs)}")
         paired = [seed for seed in seeds if seed in defaults]
         if label == "default" or not paired:
             cells += ["-", "-", "-"]
@@ -178,8 +178,7 @@ def markdown(original: dict, records: dict[str, dict[int, dict]]) -> str:
             earns = statistics.median(rise) >= EARNS or lost > 0
             cells += [_spread(rise, "{:+.1%}"), str(lost), "yes" if earns else "**no**"]
         lines.append(f"| {label} | {', '.join(map(str, seeds))} | " + " | ".join(cells) + " |")
-    originals = [f"{original['retrieval'].get(task, {}).get(str(length), [0, 0])[0]}/"
-                 f"{original['retrieval'].get(task, {}).get(str(length), [0, 0])[1]}" for task in TASKS
+    originals = ["/".join(map(str, original["retrieval"].get(task, {}).get(str(length), [0, 0]))) for task in TASKS
                  for length in LENGTHS]
     lines.append("| the original (every pair) | - | " + " | ".join("1x" for _ in BLOCKS) + " | " + " | ".join(originals)
                  + " | - | - | - |")
