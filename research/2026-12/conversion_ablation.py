@@ -205,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     listed = variants(seeds, retrained)
     records: dict[str, dict[int, dict]] = {}
     if args.report:
+        if not (out / "measures" / "original.json").is_file():
+            parser.error(f"{out / 'measures'} holds no measures yet: run without --report first.")
         original = json.loads((out / "measures" / "original.json").read_text())
         for label, seed, _, _ in listed:
             path = measures_path(out, label, seed)
