@@ -1,13 +1,16 @@
-"""The normalization's learned values trained beside LoRA's adapters, and checkpointed with them.
+"""The normalization's learned values trained in both stages of a conversion, and checkpointed beside LoRA's adapters.
 
-A patched model keeps its normalization's learned values (the softmax window's mix, a sigmoid's bias, SSMax's scale)
-as ``hf_knorm_*`` parameters of its attention modules (:mod:`hf_knorm.models.parameters`). LoRA freezes them with the
-rest of the base model, and PEFT's checkpoints hold the adapters alone. Where a recovery must move them (window
-dropout: a dropped step computes the base family times the mix, :mod:`hf_knorm.attention.window_off`, and the mix
-the transfer solved is ~0 where the window does the work), :func:`train_learned_values` unfreezes them,
-:class:`LearnedValuesCheckpoint` writes them into each checkpoint beside the adapters, and
-:func:`restore_learned_values` reads them back when the run resumes, so a resumed run continues the one interrupted.
-``merge_and_unload`` leaves them in the merged model, which saves them with its weights.
+A patched model keeps its normalization's learned values (a sigmoid's bias, a sink logit, SSMax's scale, the softmax
+window's mix) as ``hf_knorm_*`` parameters of its attention modules (:mod:`hf_knorm.models.parameters`), beside the
+cluster codebook, which is fitted, never trained. The base family's values (:func:`family_values`) train wherever the
+attention does: the transfer trains them with the projections (they shape the weights it matches), the recovery with
+LoRA's adapters (LoRA would freeze them with the rest of the base model). The window's mix is solved in closed form
+around the transfer and trains in the recovery only with window dropout (a dropped step computes the base family
+times the mix, :mod:`hf_knorm.attention.window_off`, and the mix the transfer solved is ~0 where the window does the
+work). PEFT's checkpoints hold the adapters alone: :class:`LearnedValuesCheckpoint` writes the learned values into
+each checkpoint beside them, and :func:`restore_learned_values` reads them back when the run resumes, so a resumed
+run continues the one interrupted. ``merge_and_unload`` leaves them in the merged model, which saves them with its
+weights.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch.nn as nn
 from transformers import TrainerCallback
 
 from ..normalizations.base import PARAMETER_PREFIX
+from ..normalizations.windowed import CODEBOOK, MIX
 
 FILE = "hf_knorm_learned_values.safetensors"
 """The learned values in a checkpoint folder, by their names in the (PEFT-wrapped) model."""
@@ -29,10 +33,23 @@ def learned_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
             if name.rsplit(".", 1)[-1].startswith(PARAMETER_PREFIX)}
 
 
-def train_learned_values(model: nn.Module) -> None:
-    """Mark every learned value of ``model`` trainable."""
-    for parameter in learned_parameters(model).values():
+def family_values(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The base family's learned values by name (a sigmoid's bias, a sink logit, SSMax's scale): every ``hf_knorm_*``
+    parameter but the window's mix and the cluster codebook."""
+    return {name: parameter for name, parameter in learned_parameters(model).items()
+            if name.rsplit(".", 1)[-1] not in (PARAMETER_PREFIX + MIX, PARAMETER_PREFIX + CODEBOOK)}
+
+
+def train_learned_values(model: nn.Module, mix: bool) -> int:
+    """Mark the base family's learned values of ``model`` trainable, and with ``mix`` the window's mix (never the
+    cluster codebook); returns how many parameters that marks (0: nothing to train)."""
+    marked = dict(family_values(model))
+    if mix:
+        marked.update((name, parameter) for name, parameter in learned_parameters(model).items()
+                      if name.rsplit(".", 1)[-1] == PARAMETER_PREFIX + MIX)
+    for parameter in marked.values():
         parameter.requires_grad_(True)
+    return len(marked)
 
 
 class LearnedValuesCheckpoint(TrainerCallback):

@@ -112,10 +112,9 @@ def run_recovery(model, settings: ConvertSettings, train, eval_sets: dict, out: 
         lora = LoraConfig(r=settings.lora_rank, lora_alpha=2 * settings.lora_rank, lora_dropout=0.0,
                           target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
-    # a dropped step is the base family times the mix, which LoRA would freeze: train it, checkpoint it beside LoRA's
-    learned_values = bool(settings.window_dropout) and settings.recovery == "lora"
-    if learned_values:
-        train_learned_values(model)
+    # LoRA freezes the family's learned values, and the mix a dropped step scales the base family by: train them,
+    # checkpoint them beside LoRA's adapters (full recovery trains them with the weights)
+    learned_values = settings.recovery == "lora" and train_learned_values(model, mix=bool(settings.window_dropout)) > 0
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     top_k, k = None, settings.teacher_top_k
     if k is None:  # the default: on where the recovery reads most of the training set

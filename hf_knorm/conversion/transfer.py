@@ -11,8 +11,9 @@ student attention module runs the teacher on the same inputs (hidden states, pos
 
 and hands the *teacher's* output on to the residual stream. Every layer therefore sees exactly the inputs it has in
 the original model, and the layers learn independently, as in LoLCATs. The loss is the mean of ``e_l`` over layers.
-Only the named projections of the attention modules train; the rest of the model is frozen. Nothing is added to the
-model: the trained projections are ordinary weights and the normalization keeps its formula ``x^p/c``.
+Only the named projections of the attention modules train, with the family's learned values (a sigmoid's bias, a
+sink logit); the rest of the model is frozen. Nothing is added to the model: the trained projections are ordinary
+weights and the normalization keeps its formula ``x^p/c``.
 
 Scale first. Right after patching, a polynomial attention's output is off by orders of magnitude (``x^3/16`` on
 the default model: the output is ~10^4 times softmax's, a relative error ~10^9), which gradient steps on the
@@ -43,6 +44,7 @@ import torch.nn as nn
 from ..attention.masks import explicit_mask
 from ..models.architectures import attention_modules
 from ..models.patching import held_normalization
+from .learned_values import family_values
 from .settings import SCALE_FOLDS
 
 PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
@@ -91,9 +93,12 @@ class AttentionTransfer:
     # --- parameters ----------------------------------------------------------------------------------------------
 
     def trainable_parameters(self) -> list[nn.Parameter]:
-        """The parameters that train: the chosen projections of every student attention module."""
-        return [parameter for module in self.students for letter in self.trainable
-                for parameter in getattr(module, PROJECTIONS[letter]).parameters()]
+        """The parameters that train: the chosen projections of every student attention module, and the base
+        family's learned values (a sigmoid's bias, a sink logit, SSMax's scale: they shape the weights the student
+        matches; a window's mix is solved in closed form around the stage)."""
+        projections = [parameter for module in self.students for letter in self.trainable
+                       for parameter in getattr(module, PROJECTIONS[letter]).parameters()]
+        return projections + [parameter for module in self.students for parameter in family_values(module).values()]
 
     def freeze_all_but_trainable(self, model: nn.Module) -> int:
         """Set ``requires_grad`` on the trainable parameters only; returns their number of elements."""
