@@ -50,7 +50,7 @@ def test_a_familys_learned_values_train_in_both_stages_and_a_resumed_run_continu
     the recovery beside LoRA's adapters (which would freeze it), checkpointed beside them and read back on resume;
     the window's mix stays the closed form the transfer solved (no window dropout), the codebook is never trained."""
     from safetensors.torch import load_file
-    from test_window_dropout_conversion import _interrupted_at_recovery_step
+    from test_window_dropout_conversion import converted_after_a_break
 
     from hf_knorm.conversion.learned_values import FILE
 
@@ -70,11 +70,7 @@ def test_a_familys_learned_values_train_in_both_stages_and_a_resumed_run_continu
     assert (whole / "recovery" / "checkpoint-6" / FILE).is_file()
 
     broken = tmp_path / "broken"
-    restore = _interrupted_at_recovery_step(monkeypatch, 5)  # after the checkpoint of step 4
-    with pytest.raises(KeyboardInterrupt):
-        run_convert(_settings(tiny_lm_dir, texts, broken, **common))
-    restore()
-    run_convert(_settings(tiny_lm_dir, texts, broken, resume=True, **common))
+    converted_after_a_break(monkeypatch, _settings(tiny_lm_dir, texts, broken, **common))
     torch.testing.assert_close(values(broken, "bias"), values(whole, "bias"), rtol=1e-4, atol=1e-6)
 
 

@@ -3,6 +3,7 @@ recovery runs every step without the window (p = 1), logs the rate, and leaves n
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -77,6 +78,16 @@ def _interrupted_at_recovery_step(monkeypatch, step: int):
     return lambda: monkeypatch.setattr(trainers.DistillationTrainer, "training_step", original_step)
 
 
+def converted_after_a_break(monkeypatch, settings: ConvertSettings) -> None:
+    """``run_convert(settings)`` interrupted at the recovery's 5th step (after the checkpoint of step 4), then run
+    again with ``resume``."""
+    restore = _interrupted_at_recovery_step(monkeypatch, 5)
+    with pytest.raises(KeyboardInterrupt):
+        run_convert(settings)
+    restore()
+    run_convert(dataclasses.replace(settings, resume=True))
+
+
 def test_lora_recovery_with_window_dropout_trains_the_mix_and_a_resumed_run_continues_it(tiny_lm_dir, texts, tmp_path,
                                                                                       monkeypatch):
     """A dropped step is the base family times the mix: with the mix frozen (LoRA freezes the base model) it would
@@ -99,11 +110,7 @@ def test_lora_recovery_with_window_dropout_trains_the_mix_and_a_resumed_run_cont
     assert (whole / "recovery" / "checkpoint-6" / FILE).is_file()
 
     broken = tmp_path / "broken"
-    restore = _interrupted_at_recovery_step(monkeypatch, 5)  # after the checkpoint of step 4
-    with pytest.raises(KeyboardInterrupt):
-        run_convert(_settings(tiny_lm_dir, texts, broken, **common))
-    restore()
-    run_convert(_settings(tiny_lm_dir, texts, broken, resume=True, **common))
+    converted_after_a_break(monkeypatch, _settings(tiny_lm_dir, texts, broken, **common))
     torch.testing.assert_close(mixes(broken), mixes(whole), rtol=1e-4, atol=1e-6)
 
     unchanged = tmp_path / "no_dropout"  # without window dropout LoRA trains its adapters alone, as documented
