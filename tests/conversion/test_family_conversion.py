@@ -48,7 +48,7 @@ def test_a_familys_learned_values_train_in_both_stages_and_a_resumed_run_continu
                                                                                       monkeypatch):
     """``sigmoid(bias=learned)`` beside a window, LoRA recovery: the transfer trains the bias with the projections,
     the recovery beside LoRA's adapters (which would freeze it), checkpointed beside them and read back on resume;
-    the window's mix stays the closed form the transfer solved (no window dropout), the codebook is never trained."""
+    the window's mix stays the closed form the transfer solved (no window dropout)."""
     from safetensors.torch import load_file
     from test_window_dropout_conversion import converted_after_a_break
 
