@@ -33,11 +33,16 @@ def learned_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
             if name.rsplit(".", 1)[-1].startswith(PARAMETER_PREFIX)}
 
 
+def is_family_value(name: str) -> bool:
+    """Whether a parameter's name (``...self_attn.hf_knorm_bias``) is one of the base family's learned values (a
+    sigmoid's bias, a sink logit, SSMax's scale): an ``hf_knorm_*`` parameter but the window's mix and the codebook."""
+    last = name.rsplit(".", 1)[-1]
+    return last.startswith(PARAMETER_PREFIX) and last not in (PARAMETER_PREFIX + MIX, PARAMETER_PREFIX + CODEBOOK)
+
+
 def family_values(model: nn.Module) -> dict[str, nn.Parameter]:
-    """The base family's learned values by name (a sigmoid's bias, a sink logit, SSMax's scale): every ``hf_knorm_*``
-    parameter but the window's mix and the cluster codebook."""
-    return {name: parameter for name, parameter in learned_parameters(model).items()
-            if name.rsplit(".", 1)[-1] not in (PARAMETER_PREFIX + MIX, PARAMETER_PREFIX + CODEBOOK)}
+    """The base family's learned values of ``model`` by name (:func:`is_family_value`)."""
+    return {name: parameter for name, parameter in learned_parameters(model).items() if is_family_value(name)}
 
 
 def train_learned_values(model: nn.Module, mix: bool) -> int:

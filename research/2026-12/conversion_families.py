@@ -12,9 +12,14 @@ layers; at most 1 for softmax); for a family with several seeds, the median and 
 figure, the recovery's per-layer ``||A||_F`` curves of every run (``NormLoggerCallback``'s ``norms.jsonl``). A run
 whose ``convert.json`` exists is not run again, so the script resumes; ``--report`` only gathers the folders.
 
-Each finished run's ``convert.json``, ``wall_seconds.json`` and ``recovery/norms.jsonl`` (a few hundred KB, no
-weights) are copied into :data:`ARCHIVE`, committed, and a report reads a run from there where ``--out`` lacks it:
-the seeds of one family can be run in different sessions, on machines that keep nothing between them.
+A family with learned values (a sink logit, SSMax's scale, a sigmoid's bias) gets them read from the converted
+model's weights (:func:`learned_values`, ``learned_values.json``: the median and range over layers and heads): the
+column that shows whether the conversion moved them (runs before 2026-12-07 did not: docs/results/conversion.md).
+
+Each finished run's ``convert.json``, ``wall_seconds.json``, ``learned_values.json`` and ``recovery/norms.jsonl`` (a
+few hundred KB, no weights) are copied into :data:`ARCHIVE`, committed, and a report reads a run from there where
+``--out`` lacks it: the seeds of one family can be run in different sessions, on machines that keep nothing between
+them.
 
 Usage (docs/results/conversion.md, "The families a pretrained model accepts"):
     python research/2026-12/conversion_families.py --out runs/families
@@ -25,6 +30,7 @@ Usage (docs/results/conversion.md, "The families a pretrained model accepts"):
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import sys
@@ -35,7 +41,8 @@ from conversion_spread import convert, finished_run, spread, write_report  # noq
 
 ARCHIVE = Path(__file__).resolve().parent / "data" / "conversion_families"
 """Where each finished run's figures and norm history are kept, committed (one folder per run, as in ``--out``)."""
-ARCHIVED = ("convert.json", "wall_seconds.json", "recovery/norms.jsonl")
+ARCHIVED = ("convert.json", "wall_seconds.json", "learned_values.json", "recovery/norms.jsonl")
+LEARNED_VALUES = "learned_values.json"
 
 FAMILIES = {
     "sigmoid_logn": "sigmoid(bias=-log n)",
@@ -67,6 +74,33 @@ def archive(folder: Path) -> None:
             shutil.copyfile(folder / name, ARCHIVE / folder.name / name)
 
 
+def learned_values(folder: Path) -> dict[str, dict[str, float]]:
+    """``{name: {"median", "min", "max"}}`` of each learned value of the converted model in ``folder`` over its layers
+    and heads (``sink``, ``scale``, ``bias``; ``{}`` for a family without one), read from its weights once and kept in
+    :data:`LEARNED_VALUES` (an archived run has that file and no weights)."""
+    kept = folder / LEARNED_VALUES
+    if kept.is_file():
+        return json.loads(kept.read_text())
+    if not (folder / "model.safetensors").is_file():
+        return {}
+    import torch
+    from safetensors.torch import load_file
+
+    from hf_knorm.conversion.learned_values import is_family_value
+    from hf_knorm.normalizations.base import PARAMETER_PREFIX
+
+    by_name: dict[str, list[torch.Tensor]] = {}
+    for key, tensor in load_file(str(folder / "model.safetensors")).items():
+        if is_family_value(key):
+            by_name.setdefault(key.rsplit(".", 1)[-1][len(PARAMETER_PREFIX):], []).append(tensor.float().flatten())
+    values = {}
+    for name, found in sorted(by_name.items()):
+        every = torch.cat(found)
+        values[name] = {"median": every.median().item(), "min": every.min().item(), "max": every.max().item()}
+    kept.write_text(json.dumps(values, indent=1))
+    return values
+
+
 def recovery_norm(folder: Path) -> float | None:
     """The median over layers of ``||A||_F / sqrt(N)`` at the recovery's last logging step (``None``: no history)."""
     from hf_knorm.training.history import read_norm_history
@@ -88,6 +122,7 @@ def rows(out: Path, names: list[str], seeds: list[int]) -> list[dict]:
             found = finished_run(folder)
             if found is None:
                 continue
+            values = learned_values(folder)  # written into the folder first, so the archive keeps it
             archive(folder)
             run, summary = found
             beyond = summary.get("beyond_window", {})
@@ -96,7 +131,7 @@ def rows(out: Path, names: list[str], seeds: list[int]) -> list[dict]:
             probe = {key: value for key, value in summary.get("probe", {}).items() if key != "answers"}
             table.append({"family": FAMILIES[name], "seed": seed, "folder": str(folder), **run, "probe_detail": probe,
                           "beyond_worst": beyond.get("worst_ratio"), "passkey": passkey,
-                          "recovery_attn_fro_sqrtn": recovery_norm(folder)})
+                          "recovery_attn_fro_sqrtn": recovery_norm(folder), "learned_values": values})
     return table
 
 
@@ -107,7 +142,8 @@ def markdown(table: list[dict]) -> str:
     names = list(table[0]["domains"])
     lengths = sorted({length for row in table for length in row["passkey"]["converted"]}, key=int)
     header = ["family", "seed", *names, "worst", "probe (first token; cloze)", "1,024-token blocks, worst",
-              f"passkey {', '.join(lengths)} (original)", "Frobenius norm of A / sqrt(N), end of recovery", "minutes"]
+              f"passkey {', '.join(lengths)} (original)", "Frobenius norm of A / sqrt(N), end of recovery",
+              "learned values at the end", "minutes"]
     lines = ["| " + " | ".join(header) + " |", "|---|---:|" + "---:|" * (len(header) - 2)]
     for row in table:
         cells = [f"{row['domains'][name]['ratio']:.2f}x" for name in names]
@@ -119,9 +155,11 @@ def markdown(table: list[dict]) -> str:
         beyond = "-" if row["beyond_worst"] is None else f"{row['beyond_worst']:.2f}x"
         norm = "-" if row["recovery_attn_fro_sqrtn"] is None else f"{row['recovery_attn_fro_sqrtn']:.3f}"
         minutes = "-" if not row["seconds"] else f"{row['seconds'] / 60:.1f}"
+        learned = "; ".join(f"{name} {found['median']:.3g} [{found['min']:.3g} to {found['max']:.3g}]"
+                            for name, found in row["learned_values"].items()) or "-"
         lines.append(f"| `{row['family']}` | {row['seed']} | " + " | ".join(cells)
                      + f" | {row['worst']:.2f}x | {probe} | {beyond} | {hits('converted')} ({hits('original')}) | "
-                     f"{norm} | {minutes} |")
+                     f"{norm} | {learned} | {minutes} |")
     return "\n".join(lines)
 
 
