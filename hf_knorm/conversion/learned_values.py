@@ -48,11 +48,9 @@ def family_values(model: nn.Module) -> dict[str, nn.Parameter]:
 def train_learned_values(model: nn.Module, mix: bool) -> int:
     """Mark the base family's learned values of ``model`` trainable, and with ``mix`` the window's mix (never the
     cluster codebook); returns how many parameters that marks (0: nothing to train)."""
-    marked = dict(family_values(model))
-    if mix:
-        marked.update((name, parameter) for name, parameter in learned_parameters(model).items()
-                      if name.rsplit(".", 1)[-1] == PARAMETER_PREFIX + MIX)
-    for parameter in marked.values():
+    marked = [parameter for name, parameter in learned_parameters(model).items()
+              if is_family_value(name) or (mix and name.rsplit(".", 1)[-1] == PARAMETER_PREFIX + MIX)]
+    for parameter in marked:
         parameter.requires_grad_(True)
     return len(marked)
 

@@ -41,8 +41,8 @@ from conversion_spread import convert, finished_run, spread, write_report  # noq
 
 ARCHIVE = Path(__file__).resolve().parent / "data" / "conversion_families"
 """Where each finished run's figures and norm history are kept, committed (one folder per run, as in ``--out``)."""
-ARCHIVED = ("convert.json", "wall_seconds.json", "learned_values.json", "recovery/norms.jsonl")
 LEARNED_VALUES = "learned_values.json"
+ARCHIVED = ("convert.json", "wall_seconds.json", LEARNED_VALUES, "recovery/norms.jsonl")
 
 FAMILIES = {
     "sigmoid_logn": "sigmoid(bias=-log n)",
