@@ -17,14 +17,17 @@ model's weights (:func:`learned_values`, ``learned_values.json``: the median and
 column that shows whether the conversion moved them (runs before 2026-12-07 did not: docs/results/conversion.md).
 
 Each finished run's ``convert.json``, ``wall_seconds.json``, ``learned_values.json`` and ``recovery/norms.jsonl`` (a
-few hundred KB, no weights) are copied into :data:`ARCHIVE`, committed, and a report reads a run from there where
-``--out`` lacks it: the seeds of one family can be run in different sessions, on machines that keep nothing between
-them.
+few hundred KB, no weights) are copied into :data:`ARCHIVE` (or ``--archive``), committed, and a report reads a run
+from there where ``--out`` lacks it: the seeds of one family can be run in different sessions, on machines that keep
+nothing between them. The runs whose learned values stayed at their initial values (before 2026-12-07) are kept in
+``frozen_values/`` beside them, read with ``--archive`` (docs/results/conversion.md, "These runs did not train").
 
 Usage (docs/results/conversion.md, "The families a pretrained model accepts"):
     python research/2026-12/conversion_families.py --out runs/families
     python research/2026-12/conversion_families.py --out runs/families --families ssmax,sink_softmax --seed 1
     python research/2026-12/conversion_families.py --out runs/families --report --seeds 0,1,2
+    python research/2026-12/conversion_families.py --out runs/families_frozen --report --families ssmax,sink_softmax \
+        --seeds 1,2 --archive research/2026-12/data/conversion_families/frozen_values
 """
 
 from __future__ import annotations
@@ -57,21 +60,22 @@ FAMILIES = {
 """Folder name -> the family's spelling (``hf-knorm --help``), in the issue's order."""
 
 
-def run_folder(out: Path, name: str, seed: int) -> Path:
-    """The run's folder under ``out``, or its copy in :data:`ARCHIVE` where ``out`` has no finished run."""
+def run_folder(out: Path, name: str, seed: int, archive_folder: Path = ARCHIVE) -> Path:
+    """The run's folder under ``out``, or its copy in ``archive_folder`` where ``out`` has no finished run."""
     folder = out / f"{name}_s{seed}"
-    archived = ARCHIVE / folder.name
+    archived = archive_folder / folder.name
     return archived if not (folder / "convert.json").is_file() and (archived / "convert.json").is_file() else folder
 
 
-def archive(folder: Path) -> None:
-    """Copy a finished run's :data:`ARCHIVED` files into :data:`ARCHIVE` (nothing for an archived or unfinished run)."""
-    if folder.parent == ARCHIVE or not (folder / "convert.json").is_file():
+def archive(folder: Path, archive_folder: Path = ARCHIVE) -> None:
+    """Copy a finished run's :data:`ARCHIVED` files into ``archive_folder`` (nothing for an archived or unfinished
+    run)."""
+    if folder.parent == archive_folder or not (folder / "convert.json").is_file():
         return
     for name in ARCHIVED:
         if (folder / name).is_file():
-            (ARCHIVE / folder.name / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(folder / name, ARCHIVE / folder.name / name)
+            (archive_folder / folder.name / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(folder / name, archive_folder / folder.name / name)
 
 
 def learned_values(folder: Path) -> dict[str, dict[str, float]]:
@@ -112,13 +116,13 @@ def recovery_norm(folder: Path) -> float | None:
     return statistics.median(layer["attn_fro_sqrtn"] for layer in history[-1]["layers"]) if history else None
 
 
-def rows(out: Path, names: list[str], seeds: list[int]) -> list[dict]:
+def rows(out: Path, names: list[str], seeds: list[int], archive_folder: Path = ARCHIVE) -> list[dict]:
     """One row per finished run: the family, the seed, :func:`conversion_spread.finished_run`'s figures, the
     beyond-window worst ratio, the passkeys and the recovery's last norm."""
     table = []
     for name in names:
         for seed in seeds:
-            folder = run_folder(out, name, seed)
+            folder = run_folder(out, name, seed, archive_folder)
             found = finished_run(folder)
             if found is None:
                 continue
@@ -214,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="threads of each run (default: 2)")
     parser.add_argument("--report", action="store_true", help="gather the finished runs only, train nothing")
     parser.add_argument("--figure", default=None, help="the norms figure (default: OUT/recovery_norms.png)")
+    parser.add_argument("--archive", default=str(ARCHIVE), type=Path,
+                        help="where finished runs are archived and read back from where OUT lacks them\n"
+                             "(default: research/2026-12/data/conversion_families; the runs whose learned values\n"
+                             "never trained: its frozen_values folder)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -223,12 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown families {unknown}; choose from {', '.join(FAMILIES)}")
     if not args.report:
         for name in names:
-            folder = run_folder(out, name, args.seed)
-            if folder.parent != ARCHIVE:
+            folder = run_folder(out, name, args.seed, args.archive)
+            if folder.parent != args.archive:
                 convert(folder, args.seed, args.threads, ["--normalization", FAMILIES[name], "--softmax-window", "0"])
-                archive(folder)
+                archive(folder, args.archive)
     seeds = [int(seed) for seed in (args.seeds or str(args.seed)).split(",")]
-    table = rows(out, names, seeds)
+    table = rows(out, names, seeds, args.archive)
     figure(table, Path(args.figure) if args.figure else out / "recovery_norms.png")
     spreads = spread_markdown(table)
     write_report(out / "families", {"runs": table}, markdown(table) + (f"\n\n{spreads}" if spreads else ""))
