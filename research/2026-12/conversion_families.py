@@ -127,7 +127,7 @@ def rows(out: Path, names: list[str], seeds: list[int], archive_folder: Path = A
             if found is None:
                 continue
             values = learned_values(folder)  # written into the folder first, so the archive keeps it
-            archive(folder)
+            archive(folder, archive_folder)
             run, summary = found
             beyond = summary.get("beyond_window", {})
             passkey = {who: beyond.get("retrieval", {}).get(who, {}).get("passkey", {}) for who in ("converted",
