@@ -20,7 +20,7 @@ Each finished run's ``convert.json``, ``wall_seconds.json``, ``learned_values.js
 few hundred KB, no weights) are copied into :data:`ARCHIVE` (or ``--archive``), committed, and a report reads a run
 from there where ``--out`` lacks it: the seeds of one family can be run in different sessions, on machines that keep
 nothing between them. The runs whose learned values stayed at their initial values (before 2026-12-07) are kept in
-``frozen_values/`` beside them, read with ``--archive`` (docs/results/conversion.md, "These runs did not train").
+``frozen_values/`` beside them, read with ``--archive`` (docs/results/conversion.md, "The first runs").
 
 Usage (docs/results/conversion.md, "The families a pretrained model accepts"):
     python research/2026-12/conversion_families.py --out runs/families
